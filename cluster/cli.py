@@ -1,0 +1,70 @@
+"""The `pdserve` command: model preparation and offline generation (serving comes later)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _cmd_model_prepare(args: argparse.Namespace) -> int:
+    from engine.model.demo import prepare_demo_model
+
+    path = prepare_demo_model(args.name, Path(args.models_dir) if args.models_dir else None, args.force)
+    print(path)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": c}] for c in args.chat], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for out in outputs:
+        print(out.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="manage local model directories")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    prepare = model_sub.add_parser("prepare", help="build a demo model directory offline (once)")
+    prepare.add_argument("name", nargs="?", default="smollm2")
+    prepare.add_argument("--models-dir", default=None, help="default: $PDSERVE_MODELS_DIR or ./models")
+    prepare.add_argument("--force", action="store_true", help="rebuild even if present")
+    prepare.set_defaults(func=_cmd_model_prepare)
+
+    gen = sub.add_parser("generate", help="offline generation with the colocated engine")
+    gen.add_argument("--model", required=True, help="Hugging Face model directory")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", help="raw prompt (repeatable)")
+    source.add_argument("--chat", action="append", help="user message, sent through the chat template (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--device", default="cpu")
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

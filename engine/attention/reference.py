@@ -1,0 +1,81 @@
+"""Torch reference paged attention: runs on CPU and GPU, the oracle for kernels.
+
+KV cache layout (one tensor for all layers, block-major so a block of every layer is
+one contiguous region a transfer can move with one descriptor):
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+                                        ^ 0 = K, 1 = V
+Each layer works on the strided view kv_cache[:, layer] -> [num_blocks, 2, bs, H, D].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+
+
+def store_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new K/V ([T, H, D]) into the layer's cache at slot_mapping (-1 = skip)."""
+    block_size = layer_cache.shape[2]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    layer_cache[blocks, 0, offsets] = key
+    layer_cache[blocks, 1, offsets] = value
+
+
+def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first seq_len tokens: each [seq_len, H, D]."""
+    block_size = layer_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    kv = layer_cache[block_table[:num_blocks].long()]  # [n, 2, bs, H, D]
+    k = kv[:, 0].flatten(0, 1)[:seq_len]
+    v = kv[:, 1].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def paged_attention(query: torch.Tensor, layer_cache: torch.Tensor, md: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of new tokens over their sequence's cached + new context.
+
+    query: [T, Hq, D] (T = md.query_start_loc[-1]); returns [T, Hq, D]. The new tokens'
+    K/V must already be stored. Query i of a sequence with context L and q new tokens
+    sits at position L - q + i and sees keys 0 .. L - q + i.
+    """
+    if md.is_pure_decode:
+        return _decode(query, layer_cache, md, scale)
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
+        q = query[start:start + q_len].transpose(0, 1)  # [Hq, q, D]
+        k, v = gather_kv(layer_cache, md.block_tables[i], seq_len)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def _decode(query: torch.Tensor, layer_cache: torch.Tensor, md: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+    """One query token per sequence, batched over a padded gather of all contexts."""
+    block_size = layer_cache.shape[2]
+    max_len = max(md.seq_lens_cpu)
+    num_blocks = -(-max_len // block_size)
+    kv = layer_cache[md.block_tables[:, :num_blocks].long()]  # [B, n, 2, bs, H, D]
+    k = kv[:, :, 0].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, H, L, D]
+    v = kv[:, :, 1].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    mask = torch.arange(max_len, device=query.device)[None, :] < md.seq_lens[:, None]
+    q = query[:, :, None, :]  # [B, Hq, 1, D]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=True)
+    return o[:, :, 0, :]

@@ -1,0 +1,68 @@
+"""Engine configuration: one validated dataclass, built from keyword options."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch")
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance (offline LLM, or one worker's engine).
+
+    num_kv_blocks None sizes the KV pool from kv_cache_memory_gib.
+    max_model_len None takes the model's max_position_embeddings.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gib: float = 1.0
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
+
+    def __post_init__(self) -> None:
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        require(isinstance(self.model, str) and self.model != "", "model must be a model directory path")
+        require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.device == "cpu" or self.device.startswith("cuda"),
+                f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        require(self.block_size in (8, 16, 32, 64, 128),
+                f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        require(self.max_num_batched_tokens >= 1,
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+                f"num_kv_blocks must be None or >= 1, got {self.num_kv_blocks}")
+        require(self.kv_cache_memory_gib > 0,
+                f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        require(self.max_model_len is None or self.max_model_len >= 2,
+                f"max_model_len must be None or >= 2, got {self.max_model_len}")
+        require(self.attention_backend in ATTENTION_BACKENDS,
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        require(self.num_threads is None or self.num_threads >= 1,
+                f"num_threads must be None or >= 1, got {self.num_threads}")
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> "EngineConfig":
+        """Build from keyword options, naming any unknown key instead of a TypeError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known - {'model'})}")
+        return cls(model=model, **options)

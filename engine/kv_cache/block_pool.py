@@ -1,0 +1,108 @@
+"""Fixed-size KV blocks: reference counts, an LRU free queue, and the prefix-cache map.
+
+Pure Python bookkeeping; the tensor memory lives in the model runner. A block is in
+exactly one of three states:
+
+    in use      ref_cnt > 0, not in the free queue
+    free+cached ref_cnt == 0, in the free queue, still findable by its hash
+    free        ref_cnt == 0, in the free queue, no hash
+
+The free queue is also the eviction order: allocation takes the least recently freed
+block and, if it was cached, drops its hash first. So a cached block survives until
+every uncached and older cached block has been reused.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    # Set once the block is full and its KV is written; (parent_hash, token_ids) let a
+    # lookup confirm a hit instead of trusting a 64-bit hash alone.
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, KVBlock] = {}  # block hash -> block
+        self.num_cache_queries = 0  # blocks looked up
+        self.num_cache_hits = 0  # blocks found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take n blocks off the free queue (evicting cached ones); caller owns one ref each."""
+        if n > len(self._free):
+            raise RuntimeError(f"cannot allocate {n} blocks, only {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            assert block.ref_cnt == 0, f"free block {block_id} has ref_cnt {block.ref_cnt}"
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def lookup(self, parent_hash: int, block_hash: int, token_ids: Sequence[int]) -> KVBlock | None:
+        """The cached block holding exactly these tokens after this parent, if any."""
+        self.num_cache_queries += 1
+        block = self._cached.get(block_hash)
+        if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
+            return None
+        self.num_cache_hits += 1
+        return block
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block (prefix-cache hits); revives free ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the back of the free queue.
+
+        Callers pass a request's blocks tail-first so its last blocks, the least likely
+        to be shared, are evicted before its prefix.
+        """
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache(self, block: KVBlock, parent_hash: int, block_hash: int,
+              token_ids: Sequence[int]) -> None:
+        """Register a full, written block under its hash (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return  # an identical block is already cached; this one stays private
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._cached.values()):
+            self._evict(block)
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = block.parent_hash = block.token_ids = None

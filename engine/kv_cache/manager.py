@@ -1,0 +1,114 @@
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation, caching, freeing."""
+
+from __future__ import annotations
+
+from engine.kv_cache.block_hash import NONE_HASH, hash_full_blocks
+from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Called by the scheduler only. Owns one reference on every block a request holds."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Per request: how many of its blocks are already registered in the cache.
+        self._num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def _update_hashes(self, request: Request) -> None:
+        request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size,
+                                                request.block_hashes)
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """Longest cached prefix of the request's tokens, as blocks (no refs taken).
+
+        At most num_tokens - 1 tokens count as computed: the last token is always run
+        through the model so there are logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        parent = NONE_HASH
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            start = i * self.block_size
+            block = self.pool.lookup(parent, block_hash,
+                                     request.all_token_ids[start:start + self.block_size])
+            if block is None:
+                break
+            hits.append(block)
+            parent = block_hash
+        return hits
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          new_computed_blocks: list[KVBlock] = ()) -> int:
+        """Blocks that allocate_slots would take off the free queue."""
+        held = len(self.req_blocks.get(request.request_id, ())) + len(new_computed_blocks)
+        total = cdiv(request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                     + num_new_tokens, self.block_size)
+        # Reviving a free cached hit also consumes a free-queue entry.
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return max(0, total - held) + revived
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] = ()) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens; False if they don't fit.
+
+        On success the request holds the computed (prefix-hit) blocks followed by enough
+        fresh blocks; on failure nothing changes.
+        """
+        if self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) > self.num_free_blocks:
+            return False
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if new_computed_blocks:
+            assert not blocks, "prefix hits only apply to a request holding no blocks"
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self._num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        total = cdiv(request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+                     + num_new_tokens, self.block_size)
+        if total > len(blocks):
+            blocks.extend(self.pool.allocate(total - len(blocks)))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register every full block whose KV is now written (called after each step)."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_hashes(request)
+        for i in range(start, num_full):
+            parent = request.block_hashes[i - 1] if i else NONE_HASH
+            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            self.pool.cache(blocks[i], parent, request.block_hashes[i], tokens)
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release all of the request's blocks, tail first (see BlockPool.free)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.pool.num_blocks

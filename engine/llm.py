@@ -1,0 +1,121 @@
+"""Offline colocated engine: LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.output_processor import OutputProcessor, RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+def load_tokenizer(model_dir: str) -> Any | None:
+    """The directory's Hugging Face tokenizer, or None if it ships none."""
+    path = Path(model_dir)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class LLM:
+    """Options are EngineConfig fields; an unknown option is a ValueError naming it."""
+
+    def __init__(self, model: str, **options: Any) -> None:
+        self.config = EngineConfig.from_options(model, **options)
+        self.core = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(model)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def _tokenize(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this model directory has none "
+                                 "(pass token id lists instead)")
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return None, list(prompt)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        Bad input (any prompt or parameter) raises ValueError before anything runs, and
+        the engine stays usable.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._generate([self._tokenize(p) for p in prompts], sampling_params, use_tqdm, priority)
+
+    def _generate(self, tokenized: list[tuple[str | None, list[int]]],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(params) if isinstance(params, Sequence) else [params] * len(tokenized)
+        if len(params) != len(tokenized):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(tokenized)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(tokenized)
+        for (_, ids), p in zip(tokenized, params):
+            self.core.scheduler.check_fits(len(ids), p.max_tokens)
+
+        order: list[str] = []
+        try:
+            for (text, ids), p, prio in zip(tokenized, params, priorities):
+                request = self.core.add_request(f"offline-{next(self._ids)}", ids, p, prio)
+                self.outputs.add(request, text)
+                order.append(request.request_id)
+        except Exception:
+            for request in self.core.abort(order):
+                self.outputs.finish(request)
+            raise
+        return self._run(order, use_tqdm)
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm)
+        try:
+            while self.core.has_unfinished():
+                step = self.core.step()
+                finished = step.finished
+                stopped = self.outputs.check_stop_strings(step.advanced)
+                if stopped:
+                    finished = finished + self.core.finish_stopped(stopped)
+                for request in finished:
+                    done[request.request_id] = self.outputs.finish(request)
+                bar.update(len(finished))
+        except BaseException:
+            # Leave the engine usable: nothing half-run stays queued or holds blocks.
+            for request in self.core.abort(order):
+                self.outputs.finish(request)
+            raise
+        finally:
+            bar.close()
+        return [done[r] for r in order]
+
+    def chat(self, messages: list[Message] | Sequence[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation or a list of them, through the model's chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        # The template already holds any BOS token: don't let encode() add a second.
+        tokenized = [self._tokenize(self.tokenizer.apply_chat_template(
+            c, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+            for c in conversations]
+        return self._generate(tokenized, sampling_params, use_tqdm, None)

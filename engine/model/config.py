@@ -1,0 +1,100 @@
+"""The model facts the engine needs, read from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Architecture name -> feature flags of the one Llama-family implementation.
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {"qk_norm": False},
+    "MistralForCausalLM": {"qk_norm": False},
+    "Qwen2ForCausalLM": {"qk_norm": False},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
+        cfg = json.loads(config_file.read_text())
+        config = cls.from_dict(cfg)
+        gen_file = path / "generation_config.json"
+        eos = cfg.get("eos_token_id")
+        if gen_file.is_file():
+            eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+        config.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return config
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
+                             f"pdserve supports {sorted(SUPPORTED_ARCHITECTURES)}")
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
+        num_heads = cfg["num_attention_heads"]
+        # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            # Qwen2 hard-codes q/k/v biases and none on o_proj; Llama and Qwen3 use
+            # attention_bias for all four projections.
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+            qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
+            hidden_act=act,
+            sliding_window=sliding,
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes

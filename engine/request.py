@@ -1,0 +1,78 @@
+"""A request's token-accounting state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"  # eos, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens reached
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. There is no prefill or decode phase: each step moves
+    `num_computed_tokens` (tokens whose KV is in the cache) toward `num_tokens`.
+
+    Invariant: num_computed_tokens <= num_tokens; a step that computes the last token
+    samples the next one, so a running request always has >= 1 token to compute.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0  # lower runs first; ties by arrival
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first schedule
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    block_hashes: list[int] = field(default_factory=list)  # of full blocks of all_token_ids
+    arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_index)

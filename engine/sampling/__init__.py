@@ -1,0 +1,11 @@
+"""Token sampling: the batched Sampler and its per-row inputs/outputs."""
+
+from engine.sampling.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    TokenLogprobs,
+    make_generator,
+)
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs", "make_generator"]

@@ -1,0 +1,230 @@
+"""Token sampler: penalties, min_tokens masking, temperature, min_p/top_k/top_p, seeded draws.
+
+Every batched tensor here is [batch, vocab] float32 on the logits' device; one token per row.
+Order (vLLM): penalties -> min_tokens mask -> temperature -> min_p -> top_k -> top_p -> sample.
+Logprobs always describe the raw model distribution, before any of those steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+# Dividing by a temperature this small can overflow float32, so such rows go greedy (as vLLM).
+_GREEDY_EPS = 1e-5
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """Per-request generator: a seeded request's draws then depend only on its own seed."""
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(seed)
+    return gen
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far for this request
+    generator: torch.Generator | None  # None = the sampler's shared generator
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # top-`params.logprobs` (token_id, logprob), descending
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+def _check_logits(x: torch.Tensor) -> None:
+    """Raise if any row would make softmax produce NaN (upstream bug, not a sampling choice)."""
+    bad = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | torch.isneginf(x).all(-1)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise RuntimeError(
+            f"sampler got unusable logits in batch rows {rows}: NaN, +inf, or every token "
+            "-inf (after penalties and min_tokens masking); nothing can be sampled")
+
+
+def _padded(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[n, max_len] int64 ids; padding and out-of-vocab ids point at a spare column `vocab`."""
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.tensor([list(s) + [vocab] * (width - len(s)) for s in seqs],
+                       dtype=torch.long, device=device)
+    return torch.where((ids >= 0) & (ids < vocab), ids, vocab)
+
+
+class Sampler:
+    """Draws one token per row from [batch, vocab] float32 logits (any device)."""
+
+    def __init__(self, eos_token_ids: Sequence[int], seed: int = 0) -> None:
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.seed = seed
+        # One shared generator per device, created lazily since the logits' device is unknown here.
+        self._shared: dict[str, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: [len(rows), vocab] float32 (any device). One sampled token per row."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
+                             f"got {tuple(logits.shape)}")
+        raw = logits.float()
+        greedy = [r.params.temperature < _GREEDY_EPS for r in rows]
+        pen_rows = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        mask_rows = [i for i, r in enumerate(rows)
+                     if len(r.output_token_ids) < r.params.min_tokens]
+
+        if all(greedy) and not pen_rows and not mask_rows:
+            # Fast path: nothing alters the logits, so one batched argmax decides every row.
+            _check_logits(raw)
+            token_ids = raw.argmax(dim=-1)
+        else:
+            x = raw.clone()  # the raw logits must survive for logprobs
+            if pen_rows:
+                self._apply_penalties(x, rows, pen_rows)
+            if mask_rows:
+                self._mask_stops(x, rows, mask_rows)
+            _check_logits(x)
+            token_ids = x.argmax(dim=-1)
+            sample_rows = [i for i, g in enumerate(greedy) if not g]
+            if sample_rows:
+                idx = torch.tensor(sample_rows, device=x.device)
+                sampled = self._sample(x.index_select(0, idx), [rows[i] for i in sample_rows])
+                token_ids.index_copy_(0, idx, sampled)
+
+        token_list = token_ids.tolist()
+        return SamplerOutput(token_list, self._logprobs(raw, rows, token_ids, token_list))
+
+    def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow],
+                         which: list[int]) -> None:
+        """In place on x [batch, vocab]; only the rows in `which` are touched."""
+        vocab, dev = x.shape[1], x.device
+        sub = [rows[i].params for i in which]
+        idx = torch.tensor(which, device=dev)
+        n = len(which)
+
+        out_ids = _padded([rows[i].output_token_ids for i in which], vocab, dev)
+        counts = torch.zeros(n, vocab + 1, device=dev).scatter_add_(
+            1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))[:, :vocab]
+        prompt_ids = _padded([rows[i].prompt_token_ids for i in which], vocab, dev)
+        seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=dev).scatter_(
+            1, prompt_ids, True)[:, :vocab] | (counts > 0)
+
+        def col(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=dev).unsqueeze(1)
+
+        rep = col([p.repetition_penalty for p in sub])
+        freq = col([p.frequency_penalty for p in sub])
+        pres = col([p.presence_penalty for p in sub])
+        y = x.index_select(0, idx)
+        # Dividing a negative logit would raise its probability, hence multiply those instead.
+        y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
+        y = y - freq * counts - pres * (counts > 0).float()
+        x.index_copy_(0, idx, y)
+
+    def _mask_stops(self, x: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
+        """Forbid eos and stop_token_ids for rows still short of min_tokens (in place)."""
+        vocab = x.shape[1]
+        r_idx: list[int] = []
+        c_idx: list[int] = []
+        for i in which:
+            # eos is masked even with ignore_eos: min_tokens promises that many non-stop tokens.
+            for t in set(self.eos_token_ids) | set(rows[i].params.stop_token_ids):
+                if 0 <= t < vocab:
+                    r_idx.append(i)
+                    c_idx.append(t)
+        if r_idx:
+            x[torch.tensor(r_idx, device=x.device),
+              torch.tensor(c_idx, device=x.device)] = float("-inf")
+
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """x: [n, vocab] processed logits of non-greedy rows -> [n] int64 sampled ids."""
+        n, vocab = x.shape
+        dev = x.device
+        ps = [r.params for r in rows]
+
+        def col(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev).unsqueeze(1)
+
+        x = x / col([p.temperature for p in ps])
+        if any(p.min_p > 0 for p in ps):
+            probs = x.softmax(-1)
+            floor = probs.max(-1, keepdim=True).values * col([p.min_p for p in ps])
+            x = x.masked_fill(probs < floor, float("-inf"))
+        use_k = any(p.top_k > 0 for p in ps)
+        use_p = any(p.top_p < 1.0 for p in ps)
+        if use_k or use_p:
+            # One descending sort serves both filters; results are scattered back afterwards.
+            sx, order = x.sort(dim=-1, descending=True)
+            if use_k:
+                k = col([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps], torch.long)
+                kth = sx.gather(1, k - 1)
+                sx = sx.masked_fill(sx < kth, float("-inf"))  # ties with the k-th value stay
+            if use_p:
+                sp = sx.softmax(-1)
+                before = sp.cumsum(-1) - sp  # mass strictly ahead of each token; 0 for the top
+                top_p = col([p.top_p for p in ps])
+                sx = sx.masked_fill((before >= top_p) & (top_p < 1.0), float("-inf"))
+            x = torch.empty_like(x).scatter_(1, order, sx)
+        probs = x.softmax(-1)
+        # Exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i.
+        noise = self._noise(rows, n, vocab, dev)
+        return (probs / noise).argmax(-1)
+
+    def _noise(self, rows: list[SamplingRow], n: int, vocab: int,
+               dev: torch.device) -> torch.Tensor:
+        """[n, vocab] Exp(1) noise; seeded rows draw exactly [vocab] each so batching can't
+        shift their stream."""
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if len(unseeded) == n:
+            noise = torch.empty(n, vocab, device=dev).exponential_(generator=self._shared_gen(dev))
+        else:
+            noise = torch.empty(n, vocab, device=dev)
+            if unseeded:
+                idx = torch.tensor(unseeded, device=dev)
+                draw = torch.empty(len(unseeded), vocab, device=dev)
+                noise.index_copy_(0, idx, draw.exponential_(generator=self._shared_gen(dev)))
+            for i, r in enumerate(rows):
+                if r.generator is not None:
+                    g = r.generator
+                    noise[i] = torch.empty(vocab, device=g.device).exponential_(generator=g).to(dev)
+        # A zero draw would turn 0/0 into NaN, which argmax treats as the maximum.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _shared_gen(self, dev: torch.device) -> torch.Generator:
+        key = str(dev)
+        if key not in self._shared:
+            self._shared[key] = make_generator(self.seed, dev)
+        return self._shared[key]
+
+    def _logprobs(self, raw: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor,
+                  token_list: list[int]) -> list[TokenLogprobs | None]:
+        """Raw-distribution logprobs for rows that asked; one device->host copy per tensor."""
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not want:
+            return out
+        idx = torch.tensor(want, device=raw.device)
+        lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
+        chosen = lp.gather(1, token_ids.index_select(0, idx).unsqueeze(1)).squeeze(1).tolist()
+        k = min(max(rows[i].params.logprobs or 0 for i in want), raw.shape[1])
+        top_v: list[list[float]] = [[] for _ in want]
+        top_i: list[list[int]] = [[] for _ in want]
+        if k > 0:
+            v, t = lp.topk(k, dim=-1)  # sorted descending
+            top_v, top_i = v.tolist(), t.tolist()
+        for j, i in enumerate(want):
+            n = rows[i].params.logprobs or 0
+            out[i] = TokenLogprobs(token_list[i], chosen[j],
+                                   list(zip(top_i[j][:n], top_v[j][:n])))
+        return out

@@ -1,0 +1,205 @@
+"""Continuous-batching scheduler with one token budget per step.
+
+There is no prefill phase and no decode phase. Each step hands every scheduled request
+a number of new tokens to compute (`num_computed_tokens` -> `num_tokens`) within
+`max_num_batched_tokens`: a whole prompt, a chunk of one, or one decode token all fall
+out of the same arithmetic. Running requests go first (decodes stay steady), then
+waiting ones in (priority, arrival) order. When blocks run out, the lowest-priority,
+latest-arriving running request is preempted: its blocks are freed and it recomputes
+later (its tokens so far are kept, and its freed blocks are usually prefix-cache hits).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from engine.kv_cache.manager import KVCacheManager, cdiv
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    samples: bool = field(init=False)  # the step reaches the sequence's end: sample its logits
+
+    def __post_init__(self) -> None:
+        self.samples = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Called by the engine core: add/abort between steps, schedule() then update()."""
+
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int, eos_token_ids: Sequence[int] = (),
+                 enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- admission -----------------------------------------------------------------
+
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError for a request that could never run, before it is queued."""
+        if num_prompt_tokens < 1:
+            raise ValueError("prompt must contain at least one token")
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens, but the model's context "
+                             f"length is {self.max_model_len} (prompt must leave room for output)")
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                             f"{num_prompt_tokens + max_tokens} exceeds the model's context length "
+                             f"{self.max_model_len}")
+        if not self.enable_chunked_prefill and num_prompt_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) with chunked prefill disabled")
+        # A request alone in the engine must fit, or preemption could never make room.
+        needed = cdiv(num_prompt_tokens + max_tokens, self.kv.block_size)
+        if needed > self.kv.pool.num_blocks:
+            raise ValueError(f"request needs {needed} KV blocks (prompt {num_prompt_tokens} + "
+                             f"max_tokens {max_tokens}) but the KV pool has only "
+                             f"{self.kv.pool.num_blocks}; lower max_tokens or enlarge the pool")
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self.waiting, (request.sort_key, request))
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, or stop on a stop string) requests wherever they are; frees blocks."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting = [(k, r) for k, r in self.waiting if r is not request]
+                heapq.heapify(self.waiting)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # --- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_running: list[Request] = []
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                # Never evict a request already scheduled this step: its blocks are in use.
+                victim = max((r for r in self.running if r not in scheduled_running),
+                             key=lambda r: r.sort_key)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            scheduled_running.append(request)
+            budget -= num_new
+
+        # Admitting new work while evicting running work would thrash.
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0][1]
+            hits = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
+            num_computed = len(hits) * self.kv.block_size
+            num_new = request.num_tokens - num_computed
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            heapq.heappop(self.waiting)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(request)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> tuple[list[Request], list[Request]]:
+        """Advance scheduled requests and append their sampled tokens.
+
+        `sampled` maps request id -> token for every ScheduledRequest with `samples`.
+        Returns (requests that got a new token, requests that finished this step).
+        """
+        advanced, finished = [], []
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(request)
+            if request.request_id not in sampled:
+                continue  # a prompt chunk: nothing to sample yet
+            request.append_output_token(sampled[request.request_id])
+            advanced.append(request)
+            status = self._stop_status(request)
+            if status is not None:
+                self.requests.pop(request.request_id)
+                self.running.remove(request)
+                self._finish(request, status)
+                finished.append(request)
+        return advanced, finished
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny seeded Llama / Qwen2 / Qwen3 models with a trained tokenizer.
+
+Nothing downloads: the models are random (seeded) and the tokenizer is a byte-level
+BPE trained in a fraction of a second on a fixed corpus.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: build_tiny_model(arch, root / arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]

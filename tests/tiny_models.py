@@ -1,0 +1,69 @@
+"""Build tiny random Hugging Face models (seeded) plus a trained tokenizer, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching mixes prefill and decode tokens in one step.",
+    "Prefix caching reuses blocks whose tokens were already computed.",
+    "What is the capital of France? The capital of France is Paris.",
+    "pdserve serves large language models with disaggregated prefill and decode.",
+] * 20
+
+VOCAB_SIZE = 384
+
+
+def train_tokenizer(out_dir: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
+                          "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
+    """arch: llama (GQA 4:2, llama3 RoPE, tied), qwen2 (qkv bias), qwen3 (q/k norm, untied)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(out_dir)
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, rms_norm_eps=1e-6)
+    if arch == "llama":
+        config = LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+        cls = LlamaForCausalLM
+    elif arch == "qwen2":
+        config, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
+    elif arch == "qwen3":
+        config, cls = Qwen3Config(**common, head_dim=32, tie_word_embeddings=False), Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(config)
+    # Random init gives near-uniform logits; scale them up so greedy choices are decisive
+    # and distinct prompts diverge (flat logits would make every test trivially pass).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif "bias" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir

