@@ -70,6 +70,10 @@ class LLM:
         if len(params) != len(tokenized):
             raise ValueError(f"got {len(params)} SamplingParams for {len(tokenized)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(tokenized)
+        if len(priorities) != len(tokenized):
+            raise ValueError(f"got {len(priorities)} priorities for {len(tokenized)} prompts")
+        if self.tokenizer is None and any(p.stop for p in params):
+            raise ValueError("stop strings need a tokenizer; this model directory has none")
         for (_, ids), p in zip(tokenized, params):
             self.core.scheduler.check_fits(len(ids), p.max_tokens)
 
@@ -77,11 +81,10 @@ class LLM:
         try:
             for (text, ids), p, prio in zip(tokenized, params, priorities):
                 request = self.core.add_request(f"offline-{next(self._ids)}", ids, p, prio)
-                self.outputs.add(request, text)
                 order.append(request.request_id)
+                self.outputs.add(request, text)
         except Exception:
-            for request in self.core.abort(order):
-                self.outputs.finish(request)
+            self._abort(order)
             raise
         return self._run(order, use_tqdm)
 
@@ -99,13 +102,15 @@ class LLM:
                     done[request.request_id] = self.outputs.finish(request)
                 bar.update(len(finished))
         except BaseException:
-            # Leave the engine usable: nothing half-run stays queued or holds blocks.
-            for request in self.core.abort(order):
-                self.outputs.finish(request)
+            self._abort(order)  # leave the engine usable: nothing half-run stays queued
             raise
         finally:
             bar.close()
         return [done[r] for r in order]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request in self.core.abort(request_ids):
+            self.outputs.discard(request.request_id)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

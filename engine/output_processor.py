@@ -61,6 +61,9 @@ class OutputProcessor:
             if not state.stop or state.stopped:
                 continue
             state.text = self.decode(request.output_token_ids)
+            if request.num_output_tokens < request.sampling_params.min_tokens:
+                state.checked_upto = len(state.text)  # as vLLM: no stop before min_tokens
+                continue
             cut = self._find_stop(state)
             if cut is not None:
                 state.text, state.stopped = state.text[:cut], True
@@ -81,6 +84,9 @@ class OutputProcessor:
         # The tail may still grow into a stop string (or end in a partial UTF-8 char).
         state.checked_upto = len(state.text)
         return None if best is None else best[1]
+
+    def discard(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
 
     def finish(self, request: Request) -> RequestOutput:
         state = self._states.pop(request.request_id)

@@ -31,10 +31,10 @@ def store_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence's first seq_len tokens: each [seq_len, H, D]."""
     block_size = layer_cache.shape[2]
-    num_blocks = -(-seq_len // block_size)
-    kv = layer_cache[block_table[:num_blocks].long()]  # [n, 2, bs, H, D]
-    k = kv[:, 0].flatten(0, 1)[:seq_len]
-    v = kv[:, 1].flatten(0, 1)[:seq_len]
+    blocks = block_table[:-(-seq_len // block_size)].long()
+    # Gather K and V separately: each gather is one contiguous copy that views flat.
+    k = layer_cache[:, 0][blocks].flatten(0, 1)[:seq_len]
+    v = layer_cache[:, 1][blocks].flatten(0, 1)[:seq_len]
     return k, v
 
 
@@ -70,11 +70,15 @@ def _decode(query: torch.Tensor, layer_cache: torch.Tensor, md: AttentionMetadat
     """One query token per sequence, batched over a padded gather of all contexts."""
     block_size = layer_cache.shape[2]
     max_len = max(md.seq_lens_cpu)
-    num_blocks = -(-max_len // block_size)
-    kv = layer_cache[md.block_tables[:, :num_blocks].long()]  # [B, n, 2, bs, H, D]
-    k = kv[:, :, 0].flatten(1, 2)[:, :max_len].transpose(1, 2)  # [B, H, L, D]
-    v = kv[:, :, 1].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    tables = md.block_tables[:, :-(-max_len // block_size)].long()
+    k = layer_cache[:, 0][tables].flatten(1, 2)[:, :max_len]  # [B, L, H, D], a fresh copy
+    v = layer_cache[:, 1][tables].flatten(1, 2)[:, :max_len]
     mask = torch.arange(max_len, device=query.device)[None, :] < md.seq_lens[:, None]
+    # Slots past a sequence's end hold another request's data (or NaN/inf garbage);
+    # masking scores is not enough, since 0 * inf = NaN in the weighted sum.
+    k.masked_fill_(~mask[:, :, None, None], 0.0)
+    v.masked_fill_(~mask[:, :, None, None], 0.0)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D]
     q = query[:, :, None, :]  # [B, Hq, 1, D]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale,
                                        enable_gqa=True)
