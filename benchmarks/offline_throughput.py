@@ -418,11 +418,13 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; 1-min load average {load_before:.1f} before, {load_after:.1f} after"
              if load_before is not None else ""))
     if load_before is not None:
-        # Load from other work: the 1-minute average, less this run's own threads at the end.
+        # Load from other work: the 1-minute average (it lags by about a minute, so an earlier
+        # run of this script counts too), less this run's own threads at the end.
         other = max(load_before, load_after - threads)
-        if other > 0.5:
-            print(f"WARNING: other work was running (about {other:.1f} busy CPUs besides this run's "
-                  f"{threads} threads, on {os.cpu_count()} CPUs): timings are unreliable")
+        if other > 1.0:
+            print(f"WARNING: the machine looked busy (1-min load average {load_before:.1f} before, "
+                  f"{load_after:.1f} after, on {os.cpu_count()} CPUs; this run uses {threads} "
+                  f"threads): timings may be unreliable")
     cfg = pd["config"]
     shown = ("max_num_batched_tokens", "max_num_seqs", "block_size", "num_kv_blocks",
              "kv_cache_memory_gib", "enable_prefix_caching", "enable_chunked_prefill",
@@ -454,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
           f"square 1024^3: {median(mm_square):.1f} GFLOP/s")
     line = f"  pdserve runs at {pd['pct_of_floor']:.1f}% of the floor"
     if hf is not None:
-        line += f"; HF at {hf['pct_of_floor']:.1f}% (of its subset's floor)"
+        line += f"; HF at {hf['pct_of_floor']:.1f}%" + (" (of its subset's floor)" if subset else "")
     print(line)
     if hf is not None:
         print(f"greedy check (informational): pdserve and HF tokens identical for "
