@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "reference")
 
 
 @dataclass
@@ -32,6 +32,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
+    prepack_cpu_weights: bool = True  # oneDNN-prepacked linears on CPU fp32 (model/cpu_linear.py)
 
     def __post_init__(self) -> None:
         def require(ok: bool, message: str) -> None:

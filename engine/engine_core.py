@@ -15,6 +15,7 @@ from engine.attention.backend import get_backend
 from engine.config import EngineConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.config import ModelConfig
+from engine.model.cpu_linear import prepack_linears, prepack_supported
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, allocate_kv_cache
@@ -43,6 +44,8 @@ class EngineCore:
         self.model = load_model(config.model, self.model_config, config.dtype, config.device,
                                 backend, model_len)
         dtype = TORCH_DTYPES[config.dtype]
+        if config.prepack_cpu_weights and prepack_supported(config.device, dtype):
+            prepack_linears(self.model)
         block_bytes = self.model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // block_bytes)
         if num_blocks < 1:
@@ -56,7 +59,7 @@ class EngineCore:
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size,
                                   Sampler(self.model_config.eos_token_ids, seed=config.seed),
-                                  config.device)
+                                  backend, config.device)
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, num_blocks, config.block_size, model_len)
 

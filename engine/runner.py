@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, attention_context
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -29,8 +30,9 @@ class ModelRunner:
     """Called by the engine core once per step with the scheduler's output."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 sampler: Sampler, device: str) -> None:
+                 sampler: Sampler, attention_backend: AttentionBackend, device: str) -> None:
         self.model = model
+        self.attention_backend = attention_backend
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.sampler = sampler
@@ -80,6 +82,7 @@ class ModelRunner:
         """Run one forward over all scheduled tokens; sample one token for each request
         whose step reaches its last token (in `scheduled` order)."""
         input_ids, positions, logits_indices, md = self.prepare(scheduled, block_ids)
+        self.attention_backend.prepare(md, self.block_size)
         with attention_context(md):
             logits = self.model(input_ids, positions, logits_indices)
         rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,

@@ -16,7 +16,7 @@ from tests.tiny_models import build_tiny_model
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
-    return {arch: build_tiny_model(arch, root / arch) for arch in ("llama", "qwen2", "qwen3")}
+    return {arch: build_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3")}
 
 
 @pytest.fixture(scope="session")

@@ -36,8 +36,10 @@ def train_tokenizer(out_dir: Path):
 
 
 def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
-    """arch: llama (GQA 4:2, llama3 RoPE, tied), qwen2 (qkv bias), qwen3 (q/k norm, untied)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """arch: llama (GQA 4:2, llama3 RoPE, tied), mistral (sliding-window config),
+    qwen2 (qkv bias), qwen3 (q/k norm, head_dim != hidden/heads, untied)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(out_dir)
@@ -49,6 +51,8 @@ def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
         cls = LlamaForCausalLM
+    elif arch == "mistral":
+        config, cls = MistralConfig(**common, sliding_window=4096, tie_word_embeddings=False), MistralForCausalLM
     elif arch == "qwen2":
         config, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
     elif arch == "qwen3":

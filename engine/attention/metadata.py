@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    backend_state: Any = None  # whatever the attention backend's prepare() built for this step
 
     @property
     def num_seqs(self) -> int:

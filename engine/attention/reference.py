@@ -51,18 +51,28 @@ def paged_attention(query: torch.Tensor, layer_cache: torch.Tensor, md: Attentio
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
-        q = query[start:start + q_len].transpose(0, 1)  # [Hq, q, D]
         k, v = gather_kv(layer_cache, md.block_tables[i], seq_len)
-        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [H, L, D]
-        if q_len == seq_len:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:start + q_len] = o.transpose(0, 1)
+        out[start:start + q_len] = causal_attention(query[start:start + q_len], k, v, scale)
         start += q_len
     return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence: q [n, Hq, D] are the last n of the L positions of k, v [L, H, D]."""
+    n, seq_len = q.shape[0], k.shape[0]
+    groups = q.shape[1] // k.shape[1]
+    # Batched 4-D inputs with K/V heads repeated (as transformers does) take torch's
+    # fused CPU flash kernel; 3-D or enable_gqa inputs fall back to the slower math path.
+    q = q.transpose(0, 1)[None]
+    k = k.transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+    v = v.transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+    if n == seq_len:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        pos = torch.arange(seq_len - n, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)
 
 
 def _decode(query: torch.Tensor, layer_cache: torch.Tensor, md: AttentionMetadata,

@@ -15,7 +15,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import current_metadata
 from engine.model.config import ModelConfig
-from engine.model.rope import RotaryEmbedding
+from engine.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -41,12 +41,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rope = rope
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
         self.layer_cache: torch.Tensor | None = None  # [num_blocks, 2, bs, Hkv, D] view, bound by the runner
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -54,11 +53,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        q, k = apply_rotary(q, k, *rotary)
         md = current_metadata()
         assert self.layer_cache is not None, "KV cache not bound to the model"
-        self.backend.store_kv(self.layer_cache, k, v, md.slot_mapping)
-        o = self.backend.attention(q, self.layer_cache, md, self.scale)
+        self.backend.store_kv(self.layer_cache, k, v, md)
+        o = self.backend.attention(q, k, v, self.layer_cache, md, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -75,15 +74,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope, backend)
+        self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(rotary, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -92,9 +91,9 @@ class LlamaForCausalLM(nn.Module):
                  device: torch.device | str) -> None:
         super().__init__()
         self.config = cfg
-        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -112,7 +111,8 @@ class LlamaForCausalLM(nn.Module):
         Returns logits [S, vocab] float32 (only the rows that are sampled).
         """
         x = self.embed_tokens(input_ids)
+        rotary = self.rope.lookup(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x)
+            x = layer(rotary, x)
         x = self.norm(x[logits_indices])
         return self.lm_head(x).float()

@@ -50,8 +50,12 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device)  # [max_positions, head_dim] fp32
         self.sin = emb.sin().to(device)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k)."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions [T] int64, each [T, 1, D]: looked up once per step."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D]; k: [T, Hkv, D]; cos, sin from RotaryEmbedding.lookup."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

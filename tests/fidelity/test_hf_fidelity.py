@@ -41,7 +41,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int = MAX_T
 MIXED = random_prompts([1, 7, 16, 17, 33, 64, 100, 150], seed=1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_mixed_batch_matches_hf(tiny_models: dict[str, Path], arch: str) -> None:
     llm = LLM(str(tiny_models[arch]), enable_prefix_caching=False)
     outs = llm.generate(MIXED, GREEDY, use_tqdm=False)

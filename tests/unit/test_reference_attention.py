@@ -1,4 +1,4 @@
-"""The torch reference paged attention against dense causal attention on contiguous K/V.
+"""Paged attention backends against dense causal attention on contiguous K/V.
 
 Blocks are scattered at random in the pool, contexts end on and just past block
 boundaries, GQA ratios vary, and some sequences have a cached prefix.
@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention.backend import BACKENDS
 from engine.attention.metadata import AttentionMetadata
-from engine.attention.reference import paged_attention, store_kv
+from engine.attention.reference import store_kv
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -25,12 +26,14 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch"])
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("case", [
     [(1, 1), (1, 16), (1, 17), (1, 40)],          # pure decode, contexts on/past boundaries
     [(16, 16), (5, 37), (1, 9), (33, 33)],        # mixed: full prefill, chunk over prefix, decode
+    [(1, 64), (7, 7), (1, 3)],                    # decodes around a prefill
 ])
-def test_paged_matches_dense(gqa: int, case: list[tuple[int, int]]) -> None:
+def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]]) -> None:
     torch.manual_seed(0)
     block_size, h, d, num_blocks = 16, 2, 32, 40
     cache = torch.full((num_blocks, 2, block_size, h, d), float("nan"))  # poison: unwritten reads fail
@@ -59,8 +62,10 @@ def test_paged_matches_dense(gqa: int, case: list[tuple[int, int]]) -> None:
         seq_lens_cpu=[s for _, s in case],
     )
     pad = torch.zeros(1, h, d)
-    store_kv(cache, torch.cat(ks + [pad]), torch.cat(vs + [pad]), md.slot_mapping)
-    out = paged_attention(torch.cat(qs), cache, md, d ** -0.5)
+    impl = BACKENDS[backend]()
+    impl.prepare(md, block_size)
+    impl.store_kv(cache, torch.cat(ks + [pad]), torch.cat(vs + [pad]), md)
+    out = impl.attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, md, d ** -0.5)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
 

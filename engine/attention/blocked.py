@@ -1,0 +1,117 @@
+"""Batched decode attention in plain torch, computed block by block (fast on CPU).
+
+The padded gather of the reference (every sequence padded to the longest context,
+copied into fresh memory each layer) costs several times the KV bytes it needs.
+Here every decode row's blocks are gathered once, as a ragged list of whole blocks,
+and attention is a segmented softmax over blocks:
+
+    K, V    [NB, bs, H, D]    the rows' blocks, concatenated (NB = sum of blocks per row)
+    scores  [NB, H, G, bs]    q of the block's row . K, one batched matmul
+    max/sum over the blocks of each row (scatter_reduce / index_add), then
+    out     [B, H, G, D]      index_add of per-block p @ V, divided by the row's sum
+
+G = query heads per KV head (GQA). Every block holds at least one valid position, so
+each per-block max is finite and no NaN can appear from empty segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class DecodePlan:
+    """Built once per step, shared by all layers.
+
+    row_ids:       the decode rows' sequence indices in the batch
+    rows:          [B] int64, token index (in the flattened batch) of each decode row
+    blocks:        [NB] int64, block ids of all decode rows, row after row
+    block_row:     [NB] int64, which decode row (0..B-1) each block belongs to
+    invalid:       [NB, bs] bool, True for slots past the row's context length
+    last_blocks:   [B] int64, index (into blocks) of each row's last block
+    last_invalid:  [B, bs] bool, invalid[last_blocks]
+    kv_buffer:     gathered K and V, allocated by the first layer, reused by the rest
+    """
+
+    row_ids: list[int]
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    block_row: torch.Tensor
+    invalid: torch.Tensor
+    last_blocks: torch.Tensor
+    last_invalid: torch.Tensor
+    num_rows: int
+    kv_buffer: torch.Tensor | None = None
+
+
+def build_decode_plan(md: AttentionMetadata, block_size: int, row_ids: list[int]) -> DecodePlan:
+    """Plan for the sequences `row_ids` (each with exactly one query token)."""
+    tables = md.block_tables.cpu()
+    starts = md.query_start_loc.cpu()
+    blocks, block_row, lengths = [], [], []
+    for r, i in enumerate(row_ids):
+        n = -(-md.seq_lens_cpu[i] // block_size)
+        blocks.append(tables[i, :n].long())
+        block_row += [r] * n
+        # Valid slots in each block of this row: full blocks, then the remainder.
+        lengths += [block_size] * (n - 1) + [md.seq_lens_cpu[i] - (n - 1) * block_size]
+    device = md.block_tables.device
+    invalid = torch.arange(block_size)[None, :] >= torch.tensor(lengths)[:, None]
+    last = torch.cumsum(torch.tensor([len(b) for b in blocks]), 0) - 1
+    return DecodePlan(
+        row_ids=row_ids,
+        rows=starts[row_ids].long().to(device),
+        blocks=torch.cat(blocks).to(device),
+        block_row=torch.tensor(block_row, device=device),
+        invalid=invalid.to(device),
+        last_blocks=last.to(device),
+        last_invalid=invalid[last].to(device),
+        num_rows=len(row_ids),
+    )
+
+
+def blocked_decode_attention(query: torch.Tensor, layer_cache: torch.Tensor, plan: DecodePlan,
+                             scale: float) -> torch.Tensor:
+    """query: [T, Hq, D]; returns [B, Hq, D] for the plan's rows, in plan order."""
+    _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
+    num_blocks = plan.blocks.numel()
+    q = query[plan.rows].view(plan.num_rows, num_kv_heads, -1, head_dim)  # [B, H, G, D]
+    groups = q.shape[2]
+    if plan.kv_buffer is None or plan.kv_buffer.dtype != layer_cache.dtype:
+        # Reused by every layer of the step: fresh multi-MB tensors cost page faults.
+        plan.kv_buffer = layer_cache.new_empty((2, num_blocks, block_size, num_kv_heads, head_dim))
+    k, v = plan.kv_buffer[0], plan.kv_buffer[1]
+    torch.index_select(layer_cache[:, 0], 0, plan.blocks, out=k)  # [NB, bs, H, D]
+    torch.index_select(layer_cache[:, 1], 0, plan.blocks, out=v)
+    # Slots past a row's end (only in its last block) may hold anything, even NaN, and
+    # 0 * NaN would poison p @ V.
+    v[plan.last_blocks] = v[plan.last_blocks].masked_fill(plan.last_invalid[:, :, None, None], 0.0)
+
+    # Batched matmuls need a uniform batch stride, which (block, head) pairs lack in the
+    # [NB, bs, H, D] layout. So multiply all heads against all heads in one bmm per block
+    # ([bs*H, D] @ [D, H*G]) and keep the matching-head diagonal: H times the (small)
+    # attention FLOPs, but no transposing copy of K or V.
+    qb = q[plan.block_row].view(num_blocks, num_kv_heads * groups, head_dim)
+    cross = torch.bmm(k.view(num_blocks, block_size * num_kv_heads, head_dim), qb.transpose(1, 2))
+    cross = cross.view(num_blocks, block_size, num_kv_heads, num_kv_heads, groups)
+    scores = cross.diagonal(dim1=2, dim2=3).permute(0, 3, 2, 1) * scale  # [NB, H, G, bs]
+    scores.masked_fill_(plan.invalid[:, None, None, :], float("-inf"))
+    block_max = scores.amax(-1)  # [NB, H, G]
+    row_max = torch.full((plan.num_rows, num_kv_heads, groups), float("-inf"),
+                         dtype=scores.dtype, device=scores.device)
+    row_max.scatter_reduce_(0, plan.block_row[:, None, None].expand_as(block_max), block_max, "amax")
+    p = torch.exp(scores - row_max[plan.block_row][..., None])  # [NB, H, G, bs]
+    denom = torch.zeros_like(row_max).index_add_(0, plan.block_row, p.sum(-1))
+    # Same trick for p @ V: a block-diagonal [H*G, bs*H] weight matrix per block.
+    p_full = p.new_zeros((num_blocks, num_kv_heads, groups, block_size, num_kv_heads))
+    p_full.diagonal(dim1=1, dim2=4).copy_(p.permute(0, 2, 3, 1))
+    pv = torch.bmm(p_full.view(num_blocks, num_kv_heads * groups, block_size * num_kv_heads),
+                   v.view(num_blocks, block_size * num_kv_heads, head_dim))
+    out = torch.zeros((plan.num_rows, num_kv_heads * groups, head_dim), dtype=q.dtype, device=q.device)
+    out.index_add_(0, plan.block_row, pv)
+    out = out.view(plan.num_rows, num_kv_heads, groups, head_dim) / denom[..., None]
+    return out.view(plan.num_rows, num_kv_heads * groups, head_dim)
