@@ -27,7 +27,6 @@ from engine.attention.metadata import AttentionMetadata
 class DecodePlan:
     """Built once per step, shared by all layers.
 
-    row_ids:       the decode rows' sequence indices in the batch
     rows:          [B] int64, token index (in the flattened batch) of each decode row
     blocks:        [NB] int64, block ids of all decode rows, row after row
     block_row:     [NB] int64, which decode row (0..B-1) each block belongs to
@@ -37,7 +36,6 @@ class DecodePlan:
     kv_buffer:     gathered K and V, allocated by the first layer, reused by the rest
     """
 
-    row_ids: list[int]
     rows: torch.Tensor
     blocks: torch.Tensor
     block_row: torch.Tensor
@@ -63,7 +61,6 @@ def build_decode_plan(md: AttentionMetadata, block_size: int, row_ids: list[int]
     invalid = torch.arange(block_size)[None, :] >= torch.tensor(lengths)[:, None]
     last = torch.cumsum(torch.tensor([len(b) for b in blocks]), 0) - 1
     return DecodePlan(
-        row_ids=row_ids,
         rows=starts[row_ids].long().to(device),
         blocks=torch.cat(blocks).to(device),
         block_row=torch.tensor(block_row, device=device),
@@ -81,7 +78,7 @@ def blocked_decode_attention(query: torch.Tensor, layer_cache: torch.Tensor, pla
     num_blocks = plan.blocks.numel()
     q = query[plan.rows].view(plan.num_rows, num_kv_heads, -1, head_dim)  # [B, H, G, D]
     groups = q.shape[2]
-    if plan.kv_buffer is None or plan.kv_buffer.dtype != layer_cache.dtype:
+    if plan.kv_buffer is None:
         # Reused by every layer of the step: fresh multi-MB tensors cost page faults.
         plan.kv_buffer = layer_cache.new_empty((2, num_blocks, block_size, num_kv_heads, head_dim))
     k, v = plan.kv_buffer[0], plan.kv_buffer[1]
