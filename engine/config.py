@@ -7,14 +7,16 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "reference")
+ATTENTION_BACKENDS = ("auto", "torch", "reference", "triton")  # engine/attention/backend.py
 
 
 @dataclass
 class EngineConfig:
     """Settings of one engine instance (offline LLM, or one worker's engine).
 
-    num_kv_blocks None sizes the KV pool from kv_cache_memory_gib.
+    num_kv_blocks None sizes the KV pool: on CPU from kv_cache_memory_gib; on CUDA from
+    gpu_memory_utilization after a profiling forward pass (engine/gpu_memory.py).
+    enforce_eager turns off CUDA graphs (engine/cuda_graphs.py); outputs are identical.
     max_model_len None takes the model's max_position_embeddings.
     """
 
@@ -26,6 +28,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -52,6 +56,8 @@ class EngineConfig:
                 f"num_kv_blocks must be None or >= 1, got {self.num_kv_blocks}")
         require(self.kv_cache_memory_gib > 0,
                 f"kv_cache_memory_gib must be > 0, got {self.kv_cache_memory_gib}")
+        require(0 < self.gpu_memory_utilization <= 1,
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         require(self.max_model_len is None or self.max_model_len >= 2,
                 f"max_model_len must be None or >= 2, got {self.max_model_len}")
         require(self.attention_backend in ATTENTION_BACKENDS,

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.backend import get_backend
+from engine.attention.backend import AttentionBackend, get_backend
 from engine.config import EngineConfig
+from engine.gpu_memory import profile_num_kv_blocks
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.config import ModelConfig
 from engine.model.cpu_linear import prepack_linears, prepack_supported
@@ -46,11 +47,7 @@ class EngineCore:
         dtype = TORCH_DTYPES[config.dtype]
         if config.prepack_cpu_weights and prepack_supported(config.device, dtype):
             prepack_linears(self.model)
-        block_bytes = self.model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gib * 2**30 // block_bytes)
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_gib={config.kv_cache_memory_gib} is too small for "
-                             f"one KV block ({block_bytes} bytes)")
+        num_blocks = config.num_kv_blocks or self._pool_blocks(backend, dtype, model_len)
         self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype,
                                           config.device)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -60,8 +57,35 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size,
                                   Sampler(self.model_config.eos_token_ids, seed=config.seed),
                                   backend, config.device)
+        if config.device.startswith("cuda") and not config.enforce_eager:
+            self._capture_cuda_graphs(backend, model_len)
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, num_blocks, config.block_size, model_len)
+
+    def _pool_blocks(self, backend: AttentionBackend, dtype: torch.dtype, model_len: int) -> int:
+        config = self.config
+        if config.device.startswith("cuda"):
+            return profile_num_kv_blocks(
+                self.model, self.model_config, backend, config.device, dtype, config.block_size,
+                min(config.max_num_batched_tokens, model_len), config.max_num_seqs,
+                config.gpu_memory_utilization)
+        block_bytes = self.model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
+        num_blocks = int(config.kv_cache_memory_gib * 2**30 // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_gib={config.kv_cache_memory_gib} is too small for "
+                             f"one KV block ({block_bytes} bytes)")
+        return num_blocks
+
+    def _capture_cuda_graphs(self, backend: AttentionBackend, model_len: int) -> None:
+        if backend.name != "triton":
+            logger.info("no CUDA graphs: the %r attention backend synchronises with the host", backend.name)
+            return
+        from engine.cuda_graphs import CudaGraphRunner
+
+        graphs = CudaGraphRunner(self.model, backend, self.config.max_num_seqs, model_len,
+                                 self.config.block_size, torch.device(self.config.device))
+        graphs.capture()
+        self.runner.graphs = graphs
 
     @staticmethod
     def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:

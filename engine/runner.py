@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,6 +14,7 @@ from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.sampling import Sampler, SamplerOutput, SamplingRow
 from engine.scheduler import ScheduledRequest
+from engine.staging import Uploader
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
@@ -26,8 +28,56 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+@dataclass
+class StepInputs:
+    """One step's flattened batch on the host, before upload."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64, cache slot of each token's K/V
+    query_start_loc: np.ndarray  # [S + 1] int32
+    seq_lens: np.ndarray  # [S] int32, context after this step
+    block_tables: np.ndarray  # [S, max_blocks] int32
+    logits_indices: np.ndarray  # [R] int64, tokens whose logits are sampled
+    query_lens: list[int]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return len(self.input_ids) == len(self.query_lens)
+
+
+def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_ids: Sequence[Sequence[int]],
+                      block_size: int) -> StepInputs:
+    input_ids, positions, slots, query_lens, seq_lens, logits_indices = [], [], [], [], [], []
+    block_tables = np.zeros((len(scheduled), max(len(b) for b in block_ids)), dtype=np.int32)
+    offset = 0
+    for i, (s, blocks) in enumerate(zip(scheduled, block_ids)):
+        start, n = s.request.num_computed_tokens, s.num_new_tokens
+        pos = np.arange(start, start + n)
+        table = np.asarray(blocks, dtype=np.int64)
+        block_tables[i, :len(blocks)] = table
+        input_ids.append(np.asarray(s.request.all_token_ids[start:start + n], dtype=np.int64))
+        positions.append(pos)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        offset += n
+        if s.samples:
+            logits_indices.append(offset - 1)
+    return StepInputs(
+        input_ids=np.concatenate(input_ids), positions=np.concatenate(positions),
+        slot_mapping=np.concatenate(slots),
+        query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32),
+        seq_lens=np.asarray(seq_lens, dtype=np.int32), block_tables=block_tables,
+        logits_indices=np.asarray(logits_indices, dtype=np.int64), query_lens=query_lens)
+
+
 class ModelRunner:
-    """Called by the engine core once per step with the scheduler's output."""
+    """Called by the engine core once per step with the scheduler's output.
+
+    On CUDA, pure-decode steps replay captured CUDA graphs when `graphs` is set
+    (engine/cuda_graphs.py); every other step runs eagerly.
+    """
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
                  sampler: Sampler, attention_backend: AttentionBackend, device: str) -> None:
@@ -37,54 +87,33 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = torch.device(device)
+        self.uploader = Uploader(self.device)
+        self.graphs = None  # CudaGraphRunner, set by the engine core after capture
         model.bind_kv_cache(kv_cache)
 
-    def prepare(self, scheduled: Sequence[ScheduledRequest],
-                block_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten the step into (input_ids, positions, logits_indices, metadata)."""
-        bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        query_lens, seq_lens, logits_indices = [], [], []
-        max_blocks = max(len(b) for b in block_ids)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
-        offset = 0
-        for i, (s, blocks) in enumerate(zip(scheduled, block_ids)):
-            start, n = s.request.num_computed_tokens, s.num_new_tokens
-            pos = np.arange(start, start + n)
-            table = np.asarray(blocks, dtype=np.int64)
-            block_tables[i, :len(blocks)] = table
-            input_ids.append(np.asarray(s.request.all_token_ids[start:start + n], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            offset += n
-            if s.samples:
-                logits_indices.append(offset - 1)
-
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-        md = AttentionMetadata(
-            slot_mapping=dev(np.concatenate(slots)),
-            query_start_loc=dev(np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)),
-            seq_lens=dev(np.asarray(seq_lens, dtype=np.int32)),
-            block_tables=dev(block_tables),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        return (dev(np.concatenate(input_ids)), dev(np.concatenate(positions)),
-                dev(np.asarray(logits_indices, dtype=np.int64)), md)
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [R, vocab] float32 for inputs.logits_indices, eagerly."""
+        ids, pos, slots, qsl, seq_lens, tables, logits_idx = self.uploader.upload(
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
+            inputs.seq_lens, inputs.block_tables, inputs.logits_indices)
+        md = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens,
+                               block_tables=tables, query_lens_cpu=inputs.query_lens,
+                               seq_lens_cpu=inputs.seq_lens.tolist())
+        self.attention_backend.prepare(md, self.block_size)
+        with attention_context(md):
+            return self.model(ids, pos, logits_idx)
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest],
                 block_ids: Sequence[Sequence[int]]) -> SamplerOutput:
         """Run one forward over all scheduled tokens; sample one token for each request
         whose step reaches its last token (in `scheduled` order)."""
-        input_ids, positions, logits_indices, md = self.prepare(scheduled, block_ids)
-        self.attention_backend.prepare(md, self.block_size)
-        with attention_context(md):
-            logits = self.model(input_ids, positions, logits_indices)
+        inputs = build_step_inputs(scheduled, block_ids, self.block_size)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            logits = self.graphs.run(inputs)
+        else:
+            logits = self.forward(inputs)
         rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
                             s.request.output_token_ids, s.request.generator)
                 for s in scheduled if s.samples]

@@ -6,9 +6,16 @@ BPE trained in a fraction of a second on a fixed corpus.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# The Triton kernels run on CPU tensors only under the interpreter, and it must be on
+# before any @triton.jit function is defined (ENVIRONMENT.md).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_models import build_tiny_model
 

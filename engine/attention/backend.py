@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine.attention import reference
+from engine.attention import cpu_decode, reference
 from engine.attention.blocked import DecodePlan, blocked_decode_attention, build_decode_plan
 from engine.attention.metadata import AttentionMetadata
 
@@ -40,27 +42,55 @@ class AttentionBackend:
 
 
 @dataclass
+class _DecodeRows:
+    """This step's decode rows (one query token each), as the C kernel takes them."""
+
+    seq_ids: list[int]  # indices of the decode sequences in the batch
+    rows: torch.Tensor  # [B] int64, their token indices in the flattened batch
+    block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [B] int32
+    plan: DecodePlan | None = None  # for the blocked torch path, built on first use
+
+
+@dataclass
 class _StepState:
-    decode: DecodePlan | None  # decode rows, if any
+    decode: _DecodeRows | None  # decode rows, if any
     keep: torch.Tensor  # [T'] int64, tokens whose K/V are stored (slot != -1)
     blocks: torch.Tensor  # [T'] int64, their block ids
     offsets: torch.Tensor  # [T'] int64, their offsets within the block
 
 
 class TorchBackend(AttentionBackend):
-    """Plain torch, fast on CPU. Decode rows go through the blocked segmented softmax
+    """Fast on CPU. Decode rows go through the C kernel (attention/cpu_decode.py) for a
+    float32 cache on CPU, else through the blocked segmented softmax in plain torch
     (attention/blocked.py); a prompt with no cached context attends over its fresh K/V
     directly; a chunk over a cached context gathers that context from the cache."""
 
     name = "torch"
 
     def prepare(self, md: AttentionMetadata, block_size: int) -> None:
-        decode_rows = [i for i, q in enumerate(md.query_lens_cpu) if q == 1]
-        plan = build_decode_plan(md, block_size, decode_rows) if decode_rows else None
+        seq_ids = [i for i, q in enumerate(md.query_lens_cpu) if q == 1]
+        decode = None
+        if seq_ids:
+            index = torch.tensor(seq_ids, device=md.seq_lens.device)
+            decode = _DecodeRows(seq_ids, md.query_start_loc[index].long(),
+                                 md.block_tables[index].contiguous(), md.seq_lens[index].contiguous())
         # Padding slots (-1) are dropped once here rather than checked in every layer.
         keep = (md.slot_mapping >= 0).nonzero().flatten()
         slots = md.slot_mapping[keep]
-        md.backend_state = _StepState(plan, keep, slots // block_size, slots % block_size)
+        md.backend_state = _StepState(decode, keep, slots // block_size, slots % block_size)
+
+    @staticmethod
+    def _decode(query: torch.Tensor, layer_cache: torch.Tensor, md: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """[B, Hq, D] for the decode rows, in their batch order."""
+        d: _DecodeRows = md.backend_state.decode
+        if cpu_decode.supports(layer_cache, query.shape[1]) and cpu_decode.load() is not None:
+            return cpu_decode.paged_decode_attention(query, layer_cache, d.rows, d.block_tables,
+                                                     d.seq_lens, scale)
+        if d.plan is None:
+            d.plan = build_decode_plan(md, layer_cache.shape[2], d.seq_ids)
+        return blocked_decode_attention(query, layer_cache, d.plan, scale)
 
     def store_kv(self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  md: AttentionMetadata) -> None:
@@ -72,17 +102,17 @@ class TorchBackend(AttentionBackend):
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   layer_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
-        plan = md.backend_state.decode
-        if plan is not None and plan.num_rows == md.num_seqs:
-            return blocked_decode_attention(query, layer_cache, plan, scale)
+        decode = md.backend_state.decode
+        if decode is not None and len(decode.seq_ids) == md.num_seqs:
+            return self._decode(query, layer_cache, md, scale)
         out = torch.empty_like(query)
-        if plan is not None:
-            out[plan.rows] = blocked_decode_attention(query, layer_cache, plan, scale)
+        if decode is not None:
+            out[decode.rows] = self._decode(query, layer_cache, md, scale)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
             end = start + q_len
             if q_len == 1:
-                pass  # a decode row: computed by the blocked path above
+                pass  # a decode row: computed above
             elif q_len == seq_len:
                 out[start:end] = reference.causal_attention(query[start:end], key[start:end],
                                                             value[start:end], scale)
@@ -93,13 +123,23 @@ class TorchBackend(AttentionBackend):
         return out
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"reference": AttentionBackend, "torch": TorchBackend}
+def _triton() -> AttentionBackend:
+    from engine.attention.triton_backend import TritonBackend  # imports triton: only when chosen
+
+    return TritonBackend()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "reference": AttentionBackend, "torch": TorchBackend, "triton": _triton}
 
 
 def get_backend(name: str, device: str) -> AttentionBackend:
-    """'auto': Triton kernels on CUDA once registered, else plain torch."""
+    """'auto': the Triton kernels on CUDA, plain torch (and the C decode kernel) on CPU."""
     if name == "auto":
-        name = "triton" if device.startswith("cuda") and "triton" in BACKENDS else "torch"
+        name = "triton" if device.startswith("cuda") else "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}")
+    if name == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton attention backend runs on CPU only under the Triton "
+                         "interpreter (TRITON_INTERPRET=1, very slow); use 'torch' on CPU")
     return BACKENDS[name]()

@@ -46,9 +46,14 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
 
 
-def _check_logits(x: torch.Tensor) -> None:
-    """Raise if any row would make softmax produce NaN (upstream bug, not a sampling choice)."""
-    bad = torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | torch.isneginf(x).all(-1)
+def _unusable(x: torch.Tensor) -> torch.Tensor:
+    """[batch] bool: rows that would make softmax produce NaN (an upstream bug, not a
+    sampling choice)."""
+    return torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | torch.isneginf(x).all(-1)
+
+
+def _check_logits(x: torch.Tensor, bad: torch.Tensor | None = None) -> None:
+    bad = _unusable(x) if bad is None else bad
     if bool(bad.any()):
         rows = bad.nonzero().flatten().tolist()
         raise RuntimeError(
@@ -86,22 +91,26 @@ class Sampler:
 
         if all(greedy) and not pen_rows and not mask_rows:
             # Fast path: nothing alters the logits, so one batched argmax decides every row.
-            _check_logits(raw)
+            # The check rides along with the tokens' readback: one host sync per step.
             token_ids = raw.argmax(dim=-1)
-        else:
-            x = raw.clone()  # the raw logits must survive for logprobs
-            if pen_rows:
-                self._apply_penalties(x, rows, pen_rows)
-            if mask_rows:
-                self._mask_stops(x, rows, mask_rows)
-            _check_logits(x)
-            token_ids = x.argmax(dim=-1)
-            sample_rows = [i for i, g in enumerate(greedy) if not g]
-            if sample_rows:
-                idx = torch.tensor(sample_rows, device=x.device)
-                sampled = self._sample(x.index_select(0, idx), [rows[i] for i in sample_rows])
-                token_ids.index_copy_(0, idx, sampled)
+            bad = _unusable(raw)
+            token_list, bad_list = torch.stack((token_ids, bad.to(token_ids.dtype))).tolist()
+            if any(bad_list):
+                _check_logits(raw, bad)
+            return SamplerOutput(token_list, self._logprobs(raw, rows, token_ids, token_list))
 
+        x = raw.clone()  # the raw logits must survive for logprobs
+        if pen_rows:
+            self._apply_penalties(x, rows, pen_rows)
+        if mask_rows:
+            self._mask_stops(x, rows, mask_rows)
+        _check_logits(x)
+        token_ids = x.argmax(dim=-1)
+        sample_rows = [i for i, g in enumerate(greedy) if not g]
+        if sample_rows:
+            idx = torch.tensor(sample_rows, device=x.device)
+            sampled = self._sample(x.index_select(0, idx), [rows[i] for i in sample_rows])
+            token_ids.index_copy_(0, idx, sampled)
         token_list = token_ids.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, rows, token_ids, token_list))
 

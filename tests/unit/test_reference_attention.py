@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.backend import BACKENDS
+from engine.attention import backend as backends
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import store_kv
 
@@ -26,14 +26,18 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "torch-blocked", "triton"])
 @pytest.mark.parametrize("gqa", [1, 4])
 @pytest.mark.parametrize("case", [
     [(1, 1), (1, 16), (1, 17), (1, 40)],          # pure decode, contexts on/past boundaries
     [(16, 16), (5, 37), (1, 9), (33, 33)],        # mixed: full prefill, chunk over prefix, decode
     [(1, 64), (7, 7), (1, 3)],                    # decodes around a prefill
 ])
-def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]]) -> None:
+def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    if backend == "torch-blocked":  # the plain-torch decode path, as without a C compiler
+        monkeypatch.setattr(backends.cpu_decode, "supports", lambda *args: False)
+        backend = "torch"
     torch.manual_seed(0)
     block_size, h, d, num_blocks = 16, 2, 32, 40
     cache = torch.full((num_blocks, 2, block_size, h, d), float("nan"))  # poison: unwritten reads fail
@@ -55,14 +59,15 @@ def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]]
         refs.append(dense_attention(q, k, v, d ** -0.5))
     md = AttentionMetadata(
         slot_mapping=torch.cat(slots + [torch.tensor([-1])]),  # one padding slot
-        query_start_loc=torch.tensor([0] + torch.cumsum(torch.tensor([q for q, _ in case]), 0).tolist()),
+        query_start_loc=torch.tensor([0] + torch.cumsum(torch.tensor([q for q, _ in case]), 0).tolist(),
+                                     dtype=torch.int32),
         seq_lens=torch.tensor([s for _, s in case], dtype=torch.int32),
         block_tables=torch.tensor(tables, dtype=torch.int32),
         query_lens_cpu=[q for q, _ in case],
         seq_lens_cpu=[s for _, s in case],
     )
     pad = torch.zeros(1, h, d)
-    impl = BACKENDS[backend]()
+    impl = backends.get_backend(backend, "cpu")
     impl.prepare(md, block_size)
     impl.store_kv(cache, torch.cat(ks + [pad]), torch.cat(vs + [pad]), md)
     out = impl.attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, md, d ** -0.5)

@@ -1,0 +1,379 @@
+"""The one-shot GPU check: correctness first, then timings, as one short table.
+
+    python benchmarks/gpu_check.py                 # on an H200: about 5 minutes
+    python benchmarks/gpu_check.py --smoke         # on CPU, tiny shapes, Triton interpreter:
+                                                   # checks this script, not the GPU
+
+Needs only torch, triton, transformers and numpy (what the H200 image has). Rows:
+ 1. each Triton kernel against the torch reference in bf16 (relative error <= 1e-2, no NaN)
+ 2. decode-attention bandwidth: bytes it must read / its time, vs 4.23 TB/s (>= 70% at
+    batch 64, context 2k)
+ 3. engine decode step at batch 64 and 256, context ~1k, vs the memory floor (weights + KV
+    bytes at 4.23 TB/s; <= 1.5x at batch 256)
+ 4. offline throughput of LLM.generate vs HF generate, Llama-3.2-1B-shaped random bf16
+    model, 512-token prompts, 128 new tokens (>= 20x)
+ 5. greedy tokens equal to HF in float32 (exact); in bf16 the fraction that match; CUDA
+    graphs vs eager identical
+A failing section prints FAIL with its error and the script goes on to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+HBM_BYTES_PER_S = 4.23e12  # H200
+
+
+@dataclass
+class Setup:
+    device: str
+    dtype: str  # for rows 1-4
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    bw_batch: int
+    bw_context: int
+    step_batches: tuple[int, ...]
+    step_context: int
+    requests: int
+    prompt_len: int
+    new_tokens: int
+    hf_batch: int
+
+
+H200 = Setup("cuda", "bfloat16", 2048, 8192, 16, 32, 8, 128256, 64, 2048, (64, 256), 1024,
+             1024, 512, 128, 128)
+SMOKE = Setup("cpu", "float32", 64, 128, 2, 4, 2, 512, 2, 64, (2,), 40, 4, 24, 4, 4)
+
+ROWS: list[tuple[str, str, str, str]] = []  # (check, measured, target, verdict)
+
+
+def row(check: str, measured: str, target: str = "", ok: bool | None = None) -> None:
+    verdict = "" if ok is None else ("ok" if ok else "FAIL")
+    ROWS.append((check, measured, target, verdict))
+    print(f"  {check}: {measured} {target} {verdict}", flush=True)
+
+
+def section(name: str, fn: Callable[[], None]) -> None:
+    print(f"[{name}]", flush=True)
+    start = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:  # one broken section must not hide the others' numbers
+        traceback.print_exc()
+        row(name, f"{type(exc).__name__}: {exc}"[:120], "", False)
+    print(f"  ({time.perf_counter() - start:.1f} s)", flush=True)
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn: Callable[[], None], device: str, repeats: int) -> float:
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------ 1. kernels vs reference
+
+def check_kernels(s: Setup) -> None:
+    import torch
+
+    from engine.attention import reference
+    from engine.attention.metadata import AttentionMetadata
+    from engine.kernels.decode_attention import decode_attention, num_splits_for
+    from engine.kernels.prefill_attention import plan_tiles, prefill_attention
+    from engine.kernels.store_kv import store_kv
+
+    dtype = getattr(torch, s.dtype)
+    torch.manual_seed(0)
+    bs, kv, groups = 16, s.kv_heads, s.heads // s.kv_heads
+    for head_dim in (64, 128):
+        # (new tokens, context): decodes on and past block boundaries, long decodes
+        # that split, fresh prompts, chunks after cached prefixes.
+        case = [(1, 1), (1, 16), (1, 17), (1, 700), (1, s.bw_context), (37, 37), (64, 200), (5, 1111)]
+        if s.device == "cpu":
+            case = [(1, 1), (1, 17), (1, 70), (9, 9), (7, 40)]
+        nblocks = [-(-n // bs) for _, n in case]
+        cache = torch.full((sum(nblocks) + 4, 2, bs, kv, head_dim), float("nan"), dtype=dtype, device=s.device)
+        perm = torch.randperm(cache.shape[0]).tolist()
+        tables = torch.zeros((len(case), max(nblocks)), dtype=torch.int32)
+        slots_new, ks, vs = [], [], []
+        for i, ((q_len, n), nb) in enumerate(zip(case, nblocks)):
+            tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)])
+            pos = torch.arange(n)
+            slots = (tables[i].long()[pos // bs] * bs + pos % bs).to(s.device)
+            k = torch.randn(n, kv, head_dim, device=s.device).to(dtype)
+            v = torch.randn(n, kv, head_dim, device=s.device).to(dtype)
+            reference.store_kv(cache, k[:n - q_len], v[:n - q_len], slots[:n - q_len])
+            slots_new.append(slots[n - q_len:]), ks.append(k[n - q_len:]), vs.append(v[n - q_len:])
+        key, value = torch.cat(ks), torch.cat(vs)
+        slot_mapping = torch.cat(slots_new)
+        expected_cache = cache.clone()
+        reference.store_kv(expected_cache, key, value, slot_mapping)
+        store_kv(cache, key, value, slot_mapping)
+        same = torch.equal(cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0))
+        row(f"store_kv d{head_dim}", "bit-exact" if same else "differs", "bit-exact", same)
+
+        q_lens = [q for q, _ in case]
+        query = torch.randn(sum(q_lens), kv * groups, head_dim, device=s.device).to(dtype)
+        starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+        md = AttentionMetadata(slot_mapping, starts.to(s.device),
+                               torch.tensor([n for _, n in case], dtype=torch.int32, device=s.device),
+                               tables.to(s.device), q_lens, [n for _, n in case])
+        expected = reference.paged_attention(query.float(), cache.float(), md, head_dim ** -0.5)
+        out = torch.full_like(query, float("nan"))
+        decode = [i for i, q in enumerate(q_lens) if q == 1]
+        prefill = [i for i, q in enumerate(q_lens) if q > 1]
+        index = torch.tensor(decode, device=s.device)
+        decode_attention(out, query, cache, starts[decode].to(s.device), md.block_tables[index].contiguous(),
+                         md.seq_lens[index].contiguous(), head_dim ** -0.5,
+                         num_splits_for(max(case[i][1] for i in decode)))
+        tile_seq, tile_start = plan_tiles(q_lens, prefill)
+        prefill_attention(out, query, cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                          torch.from_numpy(tile_seq).to(s.device), torch.from_numpy(tile_start).to(s.device),
+                          head_dim ** -0.5)
+        for name, rows in (("decode", decode), ("prefill", prefill)):
+            tokens = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rows]).to(s.device)
+            got, ref = out[tokens].float(), expected[tokens]
+            err = ((got - ref).norm() / ref.norm()).item()
+            ok = not got.isnan().any().item() and err <= 1e-2
+            row(f"{name} attention d{head_dim} ({s.dtype})", f"rel err {err:.1e}", "<= 1e-2", ok)
+
+
+# ------------------------------------------------------------------ 2. decode bandwidth
+
+def check_bandwidth(s: Setup) -> None:
+    import torch
+
+    from engine.kernels.decode_attention import decode_attention, num_splits_for
+
+    dtype = getattr(torch, s.dtype)
+    b, ctx, bs = s.bw_batch, s.bw_context, 16
+    for head_dim in (64, 128):
+        blocks = b * ctx // bs
+        cache = torch.randn(blocks, 2, bs, s.kv_heads, head_dim, device=s.device).to(dtype)
+        tables = torch.randperm(blocks, device=s.device).to(torch.int32).view(b, ctx // bs)
+        query = torch.randn(b, s.heads, head_dim, device=s.device).to(dtype)
+        out = torch.empty_like(query)
+        rows = torch.arange(b, dtype=torch.int32, device=s.device)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=s.device)
+        splits = num_splits_for(ctx)
+        seconds = median_seconds(lambda: decode_attention(out, query, cache, rows, tables, lens, 0.1, splits),
+                                 s.device, 50 if s.device != "cpu" else 1)
+        nbytes = cache.numel() * cache.element_size() + 2 * query.numel() * query.element_size()
+        pct = 100 * nbytes / seconds / HBM_BYTES_PER_S
+        row(f"decode kernel bandwidth b{b} ctx{ctx} d{head_dim}",
+            f"{nbytes / seconds / 1e12:.2f} TB/s ({pct:.0f}%, {seconds * 1e6:.0f} us)", ">= 70%", pct >= 70)
+
+
+# ------------------------------------------------------------------ model for rows 3-5
+
+def build_model(s: Setup, out_dir: Path, dtype: str, layers: int | None = None,
+                hidden: int | None = None, heads: int | None = None) -> Path:
+    """A random Llama-3.2-1B-shaped model (or smaller), saved like a Hugging Face checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, heads = hidden or s.hidden, heads or s.heads
+    config = LlamaConfig(vocab_size=s.vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers or s.layers, num_attention_heads=heads,
+                         num_key_value_heads=heads // (s.heads // s.kv_heads),
+                         max_position_embeddings=4096,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(s.device):
+        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out_dir)
+    del model
+    gc.collect()
+    return out_dir
+
+
+def prompts(s: Setup, n: int, length: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, s.vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+def hf_greedy(model_dir: Path, s: Setup, dtype: str, batch: list[list[int]], new_tokens: int):
+    """HF generate on equal-length prompts (no padding); returns (token lists, seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(s.device)
+    ids = torch.tensor(batch, device=s.device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+    model.generate(ids[:, :8], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+    sync(s.device)
+    start = time.perf_counter()
+    out = model.generate(ids, **kwargs)
+    sync(s.device)
+    seconds = time.perf_counter() - start
+    del model
+    free_memory(s)
+    return out[:, ids.shape[1]:].tolist(), seconds
+
+
+def free_memory(s: Setup) -> None:
+    gc.collect()
+    if s.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def make_llm(model_dir: Path, s: Setup, dtype: str, **options):
+    from engine import LLM
+
+    if s.device == "cpu":
+        options.update(attention_backend="triton", kv_cache_memory_gib=0.25)
+    return LLM(model=str(model_dir), dtype=dtype, device=s.device, **options)
+
+
+# ------------------------------------------------------------------ 3-5
+
+def check_fp32_fidelity(s: Setup, work: Path) -> None:
+    from engine import SamplingParams
+
+    small = min(s.hidden, 512)  # head_dim 64 on the GPU, as in the 1B model
+    model_dir = build_model(s, work / "fp32", "float32", layers=2, hidden=small,
+                            heads=max(s.heads // s.kv_heads, small // 64))
+    batch = prompts(s, 4, 64, seed=1)
+    expected, _ = hf_greedy(model_dir, s, "float32", batch, 24)
+    llm = make_llm(model_dir, s, "float32", max_num_seqs=8)
+    outs = llm.generate(batch, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    same = sum(o.token_ids == e for o, e in zip(outs, expected))
+    row("greedy == HF, float32", f"{same}/{len(batch)} requests identical", "all", same == len(batch))
+    del llm
+    free_memory(s)
+
+
+def check_engine(s: Setup, work: Path) -> None:
+    import torch
+
+    from engine import SamplingParams
+
+    model_dir = build_model(s, work / "bf16", s.dtype)
+    fidelity_batch = prompts(s, 8, 64, seed=2)
+    hf_tokens, _ = hf_greedy(model_dir, s, s.dtype, fidelity_batch, 32)
+    workload = prompts(s, s.requests, s.prompt_len, seed=3)
+    _, hf_seconds = hf_greedy(model_dir, s, s.dtype, workload[:s.hf_batch], s.new_tokens)
+    hf_rate = s.hf_batch * s.new_tokens / hf_seconds
+
+    llm = make_llm(model_dir, s, s.dtype, max_num_seqs=max(s.step_batches),
+                   max_num_batched_tokens=8192 if s.device != "cpu" else 64)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    graph_tokens = [o.token_ids for o in llm.generate(fidelity_batch, greedy, use_tqdm=False)]
+    matches = sum(a == b for x, y in zip(graph_tokens, hf_tokens) for a, b in zip(x, y))
+    row(f"greedy vs HF, {s.dtype}", f"{matches / (len(hf_tokens) * 32):.1%} of tokens match", "(info)")
+
+    params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(workload[:8], params, use_tqdm=False)  # warm-up
+    sync(s.device)
+    start = time.perf_counter()
+    llm.generate(workload, params, use_tqdm=False)
+    sync(s.device)
+    rate = s.requests * s.new_tokens / (time.perf_counter() - start)
+    row("offline throughput vs HF", f"{rate:,.0f} vs {hf_rate:,.0f} tok/s = {rate / hf_rate:.1f}x",
+        ">= 20x", rate / hf_rate >= 20)
+
+    # Decode step time at a steady batch: prefill everything, then time steps.
+    cfg = llm.core.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.core.model.parameters())
+    for b in s.step_batches:
+        core = llm.core
+        for i, p in enumerate(prompts(s, b, s.step_context, seed=4 + b)):
+            core.add_request(f"step{b}-{i}", p, SamplingParams(max_tokens=64, temperature=0.0,
+                                                               ignore_eos=True))
+        while any(r.num_output_tokens == 0 for r in core.scheduler.running) or core.scheduler.waiting:
+            core.step()
+        times = []
+        for _ in range(20):
+            sync(s.device)
+            start = time.perf_counter()
+            core.step()
+            sync(s.device)
+            times.append(time.perf_counter() - start)
+        ctx = s.step_context + 20
+        kv_bytes = b * ctx * cfg.kv_bytes_per_token(torch.tensor([], dtype=getattr(torch, s.dtype)).element_size())
+        floor = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
+        step = statistics.median(times)
+        row(f"decode step b{b} ctx~{ctx}", f"{step * 1e3:.2f} ms = {step / floor:.2f}x floor ({floor * 1e3:.2f} ms)",
+            "<= 1.5x" if b == max(s.step_batches) else "(info)",
+            step / floor <= 1.5 if b == max(s.step_batches) else None)
+        core.abort([f"step{b}-{i}" for i in range(b)])
+    del llm
+    free_memory(s)
+
+    if s.device.startswith("cuda"):
+        eager = make_llm(model_dir, s, s.dtype, max_num_seqs=max(s.step_batches), enforce_eager=True)
+        eager_tokens = [o.token_ids for o in eager.generate(fidelity_batch, greedy, use_tqdm=False)]
+        same = eager_tokens == graph_tokens
+        row("CUDA graphs == eager, greedy tokens", "identical" if same else "differ", "identical", same)
+        del eager
+        free_memory(s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
+    p.add_argument("--only", default="kernels,bandwidth,fp32,engine", help="comma-separated sections")
+    args = p.parse_args()
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    s = SMOKE if args.smoke else H200
+    only = set(args.only.split(","))
+    import torch
+
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if s.device == 'cuda' else 'cpu'}")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if "kernels" in only:
+            section("kernels vs reference", lambda: check_kernels(s))
+        if "fp32" in only:
+            section("float32 fidelity", lambda: check_fp32_fidelity(s, work))
+        if "bandwidth" in only:
+            section("decode bandwidth", lambda: check_bandwidth(s))
+        if "engine" in only:
+            section("engine", lambda: check_engine(s, work))
+    widths = [max(len(r[i]) for r in ROWS) for i in range(4)] if ROWS else [0] * 4
+    print("\n| check | measured | target | |\n|---|---|---|---|")
+    for r in ROWS:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    failed = [r for r in ROWS if r[3] == "FAIL"]
+    print(f"\n{len(ROWS) - len(failed)} passed, {len(failed)} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

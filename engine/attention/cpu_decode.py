@@ -1,0 +1,134 @@
+"""Loads the C decode-attention kernel (csrc/paged_decode.c) and checks its inputs.
+
+The kernel is compiled on first use with the system C compiler into a per-user cache
+(keyed by the source, the flags and the compiler), then loaded with ctypes: no torch
+headers, so a build takes about a second. It shares torch's OpenMP runtime (same
+soname, already loaded), hence torch's thread count. Where no compiler is found,
+`load()` returns None and the caller keeps its plain-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+MAX_QUERY_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 128  # the C file's stack arrays
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
+                  if line.startswith("flags")), [])
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags) else []
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdserve", "kernels")
+    return Path(root)
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention stays on the slower torch path")
+        return None
+    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", *_cpu_flags()]
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    library = _cache_dir() / f"paged_decode_{key}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the target and rename: concurrent processes never see half a file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+        os.close(fd)
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(tmp)
+            logger.warning("building %s failed, CPU decode attention stays on the torch path:\n%s",
+                           SOURCE.name, result.stderr)
+            return None
+        os.replace(tmp, library)
+    lib = ctypes.CDLL(str(library))
+    lib.paged_decode_attention_f32.restype = None
+    return lib
+
+
+def supports(layer_cache: torch.Tensor, num_query_heads: int) -> bool:
+    """Whether the kernel handles this cache: float32 on CPU, shapes within its limits."""
+    _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
+    groups = num_query_heads // num_kv_heads
+    return (layer_cache.device.type == "cpu" and layer_cache.dtype == torch.float32
+            and layer_cache.stride(-1) == 1 and layer_cache.stride(-2) == head_dim
+            and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
+            and groups <= MAX_QUERY_HEADS and block_size <= MAX_BLOCK_SIZE)
+
+
+def paged_decode_attention(query: torch.Tensor, layer_cache: torch.Tensor, rows: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    query:        [T, Hq, D] float32; the decode rows are query[rows]
+    layer_cache:  [num_blocks, 2, block_size, H, D], one layer's view of the cache
+    rows:         [B] int64 token indices into query
+    block_tables: [B, max_blocks] int32, contiguous, one per row
+    seq_lens:     [B] int32 context lengths (including the query token, already stored)
+    Returns [B, Hq, D].
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"the C decode kernel could not be built from {SOURCE}")
+    num_tokens, num_heads, head_dim = query.shape
+    _, two, block_size, num_kv_heads, cache_head_dim = layer_cache.shape
+    if two != 2 or cache_head_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} does not match layer cache {tuple(layer_cache.shape)}")
+    if not supports(layer_cache, num_heads):
+        raise ValueError(f"unsupported cache for the C decode kernel: dtype {layer_cache.dtype}, "
+                         f"device {layer_cache.device}, shape {tuple(layer_cache.shape)}, "
+                         f"strides {layer_cache.stride()}")
+    if query.dtype != torch.float32 or query.stride(-1) != 1 or query.stride(-2) != head_dim:
+        raise ValueError(f"query must be float32 with contiguous heads, got {query.dtype} "
+                         f"strides {query.stride()}")
+    num_rows = rows.numel()
+    for name, t, dtype in (("rows", rows, torch.int64), ("block_tables", block_tables, torch.int32),
+                           ("seq_lens", seq_lens, torch.int32)):
+        if t.dtype != dtype or not t.is_contiguous() or t.shape[0] != num_rows:
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor with {num_rows} rows, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+    out = torch.empty((num_rows, num_heads, head_dim), dtype=torch.float32)
+    if num_rows == 0:
+        return out
+    # Whole rows keep a block's heads in one contiguous read; split heads only when
+    # rows are too few to give every thread work, or too many query heads for one item.
+    groups = num_heads // num_kv_heads
+    splits = 1
+    while (splits < num_kv_heads and (num_rows * splits < 4 * torch.get_num_threads()
+                                      or -(-num_kv_heads // splits) * groups > MAX_QUERY_HEADS)):
+        splits += 1
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    s_block, s_kv, s_slot, s_head, _ = layer_cache.stride()
+    lib.paged_decode_attention_f32(
+        ptr(out.data_ptr()), ptr(query.data_ptr()), ptr(rows.data_ptr()), i64(query.stride(0)),
+        ptr(layer_cache.data_ptr()), i64(s_block), i64(s_kv), i64(s_slot), i64(s_head),
+        ptr(block_tables.data_ptr()), i64(block_tables.stride(0)), ptr(seq_lens.data_ptr()),
+        ctypes.c_int(num_rows), ctypes.c_int(num_kv_heads), ctypes.c_int(groups),
+        ctypes.c_int(head_dim), ctypes.c_int(block_size), ctypes.c_float(scale), ctypes.c_int(splits))
+    return out

@@ -1,0 +1,78 @@
+"""The Triton attention backend: the default on CUDA (engine/kernels/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.kernels.decode_attention import decode_attention, num_splits_for
+from engine.kernels.prefill_attention import plan_tiles, prefill_attention
+from engine.kernels.store_kv import store_kv
+from engine.staging import Uploader
+
+
+@dataclass
+class TritonStepState:
+    """Everything the kernels need beyond the metadata, built once per step on the host.
+
+    A CUDA graph captures a step with one of these built over static buffers; replays
+    then only refill those buffers.
+    """
+
+    decode_rows: torch.Tensor | None  # [B] int32 token index of each decode sequence
+    decode_tables: torch.Tensor | None  # [B, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None  # [B] int32
+    tile_seq: torch.Tensor | None  # [tiles] int32, prefill query tiles (plan_tiles)
+    tile_start: torch.Tensor | None
+    num_splits: int  # decode split-KV factor
+
+
+class TritonBackend(AttentionBackend):
+    """Decode rows through the paged decode kernel (split-KV), every other sequence
+    through the varlen prefill kernel; both read keys through the block table."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._uploader: Uploader | None = None
+
+    def prepare(self, md: AttentionMetadata, block_size: int) -> None:
+        if self._uploader is None:
+            self._uploader = Uploader(md.slot_mapping.device)
+        q_lens = md.query_lens_cpu
+        decode = [i for i, q in enumerate(q_lens) if q == 1]
+        prefill = [i for i, q in enumerate(q_lens) if q > 1]
+        tile_seq, tile_start = plan_tiles(q_lens, prefill)
+        starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        index = np.asarray(decode, dtype=np.int32)
+        rows, dec_index, tile_seq_t, tile_start_t = self._uploader.upload(
+            starts[index], index.astype(np.int64), tile_seq, tile_start)
+        if not decode:
+            tables = lens = rows = None
+        elif len(decode) == md.num_seqs:  # pure decode: the metadata already is in row order
+            tables, lens = md.block_tables, md.seq_lens
+        else:
+            tables, lens = md.block_tables[dec_index], md.seq_lens[dec_index]
+        md.backend_state = TritonStepState(
+            rows, tables, lens, tile_seq_t if prefill else None, tile_start_t if prefill else None,
+            num_splits_for(max((md.seq_lens_cpu[i] for i in decode), default=1)))
+
+    def store_kv(self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 md: AttentionMetadata) -> None:
+        store_kv(layer_cache, key, value, md.slot_mapping)
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  layer_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        state: TritonStepState = md.backend_state
+        out = torch.empty_like(query)
+        if state.decode_rows is not None:
+            decode_attention(out, query, layer_cache, state.decode_rows, state.decode_tables,
+                             state.decode_seq_lens, scale, state.num_splits)
+        if state.tile_seq is not None:
+            prefill_attention(out, query, layer_cache, md.block_tables, md.seq_lens,
+                              md.query_start_loc, state.tile_seq, state.tile_start, scale)
+        return out

@@ -1,0 +1,117 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed.
+
+A decode step of a small model is dominated by kernel launch overhead: hundreds of
+launches of microsecond kernels. Capturing the whole forward once per bucket and
+replaying it turns that into one launch. Each graph reads static buffers; a step
+copies its inputs into them, pads the batch up to the bucket (padding rows write to
+slot -1 and attend over one token of block 0, and their logits are dropped), replays
+and slices the logits. Prefill and mixed steps, batches above the largest bucket and
+contexts past MAX_CONTEXT run eagerly. Outputs are identical either way: the same
+kernels on the same data, with the same split-KV boundaries (decode_attention.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata, attention_context
+from engine.attention.triton_backend import TritonBackend, TritonStepState
+from engine.kernels.decode_attention import num_splits_for
+from engine.model.llama import LlamaForCausalLM
+from engine.runner import StepInputs
+from engine.staging import Uploader
+
+logger = logging.getLogger(__name__)
+
+# Longest context a graph serves. Graphs launch enough decode splits for it, and each
+# unused split is a program that exits at once: cheap for 8k, not for 128k.
+MAX_CONTEXT = 8192
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (and max_num_seqs itself)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    return sorted(set(sizes) | {max_num_seqs})
+
+
+class CudaGraphRunner:
+    def __init__(self, model: LlamaForCausalLM, backend: TritonBackend, max_num_seqs: int,
+                 max_model_len: int, block_size: int, device: torch.device) -> None:
+        if not isinstance(backend, TritonBackend):
+            raise ValueError(f"CUDA graphs need the triton attention backend, got {backend.name!r}")
+        self.model = model
+        self.backend = backend
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_context = min(max_model_len, MAX_CONTEXT)
+        self.device = device
+        n, max_blocks = self.buckets[-1], -(-self.max_context // block_size)
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), -1, **i64)
+        self.seq_lens = torch.ones(n, **i32)
+        self.block_tables = torch.zeros((n, max_blocks), **i32)
+        self.query_start_loc = torch.arange(n + 1, **i32)
+        self.rows = torch.arange(n, **i32)
+        self.logits_indices = torch.arange(n, **i64)
+        self.uploader = Uploader(device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        """Metadata over the first `size` rows of the static buffers."""
+        md = AttentionMetadata(self.slot_mapping[:size], self.query_start_loc[:size + 1],
+                               self.seq_lens[:size], self.block_tables[:size], [1] * size,
+                               [self.max_context] * size)
+        # Splits for the longest context a graph serves: a shorter one leaves trailing
+        # splits empty (an early exit each) and gets the same result as eager mode.
+        md.backend_state = TritonStepState(self.rows[:size], self.block_tables[:size],
+                                           self.seq_lens[:size], None, None,
+                                           num_splits_for(self.max_context))
+        return md
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first so smaller graphs reuse its memory pool."""
+        for size in reversed(self.buckets):
+            md = self._metadata(size)
+            args = (self.input_ids[:size], self.positions[:size], self.logits_indices[:size])
+            with attention_context(md):
+                self.model(*args)  # warm-up: Triton compiles outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    logits = self.model(*args)
+            self.pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d CUDA graphs for decode batches up to %d", len(self.graphs), self.buckets[-1])
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        return (inputs.is_pure_decode and len(inputs.query_lens) <= self.buckets[-1]
+                and int(inputs.seq_lens.max()) <= self.max_context)
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [B, vocab] for a pure-decode step of B <= the largest bucket."""
+        b = len(inputs.query_lens)
+        size = next(s for s in self.buckets if s >= b)
+        width = inputs.block_tables.shape[1]
+        ids, pos, slots, lens, tables = self.uploader.upload(
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
+            inputs.block_tables)
+        self.input_ids[:b].copy_(ids)
+        self.positions[:b].copy_(pos)
+        self.slot_mapping[:b].copy_(slots)
+        self.seq_lens[:b].copy_(lens)
+        self.block_tables[:b, :width].copy_(tables)
+        if size > b:  # padding rows: nothing stored, one token of block 0 read
+            self.slot_mapping[b:size].fill_(-1)
+            self.seq_lens[b:size].fill_(1)
+            self.block_tables[b:size, 0].fill_(0)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:b]
+

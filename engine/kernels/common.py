@@ -1,0 +1,56 @@
+"""Input checks shared by the kernel launchers."""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_layer_cache(layer_cache: torch.Tensor) -> tuple[int, int, int]:
+    """One layer's view of the block-major cache, [num_blocks, 2, block_size, H, D].
+
+    Returns (block_size, kv_heads, head_dim)."""
+    if layer_cache.dim() != 5 or layer_cache.shape[1] != 2:
+        raise ValueError(f"layer cache must be [num_blocks, 2, block_size, kv_heads, head_dim], "
+                         f"got {tuple(layer_cache.shape)}")
+    if layer_cache.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported KV cache dtype {layer_cache.dtype}")
+    if layer_cache.stride(-1) != 1:
+        raise ValueError(f"layer cache head_dim must be contiguous, strides {layer_cache.stride()}")
+    _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
+    if head_dim != next_power_of_2(head_dim) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    return block_size, num_kv_heads, head_dim
+
+
+def check_tokens(name: str, t: torch.Tensor, num_heads: int, head_dim: int, device: torch.device,
+                 dtype: torch.dtype | None = None) -> None:
+    """A [T, heads, head_dim] tensor with a contiguous last dimension."""
+    if t.dim() != 3 or tuple(t.shape[1:]) != (num_heads, head_dim):
+        raise ValueError(f"{name} must be [tokens, {num_heads}, {head_dim}], got {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} head_dim must be contiguous, strides {t.stride()}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the KV cache on {device}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} is {t.dtype}, the KV cache {dtype}")
+
+
+def check_index(name: str, t: torch.Tensor, dims: int, dtype: torch.dtype, device: torch.device,
+                rows: int | None = None) -> None:
+    if t.dim() != dims or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dims}-D {dtype} tensor on {device}, "
+                         f"got {t.dim()}-D {t.dtype} on {t.device}")
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name} has {t.shape[0]} rows, expected {rows}")
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs need IEEE dots to stay exact; 16-bit values are exact in tf32, so
+    their products cost nothing in precision on tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"

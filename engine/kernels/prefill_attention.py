@@ -1,0 +1,128 @@
+"""Varlen causal prefill attention over the paged cache.
+
+A flattened batch of sequences, each with q_len new tokens after a cached context of
+seq_len - q_len tokens (0 for a fresh prompt; a prefix-cache hit or earlier chunks
+otherwise). The new tokens' K/V are stored first, so every key is read through the
+block table: one code path for fresh prompts, cached prefixes and chunks.
+
+Grid (query tile, query head). The launcher lists each sequence's tiles of BLOCK_M
+query tokens on the host (it knows the lengths), so no program is wasted on padding.
+Query i of a sequence sits at position context + i and sees keys 0..context + i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.common import check_index, check_layer_cache, check_tokens, dot_precision
+
+BLOCK_M = 32  # query tokens per program
+BLOCK_N = 32  # keys per inner iteration
+
+
+@triton.jit
+def _prefill_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+                    tile_seq_ptr, tile_start_ptr,
+                    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+                    stride_c_block, stride_c_kv, stride_c_slot, stride_c_head, stride_bt, scale,
+                    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUPS
+    seq = tl.load(tile_seq_ptr + tile)
+    q_first = tl.load(tile_start_ptr + tile)  # index of the tile's first query in its sequence
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    i = q_first + tl.arange(0, BLOCK_M)
+    q_valid = i < q_len
+    q_pos = context + i
+    d = tl.arange(0, HEAD_DIM)
+    tokens = (q_begin + i).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
+                mask=q_valid[:, None], other=0.0).to(tl.float32)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    n = tl.arange(0, BLOCK_N)
+    # Keys past the tile's last query are masked for all of its rows: stop there.
+    end = tl.minimum(seq_len, context + q_first + BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        pos = start + n
+        k_valid = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        kv = (cache_ptr + block[:, None] * stride_c_block + (pos % BLOCK_SIZE)[:, None] * stride_c_slot
+              + kv_head * stride_c_head + d[None, :])
+        k = tl.load(kv, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        # Position 0 is visible to every row, so no row's max stays -inf.
+        visible = k_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(kv + stride_c_kv, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m = m_new
+
+    out = acc / l[:, None]
+    tl.store(out_ptr + tokens[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])
+
+
+def plan_tiles(query_lens: Sequence[int], seq_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence, first query) of every BLOCK_M-query tile of the given sequences, on
+    the host: int32 arrays for prefill_attention's tile_seq and tile_start."""
+    tile_seq, tile_start = [], []
+    for s in seq_ids:
+        starts = range(0, query_lens[s], BLOCK_M)
+        tile_seq += [s] * len(starts)
+        tile_start += starts
+    return np.asarray(tile_seq, dtype=np.int32), np.asarray(tile_start, dtype=np.int32)
+
+
+def prefill_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.Tensor,
+                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      query_start_loc: torch.Tensor, tile_seq: torch.Tensor,
+                      tile_start: torch.Tensor, scale: float) -> None:
+    """Causal attention for the query tiles listed by (tile_seq, tile_start) (from
+    plan_tiles), written into out at their tokens; other rows of out are untouched.
+
+    out, query:      [T, Hq, D]
+    layer_cache:     [num_blocks, 2, block_size, H, D], this step's K/V already stored
+    block_tables:    [S, max_blocks] int32; seq_lens [S] int32 (context + new tokens)
+    query_start_loc: [S + 1] int32, cumulative new-token counts
+    """
+    block_size, num_kv_heads, head_dim = check_layer_cache(layer_cache)
+    num_q_heads = query.shape[1] if query.dim() == 3 else -1
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads {tuple(query.shape)} must be a multiple of the cache's "
+                         f"{num_kv_heads} KV heads")
+    device = layer_cache.device
+    check_tokens("query", query, num_q_heads, head_dim, device)
+    check_tokens("out", out, num_q_heads, head_dim, device)
+    num_seqs = seq_lens.shape[0]
+    check_index("block_tables", block_tables, 2, torch.int32, device, num_seqs)
+    check_index("seq_lens", seq_lens, 1, torch.int32, device)
+    check_index("query_start_loc", query_start_loc, 1, torch.int32, device, num_seqs + 1)
+    check_index("tile_seq", tile_seq, 1, torch.int32, device)
+    check_index("tile_start", tile_start, 1, torch.int32, device, tile_seq.shape[0])
+    if tile_seq.shape[0] == 0:
+        return
+    _prefill_kernel[(tile_seq.shape[0], num_q_heads)](
+        out, query, layer_cache, block_tables, seq_lens, query_start_loc, tile_seq, tile_start,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        *layer_cache.stride()[:4], block_tables.stride(0), scale,
+        GROUPS=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRECISION=dot_precision(layer_cache.dtype))

@@ -1,0 +1,140 @@
+"""The Triton kernels against the torch reference, under TRITON_INTERPRET=1 on CPU.
+
+Blocks are scattered at random over a NaN-poisoned pool, contexts end on and just
+past block boundaries, GQA ratios are 1, 4 and 8, and the outputs are poisoned too,
+so any unwritten element or any read of an unwritten slot fails. Shapes stay small:
+the interpreter costs about a millisecond per program.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import reference
+from engine.kernels.decode_attention import decode_attention, num_splits_for
+from engine.kernels.prefill_attention import plan_tiles, prefill_attention
+from engine.kernels.store_kv import store_kv
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, Hq, D] for the last n of L positions; k, v [L, H, D]; fp32 softmax."""
+    n, hq, _ = q.shape
+    L, h, _ = k.shape
+    q, k, v = q.float(), k.float().repeat_interleave(hq // h, 1), v.float().repeat_interleave(hq // h, 1)
+    s = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    s = s.masked_fill(torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
+
+
+def scattered_cache(seq_lens: list[int], block_size: int, kv_heads: int, head_dim: int,
+                    dtype: torch.dtype, seed: int = 0):
+    """A poisoned [blocks, 2, bs, H, D] cache holding each sequence's K/V in random blocks."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    cache = torch.full((sum(per_seq) + 2, 2, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    perm = torch.randperm(cache.shape[0], generator=g).tolist()
+    tables = torch.zeros((len(seq_lens), max(per_seq) + 1), dtype=torch.int32)
+    kvs = []
+    for i, (n, nb) in enumerate(zip(seq_lens, per_seq)):
+        k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+        tables[i, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+        pos = torch.arange(n)
+        reference.store_kv(cache, k, v, tables[i].long()[pos // block_size] * block_size + pos % block_size)
+        kvs.append((k, v))
+    return cache, tables, kvs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kv_matches_reference(dtype: torch.dtype) -> None:
+    cache = torch.full((6, 2, 16, 3, 32), float("nan"), dtype=dtype)  # 3 heads: padded to 4 in the kernel
+    expected = cache.clone()
+    key, value = torch.randn(5, 3, 32).to(dtype), torch.randn(5, 3, 32).to(dtype)
+    slots = torch.tensor([0, 17, -1, 95, 40])  # first slot, mid-block, padding, last slot of the pool
+    store_kv(cache, key, value, slots)
+    reference.store_kv(expected, key, value, slots)
+    torch.testing.assert_close(cache, expected, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 32)])
+@pytest.mark.parametrize("kv_heads,groups", [(2, 1), (1, 4), (1, 8)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_dense(dtype: torch.dtype, block_size: int, head_dim: int, kv_heads: int,
+                              groups: int, num_splits: int) -> None:
+    seq_lens = [1, 16, 17, 32, 33, 70]
+    cache, tables, kvs = scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype)
+    num_tokens = len(seq_lens) * 2 + 1
+    query = torch.randn(num_tokens, kv_heads * groups, head_dim).to(dtype)
+    rows = torch.arange(len(seq_lens), dtype=torch.int32) * 2 + 1  # decode rows among other tokens
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim ** -0.5
+    decode_attention(out, query, cache, rows, tables, torch.tensor(seq_lens, dtype=torch.int32),
+                     scale, num_splits, split_tokens=32)
+    expected = torch.cat([dense(query[r:r + 1], k, v, scale) for r, (k, v) in zip(rows.tolist(), kvs)])
+    torch.testing.assert_close(out[rows.long()].float(), expected, **TOL[dtype])
+    others = torch.ones(num_tokens, dtype=torch.bool)
+    others[rows.long()] = False
+    assert out[others].isnan().all(), "rows that are not decode rows must stay untouched"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_prefill_matches_dense(dtype: torch.dtype, block_size: int, groups: int) -> None:
+    # (new tokens, context + new): fresh prompts, a chunk after a multi-block cached
+    # prefix, a prompt past one query tile, and a decode row the kernel must skip.
+    case = [(20, 20), (7, 55), (40, 40), (1, 9), (33, 65)]
+    kv_heads, head_dim = 2, 32
+    cache, tables, kvs = scattered_cache([s for _, s in case], block_size, kv_heads, head_dim, dtype)
+    q_lens = [q for q, _ in case]
+    query = torch.randn(sum(q_lens), kv_heads * groups, head_dim).to(dtype)
+    out = torch.full_like(query, float("nan"))
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    prefill = [i for i, q in enumerate(q_lens) if q > 1]
+    tile_seq, tile_start = plan_tiles(q_lens, prefill)
+    scale = head_dim ** -0.5
+    prefill_attention(out, query, cache, tables, torch.tensor([s for _, s in case], dtype=torch.int32),
+                      starts, torch.from_numpy(tile_seq), torch.from_numpy(tile_start), scale)
+    for i, (k, v) in enumerate(kvs):
+        rows = slice(starts[i].item(), starts[i + 1].item())
+        if i in prefill:
+            torch.testing.assert_close(out[rows].float(), dense(query[rows], k, v, scale), **TOL[dtype])
+        else:
+            assert out[rows].isnan().all()
+
+
+def test_launchers_name_bad_inputs() -> None:
+    cache, tables, _ = scattered_cache([5], 16, 2, 32, torch.float32)
+    query, out = torch.randn(1, 4, 32), torch.empty(1, 4, 32)
+    rows, lens = torch.zeros(1, dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_tables must be a contiguous 2-D torch.int32"):
+        decode_attention(out, query, cache, rows, tables.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="multiple of the cache's 2 KV heads"):
+        decode_attention(out, torch.randn(1, 3, 32), cache, rows, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        decode_attention(out, query, torch.zeros(4, 2, 16, 2, 24), rows, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="key is torch.float16, the KV cache torch.float32"):
+        store_kv(cache, torch.zeros(1, 2, 32, dtype=torch.float16), torch.zeros(1, 2, 32), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="slot_mapping has 2 rows, expected 1"):
+        store_kv(cache, torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), torch.zeros(2, dtype=torch.int64))
+
+
+def test_split_count_does_not_change_results() -> None:
+    """Eager steps and CUDA graphs launch different split counts for the same rows."""
+    seq_lens = [5, 32, 40, 96]
+    cache, tables, _ = scattered_cache(seq_lens, 16, 2, 32, torch.float32)
+    query = torch.randn(4, 4, 32)
+    rows, lens = torch.arange(4, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+    outs = []
+    for splits in (num_splits_for(max(seq_lens), 32), 6):
+        out = torch.empty_like(query)
+        decode_attention(out, query, cache, rows, tables, lens, 0.2, splits, split_tokens=32)
+        outs.append(out)
+    single = torch.empty_like(query[:2])  # contexts within one split: the unsplit path
+    decode_attention(single, query[:2], cache, rows[:2], tables[:2], lens[:2], 0.2, 1, split_tokens=32)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(single, outs[0][:2])
+    assert num_splits_for(96, 32) == 3 and num_splits_for(97, 32) == 4 and num_splits_for(1) == 1
