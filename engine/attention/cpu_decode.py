@@ -43,6 +43,19 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+def _build(compiler: str, flags: list[str], library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    result = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr}")
+    os.replace(tmp, library)
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -54,18 +67,11 @@ def load() -> ctypes.CDLL | None:
     key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     library = _cache_dir() / f"paged_decode_{key}.so"
     if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: concurrent processes never see half a file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
-        os.close(fd)
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("building %s failed, CPU decode attention stays on the torch path:\n%s",
-                           SOURCE.name, result.stderr)
+        try:
+            _build(compiler, flags, library)
+        except (OSError, RuntimeError) as exc:
+            logger.warning("CPU decode attention stays on the slower torch path: %s", exc)
             return None
-        os.replace(tmp, library)
     lib = ctypes.CDLL(str(library))
     lib.paged_decode_attention_f32.restype = None
     return lib

@@ -1,0 +1,135 @@
+"""KV transfer bandwidth per transport, between two processes on this machine.
+
+    .venv/bin/python benchmarks/kv_transfer.py                       # all transports, full grid
+    .venv/bin/python benchmarks/kv_transfer.py --transports shm,nixl --sizes-mib 256 --desc-kib 1024
+
+A receiver process reserves destination blocks; this process writes source blocks into
+them through the transport and times write() to WriteDone (the receiver's
+acknowledgement), so every figure includes the notification round trip. A transfer of
+S bytes in descriptors of R bytes is S/R runs of R/block_bytes consecutive blocks; the
+runs land in reverse order on the receiver, so no two of them coalesce into one
+descriptor. Both caches are touched before timing (no first-touch page faults), and
+each cell is the median of --repeats transfers after one untimed warm-up;
+GiB/s = S / seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import msgpack
+import torch
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+from kv_transfer import TransportConfig, WriteDone, WriteFailed, create_transport  # noqa: E402
+
+# A 32 KiB block: 4 layers x K/V x 16 tokens x 2 heads x 32 dims x fp32.
+LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 4, 16, 2, 32
+BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
+
+
+def shape(num_blocks: int) -> tuple[int, ...]:
+    return (num_blocks, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+
+
+def receiver(conn: Connection, transport: str, num_blocks: int) -> None:
+    t = create_transport(transport, "receiver", TransportConfig(timeout_s=120, cancel_grace_s=5))
+    cache = t.allocate_kv_cache(shape(num_blocks), torch.float32, "cpu")
+    cache.fill_(1.0)  # fault every page in now, as a serving engine's cache would be
+    t.register_kv_cache(cache, "bench")
+    conn.send_bytes(t.metadata())
+    while True:
+        t.poll()
+        if not conn.poll(0.0002):  # waits, like a worker's step loop: no spinning core
+            continue
+        cmd = msgpack.unpackb(conn.recv_bytes(), raw=False)
+        if cmd["op"] == "exit":
+            t.close()
+            return
+        t.expect(cmd["req"], 1, cmd["blocks"], deadline=time.time() + 300)
+        conn.send_bytes(b"ok")
+
+
+def run_transport(name: str, sizes: list[int], descs: list[int], repeats: int) -> dict[tuple[int, int], float]:
+    num_blocks = max(sizes) // BLOCK_BYTES
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver, args=(child, name, num_blocks), daemon=True)
+    proc.start()
+    sender = create_transport(name, "sender", TransportConfig(timeout_s=120))
+    try:
+        cache = sender.allocate_kv_cache(shape(num_blocks), torch.float32, "cpu")
+        cache.normal_()
+        sender.register_kv_cache(cache, "bench")
+        if not conn.poll(120):
+            raise TimeoutError("receiver did not start")
+        peer = sender.add_peer(conn.recv_bytes())
+        results = {}
+        for size in sizes:
+            for desc in descs:
+                run = desc // BLOCK_BYTES
+                runs = size // desc
+                src = list(range(runs * run))
+                dst = [b for i in reversed(range(runs)) for b in range(i * run, (i + 1) * run)]
+                times = []
+                for rep in range(-1, repeats):  # rep -1: untimed warm-up
+                    req = f"{size}-{desc}-{rep}"
+                    conn.send_bytes(msgpack.packb({"op": "expect", "req": req, "blocks": dst}))
+                    assert conn.recv_bytes() == b"ok"
+                    start = time.perf_counter()
+                    sender.write(peer, req, 1, src, dst, deadline=time.time() + 300)
+                    while True:
+                        events = [e for e in sender.poll() if isinstance(e, (WriteDone, WriteFailed))]
+                        if events:
+                            break
+                        time.sleep(0.00002)
+                    if isinstance(events[0], WriteFailed):
+                        raise RuntimeError(events[0].reason)
+                    if rep >= 0:
+                        times.append(time.perf_counter() - start)
+                results[(size, desc)] = size / statistics.median(times) / 2**30
+                print(f"  {name:5s} {size >> 20:5d} MiB in {desc >> 10:5d} KiB descriptors: "
+                      f"{results[(size, desc)]:6.2f} GiB/s", flush=True)
+        return results
+    finally:
+        try:
+            conn.send_bytes(msgpack.packb({"op": "exit"}))
+            proc.join(30)
+        finally:
+            if proc.is_alive():
+                proc.kill()
+            sender.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--transports", default="shm,nixl,tcp")
+    p.add_argument("--sizes-mib", default="64,256,1024")
+    p.add_argument("--desc-kib", default="32,256,1024,4096")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
+    descs = [int(d) << 10 for d in args.desc_kib.split(",")]
+    table = {}
+    for name in args.transports.split(","):
+        print(f"[{name}]", flush=True)
+        table[name] = run_transport(name, sizes, descs, args.repeats)
+    print("\nGiB/s, median of", args.repeats, "transfers (write() to the receiver's acknowledgement)\n")
+    print("| transport | transfer | " + " | ".join(f"{d >> 10} KiB desc" for d in descs) + " |")
+    print("|---|---:|" + "---:|" * len(descs))
+    for name, res in table.items():
+        for size in sizes:
+            print(f"| {name} | {size >> 20} MiB | " + " | ".join(f"{res[(size, d)]:.2f}" for d in descs) + " |")
+
+
+if __name__ == "__main__":
+    main()

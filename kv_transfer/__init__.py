@@ -1,0 +1,35 @@
+"""KV transfer: moving a request's prompt KV blocks from a prefill worker's cache into
+the blocks a decode worker reserved for it (push, one descriptor per run of blocks).
+
+The interface and its rules are in base.py; transports register here by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import import_module
+
+from kv_transfer.base import (Completed, Event, Expired, KVTransport, Received, Released,
+                              TransportConfig, WriteDone, WriteFailed)
+from kv_transfer.compat import IncompatiblePeerError, KVCompat
+
+# name -> "module:Class"; imported on first use so a transport's library (nixl, torch
+# distributed) loads only when it is chosen.
+TRANSPORTS: dict[str, str] = {
+    "tcp": "kv_transfer.tcp:TcpTransport",
+    "shm": "kv_transfer.shm:ShmTransport",
+    "nixl": "kv_transfer.nixl:NixlTransport",
+}
+
+
+def create_transport(name: str, agent_name: str, config: TransportConfig | None = None) -> KVTransport:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {name!r}; available: {sorted(TRANSPORTS)}")
+    module, cls = TRANSPORTS[name].split(":")
+    factory: Callable[..., KVTransport] = getattr(import_module(module), cls)
+    return factory(agent_name, config)
+
+
+__all__ = ["TRANSPORTS", "create_transport", "KVTransport", "TransportConfig", "KVCompat",
+           "IncompatiblePeerError", "Event", "WriteDone", "WriteFailed", "Received", "Completed",
+           "Expired", "Released"]

@@ -1,0 +1,23 @@
+"""Coalescing block lists into runs: one descriptor per run of consecutive blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, count) for maximal runs where both sides are consecutive.
+
+    src[i] is written to dst[i]; the order of the lists is kept.
+    """
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs

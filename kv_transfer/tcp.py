@@ -1,0 +1,42 @@
+"""tcp: the fallback that works anywhere. The block bytes travel in the notification
+itself, as ZMQ frames (one per run, zero-copy from the cache on CPU), and the
+receiver copies them into its cache only after checking the reservation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kv_transfer.base import KVTransport, _Peer, _Write
+
+
+class TcpTransport(KVTransport):
+    name = "tcp"
+    one_sided = False
+
+    def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
+        return {}
+
+    def _connect(self, peer: _Peer) -> None:
+        pass
+
+    def _start(self, peer: _Peer, write: _Write) -> None:
+        pass  # the data goes with the notification (_data_frames)
+
+    def _data_frames(self, write: _Write) -> list[Any]:
+        frames = []
+        for src, _, n in write.runs:
+            run = self._blocks_bytes[src:src + n]
+            # zmq reads host memory; a GPU cache is staged through a host copy.
+            frames.append(memoryview(run.cpu().numpy() if run.is_cuda else run.numpy()).cast("B"))
+        return frames
+
+    def _apply(self, runs: list[list[int]], frames: list[Any]) -> None:
+        if len(runs) != len(frames):
+            raise ValueError(f"{len(runs)} runs but {len(frames)} data frames")
+        for (dst, n), frame in zip(runs, frames):
+            data = torch.frombuffer(frame.buffer, dtype=torch.uint8)
+            if data.numel() != n * self._blocks_bytes.shape[1]:
+                raise ValueError(f"a run of {n} blocks came with {data.numel()} bytes")
+            self._blocks_bytes[dst:dst + n].copy_(data.view(n, -1))

@@ -1,0 +1,81 @@
+"""A transport agent in its own process, driven by msgpack commands over a pipe.
+
+The test process plays the other side. Commands and replies are msgpack maps sent as
+bytes (never pickled objects):
+    {"op": "add_peer", "meta": bytes}               -> {"peer": name} | {"error": str}
+    {"op": "write", "peer", "req", "epoch", "src", "dst", "deadline"} -> {"xfer": id}
+    {"op": "expect", "req", "epoch", "blocks", "deadline"}            -> {}
+    {"op": "poll", "seconds": s}   poll for s seconds -> {"events": [...], "stats": {...}}
+    {"op": "blocks", "ids": [...]} -> {"data": bytes} of those blocks
+    {"op": "exit"}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgpack
+import torch
+
+SHAPE = dict(num_blocks=64, layers=2, block_size=16, kv_heads=2, head_dim=32)
+
+
+def cache_shape(num_blocks: int = SHAPE["num_blocks"], block_size: int = SHAPE["block_size"]) -> tuple[int, ...]:
+    return (num_blocks, SHAPE["layers"], 2, block_size, SHAPE["kv_heads"], SHAPE["head_dim"])
+
+
+def fill(cache: torch.Tensor, seed: int) -> None:
+    """Deterministic distinct contents, reproducible in the test process."""
+    g = torch.Generator().manual_seed(seed)
+    cache.copy_(torch.randn(cache.shape, generator=g, dtype=torch.float32).to(cache.dtype))
+
+
+def event_dict(e: Any) -> dict[str, Any]:
+    d = dataclasses.asdict(e)
+    d["type"] = type(e).__name__
+    if "blocks" in d:
+        d["blocks"] = list(d["blocks"])
+    return d
+
+
+def run_agent(conn: Connection, transport: str, name: str, seed: int, timeout_s: float,
+              grace_s: float, block_size: int, dtype: str) -> None:
+    from kv_transfer import TransportConfig, create_transport
+
+    t = create_transport(transport, name, TransportConfig(timeout_s=timeout_s, cancel_grace_s=grace_s))
+    cache = t.allocate_kv_cache(cache_shape(block_size=block_size), getattr(torch, dtype), "cpu")
+    fill(cache, seed)
+    t.register_kv_cache(cache, "test-model")
+    conn.send_bytes(t.metadata())
+    while True:
+        cmd = msgpack.unpackb(conn.recv_bytes(), raw=False)
+        op, reply = cmd.pop("op"), {}
+        if op == "exit":
+            t.close()
+            return
+        try:
+            if op == "add_peer":
+                reply["peer"] = t.add_peer(cmd["meta"])
+            elif op == "write":
+                reply["xfer"] = t.write(cmd["peer"], cmd["req"], cmd["epoch"], cmd["src"], cmd["dst"],
+                                        cmd["deadline"])
+            elif op == "expect":
+                t.expect(**cmd)
+            elif op == "abort":
+                t.abort(cmd["req"])
+            elif op == "poll":
+                events, end = [], time.monotonic() + cmd["seconds"]
+                while True:
+                    events += [event_dict(e) for e in t.poll()]
+                    if time.monotonic() >= end:
+                        break
+                    time.sleep(0.002)
+                reply.update(events=events, stats=t.stats)
+            elif op == "blocks":
+                reply["data"] = t.kv_cache[cmd["ids"]].numpy().tobytes()
+        except Exception as exc:  # reported to the test, which asserts on it
+            reply["error"] = f"{type(exc).__name__}: {exc}"
+        conn.send_bytes(msgpack.packb(reply, use_bin_type=True))

@@ -1,0 +1,69 @@
+"""Helpers to run a transport agent in a child process (tests/kv_transfer/agent.py)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+
+from kv_transfer import KVTransport
+from tests.kv_transfer.agent import run_agent
+
+
+class RemoteAgent:
+    """The child process side. While waiting for its replies the test keeps polling its
+    own transport (`local`), since the child may be waiting for our acknowledgements."""
+
+    def __init__(self, transport: str, name: str, seed: int, local: KVTransport | None = None,
+                 timeout_s: float = 5.0, grace_s: float = 5.0, block_size: int = 16,
+                 dtype: str = "float32") -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=run_agent, daemon=True,
+                                   args=(child, transport, name, seed, timeout_s, grace_s, block_size, dtype))
+        self.process.start()
+        self.local = local
+        self.local_events: list[Any] = []
+        if not self.conn.poll(60):
+            raise TimeoutError(f"agent {name} did not start within 60 s")
+        self.metadata = self.conn.recv_bytes()
+
+    def call(self, op: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
+        self.conn.send_bytes(msgpack.packb({"op": op, **args}, use_bin_type=True))
+        end = time.monotonic() + timeout
+        while not self.conn.poll(0.002):
+            if self.local is not None:
+                self.local_events += self.local.poll()
+            if time.monotonic() > end or not self.process.is_alive():
+                raise TimeoutError(f"agent did not answer {op!r} (alive: {self.process.is_alive()})")
+        reply = msgpack.unpackb(self.conn.recv_bytes(), raw=False)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return reply
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(10)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send_bytes(msgpack.packb({"op": "exit"}))
+                self.process.join(10)
+            except (BrokenPipeError, OSError):
+                pass
+        if self.process.is_alive():
+            self.kill()
+
+
+@pytest.fixture
+def agents() -> Iterator[list[RemoteAgent]]:
+    """Every RemoteAgent appended here is stopped (killed if need be) after the test."""
+    started: list[RemoteAgent] = []
+    yield started
+    for a in started:
+        a.stop()

@@ -1,0 +1,208 @@
+"""Every transport, between processes: bytes intact, many writes in flight, loud
+failures within the deadline, refused handshakes, and no late write in a reused block."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import msgpack
+import pytest
+import torch
+
+from kv_transfer import (TRANSPORTS, IncompatiblePeerError, KVTransport, TransportConfig,
+                         create_transport)
+from kv_transfer.runs import coalesce
+from tests.kv_transfer.agent import cache_shape, fill
+from tests.kv_transfer.conftest import RemoteAgent
+
+SENTINEL = -7.0
+UNDER_TEST = sorted(TRANSPORTS)
+
+
+def local_agent(transport: str, name: str, timeout_s: float = 5.0, grace_s: float = 5.0,
+                block_size: int = 16) -> KVTransport:
+    t = create_transport(transport, name, TransportConfig(timeout_s=timeout_s, cancel_grace_s=grace_s))
+    cache = t.allocate_kv_cache(cache_shape(block_size=block_size), torch.float32, "cpu")
+    cache.fill_(SENTINEL)
+    t.register_kv_cache(cache, "test-model")
+    return t
+
+
+def source_cache(seed: int) -> torch.Tensor:
+    cache = torch.empty(cache_shape())
+    fill(cache, seed)
+    return cache
+
+
+def wait_for(agent: RemoteAgent, local: KVTransport, count: int, kinds: tuple[str, ...],
+             timeout: float = 20.0) -> list[dict]:
+    """Poll the child until it reports `count` events of `kinds` (the local side polls too)."""
+    seen, end = [], time.monotonic() + timeout
+    while len(seen) < count:
+        assert time.monotonic() < end, f"only {len(seen)} of {count} {kinds} events: {seen}"
+        seen += [e for e in agent.call("poll", seconds=0.05)["events"] if e["type"] in kinds]
+    return seen
+
+
+def drain(local: KVTransport, seconds: float) -> list:
+    events, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        events += local.poll()
+        time.sleep(0.002)
+    return events
+
+
+@pytest.fixture(params=UNDER_TEST)
+def transport(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def decode(transport: str):
+    t = local_agent(transport, "decode")
+    yield t
+    t.close()
+
+
+@pytest.mark.timeout(120)
+def test_random_block_sets_arrive_intact(transport: str, decode: KVTransport, agents) -> None:
+    prefill = RemoteAgent(transport, "prefill", seed=1, local=decode)
+    agents.append(prefill)
+    peer = prefill.call("add_peer", meta=decode.metadata())["peer"]
+    assert peer == "decode"
+    rng = random.Random(0)
+    free = list(range(64))
+    rng.shuffle(free)
+    plans = []  # (request, [(src, dst) per write])
+    for i in range(8):
+        n = rng.randint(1, 9)
+        start = rng.randrange(0, 64 - n)
+        # Consecutive runs on one side or both, scattered blocks, single blocks.
+        src = list(range(start, start + n)) if i % 2 == 0 else rng.sample(range(64), n)
+        dst = sorted(free.pop() for _ in range(n)) if i % 3 else [free.pop() for _ in range(n)]
+        decode.expect(f"req{i}", 3, dst, deadline=time.time() + 60)
+        half = max(1, n // 2) if i == 0 else n  # req0 arrives as two chunks
+        plans.append((f"req{i}", [(src[:half], dst[:half])] + ([(src[half:], dst[half:])] if half < n else [])))
+    deadline = time.time() + 60
+    for req, writes in plans:  # all in flight together
+        for src, dst in writes:
+            prefill.call("write", peer=peer, req=req, epoch=3, src=src, dst=dst, deadline=deadline)
+    num_writes = sum(len(w) for _, w in plans)
+    done = wait_for(prefill, decode, num_writes, ("WriteDone", "WriteFailed"))
+    assert all(e["type"] == "WriteDone" for e in done), done
+    events = prefill.local_events + drain(decode, 0.1)
+    completed = sorted(e.req for e in events if type(e).__name__ == "Completed")
+    assert completed == sorted(req for req, _ in plans)
+
+    expected = source_cache(seed=1)
+    written = set()
+    for _, writes in plans:
+        for src, dst in writes:
+            assert torch.equal(decode.kv_cache[dst], expected[src])
+            written |= set(dst)
+    untouched = [b for b in range(64) if b not in written]
+    assert (decode.kv_cache[untouched] == SENTINEL).all(), "a block nobody wrote to changed"
+    stats = prefill.call("poll", seconds=0)["stats"]
+    assert stats["descriptors"] == sum(len(coalesce(s, d)) for _, w in plans for s, d in w)
+    assert stats["writes_done"] == num_writes and decode.stats["late_writes_dropped"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_layout_is_refused_naming_the_field(transport: str, decode: KVTransport, agents) -> None:
+    prefill = RemoteAgent(transport, "prefill", seed=1, block_size=32)
+    agents.append(prefill)
+    with pytest.raises(RuntimeError, match="IncompatiblePeerError.*block_size is 16 there, 32 here"):
+        prefill.call("add_peer", meta=decode.metadata())
+    other = next(name for name in TRANSPORTS if name != transport)
+    meta = msgpack.unpackb(decode.metadata(), raw=False)
+    meta["transport"] = other
+    with pytest.raises(RuntimeError, match=f"transport is '{other}' there, '{transport}' here"):
+        prefill.call("add_peer", meta=msgpack.packb(meta, use_bin_type=True))
+    local = local_agent(transport, "other")
+    try:
+        meta = msgpack.unpackb(decode.metadata(), raw=False)
+        meta["compat"]["dtype"] = "bfloat16"
+        with pytest.raises(IncompatiblePeerError, match="dtype is 'bfloat16' there, 'float32' here"):
+            local.add_peer(msgpack.packb(meta, use_bin_type=True))
+    finally:
+        local.close()
+
+
+@pytest.mark.timeout(60)
+def test_receiver_killed_mid_transfer_fails_within_deadline(transport: str, agents) -> None:
+    sender = local_agent(transport, "prefill", timeout_s=1.0)
+    receiver = RemoteAgent(transport, "decode", seed=2, local=sender)
+    agents.append(receiver)
+    try:
+        peer = sender.add_peer(receiver.metadata)
+        receiver.call("expect", req="a", epoch=1, blocks=[0, 1, 2], deadline=time.time() + 60)
+        receiver.kill()
+        start = time.monotonic()
+        sender.write(peer, "a", 1, [5, 6, 7], [0, 1, 2], deadline=time.time() + 60)
+        events = []
+        while not events:
+            assert time.monotonic() - start < 5, "no failure reported: the write hangs"
+            events = [e for e in sender.poll() if type(e).__name__ in ("WriteDone", "WriteFailed")]
+        # Either the data plane noticed (NIXL: remote disconnect) or the ack timed out.
+        assert type(events[0]).__name__ == "WriteFailed", events
+        assert "within 1.0 s" in events[0].reason or "data plane error" in events[0].reason
+        assert time.monotonic() - start < 3
+    finally:
+        sender.close()
+        path = msgpack.unpackb(receiver.metadata, raw=False)["data"].get("path")
+        if path and os.path.exists(path):  # a killed shm agent cannot unlink its segment
+            os.unlink(path)
+
+
+@pytest.mark.timeout(60)
+def test_sender_killed_expires_the_reservation(transport: str, agents) -> None:
+    receiver = local_agent(transport, "decode", grace_s=0.5)
+    try:
+        sender = RemoteAgent(transport, "prefill", seed=1, local=receiver)
+        agents.append(sender)
+        sender.call("add_peer", meta=receiver.metadata())
+        receiver.expect("a", 1, [3, 4], deadline=time.time() + 1.0, sender="prefill")
+        sender.kill()
+        events = drain(receiver, 2.5)
+        kinds = [type(e).__name__ for e in events]
+        assert kinds == ["Expired", "Released"], kinds
+        assert events[1].blocks == (3, 4) and receiver.stats["expired"] == 1
+    finally:
+        receiver.close()
+
+
+@pytest.mark.timeout(60)
+def test_late_write_never_lands_in_a_reused_block(transport: str, agents) -> None:
+    decode = local_agent(transport, "decode", grace_s=30.0)  # Released must come from the ack
+    try:
+        prefill = RemoteAgent(transport, "prefill", seed=1, local=decode)
+        agents.append(prefill)
+        peer = prefill.call("add_peer", meta=decode.metadata())["peer"]
+        blocks = [10, 11, 12]
+        decode.expect("a", 1, blocks, deadline=time.time() + 60)
+        # The write races the abort: its bytes may land before decode hears of it.
+        prefill.call("write", peer=peer, req="a", epoch=1, src=[20, 21, 22], dst=blocks,
+                     deadline=time.time() + 60)
+        decode.abort("a")
+        released, end = [], time.monotonic() + 10
+        while not released:
+            assert time.monotonic() < end, "the aborted request's blocks were never released"
+            prefill.call("poll", seconds=0.02)
+            released = [e for e in prefill.local_events + decode.poll() if type(e).__name__ == "Released"]
+        assert released[0].blocks == tuple(blocks)
+        # The blocks are reused for request b; a's writes keep coming, late.
+        decode.expect("b", 1, blocks, deadline=time.time() + 60)
+        for _ in range(2):
+            prefill.call("write", peer=peer, req="a", epoch=1, src=[20, 21, 22], dst=blocks,
+                         deadline=time.time() + 60)
+        prefill.call("write", peer=peer, req="b", epoch=1, src=[30, 31, 32], dst=blocks,
+                     deadline=time.time() + 60)
+        outcomes = wait_for(prefill, decode, 1, ("WriteDone",))
+        assert [e["req"] for e in outcomes] == ["b"]
+        prefill.call("poll", seconds=0.2)
+        assert torch.equal(decode.kv_cache[blocks], source_cache(seed=1)[[30, 31, 32]])
+        assert decode.stats["late_writes_dropped"] + prefill.call("poll", seconds=0)["stats"]["writes_failed"] >= 2
+    finally:
+        decode.close()
