@@ -4,7 +4,19 @@
     python benchmarks/gpu_check.py --smoke         # on CPU, tiny shapes, Triton interpreter:
                                                    # checks this script, not the GPU
 
-Needs only torch, triton, transformers and numpy (what the H200 image has). Rows:
+Rows 1-5 need only torch, triton, transformers and numpy (what the H200 image has).
+Row 6 also needs pyzmq and msgpack (and nixl for its nixl row), carried as cp312 wheels
+(see the device README), e.g.:
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 msgpack==1.2.4
+    # on the device, carrying .whl:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
+        && PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py
+
+Rows:
  1. each Triton kernel against the torch reference in bf16 (relative error <= 1e-2, no NaN)
  2. decode-attention bandwidth: bytes it must read / its time, vs 4.23 TB/s (>= 70% at
     batch 64, context 2k)
@@ -14,6 +26,8 @@ Needs only torch, triton, transformers and numpy (what the H200 image has). Rows
     model, 512-token prompts, 128 new tokens (>= 20x)
  5. greedy tokens equal to HF in float32 (exact); in bf16 the fraction that match; CUDA
     graphs vs eager identical
+ 6. KV transfer between two processes on the GPU, 256 MiB in 2 MiB descriptors:
+    cuda_ipc, and nixl if its wheel came along (>= 150 GB/s)
 A failing section prints FAIL with its error and the script goes on to the next.
 """
 
@@ -344,10 +358,27 @@ def check_engine(s: Setup, work: Path) -> None:
         free_memory(s)
 
 
+def check_transfer(s: Setup) -> None:
+    from benchmarks.kv_transfer import run_transport
+
+    names = ["cuda_ipc"]
+    try:
+        import nixl  # noqa: F401  (carried as a wheel; the image lacks it)
+        names.append("nixl")
+    except ImportError:
+        row("nixl transfer", "nixl not installed here", "(skipped)")
+    for name in names:
+        size, desc = (256 << 20, 2 << 20) if s.device != "cpu" else (4 << 20, 1 << 20)
+        gib = run_transport(name, [size], [desc], repeats=3, device=s.device)[(size, desc)]
+        gbs = gib * 2**30 / 1e9
+        row(f"{name} transfer {size >> 20} MiB, {desc >> 20} MiB desc", f"{gbs:.1f} GB/s", ">= 150 GB/s",
+            gbs >= 150)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    p.add_argument("--only", default="kernels,bandwidth,fp32,engine", help="comma-separated sections")
+    p.add_argument("--only", default="kernels,bandwidth,fp32,engine,transfer", help="comma-separated sections")
     args = p.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
@@ -366,6 +397,8 @@ def main() -> None:
             section("decode bandwidth", lambda: check_bandwidth(s))
         if "engine" in only:
             section("engine", lambda: check_engine(s, work))
+        if "transfer" in only and s.device != "cpu":
+            section("KV transfer", lambda: check_transfer(s))
     widths = [max(len(r[i]) for r in ROWS) for i in range(4)] if ROWS else [0] * 4
     print("\n| check | measured | target | |\n|---|---|---|---|")
     for r in ROWS:

@@ -41,9 +41,9 @@ def shape(num_blocks: int) -> tuple[int, ...]:
     return (num_blocks, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
 
 
-def receiver(conn: Connection, transport: str, num_blocks: int) -> None:
+def receiver(conn: Connection, transport: str, num_blocks: int, device: str) -> None:
     t = create_transport(transport, "receiver", TransportConfig(timeout_s=120, cancel_grace_s=5))
-    cache = t.allocate_kv_cache(shape(num_blocks), torch.float32, "cpu")
+    cache = t.allocate_kv_cache(shape(num_blocks), torch.float32, device)
     cache.fill_(1.0)  # fault every page in now, as a serving engine's cache would be
     t.register_kv_cache(cache, "bench")
     conn.send_bytes(t.metadata())
@@ -59,15 +59,17 @@ def receiver(conn: Connection, transport: str, num_blocks: int) -> None:
         conn.send_bytes(b"ok")
 
 
-def run_transport(name: str, sizes: list[int], descs: list[int], repeats: int) -> dict[tuple[int, int], float]:
+def run_transport(name: str, sizes: list[int], descs: list[int], repeats: int,
+                  device: str = "cpu") -> dict[tuple[int, int], float]:
+    """GiB/s per (transfer bytes, descriptor bytes), median of `repeats`."""
     num_blocks = max(sizes) // BLOCK_BYTES
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver, args=(child, name, num_blocks), daemon=True)
+    proc = ctx.Process(target=receiver, args=(child, name, num_blocks, device), daemon=True)
     proc.start()
     sender = create_transport(name, "sender", TransportConfig(timeout_s=120))
     try:
-        cache = sender.allocate_kv_cache(shape(num_blocks), torch.float32, "cpu")
+        cache = sender.allocate_kv_cache(shape(num_blocks), torch.float32, device)
         cache.normal_()
         sender.register_kv_cache(cache, "bench")
         if not conn.poll(120):
@@ -112,17 +114,18 @@ def run_transport(name: str, sizes: list[int], descs: list[int], repeats: int) -
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--transports", default="shm,nixl,tcp")
+    p.add_argument("--transports", default="shm,nixl,nccl,tcp")
     p.add_argument("--sizes-mib", default="64,256,1024")
     p.add_argument("--desc-kib", default="32,256,1024,4096")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda for nixl/cuda_ipc on one GPU")
     args = p.parse_args()
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
     descs = [int(d) << 10 for d in args.desc_kib.split(",")]
     table = {}
     for name in args.transports.split(","):
         print(f"[{name}]", flush=True)
-        table[name] = run_transport(name, sizes, descs, args.repeats)
+        table[name] = run_transport(name, sizes, descs, args.repeats, args.device)
     print("\nGiB/s, median of", args.repeats, "transfers (write() to the receiver's acknowledgement)\n")
     print("| transport | transfer | " + " | ".join(f"{d >> 10} KiB desc" for d in descs) + " |")
     print("|---|---:|" + "---:|" * len(descs))

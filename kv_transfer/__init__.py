@@ -19,7 +19,11 @@ TRANSPORTS: dict[str, str] = {
     "tcp": "kv_transfer.tcp:TcpTransport",
     "shm": "kv_transfer.shm:ShmTransport",
     "nixl": "kv_transfer.nixl:NixlTransport",
+    "nccl": "kv_transfer.nccl:NcclTransport",
+    "cuda_ipc": "kv_transfer.cuda_ipc:CudaIpcTransport",
 }
+GPU_ONLY = frozenset({"cuda_ipc"})
+CPU_ONLY = frozenset({"shm"})
 
 
 def create_transport(name: str, agent_name: str, config: TransportConfig | None = None) -> KVTransport:
@@ -30,6 +34,6 @@ def create_transport(name: str, agent_name: str, config: TransportConfig | None 
     return factory(agent_name, config)
 
 
-__all__ = ["TRANSPORTS", "create_transport", "KVTransport", "TransportConfig", "KVCompat",
+__all__ = ["TRANSPORTS", "GPU_ONLY", "CPU_ONLY", "create_transport", "KVTransport", "TransportConfig", "KVCompat",
            "IncompatiblePeerError", "Event", "WriteDone", "WriteFailed", "Received", "Completed",
            "Expired", "Released"]

@@ -230,9 +230,17 @@ class KVTransport(ABC):
     def _abandon(self, write: _Write) -> None:
         """Free the data plane's resources of a write that failed or timed out."""
 
-    def _apply(self, runs: list[list[int]], frames: list[Any]) -> None:
-        """Two-sided, on D: copy received frames into the local cache (runs: dst_start, count)."""
+    def _apply(self, sender: str, xfer: int, runs: list[list[int]], frames: list[Any]) -> None:
+        """Two-sided, on D: put write `xfer`'s data into the local cache (runs: dst_start,
+        count); `frames` are whatever came with the notification."""
         raise NotImplementedError
+
+    def _discard(self, sender: str, xfer: int, runs: list[list[int]]) -> None:
+        """Two-sided, on D: consume and drop the data of a refused write, if it comes
+        separately from the notification."""
+
+    def _on_join(self, sender: str) -> None:
+        """On D: a sender asked to set up a pairwise data channel."""
 
     def _close(self) -> None:
         pass
@@ -410,9 +418,14 @@ class KVTransport(ABC):
             reason = "its runs do not cover exactly its blocks"
         if not reason and not self.one_sided:
             try:
-                self._apply(msg["runs"], frames)
+                self._apply(sender.decode(), msg["xfer"], msg["runs"], frames)
             except (ValueError, RuntimeError) as exc:
                 reason = f"unusable data: {exc}"
+        elif reason and not self.one_sided and _covered(msg["runs"]) is not None:
+            try:
+                self._discard(sender.decode(), msg["xfer"], msg["runs"])
+            except (ValueError, RuntimeError) as exc:
+                logger.warning("could not drain a refused write's data: %s", exc)
         if reason:
             self.stats["late_writes_dropped"] += 1
             logger.warning("dropped a write from %s for %s/%d: %s", sender.decode(), req, epoch, reason)
@@ -481,6 +494,8 @@ class KVTransport(ABC):
             self._on_written(sender, msg, data)
         elif msg["kind"] == "cancel_ack":
             self._release(msg["req"], msg["epoch"])
+        elif msg["kind"] == "join":
+            self._on_join(sender.decode())
 
     def _drain_dealer(self, peer: _Peer) -> None:
         while True:

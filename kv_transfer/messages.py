@@ -24,6 +24,8 @@ FIELDS: dict[str, dict[str, type]] = {
     # of it can land any more.
     "cancel": {"req": _STR, "epoch": _INT},
     "cancel_ack": {"req": _STR, "epoch": _INT},
+    # sender -> receiver, once: set up the data plane's pairwise channel (nccl).
+    "join": {},
 }
 
 

@@ -32,7 +32,7 @@ class TcpTransport(KVTransport):
             frames.append(memoryview(run.cpu().numpy() if run.is_cuda else run.numpy()).cast("B"))
         return frames
 
-    def _apply(self, runs: list[list[int]], frames: list[Any]) -> None:
+    def _apply(self, sender: str, xfer: int, runs: list[list[int]], frames: list[Any]) -> None:
         if len(runs) != len(frames):
             raise ValueError(f"{len(runs)} runs but {len(frames)} data frames")
         for (dst, n), frame in zip(runs, frames):

@@ -11,14 +11,14 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer import (TRANSPORTS, IncompatiblePeerError, KVTransport, TransportConfig,
-                         create_transport)
+from kv_transfer import (GPU_ONLY, TRANSPORTS, IncompatiblePeerError, KVTransport,
+                         TransportConfig, create_transport)
 from kv_transfer.runs import coalesce
 from tests.kv_transfer.agent import cache_shape, fill
 from tests.kv_transfer.conftest import RemoteAgent
 
 SENTINEL = -7.0
-UNDER_TEST = sorted(TRANSPORTS)
+UNDER_TEST = sorted(set(TRANSPORTS) - GPU_ONLY)  # cuda_ipc: benchmarks/gpu_check.py
 
 
 def local_agent(transport: str, name: str, timeout_s: float = 5.0, grace_s: float = 5.0,

@@ -1,0 +1,56 @@
+"""cuda_ipc: same host, GPU. The receiver exports its KV cache's CUDA memory as an IPC
+handle; the sender opens it, and a write is one device-to-device copy per run on a
+dedicated stream (measured ~2 TB/s for a plain device copy on an H200). One-sided,
+like shm. Only between processes: CUDA cannot open a handle in the process that made it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kv_transfer.base import KVTransport, TransportConfig, _Peer, _Write
+
+
+class CudaIpcTransport(KVTransport):
+    name = "cuda_ipc"
+    one_sided = True
+
+    def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
+        super().__init__(agent_name, config)
+        self._peer_bytes: dict[str, torch.Tensor] = {}
+        self._stream: torch.cuda.Stream | None = None
+
+    def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
+        if not kv_cache.is_cuda:
+            raise ValueError("the cuda_ipc transport needs a CUDA cache (use shm on CPU)")
+        if kv_cache.storage_offset() != 0:
+            raise ValueError("the cuda_ipc transport needs a cache that starts its storage")
+        self._stream = torch.cuda.Stream(kv_cache.device)
+        # Plain values only (ints, bytes, bools): msgpack, never pickle.
+        handle = kv_cache.untyped_storage()._share_cuda_()
+        return {"handle": list(handle), "device": kv_cache.device.index or 0,
+                "bytes": kv_cache.numel() * kv_cache.element_size()}
+
+    def _connect(self, peer: _Peer) -> None:
+        storage = torch.UntypedStorage._new_shared_cuda(*peer.data["handle"])
+        raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{peer.data['device']}").set_(storage)
+        self._peer_bytes[peer.name] = raw[:peer.data["bytes"]].view(peer.data["num_blocks"], -1)
+
+    def _start(self, peer: _Peer, write: _Write) -> None:
+        dst = self._peer_bytes[peer.name]
+        # The source blocks were written by the compute stream: order after it.
+        self._stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        with torch.cuda.stream(self._stream):
+            for s, d, n in write.runs:
+                dst[d:d + n].copy_(self._blocks_bytes[s:s + n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        write.handle = event
+
+    def _progress(self, write: _Write) -> bool:
+        return write.handle.query()
+
+    def _close(self) -> None:
+        self._peer_bytes.clear()

@@ -1,0 +1,129 @@
+"""nccl: torch.distributed point-to-point between a sender and a receiver (NCCL on
+GPUs, gloo on CPU). Each (sender, receiver) pair gets its own 2-rank process group,
+set up through a TCPStore the receiver hosts; no global world is needed, so pools can
+grow and shrink. The notification goes first over the control channel, then one send
+per run; the receiver posts the matching receives straight into the reserved blocks
+(or into scratch memory, dropped, for a refused write)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+from kv_transfer.base import KVTransport, TransportConfig, _Peer, _Write
+from kv_transfer.messages import encode
+
+logger = logging.getLogger(__name__)
+
+RECEIVER, SENDER = 0, 1  # ranks in every pairwise group
+
+
+class NcclTransport(KVTransport):
+    name = "nccl"
+    one_sided = False
+
+    def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
+        super().__init__(agent_name, config)
+        self._store: TCPStore | None = None
+        self._groups: dict[str, Any] = {}  # peer name -> its pairwise process group
+        self._joining: dict[str, threading.Thread] = {}
+        self._join_errors: dict[str, str] = {}
+
+    def _timeout(self) -> timedelta:
+        return timedelta(seconds=self.config.timeout_s)
+
+    def _group(self, store: Any, rank: int) -> Any:
+        if self.kv_cache.is_cuda:
+            from torch.distributed import ProcessGroupNCCL
+
+            return ProcessGroupNCCL(store, rank, 2, ProcessGroupNCCL.Options())
+        options = ProcessGroupGloo._Options()
+        options._timeout = self._timeout()
+        options._devices = [ProcessGroupGloo.create_device(hostname=self.config.host)]
+        return ProcessGroupGloo(store, rank, 2, options)
+
+    def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
+        # Senders of this agent's blocks meet it through this store.
+        self._store = TCPStore(self.config.host, 0, is_master=True, wait_for_workers=False,
+                               timeout=self._timeout())
+        return {"store_port": self._store.port}
+
+    def _connect(self, peer: _Peer) -> None:
+        store = TCPStore(self.config.host, peer.data["store_port"], is_master=False,
+                         timeout=self._timeout())
+        prefix = PrefixStore(f"{peer.name}/{self.agent_name}", store)
+        peer.socket.send(encode("join"))
+
+        def join() -> None:  # blocks until the receiver joins in its poll()
+            try:
+                self._groups[peer.name] = self._group(prefix, SENDER)
+            except Exception as exc:
+                self._join_errors[peer.name] = str(exc)
+
+        self._joining[peer.name] = thread = threading.Thread(target=join, daemon=True)
+        thread.start()
+
+    def _on_join(self, sender: str) -> None:
+        if sender in self._groups:
+            return
+        try:
+            self._groups[sender] = self._group(PrefixStore(f"{self.agent_name}/{sender}", self._store),
+                                               RECEIVER)
+        except RuntimeError as exc:  # the sender died while joining: its writes will expire
+            logger.warning("transfer group with %r failed: %s", sender, exc)
+
+    def _sender_group(self, peer: str) -> Any:
+        thread = self._joining.get(peer)
+        if thread is not None:
+            thread.join(self.config.timeout_s)
+            if thread.is_alive():
+                raise RuntimeError(f"{peer!r} did not join the transfer group within "
+                                   f"{self.config.timeout_s} s")
+            del self._joining[peer]
+        if peer not in self._groups:
+            raise RuntimeError(f"no transfer group with {peer!r}: {self._join_errors.get(peer, 'never joined')}")
+        return self._groups[peer]
+
+    def _start(self, peer: _Peer, write: _Write) -> None:
+        group = self._sender_group(peer.name)
+        peer.socket.send(self._header(write))  # the receiver posts its receives on this
+        write.handle = [group.send([self._blocks_bytes[s:s + n]], RECEIVER, write.xfer)
+                        for s, _, n in write.runs]
+
+    def _progress(self, write: _Write) -> bool:
+        for work in write.handle or []:
+            if not work.is_completed():
+                return False
+            if not work.is_success():
+                raise RuntimeError(f"send failed: {work.exception()}")
+        return True
+
+    def _send_notification(self, peer: _Peer, write: _Write) -> None:
+        pass  # sent ahead of the data by _start
+
+    def _receive(self, sender: str, xfer: int, runs: list[list[int]], into_cache: bool) -> None:
+        group = self._groups.get(sender)
+        if group is None:
+            raise RuntimeError(f"no transfer group with {sender!r}")
+        for d, n in runs:
+            target = self._blocks_bytes[d:d + n] if into_cache else torch.empty_like(self._blocks_bytes[:n])
+            group.recv([target], SENDER, xfer).wait(self._timeout())
+
+    def _apply(self, sender: str, xfer: int, runs: list[list[int]], frames: list[Any]) -> None:
+        self._receive(sender, xfer, runs, into_cache=True)
+
+    def _discard(self, sender: str, xfer: int, runs: list[list[int]]) -> None:
+        self._receive(sender, xfer, runs, into_cache=False)
+
+    def _close(self) -> None:
+        for group in self._groups.values():
+            try:
+                group.shutdown()
+            except Exception:  # a peer may be gone already; nothing more to free
+                pass
+        self._groups.clear()
