@@ -1,6 +1,6 @@
 """shm: same host, CPU. The receiver's KV cache lives in a file under /dev/shm that the
-sender maps; a write is a plain memory copy of each run, made by a worker thread (torch
-releases the GIL for large copies), then the notification."""
+sender maps; a write is a plain memory copy of each run, made by a worker thread in one
+GIL-free call, then the notification."""
 
 from __future__ import annotations
 
@@ -64,8 +64,10 @@ class ShmTransport(KVTransport):
 
     def _start(self, peer: _Peer, write: _Write) -> None:
         dst = self._peer_bytes[peer.name]
-        jobs = [(dst[d:d + n], self._blocks_bytes[s:s + n]) for s, d, n in write.runs]
-        write.handle = self._pool.submit(lambda: [a.copy_(b) for a, b in jobs])
+        # One call for every run: a Python loop of copies would retake the GIL between
+        # runs and stall behind the polling thread (measured 0.15 vs 4 GiB/s).
+        write.handle = self._pool.submit(torch._foreach_copy_, [dst[d:d + n] for _, d, n in write.runs],
+                                         [self._blocks_bytes[s:s + n] for s, _, n in write.runs])
 
     def _progress(self, write: _Write) -> bool:
         handle: Future | None = write.handle
