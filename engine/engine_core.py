@@ -19,7 +19,7 @@ from engine.model.config import ModelConfig
 from engine.model.cpu_linear import prepack_linears, prepack_supported
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner, allocate_kv_cache
+from engine.runner import KVAllocator, ModelRunner, allocate_kv_cache
 from engine.sampling import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -35,7 +35,9 @@ class StepOutput:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None) -> None:
+        """kv_allocator places the KV cache where a KV transport can reach it
+        (KVTransport.allocate_kv_cache); None: ordinary device memory."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -49,7 +51,7 @@ class EngineCore:
             prepack_linears(self.model)
         num_blocks = config.num_kv_blocks or self._pool_blocks(backend, dtype, model_len)
         self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype,
-                                          config.device)
+                                          config.device, kv_allocator)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    model_len, self.model_config.eos_token_ids,
@@ -100,9 +102,8 @@ class EngineCore:
             limit = config.max_model_len
         return limit
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> Request:
-        """Queue a request; raises ValueError (and changes nothing) if it can never run."""
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     priority: int = 0) -> Request:
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
@@ -110,8 +111,49 @@ class EngineCore:
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.config.device)
+        return request
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> Request:
+        """Queue a request; raises ValueError (and changes nothing) if it can never run."""
+        request = self._new_request(request_id, prompt_token_ids, params, priority)
         self.scheduler.add_request(request)
         return request
+
+    # --- disaggregation: decode worker side ------------------------------------------
+
+    def add_remote_prefill_request(self, request_id: str, prompt_token_ids: list[int],
+                                   params: SamplingParams, priority: int = 0) -> Request | None:
+        """Reserve blocks for the whole prompt and wait for a prefill worker to write
+        its KV. Returns the request (its blocks: kv.block_ids(request_id); tokens
+        already cached here: request.num_cached_tokens), or None when the blocks do not
+        fit now (prefill locally with add_request instead). Raises ValueError for a
+        request that could never run."""
+        request = self._new_request(request_id, prompt_token_ids, params, priority)
+        if len(prompt_token_ids) < 2:
+            raise ValueError("a remote prefill needs a prompt of at least 2 tokens")
+        return request if self.scheduler.reserve_for_remote_prefill(request) else None
+
+    def remote_kv_arrived(self, request_id: str) -> None:
+        """Every prompt token's KV but the last's is in the reserved blocks."""
+        self.scheduler.remote_kv_arrived(self.scheduler.requests[request_id])
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """Prefill locally instead; only once no remote write can land any more."""
+        self.scheduler.remote_kv_failed(self.scheduler.requests[request_id])
+
+    # --- disaggregation: prefill worker side ------------------------------------------
+
+    def add_prefill_request(self, request_id: str, prompt_token_ids: list[int]) -> Request:
+        """Compute the KV of these tokens and keep it (status PREFILLED, reported in
+        StepOutput.finished) until release_prefilled(). Never samples."""
+        request = self._new_request(request_id, prompt_token_ids, SamplingParams(max_tokens=1))
+        request.prefill_only = True
+        self.scheduler.add_request(request)
+        return request
+
+    def release_prefilled(self, request_id: str) -> None:
+        self.scheduler.release_prefilled(request_id)
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

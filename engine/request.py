@@ -15,8 +15,10 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # decode worker: blocks reserved, KV in flight
     RUNNING = "running"
     PREEMPTED = "preempted"
+    PREFILLED = "prefilled"  # prefill worker: prompt KV computed, blocks held until written out
     FINISHED_STOPPED = "stop"  # eos, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens reached
     FINISHED_ABORTED = "abort"
@@ -50,6 +52,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first schedule
     num_preemptions: int = 0
+    num_remote_tokens: int = 0  # prompt tokens whose KV a prefill worker wrote (decode side)
+    prefill_only: bool = False  # prefill worker: compute the prompt's KV, never sample
     generator: torch.Generator | None = None
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of all_token_ids
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,15 +17,21 @@ from engine.scheduler import ScheduledRequest
 from engine.staging import Uploader
 
 
-def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int,
-                      dtype: torch.dtype, device: str) -> torch.Tensor:
+KVAllocator = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: str, allocator: KVAllocator | None = None) -> torch.Tensor:
     """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], block-major.
 
     Block-major means one block of every layer is one contiguous region, so moving a
-    run of consecutive blocks between workers is one descriptor.
+    run of consecutive blocks between workers is one descriptor. `allocator` (shape,
+    dtype, device) places it where a KV transport can reach it (e.g. shared memory).
     """
     shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    if allocator is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return allocator(shape, dtype, device)
 
 
 @dataclass

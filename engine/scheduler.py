@@ -26,7 +26,8 @@ class ScheduledRequest:
     samples: bool = field(init=False)  # the step reaches the sequence's end: sample its logits
 
     def __post_init__(self) -> None:
-        self.samples = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        self.samples = (self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+                        and not self.request.prefill_only)
 
 
 @dataclass
@@ -55,6 +56,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Prefill worker: requests whose prompt KV is computed; their blocks stay held
+        # until the KV is written to the decode worker (release_prefilled).
+        self.prefilled: dict[str, Request] = {}
 
     # --- admission -----------------------------------------------------------------
 
@@ -98,6 +102,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status in (RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.PREFILLED):
+                self.prefilled.pop(request_id, None)
             else:
                 self.waiting = [(k, r) for k, r in self.waiting if r is not request]
                 heapq.heapify(self.waiting)
@@ -143,8 +149,11 @@ class Scheduler:
         # Admitting new work while evicting running work would thrash.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][1]
-            hits = self.kv.get_computed_blocks(request) if request.num_computed_tokens == 0 else []
-            num_computed = len(hits) * self.kv.block_size
+            if request.num_computed_tokens == 0:
+                hits = self.kv.get_computed_blocks(request)
+                num_computed = len(hits) * self.kv.block_size
+            else:  # KV already in its blocks (written by a prefill worker)
+                hits, num_computed = [], request.num_computed_tokens
             num_new = request.num_tokens - num_computed
             if num_new > budget:
                 if not self.enable_chunked_prefill:
@@ -153,7 +162,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             heapq.heappop(self.waiting)
-            if request.num_preemptions == 0:
+            if request.num_preemptions == 0 and request.num_remote_tokens == 0:
                 request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
@@ -161,6 +170,55 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
         return out
+
+    # --- disaggregation ----------------------------------------------------------------
+
+    def reserve_for_remote_prefill(self, request: Request) -> bool:
+        """Decode worker: take blocks for the whole prompt (local prefix hits first) and
+        park the request until its KV arrives. False (nothing changed) if they don't fit
+        now; the caller then prefills locally (add_request)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        hits = self.kv.get_computed_blocks(request)
+        if not self.kv.allocate_slots(request, request.num_tokens - len(hits) * self.kv.block_size, hits):
+            return False
+        request.num_cached_tokens = len(hits) * self.kv.block_size
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        return True
+
+    def remote_kv_arrived(self, request: Request) -> None:
+        """Every prompt token but the last now has its KV: queue it to run; its first
+        step computes the last prompt token and samples."""
+        self._expect_status(request, RequestStatus.WAITING_FOR_REMOTE_KV)
+        request.num_computed_tokens = request.num_tokens - 1
+        request.num_remote_tokens = request.num_computed_tokens - request.num_cached_tokens
+        self.kv.cache_computed_blocks(request)
+        request.status = RequestStatus.WAITING
+        self._push_waiting(request)
+
+    def remote_kv_failed(self, request: Request) -> None:
+        """Prefill locally after all: from the local prefix hits, in the blocks it holds.
+        Call only once no remote write can land in them any more."""
+        self._expect_status(request, RequestStatus.WAITING_FOR_REMOTE_KV)
+        request.num_computed_tokens = request.num_cached_tokens
+        request.status = RequestStatus.WAITING
+        self._push_waiting(request)
+
+    def release_prefilled(self, request_id: str) -> Request:
+        """Prefill worker: the KV has been written out; free the blocks."""
+        request = self.prefilled.pop(request_id, None)
+        if request is None:
+            raise ValueError(f"no prefilled request {request_id!r}")
+        self.requests.pop(request_id, None)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return request
+
+    @staticmethod
+    def _expect_status(request: Request, status: RequestStatus) -> None:
+        if request.status != status:
+            raise ValueError(f"request {request.request_id!r} is {request.status.value}, not {status.value}")
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -182,6 +240,12 @@ class Scheduler:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(request)
+            if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+                self.running.remove(request)
+                request.status = RequestStatus.PREFILLED
+                self.prefilled[request.request_id] = request
+                finished.append(request)
+                continue
             if request.request_id not in sampled:
                 continue  # a prompt chunk: nothing to sample yet
             request.append_output_token(sampled[request.request_id])

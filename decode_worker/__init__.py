@@ -1,0 +1,1 @@
+"""The decode worker: reserves blocks, receives prompt KV (or prefills locally), decodes."""

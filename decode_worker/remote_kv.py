@@ -1,0 +1,90 @@
+"""The decode worker's side of a remote prefill: reserve, receive, or fall back.
+
+add_request(..., remote=True) reserves blocks for the prompt and returns the
+RemotePrefill to send to a prefill worker. step() polls the transport: a Completed
+reservation makes the request runnable (its first step computes the last prompt token
+and samples); an Expired one, or prefill_failed(), falls back to prefilling locally,
+but only once the transport has Released the blocks (a one-sided write can no longer
+land in them). An abort of a request still waiting for its KV waits for the same.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.engine_core import EngineCore, StepOutput
+from engine.kv_cache.manager import cdiv
+from engine.sampling_params import SamplingParams
+from kv_transfer import Completed, Expired, KVTransport, Released
+from prefill_worker.remote_prefill import RemotePrefill
+
+
+class DecodeWorkerCore:
+    """Drives one engine (role: decode) and one transport. Call step() in a loop."""
+
+    def __init__(self, engine: EngineCore, transport: KVTransport, deadline_s: float = 30.0) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.deadline_s = deadline_s
+        self.block_size = engine.config.block_size
+        self.waiting_for_kv: set[str] = set()
+        self._on_release: dict[str, str] = {}  # request id -> "fallback" | "abort"
+        self._epochs: dict[str, int] = {}
+        self.stats = dict(remote=0, local=0, fallbacks=0)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    remote: bool, priority: int = 0) -> RemotePrefill | None:
+        """Queue a request. With remote=True and blocks to spare, returns what the prefill
+        worker must do; None means it prefills here."""
+        if remote and len(prompt_token_ids) >= 2:
+            request = self.engine.add_remote_prefill_request(request_id, prompt_token_ids, params, priority)
+            if request is not None:
+                return self._expect(request_id, prompt_token_ids, request.num_cached_tokens)
+        self.engine.add_request(request_id, prompt_token_ids, params, priority)
+        self.stats["local"] += 1
+        return None
+
+    def _expect(self, request_id: str, prompt: list[int], num_cached: int) -> RemotePrefill | None:
+        blocks = self.engine.kv.block_ids(request_id)
+        first, end = num_cached // self.block_size, cdiv(len(prompt) - 1, self.block_size)
+        if first >= end:  # the local prefix cache already holds it all
+            self.engine.remote_kv_arrived(request_id)
+            self.stats["local"] += 1
+            return None
+        epoch = self._epochs[request_id] = self._epochs.get(request_id, 0) + 1
+        deadline = time.time() + self.deadline_s
+        self.transport.expect(request_id, epoch, blocks[first:end], deadline)
+        self.waiting_for_kv.add(request_id)
+        self.stats["remote"] += 1
+        return RemotePrefill(request_id, list(prompt), self.transport.agent_name, blocks, first, epoch, deadline)
+
+    def prefill_failed(self, request_id: str) -> None:
+        """The prefill worker reported failure (or died): prefill locally instead."""
+        if request_id in self.waiting_for_kv:
+            self._on_release.setdefault(request_id, "fallback")
+            self.transport.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.waiting_for_kv:
+            self._on_release[request_id] = "abort"
+            self.transport.abort(request_id)
+        else:
+            self.engine.abort([request_id])
+
+    def step(self) -> StepOutput:
+        for event in self.transport.poll():
+            if event.req not in self.waiting_for_kv:
+                continue
+            if isinstance(event, Completed):
+                self.waiting_for_kv.discard(event.req)
+                self.engine.remote_kv_arrived(event.req)
+            elif isinstance(event, Expired):
+                self._on_release.setdefault(event.req, "fallback")
+            elif isinstance(event, Released):
+                self.waiting_for_kv.discard(event.req)
+                if self._on_release.pop(event.req, "fallback") == "abort":
+                    self.engine.abort([event.req])
+                else:
+                    self.stats["fallbacks"] += 1
+                    self.engine.remote_kv_failed(event.req)
+        return self.engine.step() if self.engine.has_unfinished() else StepOutput()

@@ -1,0 +1,1 @@
+"""The prefill worker: computes prompt KV and pushes it into decode workers' blocks."""

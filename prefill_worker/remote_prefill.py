@@ -1,0 +1,111 @@
+"""What a decode worker asks of a prefill worker, and the prefill worker's side of it.
+
+Decode-first push (DESIGN.md): the decode worker D reserves blocks for the prompt and
+sends a RemotePrefill; the prefill worker P computes the KV of every prompt token but
+the last (D computes that one, and samples), writing each block to D as soon as it is
+full, and the last, partial one at the end. P never samples and frees its blocks
+once every write is acknowledged (or failed).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from engine.engine_core import EngineCore, StepOutput
+from engine.kv_cache.manager import cdiv
+from engine.request import RequestStatus
+from kv_transfer import KVTransport, WriteDone, WriteFailed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RemotePrefill:
+    request_id: str
+    prompt_token_ids: list[int]
+    peer: str  # D's transport agent name
+    block_ids: list[int]  # D's blocks for the prompt; block i holds tokens [i*bs, (i+1)*bs)
+    first_block: int  # D already holds the KV of blocks before this one (its prefix cache)
+    epoch: int
+    deadline: float  # time.time() after which D no longer accepts writes
+
+
+@dataclass
+class _Job:
+    rp: RemotePrefill
+    next_block: int  # first block index not yet written
+    end_block: int  # one past the last block index to write
+    outstanding: set[int] = field(default_factory=set)  # xfer ids in flight
+    failed: str | None = None
+
+
+class PrefillWorkerCore:
+    """Drives one engine (role: prefill) and one transport. Call step() in a loop."""
+
+    def __init__(self, engine: EngineCore, transport: KVTransport) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.block_size = engine.config.block_size
+        self.jobs: dict[str, _Job] = {}
+        self.stats = dict(prefills=0, blocks_written=0, failed=0)
+
+    def submit(self, rp: RemotePrefill) -> None:
+        end = cdiv(len(rp.prompt_token_ids) - 1, self.block_size)
+        if not (0 <= rp.first_block < end <= len(rp.block_ids)):
+            raise ValueError(f"{rp.request_id}: blocks [{rp.first_block}, {end}) to write do not fit "
+                             f"the {len(rp.block_ids)} destination blocks")
+        self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1])
+        self.jobs[rp.request_id] = _Job(rp, rp.first_block, end)
+
+    def step(self) -> list[tuple[str, str | None]]:
+        """One engine step plus transfer progress. Returns (request id, error or None)
+        for every job that ended: its KV written (None), or failed."""
+        out = self.engine.step() if self.engine.has_unfinished() else StepOutput()
+        prefilled = {r.request_id for r in out.finished if r.status == RequestStatus.PREFILLED}
+        for request_id, job in self.jobs.items():
+            if job.failed is None:
+                self._write_ready_blocks(request_id, job, request_id in prefilled)
+        for event in self.transport.poll():
+            job = self.jobs.get(event.req) if isinstance(event, (WriteDone, WriteFailed)) else None
+            if job is None:
+                continue
+            job.outstanding.discard(event.xfer)
+            if isinstance(event, WriteFailed) and job.failed is None:
+                job.failed = event.reason
+                self.transport.cancel(event.req)
+        return self._finish_jobs()
+
+    def _write_ready_blocks(self, request_id: str, job: _Job, prefilled: bool) -> None:
+        request = self.engine.scheduler.requests.get(request_id)
+        if request is None:
+            return
+        # Full blocks are final as soon as computed; the partial last one once prefilled.
+        ready = job.end_block if prefilled else min(request.num_computed_tokens // self.block_size,
+                                                     job.end_block)
+        if ready <= job.next_block:
+            return
+        local = self.engine.kv.block_ids(request_id)
+        rp = job.rp
+        xfer = self.transport.write(rp.peer, request_id, rp.epoch, local[job.next_block:ready],
+                                    rp.block_ids[job.next_block:ready], rp.deadline)
+        job.outstanding.add(xfer)
+        self.stats["blocks_written"] += ready - job.next_block
+        job.next_block = ready
+
+    def _finish_jobs(self) -> list[tuple[str, str | None]]:
+        ended = []
+        for request_id, job in list(self.jobs.items()):
+            request = self.engine.scheduler.requests.get(request_id)
+            written = job.next_block == job.end_block and request is not None \
+                and request.status == RequestStatus.PREFILLED
+            if job.outstanding or not (written or job.failed):
+                continue
+            if request is not None and request.status == RequestStatus.PREFILLED:
+                self.engine.release_prefilled(request_id)
+            else:
+                self.engine.abort([request_id])
+            del self.jobs[request_id]
+            self.stats["prefills" if job.failed is None else "failed"] += 1
+            ended.append((request_id, job.failed))
+        return ended

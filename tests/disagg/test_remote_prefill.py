@@ -1,0 +1,105 @@
+"""Disaggregated prefill through the engine: a prefill engine computes prompt KV and a
+KV transport pushes it into a decode engine's reserved blocks. Greedy tokens must be
+identical to the colocated engine's, with fallbacks when the prefill side fails."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from decode_worker.remote_kv import DecodeWorkerCore
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.request import Request
+from kv_transfer import TransportConfig, create_transport
+from prefill_worker.remote_prefill import PrefillWorkerCore
+from tests.fidelity.test_hf_fidelity import random_prompts
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SHARED = random_prompts([40], seed=7)[0]
+# Mixed lengths, on and off block boundaries; two share a 40-token prefix so the second
+# finds 2 blocks in the decode engine's prefix cache and gets only the rest pushed.
+PROMPTS = random_prompts([2, 17, 33, 64, 90], seed=8) + [SHARED + [5, 6, 7], SHARED + list(range(9, 30))]
+
+
+def worker_pair(model_dir: Path, transport: str, deadline_s: float = 30.0, grace_s: float = 5.0):
+    config = TransportConfig(timeout_s=5.0, cancel_grace_s=grace_s)
+    t_dec, t_pre = create_transport(transport, "decode", config), create_transport(transport, "prefill", config)
+    dec = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=80), t_dec.allocate_kv_cache)
+    # A small token budget: prompts arrive in chunks, so blocks are pushed as they fill.
+    pre = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=80, max_num_batched_tokens=24),
+                     t_pre.allocate_kv_cache)
+    for t, core in ((t_dec, dec), (t_pre, pre)):
+        t.register_kv_cache(core.kv_cache, "tiny-llama")
+    t_pre.add_peer(t_dec.metadata())
+    return DecodeWorkerCore(dec, t_dec, deadline_s), PrefillWorkerCore(pre, t_pre)
+
+
+def run(decode: DecodeWorkerCore, prefill: PrefillWorkerCore | None, prompts: list[list[int]],
+        timeout: float = 60.0) -> dict[str, Request]:
+    """Submit in order (each after the previous finished, so prefixes are cached), step
+    both workers until done; returns the finished requests."""
+    outputs = {}
+    for i, prompt in enumerate(prompts):
+        rp = decode.add_request(f"r{i}", prompt, GREEDY, remote=True)
+        if rp is not None and prefill is not None:
+            prefill.submit(rp)
+        end = time.monotonic() + timeout
+        while decode.engine.has_unfinished() or (prefill and prefill.engine.has_unfinished()):
+            assert time.monotonic() < end, "disaggregated run did not finish"
+            if prefill is not None:
+                for request_id, error in prefill.step():
+                    if error is not None:
+                        decode.prefill_failed(request_id)
+            for r in decode.step().finished:
+                outputs[r.request_id] = r
+    return outputs
+
+
+def tokens(requests: dict[str, Request]) -> dict[str, list[int]]:
+    return {k: r.output_token_ids for k, r in requests.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: Path) -> dict[str, list[int]]:
+    llm = LLM(str(llama_dir), num_kv_blocks=80)
+    return {f"r{i}": o.token_ids for i, o in enumerate(llm.generate(PROMPTS, GREEDY, use_tqdm=False))}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_pushed_kv_gives_colocated_tokens(llama_dir: Path, reference, transport: str) -> None:
+    decode, prefill = worker_pair(llama_dir, transport)
+    try:
+        done = run(decode, prefill, PROMPTS)
+        assert tokens(done) == reference
+        assert decode.stats["remote"] == len(PROMPTS) and decode.stats["fallbacks"] == 0
+        assert prefill.stats["prefills"] == len(PROMPTS) and prefill.stats["failed"] == 0
+        # The second shared-prefix request found the first's 2 full blocks in the decode
+        # engine's prefix cache (the pushed blocks were registered there) and got only
+        # the rest pushed.
+        last = done[f"r{len(PROMPTS) - 1}"]
+        assert last.num_cached_tokens == 32
+        assert last.num_remote_tokens == len(PROMPTS[-1]) - 1 - 32
+        for core in (decode.engine, prefill.engine):
+            assert core.kv.num_free_blocks == core.kv.pool.num_blocks, "blocks leaked"
+    finally:
+        decode.transport.close()
+        prefill.transport.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_dead_prefill_worker_falls_back_to_local_prefill(llama_dir: Path, reference, transport: str) -> None:
+    decode, prefill = worker_pair(llama_dir, transport, deadline_s=0.3, grace_s=0.2)
+    try:
+        # No prefill worker steps: every reservation expires and decode prefills locally.
+        assert tokens(run(decode, None, PROMPTS[:3])) == {k: reference[k] for k in ("r0", "r1", "r2")}
+        assert decode.stats["fallbacks"] == decode.stats["remote"] > 0
+        assert decode.engine.kv.num_free_blocks == decode.engine.kv.pool.num_blocks
+    finally:
+        decode.transport.close()
+        prefill.transport.close()
