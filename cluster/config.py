@@ -1,0 +1,153 @@
+"""The cluster config: one YAML file describes model, pools, transport and router.
+
+Everything is validated before anything starts. Each mistake is named with its path
+in the file, e.g. `decode.replicas: must be >= 1, got 0`, and unknown keys are
+refused (a typo never silently falls back to a default).
+
+    model: models/SmolLM2-135M-Instruct
+    dtype: float32
+    device: cpu
+    transport: shm                  # kv_transfer/ name: nixl | shm | nccl | tcp | cuda_ipc
+    router: {host: 127.0.0.1, port: 8000, policy: kv_aware, remote_prefill_min_tokens: 64}
+    prefill: {replicas: 1, engine: {max_num_batched_tokens: 512}}
+    decode:  {replicas: 1, engine: {max_num_seqs: 64}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import DTYPES, EngineConfig
+from kv_transfer import CPU_ONLY, GPU_ONLY, TRANSPORTS
+
+POLICIES = ("round_robin", "least_loaded", "kv_aware")
+ROLE_FIELDS = ("model", "dtype", "device")  # set once at the top, not per pool
+
+
+class ConfigError(ValueError):
+    """A cluster config mistake, named with its path in the file."""
+
+
+def _check(ok: bool, path: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{path}: {message}")
+
+
+def _fields(cls: type, data: Any, path: str) -> dict[str, Any]:
+    """The mapping `data` checked against cls's fields: a mapping, no unknown keys."""
+    _check(isinstance(data, dict), path or "config", f"must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    prefix = f"{path}." if path else ""
+    _check(not unknown, f"{prefix}{unknown[0] if unknown else ''}",
+           f"unknown key; known keys here: {sorted(known)}")
+    return data
+
+
+def _int(value: Any, path: str, minimum: int, maximum: int | None = None) -> int:
+    _check(isinstance(value, int) and not isinstance(value, bool), path,
+           f"must be an integer, got {value!r}")
+    _check(value >= minimum, path, f"must be >= {minimum}, got {value}")
+    _check(maximum is None or value <= maximum, path, f"must be <= {maximum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "kv_aware"
+    # A request goes to the prefill pool only when this many prompt tokens are not
+    # already cached on its decode worker (conditional disaggregation).
+    remote_prefill_min_tokens: int = 64
+    max_queued_requests: int = 256  # beyond: HTTP 429
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "router") -> "RouterConfig":
+        data = _fields(cls, data, path)
+        out = cls(**data)
+        _check(isinstance(out.host, str) and out.host != "", f"{path}.host", f"must be a host name, got {out.host!r}")
+        _int(out.port, f"{path}.port", 0, 65535)
+        _check(out.policy in POLICIES, f"{path}.policy", f"must be one of {POLICIES}, got {out.policy!r}")
+        _int(out.remote_prefill_min_tokens, f"{path}.remote_prefill_min_tokens", 1)
+        _int(out.max_queued_requests, f"{path}.max_queued_requests", 1)
+        return out
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    replicas: int = 1
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig options but model/dtype/device
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str, minimum: int) -> "PoolConfig":
+        data = _fields(cls, data, path)
+        out = cls(**data)
+        _int(out.replicas, f"{path}.replicas", minimum)
+        _check(isinstance(out.engine, dict), f"{path}.engine", f"must be a mapping, got {out.engine!r}")
+        for key in ROLE_FIELDS:
+            _check(key not in out.engine, f"{path}.engine.{key}", "is set once, at the top of the file")
+        return out
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    transport: str = "shm"
+    router: RouterConfig = field(default_factory=RouterConfig)
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "ClusterConfig":
+        data = _fields(cls, data, "")
+        _check("model" in data, "model", "is required (a Hugging Face model directory)")
+        _check(isinstance(data["model"], str) and data["model"] != "", "model",
+               f"must be a model directory path, got {data['model']!r}")
+        transport = data.get("transport", "shm")
+        device = data.get("device", "cpu")
+        _check(data.get("dtype", "float32") in DTYPES, "dtype",
+               f"must be one of {DTYPES}, got {data.get('dtype')!r}")
+        _check(isinstance(device, str) and (device == "cpu" or device.startswith("cuda")), "device",
+               f"must be 'cpu' or 'cuda[:N]', got {device!r}")
+        _check(transport in TRANSPORTS, "transport", f"must be one of {sorted(TRANSPORTS)}, got {transport!r}")
+        on_gpu = isinstance(device, str) and device.startswith("cuda")
+        _check(not (on_gpu and transport in CPU_ONLY), "transport",
+               f"{transport!r} moves CPU caches; with device {device!r} use one of "
+               f"{sorted(set(TRANSPORTS) - CPU_ONLY)}")
+        _check(on_gpu or transport not in GPU_ONLY, "transport",
+               f"{transport!r} needs device cuda, got {device!r}")
+        out = cls(model=data["model"], dtype=data.get("dtype", "float32"), device=device,
+                  transport=transport, router=RouterConfig.from_dict(data.get("router", {})),
+                  prefill=PoolConfig.from_dict(data.get("prefill", {}), "prefill", minimum=0),
+                  decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1))
+        for role in ("prefill", "decode"):  # the engine's own checks, named with their path
+            try:
+                out.engine_config(role)
+            except ValueError as exc:
+                raise ConfigError(f"{role}.engine: {exc}") from None
+        return out
+
+    def engine_config(self, role: str) -> EngineConfig:
+        pool: PoolConfig = getattr(self, role)
+        return EngineConfig.from_options(self.model, dtype=self.dtype, device=self.device, **pool.engine)
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    """Read and validate a YAML cluster config; ConfigError names every mistake's path."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster config {path}: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    return ClusterConfig.from_dict(data)

@@ -1,0 +1,59 @@
+"""The YAML cluster config: the shipped one loads, and every mistake names its path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import ClusterConfig, ConfigError, load_cluster_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_local_config_loads() -> None:
+    cfg = load_cluster_config(REPO / "configs" / "local.yaml")
+    assert cfg.transport == "shm" and cfg.prefill.replicas == 1 and cfg.decode.replicas == 1
+    decode = cfg.engine_config("decode")
+    assert decode.model == "models/SmolLM2-135M-Instruct" and decode.max_num_seqs == 64
+
+
+BASE = {"model": "m", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"decode": {"replicas": 0}}, "decode.replicas: must be >= 1, got 0"),
+    ({"prefill": {"replicas": -1}}, "prefill.replicas: must be >= 0, got -1"),
+    ({"decode": {"replicas": "two"}}, "decode.replicas: must be an integer, got 'two'"),
+    ({"router": {"policy": "random"}}, "router.policy: must be one of"),
+    ({"router": {"port": 70000}}, "router.port: must be <= 65535, got 70000"),
+    ({"router": {"prot": 8000}}, "router.prot: unknown key"),
+    ({"transport": "carrier-pigeon"}, "transport: must be one of"),
+    ({"transport": "cuda_ipc"}, "transport: 'cuda_ipc' needs device cuda"),
+    ({"device": "cuda", "transport": "shm"}, "transport: 'shm' moves CPU caches"),
+    ({"dtype": "float8"}, "dtype: must be one of"),
+    ({"decode": {"engine": {"max_num_seqs": 0}}}, "decode.engine: max_num_seqs must be >= 1, got 0"),
+    ({"decode": {"engine": {"max_num_seq": 8}}}, "decode.engine: unknown engine option(s) ['max_num_seq']"),
+    ({"prefill": {"engine": {"model": "other"}}}, "prefill.engine.model: is set once, at the top"),
+    ({"pools": {}}, "pools: unknown key"),
+])
+def test_mistakes_are_named_with_their_path(change: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        ClusterConfig.from_dict({**BASE, **change})
+    assert message in str(err.value)
+
+
+def test_missing_model_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model: is required"):
+        ClusterConfig.from_dict({"decode": {"replicas": 1}})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_cluster_config(bad)
+    with pytest.raises(ConfigError, match="cannot read cluster config"):
+        load_cluster_config(tmp_path / "missing.yaml")
+    listed = tmp_path / "list.yaml"
+    listed.write_text(yaml.safe_dump([1, 2]))
+    with pytest.raises(ConfigError, match="config: must be a mapping, got list"):
+        load_cluster_config(listed)
