@@ -37,6 +37,20 @@ def check_tokens(name: str, t: torch.Tensor, num_heads: int, head_dim: int, devi
         raise ValueError(f"{name} is {t.dtype}, the KV cache {dtype}")
 
 
+def check_attention_io(out: torch.Tensor, query: torch.Tensor,
+                       layer_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """An attention launcher's cache, query and output; returns (block_size, kv_heads,
+    head_dim, query_heads)."""
+    block_size, num_kv_heads, head_dim = check_layer_cache(layer_cache)
+    num_q_heads = query.shape[1] if query.dim() == 3 else -1
+    if num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(f"query heads {tuple(query.shape)} must be a multiple of the cache's "
+                         f"{num_kv_heads} KV heads")
+    check_tokens("query", query, num_q_heads, head_dim, layer_cache.device)
+    check_tokens("out", out, num_q_heads, head_dim, layer_cache.device)
+    return block_size, num_kv_heads, head_dim, num_q_heads
+
+
 def check_index(name: str, t: torch.Tensor, dims: int, dtype: torch.dtype, device: torch.device,
                 rows: int | None = None) -> None:
     if t.dim() != dims or t.dtype != dtype or t.device != device or not t.is_contiguous():

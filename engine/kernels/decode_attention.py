@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import (check_index, check_layer_cache, check_tokens, dot_precision,
-                                   next_power_of_2)
+from engine.kernels.common import check_attention_io, check_index, dot_precision, next_power_of_2
+from engine.kernels.online_softmax import online_softmax_step
 
 TILE = 32  # tokens per inner iteration: >= 16 for tl.dot on a GPU
 SPLIT_TOKENS = 512  # context tokens per split
@@ -68,15 +68,9 @@ def _decode_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         kv = (cache_ptr + block[:, None] * stride_c_block + (pos % BLOCK_SIZE)[:, None] * stride_c_slot
               + kv_head * stride_c_head + d[None, :])
         k = tl.load(kv, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))  # finite: every tile holds a valid position
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
         v = tl.load(kv + stride_c_kv, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m = m_new
+        # Every tile holds a valid position, so each row's max is finite from the first.
+        m, l, acc = online_softmax_step(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
 
     if SPLIT:
         # Partials are [seqs, q_heads, splits(, D)]; a split past the context leaves
@@ -129,14 +123,8 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
     num_splits:   num_splits_for(longest context) keeps results independent of it; fewer
                   is still correct (the last split takes the rest) but rounds differently
     """
-    block_size, num_kv_heads, head_dim = check_layer_cache(layer_cache)
-    num_q_heads = query.shape[1] if query.dim() == 3 else -1
-    if num_q_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(f"query heads {tuple(query.shape)} must be a multiple of the cache's "
-                         f"{num_kv_heads} KV heads")
+    block_size, num_kv_heads, head_dim, num_q_heads = check_attention_io(out, query, layer_cache)
     device = layer_cache.device
-    check_tokens("query", query, num_q_heads, head_dim, device)
-    check_tokens("out", out, num_q_heads, head_dim, device)
     num_seqs = rows.shape[0]
     check_index("rows", rows, 1, torch.int32, device)
     check_index("block_tables", block_tables, 2, torch.int32, device, num_seqs)

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import check_index, check_layer_cache, check_tokens, dot_precision
+from engine.kernels.common import check_attention_io, check_index, dot_precision
+from engine.kernels.online_softmax import online_softmax_step
 
 BLOCK_M = 32  # query tokens per program
 BLOCK_N = 32  # keys per inner iteration
@@ -64,17 +65,10 @@ def _prefill_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q
         kv = (cache_ptr + block[:, None] * stride_c_block + (pos % BLOCK_SIZE)[:, None] * stride_c_slot
               + kv_head * stride_c_head + d[None, :])
         k = tl.load(kv, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        v = tl.load(kv + stride_c_kv, mask=k_valid[:, None], other=0.0).to(tl.float32)
         # Position 0 is visible to every row, so no row's max stays -inf.
         visible = k_valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(kv + stride_c_kv, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = online_softmax_step(q, k, v, visible, m, l, acc, scale, PRECISION)
 
     out = acc / l[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
@@ -104,14 +98,8 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch
     block_tables:    [S, max_blocks] int32; seq_lens [S] int32 (context + new tokens)
     query_start_loc: [S + 1] int32, cumulative new-token counts
     """
-    block_size, num_kv_heads, head_dim = check_layer_cache(layer_cache)
-    num_q_heads = query.shape[1] if query.dim() == 3 else -1
-    if num_q_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(f"query heads {tuple(query.shape)} must be a multiple of the cache's "
-                         f"{num_kv_heads} KV heads")
+    block_size, num_kv_heads, head_dim, num_q_heads = check_attention_io(out, query, layer_cache)
     device = layer_cache.device
-    check_tokens("query", query, num_q_heads, head_dim, device)
-    check_tokens("out", out, num_q_heads, head_dim, device)
     num_seqs = seq_lens.shape[0]
     check_index("block_tables", block_tables, 2, torch.int32, device, num_seqs)
     check_index("seq_lens", seq_lens, 1, torch.int32, device)
