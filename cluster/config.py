@@ -101,6 +101,8 @@ class ClusterConfig:
     dtype: str = "float32"
     device: str = "cpu"
     transport: str = "shm"
+    # A decode worker waits this long for pushed KV before prefilling locally.
+    prefill_deadline_s: float = 30.0
     router: RouterConfig = field(default_factory=RouterConfig)
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
@@ -124,8 +126,11 @@ class ClusterConfig:
                f"{sorted(set(TRANSPORTS) - CPU_ONLY)}")
         _check(on_gpu or transport not in GPU_ONLY, "transport",
                f"{transport!r} needs device cuda, got {device!r}")
+        deadline = data.get("prefill_deadline_s", 30.0)
+        _check(isinstance(deadline, (int, float)) and not isinstance(deadline, bool) and deadline > 0,
+               "prefill_deadline_s", f"must be a number of seconds > 0, got {deadline!r}")
         out = cls(model=data["model"], dtype=data.get("dtype", "float32"), device=device,
-                  transport=transport, router=RouterConfig.from_dict(data.get("router", {})),
+                  transport=transport, prefill_deadline_s=float(deadline), router=RouterConfig.from_dict(data.get("router", {})),
                   prefill=PoolConfig.from_dict(data.get("prefill", {}), "prefill", minimum=0),
                   decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1))
         for role in ("prefill", "decode"):  # the engine's own checks, named with their path

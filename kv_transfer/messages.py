@@ -1,8 +1,9 @@
-"""Control messages between transport agents: versioned msgpack maps, never pickle.
+"""Versioned msgpack messages, never pickle: the transport's control messages, and the
+Schema the worker protocol (router/protocol.py) is built with.
 
-Every message is a map with "v" (VERSION) and "kind", and the fields listed for its
-kind in FIELDS with the listed types. decode() refuses anything else with a
-MessageError naming what is wrong, so a bad peer cannot crash or confuse an agent.
+Every message is a map with "v" (the schema's version) and "kind", and exactly the
+fields listed for its kind, with the listed types. decode() refuses anything else
+with a MessageError naming what is wrong, so a bad peer cannot crash or confuse us.
 """
 
 from __future__ import annotations
@@ -11,10 +12,44 @@ from typing import Any
 
 import msgpack
 
-VERSION = 1
+_INT, _STR, _LIST, _BOOL, _BYTES, _FLOAT, _DICT = int, str, list, bool, bytes, (int, float), dict
 
-_INT, _STR, _LIST, _BOOL, _BYTES = int, str, list, bool, bytes
-FIELDS: dict[str, dict[str, type]] = {
+
+class MessageError(ValueError):
+    """A message that is not one of ours."""
+
+
+class Schema:
+    def __init__(self, version: int, fields: dict[str, dict[str, type | tuple[type, ...]]]) -> None:
+        self.version = version
+        self.fields = fields
+
+    def encode(self, kind: str, **fields: Any) -> bytes:
+        spec = self.fields[kind]
+        if set(fields) != set(spec):
+            raise MessageError(f"{kind}: fields {sorted(fields)}, expected {sorted(spec)}")
+        return msgpack.packb({"v": self.version, "kind": kind, **fields}, use_bin_type=True)
+
+    def decode(self, data: bytes) -> dict[str, Any]:
+        try:
+            msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several types for garbage
+            raise MessageError(f"undecodable message: {exc}") from None
+        if not isinstance(msg, dict):
+            raise MessageError(f"a message must be a map, got {type(msg).__name__}")
+        if msg.get("v") != self.version:
+            raise MessageError(f"message version {msg.get('v')!r}, this side speaks {self.version}")
+        kind = msg.get("kind")
+        if kind not in self.fields:
+            raise MessageError(f"unknown message kind {kind!r}")
+        for name, typ in self.fields[kind].items():
+            value = msg.get(name)
+            if not isinstance(value, typ) or (isinstance(value, bool) and typ is not _BOOL):
+                raise MessageError(f"{kind}.{name} has the wrong type: {value!r}")
+        return msg
+
+
+CONTROL = Schema(1, {
     # sender -> receiver: blocks [dst...] of (request, epoch) hold the data now (for
     # one-sided transports), or follow in this message's data frames (two-sided).
     "written": {"xfer": _INT, "req": _STR, "epoch": _INT, "blocks": _LIST, "runs": _LIST},
@@ -26,33 +61,5 @@ FIELDS: dict[str, dict[str, type]] = {
     "cancel_ack": {"req": _STR, "epoch": _INT},
     # sender -> receiver, once: set up the data plane's pairwise channel (nccl).
     "join": {},
-}
-
-
-class MessageError(ValueError):
-    """A control message that is not one of ours."""
-
-
-def encode(kind: str, **fields: Any) -> bytes:
-    spec = FIELDS[kind]
-    if set(fields) != set(spec):
-        raise MessageError(f"{kind}: fields {sorted(fields)}, expected {sorted(spec)}")
-    return msgpack.packb({"v": VERSION, "kind": kind, **fields}, use_bin_type=True)
-
-
-def decode(data: bytes) -> dict[str, Any]:
-    try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several types for garbage
-        raise MessageError(f"undecodable control message: {exc}") from None
-    if not isinstance(msg, dict):
-        raise MessageError(f"control message must be a map, got {type(msg).__name__}")
-    if msg.get("v") != VERSION:
-        raise MessageError(f"control message version {msg.get('v')!r}, this agent speaks {VERSION}")
-    kind = msg.get("kind")
-    if kind not in FIELDS:
-        raise MessageError(f"unknown control message kind {kind!r}")
-    for name, typ in FIELDS[kind].items():
-        if not isinstance(msg.get(name), typ) or (typ is int and isinstance(msg.get(name), bool)):
-            raise MessageError(f"{kind}.{name} must be {typ.__name__}, got {msg.get(name)!r}")
-    return msg
+})
+encode, decode = CONTROL.encode, CONTROL.decode

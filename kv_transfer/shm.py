@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import msgpack
 import torch
 
 from kv_transfer.base import KVTransport, TransportConfig, _Peer, _Write
@@ -29,6 +30,15 @@ def _map(path: str, size: int, create: bool) -> tuple[mmap.mmap, torch.Tensor]:
     finally:
         os.close(fd)
     return m, torch.frombuffer(m, dtype=torch.uint8)
+
+
+def unlink_segment(metadata: bytes) -> None:
+    """Remove the segment an shm agent announced in `metadata`, if it still exists: a
+    killed process cannot unlink its own (its owner calls this after it is gone)."""
+    meta = msgpack.unpackb(metadata, raw=False)
+    path = meta.get("data", {}).get("path", "") if meta.get("transport") == "shm" else ""
+    if path.startswith(os.path.join(SHM_DIR, "pdserve-kv-")) and os.path.exists(path):
+        os.unlink(path)
 
 
 class ShmTransport(KVTransport):

@@ -58,6 +58,14 @@ class PrefillWorkerCore:
         self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1])
         self.jobs[rp.request_id] = _Job(rp, rp.first_block, end)
 
+    def abort(self, request_id: str) -> None:
+        """D gave up on it: write no more; it ends (reported by step) once in-flight
+        writes have settled."""
+        job = self.jobs.get(request_id)
+        if job is not None and job.failed is None:
+            job.failed = "aborted by the decode worker"
+            self.transport.cancel(request_id)
+
     def step(self) -> list[tuple[str, str | None]]:
         """One engine step plus transfer progress. Returns (request id, error or None)
         for every job that ended: its KV written (None), or failed."""

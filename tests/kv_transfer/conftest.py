@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from kv_transfer import KVTransport
+from kv_transfer.shm import unlink_segment
 from tests.kv_transfer.agent import run_agent
 
 
@@ -48,6 +49,7 @@ class RemoteAgent:
     def kill(self) -> None:
         self.process.kill()
         self.process.join(10)
+        unlink_segment(self.metadata)  # it cannot remove its shared memory itself
 
     def stop(self) -> None:
         if self.process.is_alive():
@@ -57,7 +59,9 @@ class RemoteAgent:
             except (BrokenPipeError, OSError):
                 pass
         if self.process.is_alive():
-            self.kill()
+            self.process.kill()
+            self.process.join(10)
+        unlink_segment(self.metadata)
 
 
 @pytest.fixture

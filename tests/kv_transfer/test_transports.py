@@ -3,7 +3,6 @@ failures within the deadline, refused handshakes, and no late write in a reused 
 
 from __future__ import annotations
 
-import os
 import random
 import time
 
@@ -151,9 +150,6 @@ def test_receiver_killed_mid_transfer_fails_within_deadline(transport: str, agen
         assert time.monotonic() - start < 3
     finally:
         sender.close()
-        path = msgpack.unpackb(receiver.metadata, raw=False)["data"].get("path")
-        if path and os.path.exists(path):  # a killed shm agent cannot unlink its segment
-            os.unlink(path)
 
 
 @pytest.mark.timeout(60)

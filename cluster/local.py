@@ -1,0 +1,78 @@
+"""Start a cluster config's workers as processes on this machine, and stop them."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from cluster.config import ClusterConfig
+from kv_transfer.shm import unlink_segment
+from router.protocol import decode, encode
+
+
+@dataclass
+class Worker:
+    name: str
+    process: mp.Process
+    control: Connection
+    address: str = ""
+    metadata: bytes = b""
+
+
+@dataclass
+class LocalWorkers:
+    decode: list[Worker] = field(default_factory=list)
+    prefill: list[Worker] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[Worker]:
+        return self.decode + self.prefill
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for w in self.all:
+            try:
+                w.control.send_bytes(b"stop")
+            except (BrokenPipeError, OSError):
+                pass
+        for w in self.all:
+            w.process.join(timeout)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(timeout)
+            if w.metadata:  # a worker that was killed could not remove its shared memory
+                unlink_segment(w.metadata)
+
+
+def start_workers(config: ClusterConfig, timeout: float = 180.0) -> LocalWorkers:
+    """Spawn every worker, wait until each reports ready, then tell each its peers:
+    decode workers get the prefill workers' addresses, prefill workers the decode
+    workers' transport metadata. Raises (after stopping what started) if any fails."""
+    from decode_worker.server import serve as serve_decode
+    from prefill_worker.server import serve as serve_prefill
+
+    ctx = mp.get_context("spawn")
+    workers = LocalWorkers()
+    for role, serve, count in (("decode", serve_decode, config.decode.replicas),
+                               ("prefill", serve_prefill, config.prefill.replicas)):
+        for i in range(count):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=serve, args=(config, i, child), name=f"pdserve-{role}-{i}", daemon=True)
+            process.start()
+            getattr(workers, role).append(Worker(f"{role}-{i}", process, parent))
+    try:
+        for w in workers.all:
+            if not w.control.poll(timeout):
+                alive = "still starting" if w.process.is_alive() else f"exited with {w.process.exitcode}"
+                raise RuntimeError(f"worker {w.name} did not become ready within {timeout} s ({alive})")
+            ready = decode(w.control.recv_bytes())
+            w.address, w.metadata = ready["address"], ready["metadata"]
+        prefill = {w.name: w.address for w in workers.prefill}
+        for w in workers.decode:
+            w.control.send_bytes(encode("peers", prefill=prefill, decode=[]))
+        for w in workers.prefill:
+            w.control.send_bytes(encode("peers", prefill={}, decode=[d.metadata for d in workers.decode]))
+    except BaseException:
+        workers.stop()
+        raise
+    return workers

@@ -1,0 +1,100 @@
+"""The event loop every worker process runs: ZMQ messages in, one engine step, repeat."""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+
+import zmq
+
+from cluster.config import ClusterConfig
+from engine.engine_core import EngineCore
+from kv_transfer import KVTransport, TransportConfig, create_transport
+from kv_transfer.messages import MessageError
+from router.protocol import decode
+
+logger = logging.getLogger(__name__)
+
+def engine_and_transport(config: ClusterConfig, role: str, index: int) -> tuple[str, EngineCore, KVTransport]:
+    """A worker's name, its engine (cache placed where the transport reaches it) and its
+    transport (cache registered)."""
+    name = f"{role}-{index}"
+    transport = create_transport(config.transport, name, TransportConfig())
+    engine = EngineCore(config.engine_config(role), transport.allocate_kv_cache)
+    transport.register_kv_cache(engine.kv_cache, config.model)
+    return name, engine, transport
+
+
+IDLE_POLL_MS = 10  # how long an idle worker waits for a message before looking again
+
+
+class WorkerLoop:
+    """Subclasses implement handle() and step(), and say when they have work."""
+
+    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
+        self.name = name
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
+        self.dealers: dict[str, zmq.Socket] = {}  # peer name -> our socket to it
+
+    def connect(self, peer: str, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
+        sock.connect(address)
+        self.dealers[peer] = sock
+        return sock
+
+    def handle(self, sender: bytes, msg: dict, reply: zmq.Socket) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        raise NotImplementedError
+
+    def run(self, control: Connection) -> None:
+        """Until the launcher writes to (or closes) the control pipe."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        for sock in self.dealers.values():
+            poller.register(sock, zmq.POLLIN)
+        while not control.poll():
+            for sock, _ in poller.poll(0 if self.busy() else IDLE_POLL_MS):
+                self._drain(sock)
+            self.step()
+        self.close()
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if sock is self.sock:
+                sender = frames[0]
+            else:  # a peer we connected to: name it
+                sender = next(name for name, s in self.dealers.items() if s is sock).encode()
+            body = frames[-1]
+            try:
+                msg = decode(body)
+            except MessageError as exc:
+                logger.warning("%s dropped a message: %s", self.name, exc)
+                continue
+            self.handle(sender, msg, sock)
+
+    def send(self, sock: zmq.Socket, sender: bytes, body: bytes) -> None:
+        """Reply on the socket the peer spoke on (ROUTER: addressed by its routing id)."""
+        if sock is self.sock:
+            sock.send_multipart([sender, body])
+        else:
+            sock.send(body)
+
+    def close(self) -> None:
+        for sock in self.dealers.values():
+            sock.close(0)
+        self.sock.close(0)
+        self.ctx.term()

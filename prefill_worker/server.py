@@ -1,0 +1,64 @@
+"""A prefill worker process: takes remote-prefill requests from decode workers over
+ZMQ, computes prompt KV with chunked prefill, pushes it through the KV transport,
+and reports each request's end to the decode worker that asked."""
+
+from __future__ import annotations
+
+import logging
+from multiprocessing.connection import Connection
+
+import zmq
+
+from cluster.config import ClusterConfig
+from cluster.worker_loop import WorkerLoop, engine_and_transport
+from prefill_worker.remote_prefill import PrefillWorkerCore, RemotePrefill
+from router.protocol import decode, encode
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker(WorkerLoop):
+    def __init__(self, name: str, core: PrefillWorkerCore) -> None:
+        super().__init__(name)
+        self.core = core
+        self.origin: dict[str, tuple[zmq.Socket, bytes]] = {}  # request id -> decode worker
+
+    def busy(self) -> bool:
+        return bool(self.core.jobs)
+
+    def handle(self, sender: bytes, msg: dict, sock: zmq.Socket) -> None:
+        if msg["kind"] == "prefill":
+            rp = RemotePrefill(msg["id"], msg["prompt"], msg["peer"], msg["blocks"], msg["first"],
+                               msg["epoch"], msg["deadline"])
+            try:
+                self.core.submit(rp)
+            except ValueError as exc:
+                self.send(sock, sender, encode("prefill_done", id=rp.request_id, error=str(exc)))
+                return
+            self.origin[rp.request_id] = (sock, sender)
+        elif msg["kind"] == "abort":
+            self.core.abort(msg["id"])
+        elif msg["kind"] == "stats":
+            kv = self.core.engine.kv
+            self.send(sock, sender, encode("stats_reply", stats={
+                "name": self.name, "num_blocks": kv.pool.num_blocks, "free_blocks": kv.num_free_blocks,
+                "jobs": len(self.core.jobs), **self.core.stats}))
+
+    def step(self) -> None:
+        for request_id, error in self.core.step():
+            origin = self.origin.pop(request_id, None)
+            if origin is not None:
+                self.send(*origin, encode("prefill_done", id=request_id, error=error or ""))
+
+
+def serve(config: ClusterConfig, index: int, control: Connection) -> None:
+    """Process entry point: start, report ready on `control`, get peers, run."""
+    name, engine, transport = engine_and_transport(config, "prefill", index)
+    worker = PrefillWorker(name, PrefillWorkerCore(engine, transport))
+    control.send_bytes(encode("ready", name=name, address=worker.address, metadata=transport.metadata()))
+    for metadata in decode(control.recv_bytes())["decode"]:
+        transport.add_peer(metadata)
+    try:
+        worker.run(control)
+    finally:
+        transport.close()

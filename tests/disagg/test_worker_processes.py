@@ -1,0 +1,120 @@
+"""One prefill and one decode worker as processes, driven over ZMQ like the router will:
+greedy tokens equal to the colocated engine's, bad requests refused by name, and a
+killed prefill worker's requests completed by local prefill."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from cluster.config import ClusterConfig
+from cluster.local import LocalWorkers, start_workers
+from engine import LLM, SamplingParams
+from router.protocol import decode, encode
+from tests.fidelity.test_hf_fidelity import random_prompts
+
+PARAMS = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = random_prompts([3, 20, 45, 70, 33, 90], seed=11)
+
+
+class Client:
+    """A DEALER to one worker, as the router holds."""
+
+    def __init__(self, address: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, b"test-router")
+        self.sock.connect(address)
+
+    def send(self, kind: str, **fields) -> None:
+        self.sock.send(encode(kind, **fields))
+
+    def recv(self, timeout: float) -> dict:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no message within {timeout} s")
+        return decode(self.sock.recv())
+
+    def generate(self, prompts: dict[str, list[int]], remote: bool, params=PARAMS,
+                 timeout: float = 60.0) -> dict[str, dict]:
+        for rid, prompt in prompts.items():
+            self.send("generate", id=rid, prompt=prompt, params=params, remote=remote, priority=0)
+        results = {rid: {"tokens": [], "finished": False, "reason": "", "error": ""} for rid in prompts}
+        end = time.monotonic() + timeout
+        while not all(r["finished"] or r["error"] for r in results.values()):
+            msg = self.recv(max(0.1, end - time.monotonic()))
+            r = results[msg["id"]]
+            if msg["kind"] == "rejected":
+                r["error"] = msg["error"]
+            else:
+                r["tokens"] += msg["tokens"]
+                r["finished"], r["reason"] = msg["finished"], msg["reason"]
+        return results
+
+    def stats(self) -> dict:
+        self.send("stats")
+        return self.recv(10)["stats"]
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def workers(llama_dir: Path) -> Iterator[LocalWorkers]:
+    config = ClusterConfig.from_dict({
+        "model": str(llama_dir), "transport": "shm", "prefill_deadline_s": 2.0,
+        "prefill": {"replicas": 1, "engine": {"num_kv_blocks": 80, "max_num_batched_tokens": 24}},
+        "decode": {"replicas": 1, "engine": {"num_kv_blocks": 80}}})
+    started = start_workers(config)
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def client(workers: LocalWorkers) -> Iterator[Client]:
+    c = Client(workers.decode[0].address)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: Path) -> list[list[int]]:
+    llm = LLM(str(llama_dir), num_kv_blocks=80)
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**PARAMS), use_tqdm=False)]
+
+
+@pytest.mark.timeout(180)
+def test_disaggregated_tokens_match_colocated(client: Client, reference) -> None:
+    results = client.generate({f"a{i}": p for i, p in enumerate(PROMPTS)}, remote=True)
+    assert [results[f"a{i}"]["tokens"] for i in range(len(PROMPTS))] == reference
+    assert all(r["reason"] == "length" for r in results.values())
+    stats = client.stats()
+    assert stats["remote"] >= len(PROMPTS) - 1 and stats["fallbacks"] == 0
+    assert stats["free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.timeout(60)
+def test_bad_request_is_refused_by_name_and_serving_goes_on(client: Client, reference) -> None:
+    results = client.generate({"bad": PROMPTS[0]}, remote=False, params={"max_tokens": 0})
+    assert "max_tokens must be an integer >= 1" in results["bad"]["error"]
+    results = client.generate({"bad2": [10**6]}, remote=False)
+    assert "prompt token ids must be integers in [0, 384)" in results["bad2"]["error"]
+    assert client.generate({"ok": PROMPTS[1]}, remote=False)["ok"]["tokens"] == reference[1]
+
+
+@pytest.mark.timeout(180)
+def test_killed_prefill_worker_falls_back_to_local_prefill(workers: LocalWorkers, client: Client,
+                                                           reference) -> None:
+    workers.prefill[0].process.kill()
+    workers.prefill[0].process.join(10)
+    start = time.monotonic()
+    results = client.generate({f"k{i}": p for i, p in enumerate(PROMPTS[:3])}, remote=True)
+    assert [results[f"k{i}"]["tokens"] for i in range(3)] == reference[:3]
+    assert time.monotonic() - start < 30  # the 2 s deadline, then local prefill
+    stats = client.stats()
+    assert stats["fallbacks"] >= 2 and stats["free_blocks"] == stats["num_blocks"]
