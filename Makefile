@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL := models/SmolLM2-135M-Instruct
 
-.PHONY: install model test generate bench clean
+.PHONY: install model test serve generate bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ model: $(STAMP)
 
 test: model
 	$(PY) -m pytest -q tests
+
+serve: model
+	$(VENV)/bin/pdserve serve configs/local.yaml
 
 generate: model
 	$(VENV)/bin/pdserve generate --model $(MODEL) --chat "What is the capital of France?"

@@ -1,4 +1,4 @@
-"""The `pdserve` command: model preparation and offline generation (serving comes later)."""
+"""The `pdserve` command: model preparation, offline generation, and serving."""
 
 from __future__ import annotations
 
@@ -30,6 +30,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from cluster.config import load_cluster_config
+    from cluster.serve import serve
+
+    config = load_cluster_config(args.config)
+    if args.port is not None:
+        config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=args.port))
+    serve(config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -54,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve a cluster config: workers as local processes + the router")
+    serve.add_argument("config", help="YAML cluster config, e.g. configs/local.yaml")
+    serve.add_argument("--port", type=int, default=None, help="override router.port")
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

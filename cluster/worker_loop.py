@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from multiprocessing.connection import Connection
 
 import zmq
@@ -58,6 +59,8 @@ class WorkerLoop:
 
     def run(self, control: Connection) -> None:
         """Until the launcher writes to (or closes) the control pipe."""
+        # Ctrl-C reaches the whole process group; the launcher decides when we stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         for sock in self.dealers.values():

@@ -1,0 +1,54 @@
+"""`pdserve serve CONFIG`: the workers as local processes, and the router in front."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import uvicorn
+
+from cluster.config import ClusterConfig
+from cluster.local import LocalWorkers, start_workers
+from router.app import Router, create_app
+
+logger = logging.getLogger(__name__)
+
+
+def build(config: ClusterConfig) -> tuple[LocalWorkers, Router]:
+    workers = start_workers(config)
+    try:
+        router = Router(config, {w.name: w.address for w in workers.decode}, bool(workers.prefill))
+    except BaseException:
+        workers.stop()
+        raise
+    return workers, router
+
+
+def serve(config: ClusterConfig) -> None:
+    """Blocks until Ctrl-C (or SIGTERM), then stops the router and every worker."""
+    workers, router = build(config)
+    host, port = config.router.host, config.router.port
+    # The HTTP server runs in a thread, so the signals stay here: one orderly shutdown.
+    server = uvicorn.Server(uvicorn.Config(create_app(router), host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="router", daemon=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        thread.start()
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"the router could not start on {host}:{port} (see above)")
+            time.sleep(0.05)
+        print(f"pdserve: serving {config.model} at http://{host}:{port}/v1 "
+              f"({len(workers.prefill)} prefill + {len(workers.decode)} decode workers, "
+              f"{config.transport} transport); Ctrl-C stops", flush=True)
+        while not stop.wait(0.5) and thread.is_alive():
+            pass
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        workers.stop()
+        print("pdserve: stopped", flush=True)

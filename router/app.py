@@ -1,0 +1,308 @@
+"""The OpenAI-compatible HTTP front end: /v1/completions, /v1/chat/completions (both
+streamed as server-sent events, or not), /v1/models and /health.
+
+The router tokenizes (and applies the chat template), picks a decode worker, asks it
+to prefill on a prefill worker when the prompt is long enough (conditional
+disaggregation), and detokenizes the worker's per-step token batches incrementally,
+ending a request itself when a stop string appears. Bad input is HTTP 400 with an
+OpenAI-style error naming the problem; a full queue is HTTP 429 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cluster.config import ClusterConfig
+from engine.llm import load_tokenizer
+from engine.sampling_params import SamplingParams
+from router.protocol import decode, encode
+
+# OpenAI request fields passed on to SamplingParams as they are.
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                   "ignore_eos")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+class DecodeClient:
+    """One decode worker: an async DEALER, and a reader task that hands each reply to
+    the queue of the request it belongs to."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, address: str) -> None:
+        self.name = name
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, f"router-{uuid.uuid4().hex[:8]}".encode())
+        self.sock.connect(address)
+        self.queues: dict[str, asyncio.Queue] = {}
+
+    async def read_forever(self) -> None:
+        while True:
+            msg = decode(await self.sock.recv())
+            queue = self.queues.get(msg.get("id", ""))
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    async def send(self, kind: str, **fields: Any) -> None:
+        await self.sock.send(encode(kind, **fields))
+
+
+class Router:
+    def __init__(self, config: ClusterConfig, decode_workers: dict[str, str], has_prefill: bool) -> None:
+        self.config = config
+        self.model_name = config.model
+        self.served_names = {config.model, Path(config.model).name}
+        self.tokenizer = load_tokenizer(config.model)
+        self.ctx = zmq.asyncio.Context()
+        self.workers = [DecodeClient(self.ctx, n, a) for n, a in sorted(decode_workers.items())]
+        self._round_robin = itertools.cycle(self.workers)
+        self.has_prefill = has_prefill
+        self.in_flight = 0
+        self.stats = dict(requests=0, remote=0, local=0, rejected=0, queue_full=0, aborted=0)
+
+    def pick(self) -> DecodeClient:
+        if self.config.router.policy == "round_robin":
+            return next(self._round_robin)
+        # least_loaded; kv_aware also uses load until the router keeps a prefix index.
+        return min(self.workers, key=lambda w: len(w.queues))
+
+    # --- request parsing ----------------------------------------------------------
+
+    def sampling_params(self, body: dict[str, Any]) -> SamplingParams:
+        options = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+        if body.get("n", 1) != 1:
+            raise APIError(400, "only n=1 is supported", "n")
+        if body.get("logprobs") not in (None, False):
+            raise APIError(400, "logprobs are not served over HTTP yet", "logprobs")
+        try:
+            return SamplingParams(**options)
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, str(exc), next((k for k in options if k in str(exc)), None)) from None
+
+    def check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model not in self.served_names:
+            raise APIError(400, f"model {model!r} is not served here; this server serves "
+                                f"{self.model_name!r}", "model", "model_not_found")
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt must not be empty", "prompt")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+
+    def chat_ids(self, messages: Any) -> list[int]:
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+            raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+        # Rendered to text, then encoded without special tokens: the template already
+        # holds them (as LLM.chat does).
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # --- one request ----------------------------------------------------------------
+
+    async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[tuple[str, str | None, int]]:
+        """(text delta, finish reason or None, output tokens so far) as the worker steps."""
+        if self.in_flight >= self.config.router.max_queued_requests:
+            self.stats["queue_full"] += 1
+            raise APIError(429, f"the server has {self.in_flight} requests in flight "
+                                f"(max_queued_requests); retry later", kind="rate_limit_error")
+        worker, request_id = self.pick(), uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        worker.queues[request_id] = queue
+        remote = self.has_prefill and len(prompt) >= self.config.router.remote_prefill_min_tokens
+        self.stats["requests"] += 1
+        self.stats["remote" if remote else "local"] += 1
+        self.in_flight += 1
+        finished = False
+        try:
+            await worker.send("generate", id=request_id, prompt=prompt, params=_params_dict(params),
+                              remote=remote, priority=0)
+            detok = Detokenizer(self.tokenizer, params.stop)
+            while not finished:
+                msg = await queue.get()
+                if msg["kind"] == "rejected":
+                    self.stats["rejected"] += 1
+                    finished = True  # nothing to abort: the worker never queued it
+                    raise APIError(400, msg["error"])
+                delta, stopped = detok.add(msg["tokens"])
+                finished = msg["finished"] or stopped
+                reason = "stop" if stopped else (msg["reason"] if msg["finished"] else None)
+                if finished:
+                    delta += detok.flush()
+                yield delta, reason, detok.num_tokens
+        finally:
+            worker.queues.pop(request_id, None)
+            self.in_flight -= 1
+            if not finished:  # client went away, or a stop string: free the worker's blocks
+                self.stats["aborted"] += 1
+                await worker.send("abort", id=request_id)
+            elif detok.stopped:
+                await worker.send("abort", id=request_id)
+
+
+class Detokenizer:
+    """Incremental text for one request, holding back what may still change: a partial
+    UTF-8 character, or the start of a stop string."""
+
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.sent = 0  # characters of text already returned
+        self.text = ""
+        self.stopped = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    def add(self, tokens: list[int]) -> tuple[str, bool]:
+        self.ids += tokens
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            i = self.text.find(s)
+            if i != -1:
+                self.text, self.stopped = self.text[:i], True
+        if self.stopped:
+            return self.flush(), True
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        end = len(self.text.rstrip("\ufffd")) - hold
+        delta = self.text[self.sent:max(self.sent, end)]
+        self.sent += len(delta)
+        return delta, False
+
+    def flush(self) -> str:
+        delta = self.text[self.sent:]
+        self.sent = len(self.text)
+        return delta
+
+
+def _params_dict(params: SamplingParams) -> dict[str, Any]:
+    return {k: getattr(params, k) for k in SAMPLING_FIELDS}
+
+
+def _error(exc: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param,
+                                   "code": exc.status}}, status_code=exc.status, headers=headers)
+
+
+def create_app(router: Router) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        readers = [asyncio.create_task(w.read_forever()) for w in router.workers]
+        yield
+        for task in readers:
+            task.cancel()
+
+    app = FastAPI(title="pdserve", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _error(exc)
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object")
+        router.check_model(body)
+        return body
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": router.model_name, "object": "model",
+                                            "created": 0, "owned_by": "pdserve"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await body_of(request)
+        prompt = router.prompt_ids(body.get("prompt"))
+        return await respond(body, prompt, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        body = await body_of(request)
+        return await respond(body, router.chat_ids(body.get("messages")), chat=True)
+
+    async def respond(body: dict[str, Any], prompt: list[int], chat: bool) -> Any:
+        params = router.sampling_params(body)
+        stream = router.run(prompt, params)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+
+        def usage(n: int) -> dict[str, int]:
+            return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+
+        def choice(text: str, reason: str | None, delta: bool) -> dict[str, Any]:
+            if not chat:
+                return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            key = "delta" if delta else "message"
+            return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason}
+
+        first = await anext(stream)  # errors (400, 429) surface before any byte is sent
+        if not body.get("stream"):
+            text, (_, reason, n) = first[0], first
+            async for delta, reason, n in stream:
+                text += delta
+            return {"id": rid, "object": kind, "created": created, "model": router.model_name,
+                    "choices": [choice(text, reason, False)], "usage": usage(n)}
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def events() -> AsyncIterator[str]:
+            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+            delta, reason, n = first
+            try:
+                yield _sse(rid, chunk_kind, created, router.model_name, choice(delta, reason, True))
+                async for delta, reason, n in stream:
+                    yield _sse(rid, chunk_kind, created, router.model_name, choice(delta, reason, True))
+                if include_usage:
+                    yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
+                                                 "model": router.model_name, "choices": [],
+                                                 "usage": usage(n)}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                await stream.aclose()  # a client gone mid-stream aborts the request
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def _sse(rid: str, kind: str, created: int, model: str, choice: dict[str, Any]) -> str:
+    return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
+                                  "choices": [choice]}) + "\n\n"

@@ -1,0 +1,146 @@
+"""The whole service over real HTTP with the official `openai` client: 1 prefill + 1
+decode worker process behind the router (uvicorn on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import uvicorn
+
+from cluster.config import ClusterConfig
+from cluster.local import LocalWorkers
+from cluster.serve import build
+from engine import LLM, SamplingParams
+from router.app import create_app
+from tests.disagg.test_worker_processes import Client
+
+PROMPTS = ["The quick brown fox", "Paged attention stores keys and values in fixed-size blocks. " * 2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path) -> Iterator[tuple[openai.OpenAI, ClusterConfig, LocalWorkers]]:
+    config = ClusterConfig.from_dict({
+        "model": str(llama_dir), "transport": "shm", "prefill_deadline_s": 5.0,
+        "router": {"port": free_port(), "remote_prefill_min_tokens": 8, "max_queued_requests": 64},
+        "prefill": {"replicas": 1, "engine": {"num_kv_blocks": 80, "max_num_batched_tokens": 32}},
+        "decode": {"replicas": 1, "engine": {"num_kv_blocks": 80}}})
+    workers, router = build(config)
+    http = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=config.router.port,
+                                         log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        end = time.monotonic() + 30
+        while not http.started:
+            assert time.monotonic() < end, "router did not start"
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.router.port}/v1", api_key="none",
+                               timeout=60, max_retries=0)
+        yield client, config, workers
+    finally:
+        http.should_exit = True
+        thread.join(10)
+        workers.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir: Path) -> list[str]:
+    llm = LLM(str(llama_dir), num_kv_blocks=80)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    return [o.text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.timeout(180)
+def test_completions_streamed_and_not_match_the_engine(server, expected: list[str]) -> None:
+    client, config, _ = server
+    for prompt, text in zip(PROMPTS, expected):
+        out = client.completions.create(model=config.model, prompt=prompt, max_tokens=12,
+                                        temperature=0.0, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == text and out.choices[0].finish_reason == "length"
+        assert out.usage.completion_tokens == 12
+        chunks = list(client.completions.create(model=config.model, prompt=prompt, max_tokens=12,
+                                                temperature=0.0, stream=True, extra_body={"ignore_eos": True}))
+        assert "".join(c.choices[0].text for c in chunks) == text
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.timeout(120)
+def test_chat_models_and_stop_strings(server, expected: list[str]) -> None:
+    client, config, _ = server
+    assert [m.id for m in client.models.list().data] == [config.model]
+    chat = client.chat.completions.create(model=config.model, max_tokens=8, temperature=0.0,
+                                          messages=[{"role": "user", "content": "Hello"}])
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    words = expected[0].split()
+    if len(words) >= 2:  # stop on the second word: the text ends before it
+        out = client.completions.create(model=config.model, prompt=PROMPTS[0], max_tokens=12,
+                                        temperature=0.0, stop=[words[1]], extra_body={"ignore_eos": True})
+        assert out.choices[0].finish_reason == "stop"
+        assert out.choices[0].text == expected[0][:expected[0].find(words[1])]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(model="gpt-9"), "model 'gpt-9' is not served here"),
+    (dict(prompt="x " * 2000), "context length"),
+])
+def test_bad_requests_get_400_naming_the_problem(server, kwargs: dict, message: str) -> None:
+    client, config, _ = server
+    args = dict(model=config.model, prompt="Hello", max_tokens=4) | kwargs
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**args)
+    assert message in str(err.value)
+    assert client.completions.create(model=config.model, prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.timeout(180)
+def test_concurrent_requests_complete_and_free_every_block(server, llama_dir: Path) -> None:
+    client, config, workers = server
+    prompts = [f"request {i}: " + "blocks and tokens " * (i % 5 + 1) for i in range(24)]
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: client.completions.create(
+            model=config.model, prompt=p, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True}),
+            prompts))
+    assert all(o.choices[0].finish_reason == "length" and o.usage.completion_tokens == 6 for o in outs)
+    llm = LLM(str(llama_dir), num_kv_blocks=80)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert [o.choices[0].text for o in outs] == [o.text for o in llm.generate(prompts, params, use_tqdm=False)]
+    probe = Client(workers.decode[0].address)
+    stats = probe.stats()
+    probe.close()
+    assert stats["free_blocks"] == stats["num_blocks"] and stats["remote"] >= 1
+
+
+@pytest.mark.timeout(120)
+def test_client_gone_mid_stream_aborts_the_request(server) -> None:
+    client, config, workers = server
+    stream = client.completions.create(model=config.model, prompt="Hello there", max_tokens=500,
+                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()  # hang up after the first chunk: 500 tokens would take far longer
+    probe = Client(workers.decode[0].address)
+    try:
+        end = time.monotonic() + 30
+        while True:  # the abort reaches the decode worker, which frees everything
+            stats = probe.stats()
+            if stats["free_blocks"] == stats["num_blocks"] and stats["running"] == 0:
+                break
+            assert time.monotonic() < end, f"the abandoned request still holds blocks: {stats}"
+            time.sleep(0.2)
+    finally:
+        probe.close()
