@@ -11,7 +11,6 @@ OpenAI-style error naming the problem; a full queue is HTTP 429 with Retry-After
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 import uuid
@@ -29,6 +28,7 @@ from cluster.config import ClusterConfig
 from engine.llm import load_tokenizer
 from engine.sampling_params import SamplingParams
 from router.protocol import decode, encode
+from router.routing import RoutingPolicy
 
 # OpenAI request fields passed on to SamplingParams as they are.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -74,16 +74,13 @@ class Router:
         self.tokenizer = load_tokenizer(config.model)
         self.ctx = zmq.asyncio.Context()
         self.workers = [DecodeClient(self.ctx, n, a) for n, a in sorted(decode_workers.items())]
-        self._round_robin = itertools.cycle(self.workers)
+        engine = config.engine_config("decode")
+        # The router cannot see the pools' sizes; this bounds the history it keeps.
+        self.routing = RoutingPolicy(config.router.policy, len(self.workers), engine.block_size,
+                                     engine.num_kv_blocks or 65536)
         self.has_prefill = has_prefill
         self.in_flight = 0
         self.stats = dict(requests=0, remote=0, local=0, rejected=0, queue_full=0, aborted=0)
-
-    def pick(self) -> DecodeClient:
-        if self.config.router.policy == "round_robin":
-            return next(self._round_robin)
-        # least_loaded; kv_aware also uses load until the router keeps a prefix index.
-        return min(self.workers, key=lambda w: len(w.queues))
 
     # --- request parsing ----------------------------------------------------------
 
@@ -133,10 +130,12 @@ class Router:
             self.stats["queue_full"] += 1
             raise APIError(429, f"the server has {self.in_flight} requests in flight "
                                 f"(max_queued_requests); retry later", kind="rate_limit_error")
-        worker, request_id = self.pick(), uuid.uuid4().hex
+        index, cached = self.routing.choose(prompt, [len(w.queues) for w in self.workers])
+        worker, request_id = self.workers[index], uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         worker.queues[request_id] = queue
-        remote = self.has_prefill and len(prompt) >= self.config.router.remote_prefill_min_tokens
+        # Conditional disaggregation: only the part the worker must compute counts.
+        remote = self.has_prefill and len(prompt) - cached >= self.config.router.remote_prefill_min_tokens
         self.stats["requests"] += 1
         self.stats["remote" if remote else "local"] += 1
         self.in_flight += 1

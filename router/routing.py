@@ -1,0 +1,66 @@
+"""Routing policies: which decode worker takes a request, and how much of its prompt
+that worker probably has cached already.
+
+`kv_aware` keeps, per worker, the block hashes of the prompts it was sent (the same
+chained hashes the engines' prefix caches use, engine/kv_cache/block_hash.py), most
+recent last and bounded by the worker's pool size, and picks the worker with the
+lowest cost = prompt tokens it would have to prefill + LOAD_TOKENS per request it is
+already serving (in the spirit of Dynamo's KV router). The same overlap decides
+conditional disaggregation: only the uncached part counts toward the threshold.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from engine.kv_cache.block_hash import hash_full_blocks
+
+LOAD_TOKENS = 64  # what one in-flight request costs, in prompt tokens to prefill
+
+
+class PrefixIndex:
+    """The block hashes one worker was last sent (routing history), LRU-bounded."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._hashes: OrderedDict[int, None] = OrderedDict()
+
+    def cached_blocks(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of a prompt this worker probably holds (chained: stop at a miss)."""
+        n = 0
+        for h in hashes:
+            if h not in self._hashes:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._hashes[h] = None
+            self._hashes.move_to_end(h)
+        while len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+
+class RoutingPolicy:
+    def __init__(self, policy: str, num_workers: int, block_size: int, capacity_blocks: int) -> None:
+        self.policy = policy
+        self.block_size = block_size
+        self.indexes = [PrefixIndex(capacity_blocks) for _ in range(num_workers)]
+        self._round_robin = itertools.cycle(range(num_workers))
+
+    def choose(self, prompt: Sequence[int], loads: Sequence[int]) -> tuple[int, int]:
+        """(worker index, prompt tokens it probably has cached) for this prompt, given
+        each worker's requests in flight. Records the choice in kv_aware's history."""
+        if self.policy == "round_robin":
+            return next(self._round_robin), 0
+        if self.policy == "least_loaded":
+            return min(range(len(loads)), key=lambda i: loads[i]), 0
+        # At most len - 1 tokens can be cached: the last one is always computed.
+        hashes = hash_full_blocks(prompt[:-1], self.block_size)
+        cached = [idx.cached_blocks(hashes) * self.block_size for idx in self.indexes]
+        best = min(range(len(loads)), key=lambda i: (len(prompt) - cached[i] + LOAD_TOKENS * loads[i], i))
+        self.indexes[best].add(hashes)
+        return best, cached[best]
