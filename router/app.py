@@ -22,12 +22,14 @@ from typing import Any
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from cluster.config import ClusterConfig
 from engine.llm import load_tokenizer
 from engine.sampling_params import SamplingParams
 from router.protocol import decode, encode
+from router.metrics import RouterMetrics
 from router.routing import RoutingPolicy
 
 # OpenAI request fields passed on to SamplingParams as they are.
@@ -54,13 +56,25 @@ class DecodeClient:
         self.sock.setsockopt(zmq.ROUTING_ID, f"router-{uuid.uuid4().hex[:8]}".encode())
         self.sock.connect(address)
         self.queues: dict[str, asyncio.Queue] = {}
+        self.stats_replies: asyncio.Queue = asyncio.Queue()
 
     async def read_forever(self) -> None:
         while True:
             msg = decode(await self.sock.recv())
+            if msg["kind"] == "stats_reply":
+                self.stats_replies.put_nowait(msg["stats"])
+                continue
             queue = self.queues.get(msg.get("id", ""))
             if queue is not None:
                 queue.put_nowait(msg)
+
+    async def stats(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        """The worker's own figures, or None if it does not answer in time."""
+        await self.send("stats")
+        try:
+            return await asyncio.wait_for(self.stats_replies.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
 
     async def send(self, kind: str, **fields: Any) -> None:
         await self.sock.send(encode(kind, **fields))
@@ -80,7 +94,7 @@ class Router:
                                      engine.num_kv_blocks or 65536)
         self.has_prefill = has_prefill
         self.in_flight = 0
-        self.stats = dict(requests=0, remote=0, local=0, rejected=0, queue_full=0, aborted=0)
+        self.metrics = RouterMetrics()
 
     # --- request parsing ----------------------------------------------------------
 
@@ -127,7 +141,6 @@ class Router:
     async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[tuple[str, str | None, int]]:
         """(text delta, finish reason or None, output tokens so far) as the worker steps."""
         if self.in_flight >= self.config.router.max_queued_requests:
-            self.stats["queue_full"] += 1
             raise APIError(429, f"the server has {self.in_flight} requests in flight "
                                 f"(max_queued_requests); retry later", kind="rate_limit_error")
         index, cached = self.routing.choose(prompt, [len(w.queues) for w in self.workers])
@@ -136,10 +149,15 @@ class Router:
         worker.queues[request_id] = queue
         # Conditional disaggregation: only the part the worker must compute counts.
         remote = self.has_prefill and len(prompt) - cached >= self.config.router.remote_prefill_min_tokens
-        self.stats["requests"] += 1
-        self.stats["remote" if remote else "local"] += 1
+        m = self.metrics
+        m.requests.labels(prefill="remote" if remote else "local").inc()
+        m.prompt_tokens.inc(len(prompt))
+        m.cached_tokens.inc(cached)
         self.in_flight += 1
+        m.in_flight.set(self.in_flight)
         finished = False
+        start = last = time.monotonic()
+        num_tokens = 0
         try:
             await worker.send("generate", id=request_id, prompt=prompt, params=_params_dict(params),
                               remote=remote, priority=0)
@@ -147,20 +165,31 @@ class Router:
             while not finished:
                 msg = await queue.get()
                 if msg["kind"] == "rejected":
-                    self.stats["rejected"] += 1
                     finished = True  # nothing to abort: the worker never queued it
                     raise APIError(400, msg["error"])
+                now, new = time.monotonic(), len(msg["tokens"])
+                if new and num_tokens == 0:
+                    m.ttft.observe(now - start)
+                elif new:  # a batch of tokens from one step: each waited its share
+                    for _ in range(new):
+                        m.itl.observe((now - last) / new)
+                if new:
+                    num_tokens, last = num_tokens + new, now
+                    m.generation_tokens.inc(new)
                 delta, stopped = detok.add(msg["tokens"])
                 finished = msg["finished"] or stopped
                 reason = "stop" if stopped else (msg["reason"] if msg["finished"] else None)
                 if finished:
                     delta += detok.flush()
+                    m.e2e.observe(time.monotonic() - start)
+                    m.finished.labels(reason=reason).inc()
                 yield delta, reason, detok.num_tokens
         finally:
             worker.queues.pop(request_id, None)
             self.in_flight -= 1
-            if not finished:  # client went away, or a stop string: free the worker's blocks
-                self.stats["aborted"] += 1
+            m.in_flight.set(self.in_flight)
+            if not finished:  # the client went away: free the worker's blocks
+                m.finished.labels(reason="abort").inc()
                 await worker.send("abort", id=request_id)
             elif detok.stopped:
                 await worker.send("abort", id=request_id)
@@ -224,6 +253,7 @@ def create_app(router: Router) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        router.metrics.rejected.labels(status=str(exc.status)).inc()
         return _error(exc)
 
     async def body_of(request: Request) -> dict[str, Any]:
@@ -239,6 +269,13 @@ def create_app(router: Router) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for worker, stats in zip(router.workers, await asyncio.gather(*(w.stats() for w in router.workers))):
+            if stats is not None:
+                router.metrics.set_worker(worker.name, stats)
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

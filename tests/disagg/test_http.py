@@ -144,3 +144,23 @@ def test_client_gone_mid_stream_aborts_the_request(server) -> None:
             time.sleep(0.2)
     finally:
         probe.close()
+
+
+@pytest.mark.timeout(60)
+def test_metrics_count_requests_latencies_and_worker_blocks(server) -> None:
+    client, config, _ = server
+    client.completions.create(model=config.model, prompt="Hello metrics", max_tokens=3, temperature=0.0)
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{config.router.port}/metrics", timeout=30).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values["pdserve_time_to_first_token_seconds_count"] >= 1
+    assert values["pdserve_e2e_request_latency_seconds_count"] >= 1
+    assert values['pdserve_requests_finished_total{reason="length"}'] >= 1
+    assert values['pdserve_requests_rejected_total{status="400"}'] >= 1  # from the 400 tests
+    assert values['pdserve_worker_free_blocks{worker="decode-0"}'] == values['pdserve_worker_num_blocks{worker="decode-0"}']
+    assert values['pdserve_worker_remote{worker="decode-0"}'] >= 1
