@@ -33,11 +33,12 @@ class RemoteAgent:
             raise TimeoutError(f"agent {name} did not start within 60 s")
         self.metadata = self.conn.recv_bytes()
 
-    def call(self, op: str, timeout: float = 30.0, **args: Any) -> dict[str, Any]:
+    def call(self, op: str, timeout: float = 30.0, poll_local: bool = True, **args: Any) -> dict[str, Any]:
+        """poll_local=False: the local side stays still meanwhile (to order events)."""
         self.conn.send_bytes(msgpack.packb({"op": op, **args}, use_bin_type=True))
         end = time.monotonic() + timeout
         while not self.conn.poll(0.002):
-            if self.local is not None:
+            if self.local is not None and poll_local:
                 self.local_events += self.local.poll()
             if time.monotonic() > end or not self.process.is_alive():
                 raise TimeoutError(f"agent did not answer {op!r} (alive: {self.process.is_alive()})")

@@ -176,11 +176,13 @@ def test_late_write_never_lands_in_a_reused_block(transport: str, agents) -> Non
         prefill = RemoteAgent(transport, "prefill", seed=1, local=decode)
         agents.append(prefill)
         peer = prefill.call("add_peer", meta=decode.metadata())["peer"]
+        prefill.call("poll", seconds=0.2)  # let any pairwise channel (nccl) finish joining
         blocks = [10, 11, 12]
         decode.expect("a", 1, blocks, deadline=time.time() + 60)
-        # The write races the abort: its bytes may land before decode hears of it.
-        prefill.call("write", peer=peer, req="a", epoch=1, src=[20, 21, 22], dst=blocks,
-                     deadline=time.time() + 60)
+        # The write races the abort: its bytes may land before decode hears of it. Decode
+        # does not poll until it has aborted, so the reservation cannot complete first.
+        prefill.call("write", poll_local=False, peer=peer, req="a", epoch=1, src=[20, 21, 22],
+                     dst=blocks, deadline=time.time() + 60)
         decode.abort("a")
         released, end = [], time.monotonic() + 10
         while not released:

@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_local_config_loads() -> None:
     cfg = load_cluster_config(REPO / "configs" / "local.yaml")
+    assert load_cluster_config(REPO / "configs" / "local-colocated.yaml").decode.replicas == 2
     assert cfg.transport == "shm" and cfg.prefill.replicas == 1 and cfg.decode.replicas == 1
     decode = cfg.engine_config("decode")
     assert decode.model == "models/SmolLM2-135M-Instruct" and decode.max_num_seqs == 64
