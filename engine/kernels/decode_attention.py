@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import check_attention_io, check_index, dot_precision, next_power_of_2
-from engine.kernels.online_softmax import online_softmax_step
+from engine.kernels.online_softmax import load_kv_tile, online_softmax_step
 
 TILE = 32  # tokens per inner iteration: >= 16 for tl.dot on a GPU
 SPLIT_TOKENS = 512  # context tokens per split
@@ -63,12 +63,8 @@ def _decode_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     for tile in range(first, last):
         pos = tile * TILE + t
         valid = pos < seq_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        # Slots past the context may hold anything, even NaN: masked, never read.
-        kv = (cache_ptr + block[:, None] * stride_c_block + (pos % BLOCK_SIZE)[:, None] * stride_c_slot
-              + kv_head * stride_c_head + d[None, :])
-        k = tl.load(kv, mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(kv + stride_c_kv, mask=valid[:, None], other=0.0).to(tl.float32)
+        k, v = load_kv_tile(cache_ptr, table, pos, valid, kv_head, d, stride_c_block, stride_c_kv,
+                            stride_c_slot, stride_c_head, BLOCK_SIZE)
         # Every tile holds a valid position, so each row's max is finite from the first.
         m, l, acc = online_softmax_step(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
 

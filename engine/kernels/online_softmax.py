@@ -1,10 +1,25 @@
-"""The attention inner step both kernels share: one tile of keys and values folded
-into a running (max, sum, accumulator), flash-attention style, in float32."""
+"""The attention inner steps both kernels share: gathering a tile of keys and values
+through the block table, and folding it into a running (max, sum, accumulator),
+flash-attention style, in float32."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, table, pos, valid, kv_head, d, stride_c_block, stride_c_kv,
+                 stride_c_slot, stride_c_head, BLOCK_SIZE: tl.constexpr):
+    """K and V [N, D] in float32 for positions `pos` [N] of one sequence (block ids at
+    `table`); positions not `valid` read as 0. Slots past the context may hold
+    anything, even NaN: masked, never read."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    kv = (cache_ptr + block[:, None] * stride_c_block + (pos % BLOCK_SIZE)[:, None] * stride_c_slot
+          + kv_head * stride_c_head + d[None, :])
+    k = tl.load(kv, mask=valid[:, None], other=0.0).to(tl.float32)
+    v = tl.load(kv + stride_c_kv, mask=valid[:, None], other=0.0).to(tl.float32)
+    return k, v
 
 
 @triton.jit

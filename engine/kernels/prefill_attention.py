@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import check_attention_io, check_index, dot_precision
-from engine.kernels.online_softmax import online_softmax_step
+from engine.kernels.online_softmax import load_kv_tile, online_softmax_step
 
 BLOCK_M = 32  # query tokens per program
 BLOCK_N = 32  # keys per inner iteration
@@ -61,11 +61,8 @@ def _prefill_kernel(out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, q
     for start in range(0, end, BLOCK_N):
         pos = start + n
         k_valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-        kv = (cache_ptr + block[:, None] * stride_c_block + (pos % BLOCK_SIZE)[:, None] * stride_c_slot
-              + kv_head * stride_c_head + d[None, :])
-        k = tl.load(kv, mask=k_valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(kv + stride_c_kv, mask=k_valid[:, None], other=0.0).to(tl.float32)
+        k, v = load_kv_tile(cache_ptr, table, pos, k_valid, kv_head, d, stride_c_block, stride_c_kv,
+                            stride_c_slot, stride_c_head, BLOCK_SIZE)
         # Position 0 is visible to every row, so no row's max stays -inf.
         visible = k_valid[None, :] & (pos[None, :] <= q_pos[:, None])
         m, l, acc = online_softmax_step(q, k, v, visible, m, l, acc, scale, PRECISION)
