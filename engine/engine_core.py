@@ -169,8 +169,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return StepOutput()
-        block_ids = [self.kv.block_ids(s.request.request_id) for s in out.scheduled]
-        sampled = self.runner.execute(out.scheduled, block_ids)
+        block_tables = self.kv.block_tables([s.request.request_id for s in out.scheduled])
+        sampled = self.runner.execute(out.scheduled, block_tables)
         sampling = [s.request for s in out.scheduled if s.samples]
         for request, logprobs in zip(sampling, sampled.logprobs):
             if logprobs is not None:

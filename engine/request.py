@@ -6,10 +6,11 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
-from engine.sampling import TokenLogprobs
+from engine.sampling import SamplingRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -76,6 +77,13 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @cached_property
+    def sampling_row(self) -> SamplingRow:
+        """What the sampler reads of this request. Built once, at its first sample (after
+        `generator` is set), and valid from then on: its token lists grow in place."""
+        return SamplingRow(self.sampling_params, self.prompt_token_ids, self.output_token_ids,
+                           self.generator)
 
     @property
     def sort_key(self) -> tuple[int, int]:

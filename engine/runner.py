@@ -12,7 +12,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, attention_context
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from engine.sampling import Sampler, SamplerOutput, SamplingRow
+from engine.sampling import Sampler, SamplerOutput
 from engine.scheduler import ScheduledRequest
 from engine.staging import Uploader
 
@@ -52,30 +52,40 @@ class StepInputs:
         return len(self.input_ids) == len(self.query_lens)
 
 
-def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_ids: Sequence[Sequence[int]],
+def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.ndarray,
                       block_size: int) -> StepInputs:
-    input_ids, positions, slots, query_lens, seq_lens, logits_indices = [], [], [], [], [], []
-    block_tables = np.zeros((len(scheduled), max(len(b) for b in block_ids)), dtype=np.int32)
-    offset = 0
-    for i, (s, blocks) in enumerate(zip(scheduled, block_ids)):
+    """Flatten a step. block_tables: [S, max_blocks] int32, row i = scheduled[i]'s blocks.
+
+    One Python pass reads each request's counters and new token ids; the per-token
+    arrays are then numpy over the whole batch. Per-request numpy calls would cost more
+    than everything else here together at decode batch sizes.
+    """
+    num_seqs = len(scheduled)
+    starts, query_lens, samples, token_ids = [], [], [], []
+    for s in scheduled:
         start, n = s.request.num_computed_tokens, s.num_new_tokens
-        pos = np.arange(start, start + n)
-        table = np.asarray(blocks, dtype=np.int64)
-        block_tables[i, :len(blocks)] = table
-        input_ids.append(np.asarray(s.request.all_token_ids[start:start + n], dtype=np.int64))
-        positions.append(pos)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
+        starts.append(start)
         query_lens.append(n)
-        seq_lens.append(start + n)
-        offset += n
-        if s.samples:
-            logits_indices.append(offset - 1)
+        samples.append(s.samples)
+        token_ids += s.request.all_token_ids[start:start + n]
+    start_arr = np.array(starts, dtype=np.int64)
+    len_arr = np.array(query_lens, dtype=np.int64)
+    ends = np.cumsum(len_arr)  # exclusive end of each sequence's tokens in the batch
+    if (len_arr == 1).all():  # pure decode
+        seq_of_token, positions = np.arange(num_seqs), start_arr
+    else:
+        seq_of_token = np.repeat(np.arange(num_seqs), len_arr)
+        # position = token index in the batch - its sequence's first index + its start
+        positions = np.arange(len(token_ids)) + np.repeat(start_arr - (ends - len_arr), len_arr)
+    blocks = block_tables[seq_of_token, positions // block_size].astype(np.int64)
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+    query_start_loc[1:] = ends
     return StepInputs(
-        input_ids=np.concatenate(input_ids), positions=np.concatenate(positions),
-        slot_mapping=np.concatenate(slots),
-        query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32),
-        seq_lens=np.asarray(seq_lens, dtype=np.int32), block_tables=block_tables,
-        logits_indices=np.asarray(logits_indices, dtype=np.int64), query_lens=query_lens)
+        input_ids=np.array(token_ids, dtype=np.int64), positions=positions,
+        slot_mapping=blocks * block_size + positions % block_size,
+        query_start_loc=query_start_loc, seq_lens=(start_arr + len_arr).astype(np.int32),
+        block_tables=block_tables, logits_indices=(ends - 1)[np.array(samples, dtype=bool)],
+        query_lens=query_lens)
 
 
 class ModelRunner:
@@ -111,18 +121,16 @@ class ModelRunner:
             return self.model(ids, pos, logits_idx)
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledRequest],
-                block_ids: Sequence[Sequence[int]]) -> SamplerOutput:
+    def execute(self, scheduled: Sequence[ScheduledRequest], block_tables: np.ndarray) -> SamplerOutput:
         """Run one forward over all scheduled tokens; sample one token for each request
-        whose step reaches its last token (in `scheduled` order)."""
-        inputs = build_step_inputs(scheduled, block_ids, self.block_size)
+        whose step reaches its last token (in `scheduled` order). block_tables: [S,
+        max_blocks] int32 (KVCacheManager.block_tables)."""
+        inputs = build_step_inputs(scheduled, block_tables, self.block_size)
         if self.graphs is not None and self.graphs.can_run(inputs):
             logits = self.graphs.run(inputs)
         else:
             logits = self.forward(inputs)
-        rows = [SamplingRow(s.request.sampling_params, s.request.prompt_token_ids,
-                            s.request.output_token_ids, s.request.generator)
-                for s in scheduled if s.samples]
+        rows = [s.request.sampling_row for s in scheduled if s.samples]
         if not rows:
             return SamplerOutput([], [])
         return self.sampler(logits, rows)

@@ -246,9 +246,10 @@ class Scheduler:
                 self.prefilled[request.request_id] = request
                 finished.append(request)
                 continue
-            if request.request_id not in sampled:
+            token = sampled.get(request.request_id)
+            if token is None:
                 continue  # a prompt chunk: nothing to sample yet
-            request.append_output_token(sampled[request.request_id])
+            request.append_output_token(token)
             advanced.append(request)
             status = self._stop_status(request)
             if status is not None:
@@ -260,10 +261,11 @@ class Scheduler:
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
+        num_output = len(request.output_token_ids)  # runs for every request every step
         token = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or len(request.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from engine.kv_cache.block_hash import NONE_HASH, hash_full_blocks
 from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.kv_cache.block_table import BlockTable
 from engine.request import Request
 
 
@@ -19,6 +22,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.block_table = BlockTable()  # the same block ids as numpy rows, for the runner
         # Per request: how many of its blocks are already registered in the cache.
         self._num_cached_blocks: dict[str, int] = {}
 
@@ -28,6 +32,10 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def block_tables(self, request_ids: list[str]) -> np.ndarray:
+        """[len(request_ids), max blocks held] int32 block ids, rows padded with 0."""
+        return self.block_table.gather(request_ids)
 
     def _update_hashes(self, request: Request) -> None:
         request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size,
@@ -72,9 +80,14 @@ class KVCacheManager:
         On success the request holds the computed (prefix-hit) blocks followed by enough
         fresh blocks; on failure nothing changes.
         """
+        blocks = self.req_blocks.get(request.request_id)
+        if (blocks and not new_computed_blocks
+                and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size):
+            return True  # most decode steps: the new token's slot is in a block already held
         if self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) > self.num_free_blocks:
             return False
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        held = len(blocks)
         if new_computed_blocks:
             assert not blocks, "prefix hits only apply to a request holding no blocks"
             self.pool.touch(new_computed_blocks)
@@ -84,17 +97,21 @@ class KVCacheManager:
                      + num_new_tokens, self.block_size)
         if total > len(blocks):
             blocks.extend(self.pool.allocate(total - len(blocks)))
+        if len(blocks) > held:
+            self.block_table.append(request.request_id, [b.block_id for b in blocks[held:]])
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register every full block whose KV is now written (called after each step)."""
         if not self.enable_prefix_caching:
             return
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if request.num_computed_tokens < (start + 1) * self.block_size:
+            return  # no block filled since the last call: most steps of most requests
         blocks = self.req_blocks.get(request.request_id)
         if not blocks:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
         self._update_hashes(request)
@@ -108,6 +125,7 @@ class KVCacheManager:
         """Release all of the request's blocks, tail first (see BlockPool.free)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        self.block_table.remove(request.request_id)
         self.pool.free(reversed(blocks))
 
     def usage(self) -> float:

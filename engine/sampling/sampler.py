@@ -48,8 +48,12 @@ class SamplerOutput:
 
 def _unusable(x: torch.Tensor) -> torch.Tensor:
     """[batch] bool: rows that would make softmax produce NaN (an upstream bug, not a
-    sampling choice)."""
-    return torch.isnan(x).any(-1) | torch.isposinf(x).any(-1) | torch.isneginf(x).all(-1)
+    sampling choice): any NaN, any +inf, or every token -inf.
+
+    A row's max (which propagates NaN) is not finite exactly then: one pass over the
+    logits, where testing each condition directly takes six.
+    """
+    return ~x.amax(-1).isfinite()
 
 
 def _check_logits(x: torch.Tensor, bad: torch.Tensor | None = None) -> None:
@@ -84,12 +88,8 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
                              f"got {tuple(logits.shape)}")
         raw = logits.float()
-        greedy = [r.params.temperature < _GREEDY_EPS for r in rows]
-        pen_rows = [i for i, r in enumerate(rows) if r.params.has_penalties]
-        mask_rows = [i for i, r in enumerate(rows)
-                     if len(r.output_token_ids) < r.params.min_tokens]
-
-        if all(greedy) and not pen_rows and not mask_rows:
+        if all(r.params.temperature < _GREEDY_EPS and not r.params.has_penalties
+               and len(r.output_token_ids) >= r.params.min_tokens for r in rows):
             # Fast path: nothing alters the logits, so one batched argmax decides every row.
             # The check rides along with the tokens' readback: one host sync per step.
             token_ids = raw.argmax(dim=-1)
@@ -99,6 +99,10 @@ class Sampler:
                 _check_logits(raw, bad)
             return SamplerOutput(token_list, self._logprobs(raw, rows, token_ids, token_list))
 
+        greedy = [r.params.temperature < _GREEDY_EPS for r in rows]
+        pen_rows = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        mask_rows = [i for i, r in enumerate(rows)
+                     if len(r.output_token_ids) < r.params.min_tokens]
         x = raw.clone()  # the raw logits must survive for logprobs
         if pen_rows:
             self._apply_penalties(x, rows, pen_rows)

@@ -192,6 +192,17 @@ def test_all_neg_inf_row_raises(params):
         Sampler([EOS])(logits, [row(params), row(params)])
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0),
+                                    SamplingParams(temperature=1.0, top_p=0.9)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_pos_inf_logit_raises_naming_the_row(params, bad):
+    logits = torch.randn(3, 10)
+    logits[2, 5] = bad
+    logits[1, 0] = float("-inf")  # one -inf among finite logits is fine
+    with pytest.raises(RuntimeError, match=r"rows \[2\]"):
+        Sampler([EOS])(logits, [row(params) for _ in range(3)])
+
+
 def test_min_tokens_masking_everything_raises():
     logits = torch.full((1, 4), float("-inf"))
     logits[0, EOS] = 1.0
