@@ -115,6 +115,23 @@ def median_seconds(fn: Callable[[], None], device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
+def kernel_seconds(fn: Callable[[], None], device: str, calls: int = 20, repeats: int = 10) -> float:
+    """GPU time of one fn() call: `calls` calls captured in a CUDA graph and replayed, so
+    the launchers' Python (tens of microseconds, as long as a decode kernel) is not
+    timed; in the engine these kernels run inside CUDA graphs too. CPU: wall time."""
+    if not device.startswith("cuda"):
+        return median_seconds(fn, device, 1)
+    import torch
+
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return median_seconds(graph.replay, device, repeats) / calls
+
+
 # ------------------------------------------------------------------ 1. kernels vs reference
 
 def check_kernels(s: Setup) -> None:
@@ -123,7 +140,7 @@ def check_kernels(s: Setup) -> None:
     from engine.attention import reference
     from engine.attention.metadata import AttentionMetadata
     from engine.kernels.decode_attention import decode_attention, num_splits_for
-    from engine.kernels.prefill_attention import plan_tiles, prefill_attention
+    from engine.kernels.prefill_attention import default_config, plan_tiles, prefill_attention
     from engine.kernels.store_kv import store_kv
 
     dtype = getattr(torch, s.dtype)
@@ -170,7 +187,7 @@ def check_kernels(s: Setup) -> None:
         decode_attention(out, query, cache, starts[decode].to(s.device), md.block_tables[index].contiguous(),
                          md.seq_lens[index].contiguous(), head_dim ** -0.5,
                          num_splits_for(max(case[i][1] for i in decode)))
-        tile_seq, tile_start = plan_tiles(q_lens, prefill)
+        tile_seq, tile_start = plan_tiles(q_lens, prefill, default_config(cache.device).block_m)
         prefill_attention(out, query, cache, md.block_tables, md.seq_lens, md.query_start_loc,
                           torch.from_numpy(tile_seq).to(s.device), torch.from_numpy(tile_start).to(s.device),
                           head_dim ** -0.5)
@@ -185,27 +202,108 @@ def check_kernels(s: Setup) -> None:
 # ------------------------------------------------------------------ 2. decode bandwidth
 
 def check_bandwidth(s: Setup) -> None:
+    for head_dim in (64, 128):
+        seconds, nbytes = decode_bandwidth(s, head_dim)
+        pct = 100 * nbytes / seconds / HBM_BYTES_PER_S
+        row(f"decode kernel bandwidth b{s.bw_batch} ctx{s.bw_context} d{head_dim}",
+            f"{nbytes / seconds / 1e12:.2f} TB/s ({pct:.0f}%, {seconds * 1e6:.0f} us)", ">= 70%", pct >= 70)
+    b, ctx = max(s.step_batches), s.step_context
+    seconds, nbytes = decode_bandwidth(s, s.hidden // s.heads, batch=b, context=ctx)
+    row(f"decode kernel b{b} ctx{ctx} d{s.hidden // s.heads} (the model's)",
+        f"{seconds * 1e6:.0f} us x {s.layers} layers = {seconds * s.layers * 1e3:.2f} ms, "
+        f"{100 * nbytes / seconds / HBM_BYTES_PER_S:.0f}%", "(info)")
+    rate = prefill_rate(s)
+    row("prefill kernel, 16 x 512 causal, d64", f"{rate:.0f} TFLOP/s", "(info)")
+
+
+# ------------------------------------------------------------------ 2b. tile sweep
+
+def decode_bandwidth(s: Setup, head_dim: int, config=None, batch: int | None = None,
+                     context: int | None = None) -> tuple[float, float]:
+    """(seconds, bytes) of one decode_attention call (default: batch bw_batch, context bw_context)."""
     import torch
 
     from engine.kernels.decode_attention import decode_attention, num_splits_for
 
     dtype = getattr(torch, s.dtype)
-    b, ctx, bs = s.bw_batch, s.bw_context, 16
-    for head_dim in (64, 128):
-        blocks = b * ctx // bs
-        cache = torch.randn(blocks, 2, bs, s.kv_heads, head_dim, device=s.device).to(dtype)
-        tables = torch.randperm(blocks, device=s.device).to(torch.int32).view(b, ctx // bs)
-        query = torch.randn(b, s.heads, head_dim, device=s.device).to(dtype)
-        out = torch.empty_like(query)
-        rows = torch.arange(b, dtype=torch.int32, device=s.device)
-        lens = torch.full((b,), ctx, dtype=torch.int32, device=s.device)
-        splits = num_splits_for(ctx)
-        seconds = median_seconds(lambda: decode_attention(out, query, cache, rows, tables, lens, 0.1, splits),
-                                 s.device, 50 if s.device != "cpu" else 1)
-        nbytes = cache.numel() * cache.element_size() + 2 * query.numel() * query.element_size()
-        pct = 100 * nbytes / seconds / HBM_BYTES_PER_S
-        row(f"decode kernel bandwidth b{b} ctx{ctx} d{head_dim}",
-            f"{nbytes / seconds / 1e12:.2f} TB/s ({pct:.0f}%, {seconds * 1e6:.0f} us)", ">= 70%", pct >= 70)
+    b, ctx, bs = batch or s.bw_batch, context or s.bw_context, 16
+    per_seq = -(-ctx // bs)
+    cache = torch.randn(b * per_seq, 2, bs, s.kv_heads, head_dim, device=s.device).to(dtype)
+    tables = torch.randperm(b * per_seq, device=s.device).to(torch.int32).view(b, per_seq)
+    query = torch.randn(b, s.heads, head_dim, device=s.device).to(dtype)
+    out = torch.empty_like(query)
+    rows = torch.arange(b, dtype=torch.int32, device=s.device)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device=s.device)
+    splits = num_splits_for(ctx)
+    seconds = kernel_seconds(lambda: decode_attention(out, query, cache, rows, tables, lens, 0.1, splits,
+                                                      config=config), s.device)
+    return seconds, cache.numel() * cache.element_size() + 2 * query.numel() * query.element_size()
+
+
+def prefill_rate(s: Setup, config=None, seqs: int = 16, q_len: int = 512) -> float:
+    """TFLOP/s of prefill_attention over `seqs` fresh causal prompts of q_len tokens."""
+    import torch
+
+    from engine.kernels.prefill_attention import default_config, plan_tiles, prefill_attention
+
+    dtype, head_dim, bs = getattr(torch, s.dtype), s.hidden // s.heads, 16
+    config = config or default_config(torch.device(s.device))
+    per_seq = q_len // bs
+    cache = torch.randn(seqs * per_seq, 2, bs, s.kv_heads, head_dim, device=s.device).to(dtype)
+    tables = torch.arange(seqs * per_seq, dtype=torch.int32, device=s.device).view(seqs, per_seq)
+    query = torch.randn(seqs * q_len, s.heads, head_dim, device=s.device).to(dtype)
+    out = torch.empty_like(query)
+    lens = torch.full((seqs,), q_len, dtype=torch.int32, device=s.device)
+    starts = torch.arange(seqs + 1, dtype=torch.int32, device=s.device) * q_len
+    tile_seq, tile_start = (torch.from_numpy(a).to(s.device)
+                            for a in plan_tiles([q_len] * seqs, range(seqs), config.block_m))
+    seconds = kernel_seconds(lambda: prefill_attention(out, query, cache, tables, lens, starts, tile_seq,
+                                                       tile_start, head_dim ** -0.5, config), s.device)
+    flops = 4 * seqs * (q_len * (q_len + 1) // 2) * s.heads * head_dim  # QK^T and PV, causal half
+    return flops / seconds / 1e12
+
+
+def check_tuning(s: Setup) -> None:
+    """Sweep tile sizes and launch options; the winners become this run's GPU configs
+    (and, copied by hand, engine/kernels/*.GPU_CONFIG)."""
+    import itertools
+
+    from engine.kernels import decode_attention as decode_mod
+    from engine.kernels import prefill_attention as prefill_mod
+    from engine.kernels.common import LaunchConfig
+
+    grid = ((32, 64, 128), (2, 4, 8), (2, 3, 4)) if s.device != "cpu" else ((32,), (4,), (1,))
+    results = []
+    for block_n, warps, stages in itertools.product(*grid):
+        config = LaunchConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+        try:
+            times = [decode_bandwidth(s, d, config) for d in (64, 128)]
+        except Exception as exc:  # e.g. out of shared memory: skip the config
+            print(f"  decode {config}: {type(exc).__name__}", flush=True)
+            continue
+        pct = [100 * nbytes / sec / HBM_BYTES_PER_S for sec, nbytes in times]
+        print(f"  decode n{block_n} w{warps} s{stages}: {pct[0]:.0f}% (d64) {pct[1]:.0f}% (d128)", flush=True)
+        results.append((sum(sec for sec, _ in times), config, pct))
+    _, best, pct = min(results, key=lambda r: r[0])
+    decode_mod.GPU_CONFIG = best
+    row("decode tiles", f"n{best.block_n} w{best.num_warps} s{best.num_stages}: {pct[0]:.0f}% / {pct[1]:.0f}%",
+        "(chosen)")
+
+    grid = (((64, 128), (32, 64), (4, 8), (2, 3)) if s.device != "cpu" else ((32,), (32,), (4,), (1,)))
+    results = []
+    for block_m, block_n, warps, stages in itertools.product(*grid):
+        config = LaunchConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+        try:
+            rate = prefill_rate(s, config)
+        except Exception as exc:
+            print(f"  prefill {config}: {type(exc).__name__}", flush=True)
+            continue
+        print(f"  prefill m{block_m} n{block_n} w{warps} s{stages}: {rate:.0f} TFLOP/s", flush=True)
+        results.append((rate, config))
+    rate, best = max(results, key=lambda r: r[0])
+    prefill_mod.GPU_CONFIG = best
+    row("prefill tiles", f"m{best.block_m} n{best.block_n} w{best.num_warps} s{best.num_stages}: "
+        f"{rate:.0f} TFLOP/s", "(chosen)")
 
 
 # ------------------------------------------------------------------ model for rows 3-5
@@ -292,6 +390,40 @@ def check_fp32_fidelity(s: Setup, work: Path) -> None:
     free_memory(s)
 
 
+def time_decode_steps(llm, s: Setup, b: int) -> None:
+    """Decode step time at a steady batch of b: prefill everything, then time steps."""
+    import torch
+
+    from engine import SamplingParams
+
+    core, cfg = llm.core, llm.core.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    for i, p in enumerate(prompts(s, b, s.step_context, seed=4 + b)):
+        core.add_request(f"step{b}-{i}", p, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    while any(r.num_output_tokens == 0 for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    times = []
+    for _ in range(20):
+        sync(s.device)
+        start = time.perf_counter()
+        core.step()
+        sync(s.device)
+        times.append(time.perf_counter() - start)
+    ctx = s.step_context + 20
+    kv_bytes = b * ctx * cfg.kv_bytes_per_token(torch.tensor([], dtype=getattr(torch, s.dtype)).element_size())
+    floor = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
+    step = statistics.median(times)
+    graphs, replay = core.runner.graphs, ""
+    if graphs is not None:  # the GPU's share of the step; the rest is host work
+        graph = graphs.graphs[next(x for x in graphs.buckets if x >= b)][0]
+        replay = f", graph replay {median_seconds(graph.replay, s.device, 20) * 1e3:.2f} ms"
+    last = b == max(s.step_batches)
+    row(f"decode step b{b} ctx~{ctx}",
+        f"{step * 1e3:.2f} ms = {step / floor:.2f}x floor ({floor * 1e3:.2f} ms){replay}",
+        "<= 1.5x" if last else "(info)", step / floor <= 1.5 if last else None)
+    core.abort([f"step{b}-{i}" for i in range(b)])
+
+
 def check_engine(s: Setup, work: Path) -> None:
     import torch
 
@@ -321,31 +453,14 @@ def check_engine(s: Setup, work: Path) -> None:
     row("offline throughput vs HF", f"{rate:,.0f} vs {hf_rate:,.0f} tok/s = {rate / hf_rate:.1f}x",
         ">= 20x", rate / hf_rate >= 20)
 
-    # Decode step time at a steady batch: prefill everything, then time steps.
-    cfg = llm.core.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.core.model.parameters())
+    prefill = workload[:16]  # one 8192-token step: 16 fresh 512-token prompts
+    seconds = median_seconds(lambda: llm.generate(prefill, SamplingParams(max_tokens=1), use_tqdm=False),
+                             s.device, 3)
+    flops = 2 * sum(p.numel() for p in llm.core.model.parameters()) * 16 * s.prompt_len
+    row("prefill step, 16 x 512 tokens", f"{seconds * 1e3:.1f} ms, {flops / seconds / 1e12:.0f} TFLOP/s (linears)",
+        "(info)")
     for b in s.step_batches:
-        core = llm.core
-        for i, p in enumerate(prompts(s, b, s.step_context, seed=4 + b)):
-            core.add_request(f"step{b}-{i}", p, SamplingParams(max_tokens=64, temperature=0.0,
-                                                               ignore_eos=True))
-        while any(r.num_output_tokens == 0 for r in core.scheduler.running) or core.scheduler.waiting:
-            core.step()
-        times = []
-        for _ in range(20):
-            sync(s.device)
-            start = time.perf_counter()
-            core.step()
-            sync(s.device)
-            times.append(time.perf_counter() - start)
-        ctx = s.step_context + 20
-        kv_bytes = b * ctx * cfg.kv_bytes_per_token(torch.tensor([], dtype=getattr(torch, s.dtype)).element_size())
-        floor = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
-        step = statistics.median(times)
-        row(f"decode step b{b} ctx~{ctx}", f"{step * 1e3:.2f} ms = {step / floor:.2f}x floor ({floor * 1e3:.2f} ms)",
-            "<= 1.5x" if b == max(s.step_batches) else "(info)",
-            step / floor <= 1.5 if b == max(s.step_batches) else None)
-        core.abort([f"step{b}-{i}" for i in range(b)])
+        time_decode_steps(llm, s, b)
     del llm
     free_memory(s)
 
@@ -358,6 +473,21 @@ def check_engine(s: Setup, work: Path) -> None:
         free_memory(s)
 
 
+def check_copy_kernels(s: Setup) -> None:
+    """GPU time of the copy a cuda_ipc write issues (256 MiB in 2 MiB runs, scattered),
+    in one process: how much of a transfer is the data plane."""
+    import torch
+
+    blocks, run = 512, 4  # 512 KiB blocks
+    src = torch.randn(blocks, 512 << 8, device=s.device).view(torch.uint8)  # [blocks, 512 KiB]
+    dst = torch.empty_like(src)
+    runs = [(i * run, (blocks // run - 1 - i) * run, run) for i in range(blocks // run)]
+    for name, a, b in (("uint8", src, dst), ("int64", src.view(torch.int64), dst.view(torch.int64))):
+        seconds = kernel_seconds(lambda: torch._foreach_copy_([b[d:d + n] for _, d, n in runs],
+                                                              [a[x:x + n] for x, _, n in runs]), s.device)
+        row(f"fused copy of 128 runs as {name}", f"{src.numel() / seconds / 1e9:.0f} GB/s", "(info)")
+
+
 def check_transfer(s: Setup) -> None:
     from benchmarks.kv_transfer import run_transport
 
@@ -368,17 +498,21 @@ def check_transfer(s: Setup) -> None:
     except ImportError:
         row("nixl transfer", "nixl not installed here", "(skipped)")
     for name in names:
-        size, desc = (256 << 20, 2 << 20) if s.device != "cpu" else (4 << 20, 1 << 20)
-        gib = run_transport(name, [size], [desc], repeats=3, device=s.device)[(size, desc)]
-        gbs = gib * 2**30 / 1e9
-        row(f"{name} transfer {size >> 20} MiB, {desc >> 20} MiB desc", f"{gbs:.1f} GB/s", ">= 150 GB/s",
-            gbs >= 150)
+        sizes, desc = ([256 << 20, 1 << 30], 2 << 20) if s.device != "cpu" else ([4 << 20], 1 << 20)
+        # 512 KiB blocks: one block of the Llama-3.2-1B-shaped model in bf16 (16 layers).
+        gib = run_transport(name, sizes, [desc], repeats=3, device=s.device,
+                            block_bytes=(512 << 10) if s.device != "cpu" else (32 << 10))
+        for i, size in enumerate(sizes):
+            gbs = gib[(size, desc)] * 2**30 / 1e9
+            row(f"{name} transfer {size >> 20} MiB, {desc >> 20} MiB desc", f"{gbs:.1f} GB/s",
+                ">= 150 GB/s" if i == 0 else "(info)", gbs >= 150 if i == 0 else None)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    p.add_argument("--only", default="kernels,bandwidth,fp32,engine,transfer", help="comma-separated sections")
+    p.add_argument("--only", default="kernels,fp32,bandwidth,engine,transfer",
+                   help="comma-separated sections; add tune to sweep the kernels' tiles")
     args = p.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
@@ -393,11 +527,14 @@ def main() -> None:
             section("kernels vs reference", lambda: check_kernels(s))
         if "fp32" in only:
             section("float32 fidelity", lambda: check_fp32_fidelity(s, work))
+        if "tune" in only:
+            section("tile sweep", lambda: check_tuning(s))
         if "bandwidth" in only:
             section("decode bandwidth", lambda: check_bandwidth(s))
         if "engine" in only:
             section("engine", lambda: check_engine(s, work))
         if "transfer" in only and s.device != "cpu":
+            section("copy kernels", lambda: check_copy_kernels(s))
             section("KV transfer", lambda: check_transfer(s))
     widths = [max(len(r[i]) for r in ROWS) for i in range(4)] if ROWS else [0] * 4
     print("\n| check | measured | target | |\n|---|---|---|---|")

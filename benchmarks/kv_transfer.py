@@ -32,18 +32,20 @@ if str(_REPO_ROOT) not in sys.path:
 
 from kv_transfer import TransportConfig, WriteDone, WriteFailed, create_transport  # noqa: E402
 
-# A 32 KiB block: 4 layers x K/V x 16 tokens x 2 heads x 32 dims x fp32.
-LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 4, 16, 2, 32
-BLOCK_BYTES = LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4
+# A block is layers x K/V x 16 tokens x 2 heads x 32 dims x fp32: 8 KiB a layer, 32 KiB
+# by default. A real model's block is larger (Llama-3.2-1B in bf16: 512 KiB), and the
+# control plane's cost is per block, so --block-kib 512 shows what such a model sees.
+LAYER_BYTES, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 8 << 10, 16, 2, 32
+BLOCK_BYTES = 4 * LAYER_BYTES
 
 
-def shape(num_blocks: int) -> tuple[int, ...]:
-    return (num_blocks, LAYERS, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+def shape(num_blocks: int, block_bytes: int) -> tuple[int, ...]:
+    return (num_blocks, block_bytes // LAYER_BYTES, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
 
 
-def receiver(conn: Connection, transport: str, num_blocks: int, device: str) -> None:
+def receiver(conn: Connection, transport: str, num_blocks: int, device: str, block_bytes: int) -> None:
     t = create_transport(transport, "receiver", TransportConfig(timeout_s=120, cancel_grace_s=5))
-    cache = t.allocate_kv_cache(shape(num_blocks), torch.float32, device)
+    cache = t.allocate_kv_cache(shape(num_blocks, block_bytes), torch.float32, device)
     cache.fill_(1.0)  # fault every page in now, as a serving engine's cache would be
     t.register_kv_cache(cache, "bench")
     conn.send_bytes(t.metadata())
@@ -60,16 +62,18 @@ def receiver(conn: Connection, transport: str, num_blocks: int, device: str) -> 
 
 
 def run_transport(name: str, sizes: list[int], descs: list[int], repeats: int,
-                  device: str = "cpu") -> dict[tuple[int, int], float]:
+                  device: str = "cpu", block_bytes: int = BLOCK_BYTES) -> dict[tuple[int, int], float]:
     """GiB/s per (transfer bytes, descriptor bytes), median of `repeats`."""
-    num_blocks = max(sizes) // BLOCK_BYTES
+    if block_bytes % LAYER_BYTES or any(d % block_bytes for d in descs):
+        raise ValueError(f"blocks are whole {LAYER_BYTES >> 10} KiB layers and descriptors whole blocks")
+    num_blocks = max(sizes) // block_bytes
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver, args=(child, name, num_blocks, device), daemon=True)
+    proc = ctx.Process(target=receiver, args=(child, name, num_blocks, device, block_bytes), daemon=True)
     proc.start()
     sender = create_transport(name, "sender", TransportConfig(timeout_s=120))
     try:
-        cache = sender.allocate_kv_cache(shape(num_blocks), torch.float32, device)
+        cache = sender.allocate_kv_cache(shape(num_blocks, block_bytes), torch.float32, device)
         cache.normal_()
         sender.register_kv_cache(cache, "bench")
         if not conn.poll(120):
@@ -78,7 +82,7 @@ def run_transport(name: str, sizes: list[int], descs: list[int], repeats: int,
         results = {}
         for size in sizes:
             for desc in descs:
-                run = desc // BLOCK_BYTES
+                run = desc // block_bytes
                 runs = size // desc
                 src = list(range(runs * run))
                 dst = [b for i in reversed(range(runs)) for b in range(i * run, (i + 1) * run)]
@@ -119,13 +123,14 @@ def main() -> None:
     p.add_argument("--desc-kib", default="32,256,1024,4096")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu, or cuda for nixl/cuda_ipc on one GPU")
+    p.add_argument("--block-kib", type=int, default=BLOCK_BYTES >> 10, help="KV block size (whole 8 KiB layers)")
     args = p.parse_args()
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
     descs = [int(d) << 10 for d in args.desc_kib.split(",")]
     table = {}
     for name in args.transports.split(","):
         print(f"[{name}]", flush=True)
-        table[name] = run_transport(name, sizes, descs, args.repeats, args.device)
+        table[name] = run_transport(name, sizes, descs, args.repeats, args.device, args.block_kib << 10)
     print("\nGiB/s, median of", args.repeats, "transfers (write() to the receiver's acknowledgement)\n")
     print("| transport | transfer | " + " | ".join(f"{d >> 10} KiB desc" for d in descs) + " |")
     print("|---|---:|" + "---:|" * len(descs))

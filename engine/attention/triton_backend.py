@@ -10,6 +10,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.decode_attention import decode_attention, num_splits_for
+from engine.kernels.prefill_attention import default_config as prefill_config
 from engine.kernels.prefill_attention import plan_tiles, prefill_attention
 from engine.kernels.store_kv import store_kv
 from engine.staging import Uploader
@@ -46,7 +47,7 @@ class TritonBackend(AttentionBackend):
         q_lens = md.query_lens_cpu
         decode = [i for i, q in enumerate(q_lens) if q == 1]
         prefill = [i for i, q in enumerate(q_lens) if q > 1]
-        tile_seq, tile_start = plan_tiles(q_lens, prefill)
+        tile_seq, tile_start = plan_tiles(q_lens, prefill, prefill_config(md.slot_mapping.device).block_m)
         starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
         index = np.asarray(decode, dtype=np.int32)
         rows, dec_index, tile_seq_t, tile_start_t = self._uploader.upload(

@@ -1,6 +1,8 @@
-"""Input checks shared by the kernel launchers."""
+"""Input checks and launch settings shared by the kernel launchers."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -68,3 +70,33 @@ def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs need IEEE dots to stay exact; 16-bit values are exact in tf32, so
     their products cost nothing in precision on tensor cores."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def native_dots(cache: torch.Tensor) -> bool:
+    """Whether the attention kernels multiply 16-bit K/V as they are (fp32 accumulate,
+    as flash-attention does) rather than widening them to fp32 first. On a GPU that
+    halves the registers a tile takes and runs on the 16-bit tensor cores; the Triton
+    interpreter (numpy, on CPU) has no bf16 matmul, so there they are widened."""
+    return cache.is_cuda and cache.dtype in (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and Triton launch options of one attention kernel.
+
+    Results depend on block_n (the order in which keys are summed) but never on the
+    split count, so eager steps and CUDA graphs, which share a config, agree bit for bit.
+    """
+
+    block_n: int  # keys per inner iteration; >= 16 (tl.dot)
+    block_m: int = 16  # query rows per program (prefill; a decode program's rows are its query heads)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_m"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"bad launch options: num_warps={self.num_warps}, num_stages={self.num_stages}")

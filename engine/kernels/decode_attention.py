@@ -3,7 +3,9 @@
 Grid (sequence, KV head, split). A program loads the query heads that share its KV
 head (GQA) as one [GROUPS_PAD, D] tile, so each K/V tile it reads serves all of
 them, and walks its split's share of the context in tiles of TILE tokens gathered
-through the block table (any block size).
+through the block table (any block size). The loop is software-pipelined
+(num_stages): the next tiles' loads are in flight while one is being reduced, which
+is what keeps HBM busy.
 
 Split-KV: split j covers tokens [j * split_tokens, (j + 1) * split_tokens) (the last
 split also takes any remainder), each writes an unnormalised partial (acc, max, sum)
@@ -20,11 +22,21 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import check_attention_io, check_index, dot_precision, next_power_of_2
+from engine.kernels.common import (LaunchConfig, check_attention_io, check_index, dot_precision,
+                                   native_dots, next_power_of_2)
 from engine.kernels.online_softmax import load_kv_tile, online_softmax_step
 
-TILE = 32  # tokens per inner iteration: >= 16 for tl.dot on a GPU
 SPLIT_TOKENS = 512  # context tokens per split
+
+# Measured on an H200 (benchmarks/gpu_check.py --only tune): 84% of HBM bandwidth at
+# batch 64, context 2k, head_dim 64 (90% at 128), against 70-77% for 32-token tiles and
+# 65-72% for 8 warps. The interpreter on CPU runs small tiles (the unit tests cover both).
+GPU_CONFIG = LaunchConfig(block_n=64, num_warps=2, num_stages=3)
+CPU_CONFIG = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
+
+
+def default_config(device: torch.device) -> LaunchConfig:
+    return GPU_CONFIG if device.type == "cuda" else CPU_CONFIG
 
 
 @triton.jit
@@ -35,7 +47,7 @@ def _decode_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
                    scale, num_splits,
                    GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-                   SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                   SPLIT: tl.constexpr, PRECISION: tl.constexpr, NATIVE: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -45,7 +57,9 @@ def _decode_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUPS + g
     q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
-                mask=g[:, None] < GROUPS, other=0.0).to(tl.float32)
+                mask=g[:, None] < GROUPS, other=0.0)
+    if not NATIVE:
+        q = q.to(tl.float32)
 
     num_tiles = tl.cdiv(seq_len, TILE)
     first = 0
@@ -64,7 +78,7 @@ def _decode_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         pos = tile * TILE + t
         valid = pos < seq_len
         k, v = load_kv_tile(cache_ptr, table, pos, valid, kv_head, d, stride_c_block, stride_c_kv,
-                            stride_c_slot, stride_c_head, BLOCK_SIZE)
+                            stride_c_slot, stride_c_head, BLOCK_SIZE, NATIVE)
         # Every tile holds a valid position, so each row's max is finite from the first.
         m, l, acc = online_softmax_step(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
 
@@ -109,7 +123,8 @@ def num_splits_for(max_seq_len: int, split_tokens: int = SPLIT_TOKENS) -> int:
 
 def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.Tensor,
                      rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, num_splits: int = 1, split_tokens: int = SPLIT_TOKENS) -> None:
+                     scale: float, num_splits: int = 1, split_tokens: int = SPLIT_TOKENS,
+                     config: LaunchConfig | None = None) -> None:
     """out[rows[i]] = attention of query[rows[i]] over seq_lens[i] cached tokens in the
     blocks block_tables[i], for each decode sequence i.
 
@@ -118,6 +133,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
     rows:         [B] int32 token indices; block_tables [B, max_blocks] int32; seq_lens [B] int32
     num_splits:   num_splits_for(longest context) keeps results independent of it; fewer
                   is still correct (the last split takes the rest) but rounds differently
+    config:       tiles and launch options (default_config: tuned for the GPU)
     """
     block_size, num_kv_heads, head_dim, num_q_heads = check_attention_io(out, query, layer_cache)
     device = layer_cache.device
@@ -125,16 +141,19 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
     check_index("rows", rows, 1, torch.int32, device)
     check_index("block_tables", block_tables, 2, torch.int32, device, num_seqs)
     check_index("seq_lens", seq_lens, 1, torch.int32, device, num_seqs)
-    if num_splits < 1 or split_tokens < TILE or split_tokens % TILE:
-        raise ValueError(f"need num_splits >= 1 and split_tokens a multiple of {TILE}, "
-                         f"got {num_splits} and {split_tokens}")
+    config = config or default_config(layer_cache.device)
+    tile = config.block_n
+    if num_splits < 1 or split_tokens < tile or split_tokens % tile:
+        raise ValueError(f"need num_splits >= 1 and split_tokens a multiple of the {tile}-token "
+                         f"tile, got {num_splits} and {split_tokens}")
     if num_seqs == 0:
         return
     groups = num_q_heads // num_kv_heads
     cache_strides = layer_cache.stride()[:4]
     common = dict(GROUPS=groups, GROUPS_PAD=max(16, next_power_of_2(groups)), HEAD_DIM=head_dim,
-                  BLOCK_SIZE=block_size, TILE=TILE, TILES_PER_SPLIT=split_tokens // TILE,
-                  PRECISION=dot_precision(layer_cache.dtype))
+                  BLOCK_SIZE=block_size, TILE=tile, TILES_PER_SPLIT=split_tokens // tile,
+                  PRECISION=dot_precision(layer_cache.dtype), NATIVE=native_dots(layer_cache),
+                  num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
         _decode_kernel[grid](out, out, out, out, query, layer_cache, block_tables, seq_lens, rows,

@@ -1,6 +1,7 @@
 """The attention inner steps both kernels share: gathering a tile of keys and values
 through the block table, and folding it into a running (max, sum, accumulator),
-flash-attention style, in float32."""
+flash-attention style. The softmax and the accumulators are float32; with NATIVE
+(common.native_dots) the two products take 16-bit K/V as loaded."""
 
 from __future__ import annotations
 
@@ -10,21 +11,25 @@ import triton.language as tl
 
 @triton.jit
 def load_kv_tile(cache_ptr, table, pos, valid, kv_head, d, stride_c_block, stride_c_kv,
-                 stride_c_slot, stride_c_head, BLOCK_SIZE: tl.constexpr):
-    """K and V [N, D] in float32 for positions `pos` [N] of one sequence (block ids at
-    `table`); positions not `valid` read as 0. Slots past the context may hold
-    anything, even NaN: masked, never read."""
+                 stride_c_slot, stride_c_head, BLOCK_SIZE: tl.constexpr, NATIVE: tl.constexpr):
+    """K and V [N, D] for positions `pos` [N] of one sequence (block ids at `table`),
+    in the cache's dtype if NATIVE, else float32; positions not `valid` read as 0.
+    Slots past the context may hold anything, even NaN: masked, never read."""
     block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     kv = (cache_ptr + block[:, None] * stride_c_block + (pos % BLOCK_SIZE)[:, None] * stride_c_slot
           + kv_head * stride_c_head + d[None, :])
-    k = tl.load(kv, mask=valid[:, None], other=0.0).to(tl.float32)
-    v = tl.load(kv + stride_c_kv, mask=valid[:, None], other=0.0).to(tl.float32)
+    k = tl.load(kv, mask=valid[:, None], other=0.0)
+    v = tl.load(kv + stride_c_kv, mask=valid[:, None], other=0.0)
+    if not NATIVE:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     return k, v
 
 
 @triton.jit
 def online_softmax_step(q, k, v, visible, m, l, acc, scale, PRECISION: tl.constexpr):
-    """q [M, D]; k, v [N, D]; visible [M, N] (or broadcastable); m, l [M]; acc [M, D].
+    """q [M, D] in k's dtype; k, v [N, D]; visible [M, N] (or broadcastable); m, l [M];
+    acc [M, D] float32.
 
     Every row must see at least one key overall (its max becomes finite in the first
     tile it sees one); masked keys get probability 0."""
@@ -34,5 +39,5 @@ def online_softmax_step(q, k, v, visible, m, l, acc, scale, PRECISION: tl.conste
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from engine.attention import reference
+from engine.kernels import decode_attention as decode_mod
+from engine.kernels import prefill_attention as prefill_mod
+from engine.kernels.common import LaunchConfig
 from engine.kernels.decode_attention import decode_attention, num_splits_for
 from engine.kernels.prefill_attention import plan_tiles, prefill_attention
 from engine.kernels.store_kv import store_kv
@@ -63,8 +66,9 @@ def test_store_kv_matches_reference(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 32)])
 @pytest.mark.parametrize("kv_heads,groups", [(2, 1), (1, 4), (1, 8)])
 @pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("config", [decode_mod.CPU_CONFIG, decode_mod.GPU_CONFIG], ids=["cpu", "gpu"])
 def test_decode_matches_dense(dtype: torch.dtype, block_size: int, head_dim: int, kv_heads: int,
-                              groups: int, num_splits: int) -> None:
+                              groups: int, num_splits: int, config: LaunchConfig) -> None:
     seq_lens = [1, 16, 17, 32, 33, 70]
     cache, tables, kvs = scattered_cache(seq_lens, block_size, kv_heads, head_dim, dtype)
     num_tokens = len(seq_lens) * 2 + 1
@@ -73,7 +77,7 @@ def test_decode_matches_dense(dtype: torch.dtype, block_size: int, head_dim: int
     out = torch.full_like(query, float("nan"))
     scale = head_dim ** -0.5
     decode_attention(out, query, cache, rows, tables, torch.tensor(seq_lens, dtype=torch.int32),
-                     scale, num_splits, split_tokens=32)
+                     scale, num_splits, split_tokens=max(32, config.block_n), config=config)
     expected = torch.cat([dense(query[r:r + 1], k, v, scale) for r, (k, v) in zip(rows.tolist(), kvs)])
     torch.testing.assert_close(out[rows.long()].float(), expected, **TOL[dtype])
     others = torch.ones(num_tokens, dtype=torch.bool)
@@ -84,7 +88,8 @@ def test_decode_matches_dense(dtype: torch.dtype, block_size: int, head_dim: int
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_prefill_matches_dense(dtype: torch.dtype, block_size: int, groups: int) -> None:
+@pytest.mark.parametrize("config", [prefill_mod.CPU_CONFIG, prefill_mod.GPU_CONFIG], ids=["cpu", "gpu"])
+def test_prefill_matches_dense(dtype: torch.dtype, block_size: int, groups: int, config: LaunchConfig) -> None:
     # (new tokens, context + new): fresh prompts, a chunk after a multi-block cached
     # prefix, a prompt past one query tile, and a decode row the kernel must skip.
     case = [(20, 20), (7, 55), (40, 40), (1, 9), (33, 65)]
@@ -95,10 +100,10 @@ def test_prefill_matches_dense(dtype: torch.dtype, block_size: int, groups: int)
     out = torch.full_like(query, float("nan"))
     starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     prefill = [i for i, q in enumerate(q_lens) if q > 1]
-    tile_seq, tile_start = plan_tiles(q_lens, prefill)
+    tile_seq, tile_start = plan_tiles(q_lens, prefill, config.block_m)
     scale = head_dim ** -0.5
     prefill_attention(out, query, cache, tables, torch.tensor([s for _, s in case], dtype=torch.int32),
-                      starts, torch.from_numpy(tile_seq), torch.from_numpy(tile_start), scale)
+                      starts, torch.from_numpy(tile_seq), torch.from_numpy(tile_start), scale, config)
     for i, (k, v) in enumerate(kvs):
         rows = slice(starts[i].item(), starts[i + 1].item())
         if i in prefill:
@@ -121,6 +126,13 @@ def test_launchers_name_bad_inputs() -> None:
         store_kv(cache, torch.zeros(1, 2, 32, dtype=torch.float16), torch.zeros(1, 2, 32), torch.zeros(1, dtype=torch.int64))
     with pytest.raises(ValueError, match="slot_mapping has 2 rows, expected 1"):
         store_kv(cache, torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="multiple of the 64-token tile"):
+        decode_attention(out, query, cache, rows, tables, lens, 1.0, 2, split_tokens=32,
+                         config=LaunchConfig(block_n=64))
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
+        LaunchConfig(block_n=24)
+    with pytest.raises(ValueError, match="num_warps=3"):
+        LaunchConfig(block_n=32, num_warps=3)
 
 
 def test_split_count_does_not_change_results() -> None:
