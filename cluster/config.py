@@ -66,6 +66,9 @@ class RouterConfig:
     # already cached on its decode worker (conditional disaggregation).
     remote_prefill_min_tokens: int = 64
     max_queued_requests: int = 256  # beyond: HTTP 429
+    # A decode worker sends at most this many remote prefills to one prefill worker at
+    # a time; past it (the pool is saturated) it prefills locally instead.
+    prefill_max_outstanding: int = 16
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "router") -> "RouterConfig":
@@ -76,6 +79,7 @@ class RouterConfig:
         _check(out.policy in POLICIES, f"{path}.policy", f"must be one of {POLICIES}, got {out.policy!r}")
         _int(out.remote_prefill_min_tokens, f"{path}.remote_prefill_min_tokens", 1)
         _int(out.max_queued_requests, f"{path}.max_queued_requests", 1)
+        _int(out.prefill_max_outstanding, f"{path}.prefill_max_outstanding", 1)
         return out
 
 

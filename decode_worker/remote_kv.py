@@ -31,6 +31,7 @@ class DecodeWorkerCore:
         self._on_release: dict[str, str] = {}  # request id -> "fallback" | "abort"
         self._epochs: dict[str, int] = {}
         self.stats = dict(remote=0, local=0, fallbacks=0)
+        self.kv_ready_at: dict[str, float] = {}  # request id -> time.monotonic() its pushed KV completed
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     remote: bool, priority: int = 0) -> RemotePrefill | None:
@@ -77,6 +78,7 @@ class DecodeWorkerCore:
                 continue
             if isinstance(event, Completed):
                 self.waiting_for_kv.discard(event.req)
+                self.kv_ready_at[event.req] = time.monotonic()
                 self.engine.remote_kv_arrived(event.req)
             elif isinstance(event, Expired):
                 self._on_release.setdefault(event.req, "fallback")

@@ -1,11 +1,18 @@
 """A decode worker process: takes requests over ZMQ, hands long prompts to a prefill
 worker (decode-first push), decodes with continuous batching, and sends every
-request's new tokens after each step."""
+request's new tokens after each step.
+
+Remote prefills go to the prefill worker with the fewest of this worker's requests in
+flight; when every one has router.prefill_max_outstanding (the pool is saturated),
+the prompt is prefilled here instead.
+"""
 
 from __future__ import annotations
 
-import itertools
 import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import zmq
@@ -13,25 +20,55 @@ import zmq
 from cluster.config import ClusterConfig
 from cluster.worker_loop import WorkerLoop, engine_and_transport
 from decode_worker.remote_kv import DecodeWorkerCore
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from router.protocol import decode, encode
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Timing:
+    """When a request passed each point on this worker (time.monotonic())."""
+
+    arrived: float
+    first_token: float | None = None
+    remote_compute_s: float | None = None  # as the prefill worker reported it
+    remote_transfer_s: float | None = None
+
+
 class DecodeWorker(WorkerLoop):
-    def __init__(self, name: str, core: DecodeWorkerCore) -> None:
+    def __init__(self, name: str, core: DecodeWorkerCore, prefill_max_outstanding: int = 16) -> None:
         super().__init__(name)
         self.core = core
+        self.prefill_max_outstanding = prefill_max_outstanding
         self.clients: dict[str, tuple[zmq.Socket, bytes]] = {}  # request id -> who asked
         self.sent: dict[str, int] = {}  # request id -> output tokens already sent
         self.prefill_of: dict[str, str] = {}  # request id -> prefill worker doing it
-        self._prefill_order = itertools.cycle([])
+        self.timing: dict[str, _Timing] = {}
+        self.prefill_workers: list[str] = []
+        self.transfer = dict(saturated=0, kv_bytes_received=0, kv_transfer_seconds=0.0,
+                             kv_transfer_failures=0)
 
     def set_prefill_workers(self, addresses: dict[str, str]) -> None:
         for name, address in addresses.items():
             self.connect(name, address)
-        self._prefill_order = itertools.cycle(sorted(addresses))
+        self.prefill_workers = sorted(addresses)
+
+    def _pick_prefill_worker(self) -> str | None:
+        """The prefill worker with the fewest of our prompts in flight, or None when
+        every one has prefill_max_outstanding (saturated: prefill here)."""
+        if not self.prefill_workers:
+            return None
+        # In flight = still waiting for KV; the others are done with their prefill
+        # worker (KV arrived, or fell back after a failure or a dead worker).
+        self.prefill_of = {r: p for r, p in self.prefill_of.items() if r in self.core.waiting_for_kv}
+        load = Counter(self.prefill_of.values())
+        name = min(self.prefill_workers, key=lambda n: (load[n], n))
+        if load[name] >= self.prefill_max_outstanding:
+            self.transfer["saturated"] += 1
+            return None
+        return name
 
     def busy(self) -> bool:
         return self.core.engine.has_unfinished()
@@ -44,23 +81,34 @@ class DecodeWorker(WorkerLoop):
             self._abort(msg["id"])
         elif kind == "stats":
             self.send(sock, sender, encode("stats_reply", stats=self.stats()))
-        elif kind == "prefill_done" and msg["error"]:
-            logger.warning("prefill of %s failed on %s: %s", msg["id"], sender.decode(), msg["error"])
-            self.core.prefill_failed(msg["id"])
+        elif kind == "prefill_done":
+            self._prefill_done(sender.decode(), msg)
+
+    def _prefill_done(self, prefill: str, msg: dict) -> None:
+        request_id = msg["id"]
+        self.transfer["kv_bytes_received"] += msg["bytes"]
+        self.transfer["kv_transfer_seconds"] += msg["transfer_s"]
+        if msg["error"]:
+            logger.warning("prefill of %s failed on %s: %s", request_id, prefill, msg["error"])
+            self.transfer["kv_transfer_failures"] += 1
+            self.core.prefill_failed(request_id)
+        elif request_id in self.timing:
+            self.timing[request_id].remote_compute_s = msg["compute_s"]
+            self.timing[request_id].remote_transfer_s = msg["transfer_s"]
 
     def _generate(self, sender: bytes, msg: dict, sock: zmq.Socket) -> None:
         request_id = msg["id"]
+        prefill = self._pick_prefill_worker() if msg["remote"] else None
         try:
             params = SamplingParams(**msg["params"])
-            remote = msg["remote"] and bool(self.dealers)
-            rp = self.core.add_request(request_id, msg["prompt"], params, remote, msg["priority"])
+            rp = self.core.add_request(request_id, msg["prompt"], params, prefill is not None, msg["priority"])
         except (TypeError, ValueError) as exc:  # bad input: say so, keep serving
             self.send(sock, sender, encode("rejected", id=request_id, error=str(exc)))
             return
         self.clients[request_id] = (sock, sender)
         self.sent[request_id] = 0
+        self.timing[request_id] = _Timing(time.monotonic())
         if rp is not None:
-            prefill = next(self._prefill_order)
             self.prefill_of[request_id] = prefill
             self.dealers[prefill].send(encode(
                 "prefill", id=request_id, prompt=rp.prompt_token_ids, peer=rp.peer, blocks=rp.block_ids,
@@ -76,37 +124,64 @@ class DecodeWorker(WorkerLoop):
     def _forget(self, request_id: str) -> None:
         self.clients.pop(request_id, None)
         self.sent.pop(request_id, None)
-        self.prefill_of.pop(request_id, None)
+        self.timing.pop(request_id, None)
+        self.core.kv_ready_at.pop(request_id, None)
 
     def step(self) -> None:
         out = self.core.step()
         finished = {r.request_id for r in out.finished}
+        now = time.monotonic()
         for request in {r.request_id: r for r in out.advanced + out.finished}.values():
-            client = self.clients.get(request.request_id)
+            rid = request.request_id
+            client = self.clients.get(rid)
             if client is None:
                 continue
-            new = request.output_token_ids[self.sent[request.request_id]:]
-            self.sent[request.request_id] += len(new)
-            done = request.request_id in finished
-            self.send(*client, encode("tokens", id=request.request_id, tokens=new, finished=done,
+            sent = self.sent[rid]
+            new = request.output_token_ids[sent:]
+            self.sent[rid] += len(new)
+            if new and self.timing[rid].first_token is None:
+                self.timing[rid].first_token = now
+            logprobs = []
+            if request.sampling_params.logprobs is not None:
+                logprobs = [[lp.logprob, [[t, v] for t, v in lp.top]]
+                            for lp in request.output_logprobs[sent:sent + len(new)]]
+            done = rid in finished
+            self.send(*client, encode("tokens", id=rid, tokens=new, finished=done,
                                       reason=request.status.value if done else "",
-                                      cached=request.num_cached_tokens))
+                                      cached=request.num_cached_tokens, logprobs=logprobs,
+                                      phases=self._phases(request, now) if done else {}))
             if done:
-                self._forget(request.request_id)
+                self._forget(rid)
+
+    def _phases(self, request: Request, now: float) -> dict[str, float]:
+        """Seconds per phase, router/metrics.py defines them. A request whose remote
+        prefill failed over counts as prefilled here."""
+        t = self.timing[request.request_id]
+        first_token = t.first_token if t.first_token is not None else now
+        scheduled = request.first_scheduled_time or now
+        kv_ready = self.core.kv_ready_at.get(request.request_id)
+        phases = {"decode": now - first_token}
+        if kv_ready is not None and t.remote_compute_s is not None:
+            phases.update(queue=max(0.0, scheduled - kv_ready), prefill=t.remote_compute_s,
+                          transfer=max(0.0, kv_ready - t.arrived - t.remote_compute_s))
+        else:
+            phases.update(queue=max(0.0, scheduled - t.arrived), prefill=max(0.0, first_token - scheduled))
+        return phases
 
     def stats(self) -> dict:
         kv = self.core.engine.kv
         return {"name": self.name, "num_blocks": kv.pool.num_blocks, "free_blocks": kv.num_free_blocks,
                 "running": len(self.core.engine.scheduler.running),
                 "waiting": len(self.core.engine.scheduler.waiting),
-                "waiting_for_kv": len(self.core.waiting_for_kv), **self.core.stats,
+                "waiting_for_kv": len(self.core.waiting_for_kv), **self.core.stats, **self.transfer,
                 "late_writes_dropped": self.core.transport.stats["late_writes_dropped"]}
 
 
 def serve(config: ClusterConfig, index: int, control: Connection) -> None:
     """Process entry point: start, report ready on `control`, get peers, run."""
     name, engine, transport = engine_and_transport(config, "decode", index)
-    worker = DecodeWorker(name, DecodeWorkerCore(engine, transport, config.prefill_deadline_s))
+    worker = DecodeWorker(name, DecodeWorkerCore(engine, transport, config.prefill_deadline_s),
+                          config.router.prefill_max_outstanding)
     control.send_bytes(encode("ready", name=name, address=worker.address, metadata=transport.metadata()))
     worker.set_prefill_workers(decode(control.recv_bytes())["prefill"])
     try:

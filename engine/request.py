@@ -47,6 +47,7 @@ class Request:
     sampling_params: SamplingParams
     priority: int = 0  # lower runs first; ties by arrival
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # time.monotonic() of its first step (queue time)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set

@@ -11,6 +11,7 @@ later (its tokens so far are kept, and its freed blocks are usually prefix-cache
 
 from __future__ import annotations
 
+import time
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -166,6 +167,8 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new

@@ -10,6 +10,7 @@ once every write is acknowledged (or failed).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from engine.engine_core import EngineCore, StepOutput
@@ -32,10 +33,23 @@ class RemotePrefill:
 
 
 @dataclass
+class PrefillResult:
+    """How a remote prefill ended, as reported to the decode worker."""
+
+    request_id: str
+    error: str | None  # None: every block was written and acknowledged
+    compute_s: float  # submit -> prompt KV computed (queue and compute on this worker)
+    transfer_s: float  # computed -> last write acknowledged (writes not hidden by compute)
+    bytes_written: int
+
+
+@dataclass
 class _Job:
     rp: RemotePrefill
     next_block: int  # first block index not yet written
     end_block: int  # one past the last block index to write
+    submitted: float = field(default_factory=time.monotonic)
+    computed: float | None = None  # when the engine reported the prompt's KV complete
     outstanding: set[int] = field(default_factory=set)  # xfer ids in flight
     failed: str | None = None
 
@@ -66,11 +80,14 @@ class PrefillWorkerCore:
             job.failed = "aborted by the decode worker"
             self.transport.cancel(request_id)
 
-    def step(self) -> list[tuple[str, str | None]]:
-        """One engine step plus transfer progress. Returns (request id, error or None)
-        for every job that ended: its KV written (None), or failed."""
+    def step(self) -> list[PrefillResult]:
+        """One engine step plus transfer progress. Returns every job that ended: its KV
+        written (error None), or failed."""
         out = self.engine.step() if self.engine.has_unfinished() else StepOutput()
         prefilled = {r.request_id for r in out.finished if r.status == RequestStatus.PREFILLED}
+        now = time.monotonic()
+        for request_id in prefilled & self.jobs.keys():
+            self.jobs[request_id].computed = now
         for request_id, job in self.jobs.items():
             if job.failed is None:
                 self._write_ready_blocks(request_id, job, request_id in prefilled)
@@ -101,8 +118,8 @@ class PrefillWorkerCore:
         self.stats["blocks_written"] += ready - job.next_block
         job.next_block = ready
 
-    def _finish_jobs(self) -> list[tuple[str, str | None]]:
-        ended = []
+    def _finish_jobs(self) -> list[PrefillResult]:
+        ended, now = [], time.monotonic()
         for request_id, job in list(self.jobs.items()):
             request = self.engine.scheduler.requests.get(request_id)
             written = job.next_block == job.end_block and request is not None \
@@ -115,5 +132,7 @@ class PrefillWorkerCore:
                 self.engine.abort([request_id])
             del self.jobs[request_id]
             self.stats["prefills" if job.failed is None else "failed"] += 1
-            ended.append((request_id, job.failed))
+            computed = job.computed if job.computed is not None else now
+            ended.append(PrefillResult(request_id, job.failed, computed - job.submitted, now - computed,
+                                       (job.next_block - job.rp.first_block) * self.transport.compat.block_bytes))
         return ended

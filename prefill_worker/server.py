@@ -33,7 +33,8 @@ class PrefillWorker(WorkerLoop):
             try:
                 self.core.submit(rp)
             except ValueError as exc:
-                self.send(sock, sender, encode("prefill_done", id=rp.request_id, error=str(exc)))
+                self.send(sock, sender, encode("prefill_done", id=rp.request_id, error=str(exc),
+                                               compute_s=0.0, transfer_s=0.0, bytes=0))
                 return
             self.origin[rp.request_id] = (sock, sender)
         elif msg["kind"] == "abort":
@@ -45,10 +46,12 @@ class PrefillWorker(WorkerLoop):
                 "jobs": len(self.core.jobs), **self.core.stats}))
 
     def step(self) -> None:
-        for request_id, error in self.core.step():
-            origin = self.origin.pop(request_id, None)
+        for r in self.core.step():
+            origin = self.origin.pop(r.request_id, None)
             if origin is not None:
-                self.send(*origin, encode("prefill_done", id=request_id, error=error or ""))
+                self.send(*origin, encode("prefill_done", id=r.request_id, error=r.error or "",
+                                          compute_s=r.compute_s, transfer_s=r.transfer_s,
+                                          bytes=r.bytes_written))
 
 
 def serve(config: ClusterConfig, index: int, control: Connection) -> None:

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from cluster.config import ClusterConfig
 from engine.llm import load_tokenizer
 from engine.sampling_params import SamplingParams
-from router.protocol import decode, encode
+from router.errors import APIError
+from router.logprobs import LogprobFormatter, merge, requested_logprobs
 from router.metrics import RouterMetrics
+from router.protocol import decode, encode
 from router.routing import RoutingPolicy
 
 # OpenAI request fields passed on to SamplingParams as they are.
@@ -38,11 +41,15 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "ignore_eos")
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+@dataclass
+class Chunk:
+    """What one worker step added to a request, detokenized."""
+
+    text: str
+    finish_reason: str | None
+    num_tokens: int  # output tokens so far
+    token_ids: list[int] = field(default_factory=list)  # this step's
+    logprobs: list[list] = field(default_factory=list)  # per token of this step, when asked
 
 
 class DecodeClient:
@@ -98,12 +105,11 @@ class Router:
 
     # --- request parsing ----------------------------------------------------------
 
-    def sampling_params(self, body: dict[str, Any]) -> SamplingParams:
+    def sampling_params(self, body: dict[str, Any], chat: bool) -> SamplingParams:
         options = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
         if body.get("n", 1) != 1:
             raise APIError(400, "only n=1 is supported", "n")
-        if body.get("logprobs") not in (None, False):
-            raise APIError(400, "logprobs are not served over HTTP yet", "logprobs")
+        options["logprobs"] = requested_logprobs(body, chat)
         try:
             return SamplingParams(**options)
         except (TypeError, ValueError) as exc:
@@ -138,8 +144,8 @@ class Router:
 
     # --- one request ----------------------------------------------------------------
 
-    async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[tuple[str, str | None, int]]:
-        """(text delta, finish reason or None, output tokens so far) as the worker steps."""
+    async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+        """The request's new text (and tokens, logprobs) after each worker step."""
         if self.in_flight >= self.config.router.max_queued_requests:
             raise APIError(429, f"the server has {self.in_flight} requests in flight "
                                 f"(max_queued_requests); retry later", kind="rate_limit_error")
@@ -183,7 +189,9 @@ class Router:
                     delta += detok.flush()
                     m.e2e.observe(time.monotonic() - start)
                     m.finished.labels(reason=reason).inc()
-                yield delta, reason, detok.num_tokens
+                    m.observe_phases(msg["phases"])
+                    m.prefix_cached_tokens.inc(msg["cached"])
+                yield Chunk(delta, reason, detok.num_tokens, msg["tokens"], msg["logprobs"])
         finally:
             worker.queues.pop(request_id, None)
             self.in_flight -= 1
@@ -232,7 +240,7 @@ class Detokenizer:
 
 
 def _params_dict(params: SamplingParams) -> dict[str, Any]:
-    return {k: getattr(params, k) for k in SAMPLING_FIELDS}
+    return {k: getattr(params, k) for k in (*SAMPLING_FIELDS, "logprobs")}
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -294,8 +302,12 @@ def create_app(router: Router) -> FastAPI:
         return await respond(body, router.chat_ids(body.get("messages")), chat=True)
 
     async def respond(body: dict[str, Any], prompt: list[int], chat: bool) -> Any:
-        params = router.sampling_params(body)
+        params = router.sampling_params(body, chat)
         stream = router.run(prompt, params)
+        formatter = LogprobFormatter(router.tokenizer, chat) if params.logprobs is not None else None
+
+        def logprobs_of(chunk: Chunk) -> dict[str, Any] | None:
+            return formatter.format(chunk.token_ids, chunk.logprobs) if formatter else None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -303,29 +315,39 @@ def create_app(router: Router) -> FastAPI:
         def usage(n: int) -> dict[str, int]:
             return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
 
-        def choice(text: str, reason: str | None, delta: bool) -> dict[str, Any]:
+        def choice(text: str, reason: str | None, delta: bool, logprobs: dict[str, Any] | None) -> dict[str, Any]:
             if not chat:
-                return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+                return {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
             key = "delta" if delta else "message"
-            return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason}
+            return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason,
+                    "logprobs": logprobs}
 
         first = await anext(stream)  # errors (400, 429) surface before any byte is sent
         if not body.get("stream"):
-            text, (_, reason, n) = first[0], first
-            async for delta, reason, n in stream:
-                text += delta
+            chunks = [first] + [c async for c in stream]
+            parts = [p for p in map(logprobs_of, chunks) if p is not None]
+            last = chunks[-1]
             return {"id": rid, "object": kind, "created": created, "model": router.model_name,
-                    "choices": [choice(text, reason, False)], "usage": usage(n)}
+                    "choices": [choice("".join(c.text for c in chunks), last.finish_reason, False,
+                                       merge(parts))],
+                    "usage": usage(last.num_tokens)}
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
         async def events() -> AsyncIterator[str]:
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
-            delta, reason, n = first
+            n = first.num_tokens
+
+            async def chunks() -> AsyncIterator[Chunk]:
+                yield first
+                async for chunk in stream:
+                    yield chunk
+
             try:
-                yield _sse(rid, chunk_kind, created, router.model_name, choice(delta, reason, True))
-                async for delta, reason, n in stream:
-                    yield _sse(rid, chunk_kind, created, router.model_name, choice(delta, reason, True))
+                async for chunk in chunks():
+                    n = chunk.num_tokens
+                    yield _sse(rid, chunk_kind, created, router.model_name,
+                               choice(chunk.text, chunk.finish_reason, True, logprobs_of(chunk)))
                 if include_usage:
                     yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
                                                  "model": router.model_name, "choices": [],

@@ -2,8 +2,22 @@
 
 Latencies follow vLLM's definitions: time to first token (request received -> first
 token sent), inter-token latency (between consecutive token batches, per token), and
-end-to-end latency. Worker gauges (KV blocks, queue depths, remote prefills, local
-fallbacks, late KV writes dropped) are asked of every decode worker on each scrape.
+end-to-end latency. Each finished request also reports its phases, as its decode
+worker measured them:
+
+    queue     waiting on the decode worker to be scheduled (after its KV arrived, for a
+              remote prefill)
+    prefill   local: first scheduled -> first token; remote: the prefill worker's
+              time from receiving it to its KV computed (its queue included)
+    transfer  remote only: received -> KV complete on the decode worker, minus the
+              prefill: the hop to the prefill worker, writes compute did not hide,
+              the notification
+    decode    first token -> last token
+
+Worker gauges (KV blocks, queue depths, remote prefills, local fallbacks, saturation,
+KV bytes and transfer seconds and failures, late KV writes dropped) are asked of every
+decode worker on each scrape; the prefix-cache hit rate is
+pdserve_prefix_cache_hit_tokens / pdserve_prompt_tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +35,12 @@ WORKER_GAUGES = {  # stats key -> help
     "local": "requests prefilled on the decode worker (total)",
     "fallbacks": "remote prefills that fell back to local prefill (total)",
     "late_writes_dropped": "KV writes refused as late or unreserved (total)",
+    "saturated": "remote prefills kept local because every prefill worker was at its limit (total)",
+    "kv_bytes_received": "prompt KV bytes prefill workers wrote into this worker (total)",
+    "kv_transfer_seconds": "prefill workers' time from KV computed to last write acknowledged (total)",
+    "kv_transfer_failures": "remote prefills that failed (total)",
 }
+PHASES = ("queue", "prefill", "transfer", "decode")
 
 
 class RouterMetrics:
@@ -44,9 +63,23 @@ class RouterMetrics:
         self.cached_tokens = Counter("pdserve_router_predicted_cached_tokens",
                                      "prompt tokens the routing policy expected to be cached", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "tokens generated", registry=r)
+        self.prefix_cached_tokens = Counter("pdserve_prefix_cache_hit_tokens",
+                                            "prompt tokens the decode worker found in its prefix cache",
+                                            registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "requests the router is serving", registry=r)
+        self.phase = Histogram("pdserve_request_phase_seconds", "time per request in each phase",
+                               ["phase", "prefill"], registry=r, buckets=LATENCY_BUCKETS)
         self.worker = {key: Gauge(f"pdserve_worker_{key}", help_, ["worker"], registry=r)
                        for key, help_ in WORKER_GAUGES.items()}
+
+    def observe_phases(self, phases: dict[str, float]) -> None:
+        """One finished request's phase times. Only a request whose prompt KV came from a
+        prefill worker has a transfer phase (the router's plan may have changed there:
+        saturation, fallback), so that labels it."""
+        remote = "transfer" in phases
+        for name in PHASES:
+            if name in phases:
+                self.phase.labels(phase=name, prefill="remote" if remote else "local").observe(phases[name])
 
     def set_worker(self, name: str, stats: dict) -> None:
         for key, gauge in self.worker.items():

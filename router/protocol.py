@@ -4,9 +4,14 @@ Every worker binds one ROUTER socket; whoever talks to it holds a DEALER whose
 routing id is its own name. A worker answers on the socket a message came in on.
 
     router  -> decode   generate, abort, stats
-    decode  -> router   tokens (one per request per step), rejected, stats_reply
+    decode  -> router   tokens (one per request per step; logprobs of those tokens when
+                        asked; the request's phase times with the last), rejected,
+                        stats_reply
     decode  -> prefill  prefill (decode-first push: D's blocks and deadline), abort
-    prefill -> decode   prefill_done (error "" when every block was written)
+    prefill -> decode   prefill_done (error "" when every block was written; compute and
+                        transfer seconds, bytes written)
+
+Version 2: tokens carry logprobs and phases; prefill_done its timings.
     launcher <-> worker  over the start pipe: ready (address, transport metadata), peers
 """
 
@@ -14,16 +19,17 @@ from __future__ import annotations
 
 from kv_transfer.messages import _BOOL, _BYTES, _DICT, _FLOAT, _INT, _LIST, _STR, Schema
 
-WORKER = Schema(1, {
+WORKER = Schema(2, {
     "generate": {"id": _STR, "prompt": _LIST, "params": _DICT, "remote": _BOOL, "priority": _INT},
     "abort": {"id": _STR},
     "stats": {},
-    "tokens": {"id": _STR, "tokens": _LIST, "finished": _BOOL, "reason": _STR, "cached": _INT},
+    "tokens": {"id": _STR, "tokens": _LIST, "finished": _BOOL, "reason": _STR, "cached": _INT,
+               "logprobs": _LIST, "phases": _DICT},
     "rejected": {"id": _STR, "error": _STR},
     "stats_reply": {"stats": _DICT},
     "prefill": {"id": _STR, "prompt": _LIST, "peer": _STR, "blocks": _LIST, "first": _INT,
                 "epoch": _INT, "deadline": _FLOAT},
-    "prefill_done": {"id": _STR, "error": _STR},
+    "prefill_done": {"id": _STR, "error": _STR, "compute_s": _FLOAT, "transfer_s": _FLOAT, "bytes": _INT},
     "ready": {"name": _STR, "address": _STR, "metadata": _BYTES},
     "peers": {"prefill": _DICT, "decode": _LIST},
 })

@@ -108,11 +108,42 @@ def test_bad_requests_get_400_naming_the_problem(server, kwargs: dict, message: 
     assert client.completions.create(model=config.model, prompt="Hello", max_tokens=2).choices[0].text is not None
 
 
+@pytest.mark.timeout(120)
+def test_logprobs_match_the_engine_in_both_api_shapes(server, llama_dir: Path) -> None:
+    client, config, _ = server
+    llm = LLM(str(llama_dir), num_kv_blocks=80)
+    ref = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                    logprobs=2), use_tqdm=False)[0]
+    tokenizer = llm.tokenizer
+    out = client.completions.create(model=config.model, prompt=PROMPTS[1], max_tokens=5, temperature=0.0,
+                                    logprobs=2, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ref.token_ids]
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-4)
+    assert [len(top) for top in lp.top_logprobs] == [2] * 5
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    chunks = list(client.completions.create(model=config.model, prompt=PROMPTS[1], max_tokens=5, temperature=0.0,
+                                            logprobs=2, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+    chat = client.chat.completions.create(model=config.model, max_tokens=4, temperature=0.0, logprobs=True,
+                                          top_logprobs=3, messages=[{"role": "user", "content": "Hello"}])
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:  # greedy: the sampled token is the most likely one
+        assert len(entry.top_logprobs) == 3 and entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes).decode() == entry.token
+    with pytest.raises(openai.BadRequestError, match="top_logprobs must be an integer in \\[0, 20\\]"):
+        client.chat.completions.create(model=config.model, max_tokens=2, logprobs=True, top_logprobs=21,
+                                       messages=[{"role": "user", "content": "Hello"}])
+
+
 @pytest.mark.timeout(180)
 def test_concurrent_requests_complete_and_free_every_block(server, llama_dir: Path) -> None:
     client, config, workers = server
-    prompts = [f"request {i}: " + "blocks and tokens " * (i % 5 + 1) for i in range(24)]
-    with ThreadPoolExecutor(8) as pool:
+    prompts = [f"request {i}: " + "blocks and tokens " * (i % 5 + 1) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
         outs = list(pool.map(lambda p: client.completions.create(
             model=config.model, prompt=p, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True}),
             prompts))
@@ -164,3 +195,8 @@ def test_metrics_count_requests_latencies_and_worker_blocks(server) -> None:
     assert values['pdserve_requests_rejected_total{status="400"}'] >= 1  # from the 400 tests
     assert values['pdserve_worker_free_blocks{worker="decode-0"}'] == values['pdserve_worker_num_blocks{worker="decode-0"}']
     assert values['pdserve_worker_remote{worker="decode-0"}'] >= 1
+    assert values['pdserve_worker_kv_bytes_received{worker="decode-0"}'] > 0
+    assert values["pdserve_prompt_tokens_total"] >= values["pdserve_prefix_cache_hit_tokens_total"] >= 0
+    for phase in ("queue", "prefill", "transfer", "decode"):  # from the remote prefills of earlier tests
+        assert values[f'pdserve_request_phase_seconds_count{{phase="{phase}",prefill="remote"}}'] >= 1
+    assert values['pdserve_request_phase_seconds_count{phase="prefill",prefill="local"}'] >= 1

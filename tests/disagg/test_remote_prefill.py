@@ -51,9 +51,9 @@ def run(decode: DecodeWorkerCore, prefill: PrefillWorkerCore | None, prompts: li
         while decode.engine.has_unfinished() or (prefill and prefill.engine.has_unfinished()):
             assert time.monotonic() < end, "disaggregated run did not finish"
             if prefill is not None:
-                for request_id, error in prefill.step():
-                    if error is not None:
-                        decode.prefill_failed(request_id)
+                for result in prefill.step():
+                    if result.error is not None:
+                        decode.prefill_failed(result.request_id)
             for r in decode.step().finished:
                 outputs[r.request_id] = r
     return outputs

@@ -67,7 +67,7 @@ class Client:
 @pytest.fixture(scope="module")
 def workers(llama_dir: Path) -> Iterator[LocalWorkers]:
     config = ClusterConfig.from_dict({
-        "model": str(llama_dir), "transport": "shm", "prefill_deadline_s": 2.0,
+        "model": str(llama_dir), "transport": "shm", "prefill_deadline_s": 5.0,
         "prefill": {"replicas": 1, "engine": {"num_kv_blocks": 80, "max_num_batched_tokens": 24}},
         "decode": {"replicas": 1, "engine": {"num_kv_blocks": 80}}})
     started = start_workers(config)
@@ -115,6 +115,6 @@ def test_killed_prefill_worker_falls_back_to_local_prefill(workers: LocalWorkers
     start = time.monotonic()
     results = client.generate({f"k{i}": p for i, p in enumerate(PROMPTS[:3])}, remote=True)
     assert [results[f"k{i}"]["tokens"] for i in range(3)] == reference[:3]
-    assert time.monotonic() - start < 30  # the 2 s deadline, then local prefill
+    assert time.monotonic() - start < 30  # the 5 s deadline, then local prefill
     stats = client.stats()
     assert stats["fallbacks"] >= 2 and stats["free_blocks"] == stats["num_blocks"]
