@@ -1,15 +1,19 @@
 """nixl: NIXL agent with the UCX backend, one-sided WRITE (DRAM on CPU, VRAM on GPU).
 
-Each write is one NIXL transfer whose descriptors are the write's runs (built locally
-from the peer's base address and block size, never from NIXL's pickled descriptor
-lists), and whose NIXL notification is our "written" message, delivered after the data.
-NIXL has no timeouts of its own: the base class bounds every write.
+Both caches are described to NIXL once, block by block, as prepared descriptor lists
+(built locally from the peer's base address and block size, never from NIXL's pickled
+descriptor lists). A write is then one NIXL transfer made from two arrays of block
+indices, which NIXL merges into runs; describing the runs afresh for every write cost
+more than moving them (measured on an H200). Its NIXL notification is our "written"
+message, delivered after the data. NIXL has no timeouts of its own: the base class
+bounds every write.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from kv_transfer.base import KVTransport, TransportConfig, _Peer, _Write
@@ -33,7 +37,8 @@ class NixlTransport(KVTransport):
         self._agent = nixl_agent(agent_name, nixl_agent_config(
             enable_prog_thread=self.config.progress_thread, backends=["UCX"]))
         self._registered = None
-        self._remote: dict[str, dict[str, Any]] = {}
+        self._local_blocks = None  # prepared descriptor list, one entry per local block
+        self._remote_blocks: dict[str, Any] = {}  # peer name -> the same for its cache
 
     def _mem_type(self) -> str:
         return "VRAM" if self.kv_cache.is_cuda else "DRAM"
@@ -43,6 +48,9 @@ class NixlTransport(KVTransport):
 
     def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         self._registered = self._agent.register_memory(kv_cache)
+        self._local_blocks = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _block_descs(kv_cache.data_ptr(), self.compat.block_bytes, kv_cache.shape[0],
+                                            self._device_id()), self._mem_type())
         return {"agent": self._agent.get_agent_metadata(), "base": kv_cache.data_ptr(),
                 "device_id": self._device_id(), "mem": self._mem_type()}
 
@@ -51,16 +59,16 @@ class NixlTransport(KVTransport):
         name = name.decode() if isinstance(name, bytes) else name  # NIXL returns bytes
         if name != peer.name:
             raise ValueError(f"NIXL agent {name!r} announced itself as {peer.name!r}")
-        self._remote[peer.name] = peer.data
+        data = peer.data
+        self._remote_blocks[peer.name] = self._agent.prep_xfer_dlist(
+            peer.name, _block_descs(data["base"], self.compat.block_bytes, data["num_blocks"], data["device_id"]),
+            data["mem"])
 
     def _start(self, peer: _Peer, write: _Write) -> None:
-        bb, base, dev = self.compat.block_bytes, self.kv_cache.data_ptr(), self._device_id()
-        remote = self._remote[peer.name]
-        local = [(base + s * bb, n * bb, dev) for s, _, n in write.runs]
-        dst = [(remote["base"] + d * bb, n * bb, remote["device_id"]) for _, d, n in write.runs]
-        handle = self._agent.initialize_xfer(
-            "WRITE", self._agent.get_xfer_descs(local, self._mem_type()),
-            self._agent.get_xfer_descs(dst, remote["mem"]), peer.name, self._header(write))
+        src = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, _, n in write.runs])
+        dst = np.concatenate([np.arange(d, d + n, dtype=np.int32) for _, d, n in write.runs])
+        handle = self._agent.make_prepped_xfer("WRITE", self._local_blocks, src, self._remote_blocks[peer.name],
+                                               dst, self._header(write))
         write.handle = handle
         if self._agent.transfer(handle) == "ERR":
             raise RuntimeError("NIXL refused to post the transfer")
@@ -88,8 +96,21 @@ class NixlTransport(KVTransport):
             write.handle = None
 
     def _close(self) -> None:
-        for name in self._remote:
+        for name, dlist in self._remote_blocks.items():
+            self._agent.release_dlist_handle(dlist)
             self._agent.remove_remote_agent(name)
+        self._remote_blocks.clear()
+        if self._local_blocks is not None:
+            self._agent.release_dlist_handle(self._local_blocks)
+            self._local_blocks = None
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
-        self._remote.clear()
+
+
+def _block_descs(base: int, block_bytes: int, num_blocks: int, device_id: int) -> np.ndarray:
+    """[num_blocks, 3] (address, length, device id) rows, one per block."""
+    rows = np.empty((num_blocks, 3), dtype=np.int64)
+    rows[:, 0] = base + np.arange(num_blocks, dtype=np.int64) * block_bytes
+    rows[:, 1] = block_bytes
+    rows[:, 2] = device_id
+    return rows
