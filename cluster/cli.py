@@ -39,6 +39,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = load_cluster_config(args.config)
     if args.port is not None:
         config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=args.port))
+    if args.model is not None:  # e.g. under `ray job submit`, whose upload leaves out models/
+        config = dataclasses.replace(config, model=args.model)
     serve(config)
     return 0
 
@@ -68,18 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.set_defaults(func=_cmd_generate)
 
-    serve = sub.add_parser("serve", help="serve a cluster config: workers as local processes + the router")
+    serve = sub.add_parser("serve", help="serve a cluster config: workers (local processes or Ray actors) + the router")
     serve.add_argument("config", help="YAML cluster config, e.g. configs/local.yaml")
     serve.add_argument("--port", type=int, default=None, help="override router.port")
+    serve.add_argument("--model", default=None, help="override model (a directory every worker's node can read)")
     serve.set_defaults(func=_cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cluster.ray_resources import PlacementError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, PlacementError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -11,6 +11,8 @@ refused (a typo never silently falls back to a default).
     router: {host: 127.0.0.1, port: 8000, policy: kv_aware, remote_prefill_min_tokens: 64}
     prefill: {replicas: 1, engine: {max_num_batched_tokens: 512}}
     decode:  {replicas: 1, engine: {max_num_seqs: 64}}
+    launcher: local                 # local (processes) | ray (placement groups + actors)
+    ray: {address: local, num_cpus: 2, strategy: PACK, decode: {num_cpus: 1, resources: {}}}
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ from engine.config import DTYPES, EngineConfig
 from kv_transfer import CPU_ONLY, GPU_ONLY, TRANSPORTS
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
+LAUNCHERS = ("local", "ray")
+# Ray placement strategies between the workers of a pool (a worker is one bundle, and a
+# bundle is always on one node, so each worker is packed by construction).
+STRATEGIES = ("PACK", "SPREAD")
 ROLE_FIELDS = ("model", "dtype", "device")  # set once at the top, not per pool
 
 
@@ -99,6 +105,77 @@ class PoolConfig:
         return out
 
 
+def _number(value: Any, path: str, minimum: float, *, strict: bool = False) -> float:
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool), path, f"must be a number, got {value!r}")
+    _check(value > minimum if strict else value >= minimum, path,
+           f"must be {'>' if strict else '>='} {minimum}, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RayPoolConfig:
+    """What each worker of one pool asks Ray for: one placement-group bundle."""
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    # Custom node resources, e.g. {prefill_node: 1} puts the pool on nodes started with
+    # `ray start --resources '{"prefill_node": 8}'`.
+    resources: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> "RayPoolConfig":
+        data = _fields(cls, data, path)
+        num_cpus = _number(data.get("num_cpus", 1.0), f"{path}.num_cpus", 0, strict=True)
+        num_gpus = _number(data.get("num_gpus", 0.0), f"{path}.num_gpus", 0)
+        resources = data.get("resources", {})
+        _check(isinstance(resources, dict), f"{path}.resources", f"must be a mapping, got {resources!r}")
+        for name, amount in resources.items():
+            _check(isinstance(name, str) and name not in ("CPU", "GPU", "memory"), f"{path}.resources",
+                   f"{name!r} is not a custom resource name (use num_cpus / num_gpus)")
+            _number(amount, f"{path}.resources.{name}", 0, strict=True)
+        return cls(num_cpus, num_gpus, {k: float(v) for k, v in resources.items()})
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {}), **self.resources}
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    # "local": start a private Ray on this machine (or, run as a Ray job, join the job's
+    # cluster); "auto": join the cluster `ray start` made here; else "host:port" or
+    # "ray://host:port".
+    address: str = "local"
+    num_cpus: int | None = None  # CPUs of a local start; None: all of the machine's
+    strategy: str = "PACK"
+    # A cluster that cannot place every worker within this long is an error, not a wait.
+    placement_timeout_s: float = 15.0
+    prefill: RayPoolConfig = field(default_factory=RayPoolConfig)
+    decode: RayPoolConfig = field(default_factory=RayPoolConfig)
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "ray") -> "RayConfig":
+        data = _fields(cls, data, path)
+        address = data.get("address", "local")
+        _check(isinstance(address, str) and _valid_address(address), f"{path}.address",
+               f"must be 'local', 'auto', 'host:port' or 'ray://host:port', got {address!r}")
+        num_cpus = data.get("num_cpus")
+        if num_cpus is not None:
+            _int(num_cpus, f"{path}.num_cpus", 1)
+            _check(address == "local", f"{path}.num_cpus", f"sizes a local start only; address is {address!r}")
+        strategy = data.get("strategy", "PACK")
+        _check(strategy in STRATEGIES, f"{path}.strategy", f"must be one of {STRATEGIES}, got {strategy!r}")
+        timeout = _number(data.get("placement_timeout_s", 15.0), f"{path}.placement_timeout_s", 0, strict=True)
+        return cls(address, num_cpus, strategy, timeout,
+                   RayPoolConfig.from_dict(data.get("prefill", {}), f"{path}.prefill"),
+                   RayPoolConfig.from_dict(data.get("decode", {}), f"{path}.decode"))
+
+
+def _valid_address(address: str) -> bool:
+    if address in ("local", "auto"):
+        return True
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    return host != "" and port.isdigit() and 0 < int(port) < 65536
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     model: str
@@ -110,6 +187,8 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
+    launcher: str = "local"  # how workers start: local processes, or Ray actors
+    ray: RayConfig = field(default_factory=RayConfig)  # read only by the ray launcher
 
     @classmethod
     def from_dict(cls, data: Any) -> "ClusterConfig":
@@ -133,10 +212,18 @@ class ClusterConfig:
         deadline = data.get("prefill_deadline_s", 30.0)
         _check(isinstance(deadline, (int, float)) and not isinstance(deadline, bool) and deadline > 0,
                "prefill_deadline_s", f"must be a number of seconds > 0, got {deadline!r}")
+        launcher = data.get("launcher", "local")
+        _check(launcher in LAUNCHERS, "launcher", f"must be one of {LAUNCHERS}, got {launcher!r}")
+        ray = RayConfig.from_dict(data.get("ray", {}))
         out = cls(model=data["model"], dtype=data.get("dtype", "float32"), device=device,
                   transport=transport, prefill_deadline_s=float(deadline), router=RouterConfig.from_dict(data.get("router", {})),
                   prefill=PoolConfig.from_dict(data.get("prefill", {}), "prefill", minimum=0),
-                  decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1))
+                  decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1),
+                  launcher=launcher, ray=ray)
+        for role in ("prefill", "decode"):  # Ray hides every GPU from an actor that asks for none
+            _check(launcher != "ray" or not on_gpu or getattr(out, role).replicas == 0
+                   or getattr(ray, role).num_gpus >= 1, f"ray.{role}.num_gpus",
+                   f"must be >= 1 with device {device!r}, got {getattr(ray, role).num_gpus:g}")
         for role in ("prefill", "decode"):  # the engine's own checks, named with their path
             try:
                 out.engine_config(role)

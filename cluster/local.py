@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from cluster.config import ClusterConfig
+from cluster.control import peers_messages
 from kv_transfer.shm import unlink_segment
-from router.protocol import decode, encode
+from router.protocol import decode
 
 
 @dataclass
@@ -67,11 +68,11 @@ def start_workers(config: ClusterConfig, timeout: float = 180.0) -> LocalWorkers
                 raise RuntimeError(f"worker {w.name} did not become ready within {timeout} s ({alive})")
             ready = decode(w.control.recv_bytes())
             w.address, w.metadata = ready["address"], ready["metadata"]
-        prefill = {w.name: w.address for w in workers.prefill}
+        to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)
         for w in workers.decode:
-            w.control.send_bytes(encode("peers", prefill=prefill, decode=[]))
+            w.control.send_bytes(to_decode)
         for w in workers.prefill:
-            w.control.send_bytes(encode("peers", prefill={}, decode=[d.metadata for d in workers.decode]))
+            w.control.send_bytes(to_prefill)
     except BaseException:
         workers.stop()
         raise

@@ -1,4 +1,5 @@
-"""`pdserve serve CONFIG`: the workers as local processes, and the router in front."""
+"""`pdserve serve CONFIG`: the workers (local processes, or Ray actors with
+`launcher: ray`), and the router in front, in this process."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -13,11 +15,24 @@ from cluster.config import ClusterConfig
 from cluster.local import LocalWorkers, start_workers
 from router.app import Router, create_app
 
+if TYPE_CHECKING:
+    from cluster.ray_launcher import RayWorkers
+
 logger = logging.getLogger(__name__)
 
 
-def build(config: ClusterConfig) -> tuple[LocalWorkers, Router]:
-    workers = start_workers(config)
+def start(config: ClusterConfig) -> "LocalWorkers | RayWorkers":
+    """The config's workers, started by its launcher; both kinds have .decode, .prefill
+    (each worker with .name and .address) and .stop()."""
+    if config.launcher == "ray":
+        from cluster.ray_launcher import start_ray_workers  # Ray is imported only when used
+
+        return start_ray_workers(config)
+    return start_workers(config)
+
+
+def build(config: ClusterConfig) -> tuple["LocalWorkers | RayWorkers", Router]:
+    workers = start(config)
     try:
         router = Router(config, {w.name: w.address for w in workers.decode}, bool(workers.prefill))
     except BaseException:
@@ -44,7 +59,7 @@ def serve(config: ClusterConfig) -> None:
             time.sleep(0.05)
         print(f"pdserve: serving {config.model} at http://{host}:{port}/v1 "
               f"({len(workers.prefill)} prefill + {len(workers.decode)} decode workers, "
-              f"{config.transport} transport); Ctrl-C stops", flush=True)
+              f"{config.transport} transport, {config.launcher} launcher); Ctrl-C stops", flush=True)
         while not stop.wait(0.5) and thread.is_alive():
             pass
     finally:

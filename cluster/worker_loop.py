@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import signal
-from multiprocessing.connection import Connection
+import threading
 
 import zmq
 
 from cluster.config import ClusterConfig
+from cluster.control import ControlChannel
 from engine.engine_core import EngineCore
 from kv_transfer import KVTransport, TransportConfig, create_transport
 from kv_transfer.messages import MessageError
@@ -57,10 +58,13 @@ class WorkerLoop:
     def busy(self) -> bool:
         raise NotImplementedError
 
-    def run(self, control: Connection) -> None:
-        """Until the launcher writes to (or closes) the control pipe."""
+    def run(self, control: ControlChannel) -> None:
+        """Until the launcher writes to (or closes) the control channel."""
         # Ctrl-C reaches the whole process group; the launcher decides when we stop.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Under Ray the loop runs in an actor's thread, where signals cannot be set (and
+        # Ray, not a terminal, owns the actor process's signals).
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         for sock in self.dealers.values():

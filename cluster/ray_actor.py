@@ -1,0 +1,70 @@
+"""One pdserve worker inside a Ray actor: the same `serve(config, index, control)` the
+local launcher runs in a process, here in a thread of the actor process.
+
+The class is plain Python (no Ray import) so it runs in tests without Ray; the launcher
+wraps it with `ray.remote(WorkerActor)` and creates it with max_concurrency > 1,
+because `ready()` blocks in one of Ray's threads while the worker starts in another.
+Who calls what: the launcher calls `ready()` once, then `peers()` once, then `stop()`;
+nothing else talks to the actor (requests and KV go over ZMQ and the transport).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+
+from cluster.config import ClusterConfig
+from cluster.control import QueueControl
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("decode", "prefill")
+
+
+class WorkerActor:
+    def __init__(self, role: str, config: ClusterConfig, index: int) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.name = f"{role}-{index}"
+        self.control = QueueControl()
+        self.error = ""  # the worker thread's traceback, if serve() raised
+        self.thread = threading.Thread(target=self._run, args=(role, config, index),
+                                       name=f"pdserve-{self.name}", daemon=True)
+        self.thread.start()
+
+    def _run(self, role: str, config: ClusterConfig, index: int) -> None:
+        # Imported here: the entry points load torch and the engine, which only the
+        # worker thread needs.
+        if role == "decode":
+            from decode_worker.server import serve
+        else:
+            from prefill_worker.server import serve
+        try:
+            serve(config, index, self.control)
+        except BaseException:  # kept for ready(), and logged: Ray forwards actor logs to the driver
+            self.error = traceback.format_exc()
+            logger.error("worker %s failed:\n%s", self.name, self.error)
+
+    def ready(self, timeout: float) -> bytes:
+        """The worker's "ready" message (msgpack, router/protocol.py). Raises if the
+        worker failed or took longer than `timeout` seconds."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            message = self.control.from_worker(0.1)
+            if message is not None:
+                return message
+            if not self.thread.is_alive():
+                raise RuntimeError(f"worker {self.name} failed while starting:\n{self.error}")
+        raise TimeoutError(f"worker {self.name} did not become ready within {timeout} s")
+
+    def peers(self, message: bytes) -> None:
+        """Hand the worker its "peers" message; it starts serving after it."""
+        self.control.to_worker(message)
+
+    def stop(self, timeout: float) -> bool:
+        """Stop the worker loop (it closes its sockets and transport); True once it has."""
+        self.control.to_worker(b"stop")
+        self.thread.join(timeout)
+        return not self.thread.is_alive()

@@ -1,0 +1,185 @@
+"""Start a cluster config's workers as Ray actors, and stop them.
+
+The Ray counterpart of cluster/local.py, step for step: a placement group per pool (one
+bundle per worker: a bundle is always on one node, so each worker is packed; the pool's
+workers are packed or spread as `ray.strategy` says), one `WorkerActor` per bundle
+running the same worker entry point as a local process, then the same "ready" and
+"peers" messages, carried by actor calls instead of a pipe. Ray only places and starts
+processes; requests and KV never travel through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray._private import services
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import ClusterConfig, RayConfig
+from cluster.control import peers_messages
+from cluster.ray_actor import WorkerActor
+from cluster.ray_resources import PlacementError, missing_resources, pool_bundles
+from kv_transfer.shm import unlink_segment
+from router.protocol import decode
+
+logger = logging.getLogger(__name__)
+
+# KV and requests never go through Ray's object store; a local start keeps it small
+# (Ray's default is 30% of RAM in /dev/shm, which the shm transport also uses).
+LOCAL_OBJECT_STORE_BYTES = 256 << 20
+# Threads per actor: ready() blocks in one while the worker thread starts; stop() and
+# peers() must not queue behind it.
+ACTOR_CONCURRENCY = 4
+
+
+@dataclass
+class RayWorker:
+    name: str
+    actor: Any  # ray.actor.ActorHandle of a WorkerActor
+    address: str = ""
+    metadata: bytes = b""
+
+
+@dataclass
+class RayWorkers:
+    decode: list[RayWorker] = field(default_factory=list)
+    prefill: list[RayWorker] = field(default_factory=list)
+    groups: list[PlacementGroup] = field(default_factory=list)
+    shutdown_ray: bool = False  # this process connected to (or started) Ray: undo it on stop
+
+    @property
+    def all(self) -> list[RayWorker]:
+        return self.decode + self.prefill
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every worker loop, kill the actors, free the placement groups, and
+        disconnect from Ray (which stops a Ray this process started). Safe to call twice.
+        Bounded in time: if Ray itself is gone (e.g. a signal to the whole process group
+        reached a Ray started here first), its calls block, so they run in a thread that
+        is abandoned after `timeout` + 10 s (Ray's processes die with their GCS)."""
+        cleanup = threading.Thread(target=self._release, args=(timeout,), name="pdserve-ray-stop", daemon=True)
+        cleanup.start()
+        cleanup.join(timeout + 10)
+        if cleanup.is_alive():
+            logger.warning("Ray did not answer while stopping the workers; is the Ray cluster still up?")
+        for w in self.all:
+            if w.metadata:  # a worker killed mid-loop cannot remove its shared memory
+                unlink_segment(w.metadata)
+        self.decode, self.prefill, self.groups = [], [], []
+
+    def _release(self, timeout: float) -> None:
+        if ray.is_initialized():
+            pending = [w.actor.stop.remote(timeout) for w in self.all]
+            if pending:
+                ray.wait(pending, num_returns=len(pending), timeout=timeout)
+            for w in self.all:
+                ray.kill(w.actor, no_restart=True)
+            for group in self.groups:
+                remove_placement_group(group)
+        if self.shutdown_ray and ray.is_initialized():
+            self.shutdown_ray = False
+            ray.shutdown()
+
+
+def connect(config: RayConfig) -> bool:
+    """Join or start the Ray cluster `config` names; True if this call did (so stop()
+    undoes it), False if this process was already connected."""
+    if ray.is_initialized():
+        return False
+    address = config.address
+    if address == "local" and os.environ.get("RAY_ADDRESS"):
+        # Run as a Ray job (`ray job submit`): the job's cluster is the one to use.
+        logger.info("address 'local' inside a Ray job: using the job's cluster %s", os.environ["RAY_ADDRESS"])
+        address = "auto"
+    if address == "local":
+        ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False,
+                 object_store_memory=LOCAL_OBJECT_STORE_BYTES, _node_ip_address="127.0.0.1")
+    else:
+        _probe(address)
+        ray.init(address=address)
+    return True
+
+
+def _probe(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds if nobody listens where `address` points: ray.init retries a dead
+    GCS for a minute or more (e.g. `auto` finding the file a stopped `ray start` left).
+    The address is resolved by ray._private.services, as ray.init itself does (private:
+    recheck on a Ray upgrade)."""
+    try:
+        target = address if address.startswith("ray://") else services.canonicalize_bootstrap_address(address)
+    except ConnectionError as exc:  # `auto` with no cluster on this machine
+        raise PlacementError(f"no Ray cluster for ray.address {address!r}: {exc}") from None
+    host, _, port = (target or "").removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as exc:
+        raise PlacementError(f"no Ray cluster answers at {target} (ray.address {address!r}): {exc}; "
+                             "is `ray start` running there?") from None
+
+
+def _check_capacity(config: ClusterConfig) -> None:
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    problems = missing_resources(pool_bundles(config), nodes)
+    if problems:
+        raise PlacementError("the Ray cluster cannot hold this config: " + "; ".join(problems))
+
+
+def _place(config: ClusterConfig) -> dict[str, PlacementGroup]:
+    """One ready placement group per pool, or PlacementError (with none left behind)."""
+    groups = {role: placement_group(bundles, strategy=config.ray.strategy)
+              for role, bundles in pool_bundles(config).items()}
+    waits = {role: group.ready() for role, group in groups.items()}
+    done, _ = ray.wait(list(waits.values()), num_returns=len(waits), timeout=config.ray.placement_timeout_s)
+    late = [role for role, ref in waits.items() if ref not in done]
+    if late:
+        for group in groups.values():
+            remove_placement_group(group)
+        raise PlacementError(
+            f"Ray did not place the {' and '.join(late)} pool(s) within {config.ray.placement_timeout_s:g} s "
+            f"(strategy {config.ray.strategy}; each worker needs "
+            f"{', '.join(f'{r}: {pool_bundles(config)[r][0]}' for r in late)}; "
+            f"available now: {ray.available_resources()})")
+    return groups
+
+
+def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorkers:
+    """Connect to Ray, place and start every worker, wait until each reports ready, then
+    tell each its peers (as cluster.local.start_workers does). Raises, after stopping
+    whatever started and releasing its resources, if any step fails."""
+    workers = RayWorkers(shutdown_ray=connect(config.ray))
+    try:
+        _check_capacity(config)
+        groups = _place(config)
+        workers.groups = list(groups.values())
+        actor_class = ray.remote(WorkerActor)
+        for role, group in groups.items():
+            pool = getattr(config.ray, role)
+            for i in range(getattr(config, role).replicas):
+                actor = actor_class.options(
+                    num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
+                    max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+                ).remote(role, config, i)
+                getattr(workers, role).append(RayWorker(f"{role}-{i}", actor))
+        replies = [w.actor.ready.remote(timeout) for w in workers.all]
+        try:
+            messages = ray.get(replies, timeout=timeout + 30)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            raise RuntimeError(f"a Ray worker did not start: {exc}") from None
+        for w, message in zip(workers.all, messages):
+            ready = decode(message)
+            w.address, w.metadata = ready["address"], ready["metadata"]
+        to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)
+        ray.get([w.actor.peers.remote(to_decode) for w in workers.decode]
+                + [w.actor.peers.remote(to_prefill) for w in workers.prefill], timeout=30)
+    except BaseException:
+        workers.stop()
+        raise
+    return workers

@@ -1,0 +1,56 @@
+"""What a cluster config asks of Ray, and what a Ray cluster lacks to give it.
+
+Pure functions over plain dicts (no Ray import), so the launcher can refuse an
+impossible config in milliseconds, naming what is missing, instead of leaving
+placement groups pending forever; and so tests need no cluster.
+"""
+
+from __future__ import annotations
+
+from cluster.config import ClusterConfig
+
+Resources = dict[str, float]  # Ray resource name -> amount ("CPU", "GPU", custom names)
+
+
+class PlacementError(RuntimeError):
+    """The Ray cluster cannot (or did not in time) give the config its resources."""
+
+
+def pool_bundles(config: ClusterConfig) -> dict[str, list[Resources]]:
+    """Role -> one bundle per worker (pools with no workers are left out)."""
+    out = {}
+    for role in ("decode", "prefill"):
+        replicas = getattr(config, role).replicas
+        if replicas:
+            out[role] = [getattr(config.ray, role).bundle() for _ in range(replicas)]
+    return out
+
+
+def _fmt(resources: Resources) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
+
+
+def missing_resources(bundles: dict[str, list[Resources]], nodes: list[Resources]) -> list[str]:
+    """Why `nodes` (each alive node's total resources) can never hold `bundles`; empty
+    if they might. Checks each worker's shape against single nodes (a bundle never spans
+    nodes) and the sum of all pools against the cluster's totals. Resources held by
+    others are not seen here: the launcher's placement timeout catches those."""
+    problems = []
+    for role, role_bundles in bundles.items():
+        shape = role_bundles[0]
+        if not any(all(node.get(k, 0.0) >= v for k, v in shape.items()) for node in nodes):
+            short = [f"{k} {v:g} (largest node has {max((n.get(k, 0.0) for n in nodes), default=0.0):g})"
+                     for k, v in sorted(shape.items())
+                     if not any(n.get(k, 0.0) >= v for n in nodes)]
+            problems.append(f"{role}: each worker needs {_fmt(shape)} on one node; "
+                            f"missing: {', '.join(short) or 'no single node has all of it'}")
+    need: Resources = {}
+    for role_bundles in bundles.values():
+        for bundle in role_bundles:
+            for k, v in bundle.items():
+                need[k] = need.get(k, 0.0) + v
+    have = {k: sum(n.get(k, 0.0) for n in nodes) for k in need}
+    over = {k: v for k, v in need.items() if v > have[k]}
+    if over:
+        problems.append(f"all pools together need {_fmt(over)}, the cluster has {_fmt({k: have[k] for k in over})}")
+    return problems

@@ -1,0 +1,42 @@
+"""Ray tests: Ray stays on 127.0.0.1 with token auth off (ENVIRONMENT.md), each module
+starts at most one Ray (seconds and ~1 GiB on a 2-core machine), and each test checks
+that what it started is gone afterwards."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cluster.config import ClusterConfig, load_cluster_config
+from engine.model import demo
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_DIR = demo.default_models_dir() / demo.DEMO_MODELS["smollm2"].dir_name
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_env() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in RAY_ENV.items():
+            mp.setenv(key, value)
+        mp.delenv("RAY_ADDRESS", raising=False)  # never join a cluster we did not start
+        yield
+
+
+def ray_local_config(port: int = 8000, **ray_changes: object) -> ClusterConfig:
+    """configs/ray-local.yaml with the prepared demo model (skips if it is not built)."""
+    if not (MODEL_DIR / "model.safetensors").is_file():
+        pytest.skip(f"demo model not prepared at {MODEL_DIR} (make model)")
+    cfg = load_cluster_config(REPO / "configs" / "ray-local.yaml")
+    return dataclasses.replace(cfg, model=str(MODEL_DIR), router=dataclasses.replace(cfg.router, port=port),
+                               ray=dataclasses.replace(cfg.ray, **ray_changes))
+
+
+def descendants() -> set[int]:
+    return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}

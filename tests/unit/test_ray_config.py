@@ -1,0 +1,106 @@
+"""The Ray launcher's config fields, the capacity check and the actor's control channel,
+without a Ray cluster: every mistake is named with its path before anything starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ClusterConfig, ConfigError, load_cluster_config
+from cluster.control import QueueControl
+from cluster.ray_actor import WorkerActor
+from cluster.ray_resources import missing_resources, pool_bundles
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = {"model": "m", "launcher": "ray", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+
+
+def test_ray_local_config_loads_and_local_stays_the_default() -> None:
+    cfg = load_cluster_config(REPO / "configs" / "ray-local.yaml")
+    assert cfg.launcher == "ray" and cfg.ray.address == "local" and cfg.ray.num_cpus == 2
+    assert pool_bundles(cfg) == {"decode": [{"CPU": 1.0}], "prefill": [{"CPU": 1.0}]}
+    assert load_cluster_config(REPO / "configs" / "local.yaml").launcher == "local"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"launcher": "slurm"}, "launcher: must be one of ('local', 'ray'), got 'slurm'"),
+    ({"ray": {"address": "nowhere"}}, "ray.address: must be 'local', 'auto', 'host:port'"),
+    ({"ray": {"address": "10.0.0.1:99999"}}, "ray.address: must be"),
+    ({"ray": {"address": "auto", "num_cpus": 4}}, "ray.num_cpus: sizes a local start only"),
+    ({"ray": {"num_cpus": 0}}, "ray.num_cpus: must be >= 1, got 0"),
+    ({"ray": {"strategy": "STRICT_SPREAD"}}, "ray.strategy: must be one of ('PACK', 'SPREAD')"),
+    ({"ray": {"placement_timeout_s": 0}}, "ray.placement_timeout_s: must be > 0, got 0"),
+    ({"ray": {"decode": {"num_cpus": 0}}}, "ray.decode.num_cpus: must be > 0, got 0"),
+    ({"ray": {"prefill": {"num_gpus": -1}}}, "ray.prefill.num_gpus: must be >= 0, got -1"),
+    ({"ray": {"prefill": {"resources": {"prefill_node": "yes"}}}},
+     "ray.prefill.resources.prefill_node: must be a number, got 'yes'"),
+    ({"ray": {"decode": {"resources": {"GPU": 1}}}}, "ray.decode.resources: 'GPU' is not a custom resource"),
+    ({"ray": {"decode": {"cpus": 1}}}, "ray.decode.cpus: unknown key"),
+    ({"ray": {"adress": "auto"}}, "ray.adress: unknown key"),
+    ({"device": "cuda", "transport": "tcp"}, "ray.prefill.num_gpus: must be >= 1 with device 'cuda', got 0"),
+])
+def test_ray_mistakes_are_named_with_their_path(change: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        ClusterConfig.from_dict({**BASE, **change})
+    assert message in str(err.value)
+
+
+def test_valid_ray_fields() -> None:
+    cfg = ClusterConfig.from_dict({**BASE, "device": "cuda", "transport": "nixl", "prefill": {"replicas": 2},
+                                   "ray": {"address": "ray://head:10001", "strategy": "SPREAD", "prefill": {
+                                       "num_gpus": 1, "resources": {"prefill_node": 1}}, "decode": {"num_gpus": 1}}})
+    assert pool_bundles(cfg)["prefill"] == [{"CPU": 1.0, "GPU": 1.0, "prefill_node": 1.0}] * 2
+    # Pools with no workers ask for nothing (and need no GPU under device cuda).
+    cfg = ClusterConfig.from_dict({**BASE, "device": "cuda", "transport": "nixl", "prefill": {"replicas": 0},
+                                   "ray": {"decode": {"num_gpus": 1}}})
+    assert list(pool_bundles(cfg)) == ["decode"]
+
+
+def test_missing_resources_name_what_no_node_has() -> None:
+    bundles = {"decode": [{"CPU": 1.0}] * 2, "prefill": [{"CPU": 1.0, "prefill_node": 1.0}]}
+    problems = missing_resources(bundles, [{"CPU": 2.0}])
+    assert problems[0].startswith("prefill: each worker needs {CPU: 1, prefill_node: 1} on one node; "
+                                  "missing: prefill_node 1 (largest node has 0)")
+    assert "all pools together need {CPU: 3, prefill_node: 1}, the cluster has {CPU: 2, prefill_node: 0}" in problems[1]
+    # Enough in total but not on one node: a bundle never spans nodes.
+    assert "no single node has all of it" in missing_resources(
+        {"decode": [{"CPU": 1.0, "GPU": 1.0}]}, [{"CPU": 1.0}, {"GPU": 1.0}])[0]
+    assert missing_resources(bundles, [{"CPU": 2.0, "prefill_node": 1.0}, {"CPU": 1.0}]) == []
+
+
+def test_queue_control_carries_messages_both_ways() -> None:
+    control = QueueControl()
+    assert not control.poll() and control.from_worker(0.01) is None
+    control.send_bytes(b"ready")
+    assert control.from_worker(1.0) == b"ready"
+    control.to_worker(b"peers")
+    assert control.poll() and control.recv_bytes() == b"peers" and not control.poll()
+
+
+@pytest.mark.timeout(60)
+def test_worker_actor_reports_a_failed_start(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="role must be one of"):
+        WorkerActor("router", ClusterConfig.from_dict({"model": "m"}), 0)
+    actor = WorkerActor("decode", ClusterConfig.from_dict({"model": str(tmp_path / "no-model")}), 0)
+    with pytest.raises(RuntimeError, match="worker decode-0 failed while starting") as err:
+        actor.ready(30)
+    assert "no-model" in str(err.value)
+
+
+@pytest.mark.timeout(30)
+def test_an_address_where_no_ray_listens_fails_in_seconds() -> None:
+    import socket
+    import time
+
+    from cluster.config import RayConfig
+    from cluster.ray_launcher import connect
+    from cluster.ray_resources import PlacementError
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(PlacementError, match=f"no Ray cluster answers at \\S+:{port} "):
+        connect(RayConfig(address=f"127.0.0.1:{port}"))
+    assert time.monotonic() - start < 10
