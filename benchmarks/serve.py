@@ -12,8 +12,9 @@ and the definitions are vLLM's `bench serve` ones:
   TPOT  (end-to-end - TTFT) / (output tokens - 1), per request
   ITL   time between consecutive streamed chunks (the router sends one per engine step)
   goodput  requests/s that met both SLOs (--slo-ttft, --slo-tpot)
-It prints p50/p90/p99 of each, request and token throughput, and writes JSON with
---json. With --config it starts that cluster itself (`pdserve serve`'s code) and stops it.
+A progress bar counts finished requests. It prints p50/p90/p99 of each, request and
+token throughput, and writes JSON with --json. With --config it starts that cluster
+itself (`pdserve serve`'s code) and stops it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package ships with
+from tqdm import tqdm
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT) not in sys.path:
@@ -88,26 +90,30 @@ async def run_rate(url: str, model: str, rate: float, duration: float, args: arg
                    seed: int) -> tuple[list[Result], float]:
     rng = random.Random(seed)
     shared = [rng.choice(WORDS) for _ in range(args.shared_prefix)]
-    tasks, results = [], []
+    schedule = []  # (arrival time, prompt, result), drawn before any request is sent
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t > duration:
+            break
+        words = rng.randint(*args.prompt_len)
+        prompt = " ".join(shared + [rng.choice(WORDS) for _ in range(words)])
+        schedule.append((t, prompt, Result(words + len(shared), rng.randint(*args.output_len))))
+    tasks = []
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        start = time.perf_counter()
-        t = 0.0
-        while True:
-            t += rng.expovariate(rate)
-            if t > duration:
-                break
-            words = rng.randint(*args.prompt_len)
-            prompt = " ".join(shared + [rng.choice(WORDS) for _ in range(words)])
-            result = Result(words + len(shared), rng.randint(*args.output_len))
-            results.append(result)
-            delay = start + t - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one_request(client, url, model, prompt, result)))
-        await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - start
-    return results, elapsed
+    with tqdm(total=len(schedule), desc=f"rate {rate}/s", unit="req", file=sys.stderr) as bar:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+            start = time.perf_counter()
+            for t, prompt, result in schedule:
+                delay = start + t - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.create_task(one_request(client, url, model, prompt, result))
+                task.add_done_callback(lambda _: bar.update(1))
+                tasks.append(task)
+            await asyncio.gather(*tasks)
+            elapsed = time.perf_counter() - start
+    return [result for _, _, result in schedule], elapsed
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
