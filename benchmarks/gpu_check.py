@@ -34,6 +34,7 @@ A failing section prints FAIL with its error and the script goes on to the next.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import statistics
@@ -197,6 +198,35 @@ def check_kernels(s: Setup) -> None:
             err = ((got - ref).norm() / ref.norm()).item()
             ok = not got.isnan().any().item() and err <= 1e-2
             row(f"{name} attention d{head_dim} ({s.dtype})", f"rel err {err:.1e}", "<= 1e-2", ok)
+    check_norm_rope(s)
+
+
+def check_norm_rope(s: Setup) -> None:
+    """The fused norm and rotary kernels against the model's torch ops."""
+    import torch
+
+    from engine.kernels.norm_rope import add_rms_norm, rotary_
+    from engine.model.llama import RMSNorm
+    from engine.model.rope import RotaryEmbedding, apply_rotary
+
+    dtype, head_dim = getattr(torch, s.dtype), s.hidden // s.heads
+    torch.manual_seed(0)
+    norm = RMSNorm(s.hidden, 1e-5).to(s.device, dtype)
+    norm.weight.data.normal_()
+    x, residual = (torch.randn(300, s.hidden, device=s.device).to(dtype) for _ in range(2))
+    out, summed = add_rms_norm(x, norm.weight, 1e-5, residual)
+    ref = norm(x + residual).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    ok = torch.equal(summed, x + residual) and err <= 1e-2
+    row(f"fused add + RMSNorm ({s.dtype})", f"rel err {err:.1e}", "<= 1e-2", ok)
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, None, s.device)
+    positions = torch.randint(0, 4096, (300,), device=s.device)
+    q = torch.randn(300, s.heads, head_dim, device=s.device).to(dtype)
+    k = torch.randn(300, s.kv_heads, head_dim, device=s.device).to(dtype)
+    want_q, want_k = apply_rotary(q.float(), k.float(), *rope.lookup(positions, torch.float32))
+    rotary_(q, k, rope.cos, rope.sin, positions)
+    err = max(((a.float() - b).norm() / b.norm()).item() for a, b in ((q, want_q), (k, want_k)))
+    row(f"fused rotary ({s.dtype})", f"rel err {err:.1e}", "<= 1e-2", err <= 1e-2)
 
 
 # ------------------------------------------------------------------ 2. decode bandwidth
@@ -425,8 +455,6 @@ def time_decode_steps(llm, s: Setup, b: int) -> None:
 
 
 def check_engine(s: Setup, work: Path) -> None:
-    import torch
-
     from engine import SamplingParams
 
     model_dir = build_model(s, work / "bf16", s.dtype)
@@ -454,8 +482,8 @@ def check_engine(s: Setup, work: Path) -> None:
         ">= 20x", rate / hf_rate >= 20)
 
     prefill = workload[:16]  # one 8192-token step: 16 fresh 512-token prompts
-    seconds = median_seconds(lambda: llm.generate(prefill, SamplingParams(max_tokens=1), use_tqdm=False),
-                             s.device, 3)
+    seconds = median_seconds(functools.partial(llm.generate, prefill, SamplingParams(max_tokens=1),
+                                               use_tqdm=False), s.device, 3)
     flops = 2 * sum(p.numel() for p in llm.core.model.parameters()) * 16 * s.prompt_len
     row("prefill step, 16 x 512 tokens", f"{seconds * 1e3:.1f} ms, {flops / seconds / 1e12:.0f} TFLOP/s (linears)",
         "(info)")

@@ -15,7 +15,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import current_metadata
 from engine.model.config import ModelConfig
-from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.rope import RotaryEmbedding, RotaryTables, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -45,7 +45,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.layer_cache: torch.Tensor | None = None  # [num_blocks, 2, bs, Hkv, D] view, bound by the runner
 
-    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rotary: tuple[torch.Tensor, torch.Tensor] | RotaryTables, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -53,7 +53,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rotary)
+        if isinstance(rotary, RotaryTables):
+            from engine.kernels.norm_rope import rotary_
+            rotary_(q, k, rotary.cos, rotary.sin, rotary.positions)  # in place, in the qkv buffer
+        else:
+            q, k = apply_rotary(q, k, *rotary)
         md = current_metadata()
         assert self.layer_cache is not None, "KV cache not bound to the model"
         self.backend.store_kv(self.layer_cache, k, v, md)
@@ -85,6 +89,25 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(rotary, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, rotary: RotaryTables, x: torch.Tensor,
+                      residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with each residual add fused into the next norm: takes and
+        returns (this sublayer's output, the residual stream before it is added)."""
+        from engine.kernels.norm_rope import add_rms_norm
+
+        h, residual = add_rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
+        h = self.self_attn(rotary, h)
+        h, residual = add_rms_norm(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+                                   residual)
+        return self.mlp(h), residual
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """16-bit on a GPU: fused norms and rotary (engine/kernels/norm_rope.py), a few
+    launches a layer instead of dozens. float32 keeps the torch ops, which match
+    transformers bit for bit."""
+    return x.is_cuda and x.dtype != torch.float32
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
@@ -111,6 +134,14 @@ class LlamaForCausalLM(nn.Module):
         Returns logits [S, vocab] float32 (only the rows that are sampled).
         """
         x = self.embed_tokens(input_ids)
+        if use_fused_kernels(x):
+            from engine.kernels.norm_rope import add_rms_norm
+
+            rotary, residual = RotaryTables(self.rope.cos, self.rope.sin, positions), None
+            for layer in self.layers:
+                x, residual = layer.forward_fused(rotary, x, residual)
+            x, _ = add_rms_norm(x[logits_indices], self.norm.weight, self.norm.eps, residual[logits_indices])
+            return self.lm_head(x).float()
         rotary = self.rope.lookup(positions, x.dtype)
         for layer in self.layers:
             x = layer(rotary, x)

@@ -7,6 +7,7 @@ greedy outputs can be token-identical in float32.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,6 +54,16 @@ class RotaryEmbedding:
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions [T] int64, each [T, 1, D]: looked up once per step."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+@dataclass
+class RotaryTables:
+    """What the fused rotary kernel takes instead of looked-up cos/sin: it reads the
+    fp32 tables at each token's position itself (engine/kernels/norm_rope.py)."""
+
+    cos: torch.Tensor  # [max_positions, head_dim] fp32
+    sin: torch.Tensor
+    positions: torch.Tensor  # [T] int64
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
