@@ -75,6 +75,14 @@ class RouterConfig:
     # A decode worker sends at most this many remote prefills to one prefill worker at
     # a time; past it (the pool is saturated) it prefills locally instead.
     prefill_max_outstanding: int = 16
+    # Decode-worker supervision (router/health.py): a `stats` ping every
+    # health_interval_s; a worker silent (no tokens, no ping reply) for worker_timeout_s
+    # is dead: no new requests, and its requests fail over to a live worker. The
+    # timeout must exceed the longest engine step (a long prefill, a first-use kernel
+    # compile), or a busy worker is taken for dead (harmless but wasteful: its requests
+    # move, and it is re-admitted at its next reply).
+    health_interval_s: float = 1.0
+    worker_timeout_s: float = 10.0
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "router") -> "RouterConfig":
@@ -86,7 +94,12 @@ class RouterConfig:
         _int(out.remote_prefill_min_tokens, f"{path}.remote_prefill_min_tokens", 1)
         _int(out.max_queued_requests, f"{path}.max_queued_requests", 1)
         _int(out.prefill_max_outstanding, f"{path}.prefill_max_outstanding", 1)
-        return out
+        interval = _number(out.health_interval_s, f"{path}.health_interval_s", 0, strict=True)
+        timeout = _number(out.worker_timeout_s, f"{path}.worker_timeout_s", 0, strict=True)
+        _check(timeout > interval, f"{path}.worker_timeout_s",
+               f"must be > health_interval_s ({interval:g}), or a live worker between pings is taken "
+               f"for dead; got {timeout:g}")
+        return dataclasses.replace(out, health_interval_s=interval, worker_timeout_s=timeout)
 
 
 @dataclass(frozen=True)

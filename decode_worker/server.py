@@ -80,7 +80,7 @@ class DecodeWorker(WorkerLoop):
         elif kind == "abort":
             self._abort(msg["id"])
         elif kind == "stats":
-            self.send(sock, sender, encode("stats_reply", stats=self.stats()))
+            self.send(sock, sender, encode("stats_reply", seq=msg["seq"], stats=self.stats()))
         elif kind == "prefill_done":
             self._prefill_done(sender.decode(), msg)
 

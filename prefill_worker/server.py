@@ -41,7 +41,7 @@ class PrefillWorker(WorkerLoop):
             self.core.abort(msg["id"])
         elif msg["kind"] == "stats":
             kv = self.core.engine.kv
-            self.send(sock, sender, encode("stats_reply", stats={
+            self.send(sock, sender, encode("stats_reply", seq=msg["seq"], stats={
                 "name": self.name, "num_blocks": kv.pool.num_blocks, "free_blocks": kv.num_free_blocks,
                 "jobs": len(self.core.jobs), **self.core.stats}))
 

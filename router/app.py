@@ -6,11 +6,14 @@ to prefill on a prefill worker when the prompt is long enough (conditional
 disaggregation), and detokenizes the worker's per-step token batches incrementally,
 ending a request itself when a stop string appears. Bad input is HTTP 400 with an
 OpenAI-style error naming the problem; a full queue is HTTP 429 with Retry-After.
+A decode worker that falls silent is routed around, and its requests fail over to a
+live one mid-stream (Router.run, router/health.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -20,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -29,16 +31,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from cluster.config import ClusterConfig
 from engine.llm import load_tokenizer
 from engine.sampling_params import SamplingParams
+from router.decode_client import WORKER_LOST, DecodeClient
 from router.errors import APIError
 from router.logprobs import LogprobFormatter, merge, requested_logprobs
 from router.metrics import RouterMetrics
-from router.protocol import decode, encode
 from router.routing import RoutingPolicy
 
 # OpenAI request fields passed on to SamplingParams as they are.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
                    "ignore_eos")
+# Names the decode worker serving a response (for a stream: the one that began it;
+# otherwise the one that finished it), for operators and the failover test.
+WORKER_HEADER = "x-pdserve-decode-worker"
 
 
 @dataclass
@@ -50,41 +55,7 @@ class Chunk:
     num_tokens: int  # output tokens so far
     token_ids: list[int] = field(default_factory=list)  # this step's
     logprobs: list[list] = field(default_factory=list)  # per token of this step, when asked
-
-
-class DecodeClient:
-    """One decode worker: an async DEALER, and a reader task that hands each reply to
-    the queue of the request it belongs to."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, name: str, address: str) -> None:
-        self.name = name
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTING_ID, f"router-{uuid.uuid4().hex[:8]}".encode())
-        self.sock.connect(address)
-        self.queues: dict[str, asyncio.Queue] = {}
-        self.stats_replies: asyncio.Queue = asyncio.Queue()
-
-    async def read_forever(self) -> None:
-        while True:
-            msg = decode(await self.sock.recv())
-            if msg["kind"] == "stats_reply":
-                self.stats_replies.put_nowait(msg["stats"])
-                continue
-            queue = self.queues.get(msg.get("id", ""))
-            if queue is not None:
-                queue.put_nowait(msg)
-
-    async def stats(self, timeout: float = 2.0) -> dict[str, Any] | None:
-        """The worker's own figures, or None if it does not answer in time."""
-        await self.send("stats")
-        try:
-            return await asyncio.wait_for(self.stats_replies.get(), timeout)
-        except asyncio.TimeoutError:
-            return None
-
-    async def send(self, kind: str, **fields: Any) -> None:
-        await self.sock.send(encode(kind, **fields))
+    worker: str = ""  # the decode worker that sent it (another after a failover)
 
 
 class Router:
@@ -94,7 +65,8 @@ class Router:
         self.served_names = {config.model, Path(config.model).name}
         self.tokenizer = load_tokenizer(config.model)
         self.ctx = zmq.asyncio.Context()
-        self.workers = [DecodeClient(self.ctx, n, a) for n, a in sorted(decode_workers.items())]
+        timeout = config.router.worker_timeout_s
+        self.workers = [DecodeClient(self.ctx, n, a, timeout) for n, a in sorted(decode_workers.items())]
         engine = config.engine_config("decode")
         # The router cannot see the pools' sizes; this bounds the history it keeps.
         self.routing = RoutingPolicy(config.router.policy, len(self.workers), engine.block_size,
@@ -145,62 +117,116 @@ class Router:
     # --- one request ----------------------------------------------------------------
 
     async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
-        """The request's new text (and tokens, logprobs) after each worker step."""
+        """The request's new text (and tokens, logprobs) after each worker step.
+
+        Failover: when its decode worker is declared dead (router/health.py), the
+        request is resubmitted to a live one as prompt + the tokens generated so far,
+        with max_tokens and min_tokens reduced by as many and the same sampling
+        params; the stream goes on from where it was. Greedy output continues token for
+        token; seeded sampling and presence/frequency penalties restart their state on
+        the new worker (the generated tokens count as prompt there), so such a request
+        continues validly but not identically. With no live worker left it ends with
+        HTTP 503 (before its first chunk) or a broken stream (after)."""
         if self.in_flight >= self.config.router.max_queued_requests:
             raise APIError(429, f"the server has {self.in_flight} requests in flight "
                                 f"(max_queued_requests); retry later", kind="rate_limit_error")
-        index, cached = self.routing.choose(prompt, [len(w.queues) for w in self.workers])
-        worker, request_id = self.workers[index], uuid.uuid4().hex
-        queue: asyncio.Queue = asyncio.Queue()
-        worker.queues[request_id] = queue
-        # Conditional disaggregation: only the part the worker must compute counts.
-        remote = self.has_prefill and len(prompt) - cached >= self.config.router.remote_prefill_min_tokens
         m = self.metrics
-        m.requests.labels(prefill="remote" if remote else "local").inc()
-        m.prompt_tokens.inc(len(prompt))
-        m.cached_tokens.inc(cached)
         self.in_flight += 1
         m.in_flight.set(self.in_flight)
+        detok = Detokenizer(self.tokenizer, params.stop)
+        worker: DecodeClient | None = None
+        request_id = ""
         finished = False
         start = last = time.monotonic()
-        num_tokens = 0
         try:
-            await worker.send("generate", id=request_id, prompt=prompt, params=_params_dict(params),
-                              remote=remote, priority=0)
-            detok = Detokenizer(self.tokenizer, params.stop)
             while not finished:
-                msg = await queue.get()
-                if msg["kind"] == "rejected":
-                    finished = True  # nothing to abort: the worker never queued it
-                    raise APIError(400, msg["error"])
-                now, new = time.monotonic(), len(msg["tokens"])
-                if new and num_tokens == 0:
-                    m.ttft.observe(now - start)
-                elif new:  # a batch of tokens from one step: each waited its share
-                    for _ in range(new):
-                        m.itl.observe((now - last) / new)
-                if new:
-                    num_tokens, last = num_tokens + new, now
-                    m.generation_tokens.inc(new)
-                delta, stopped = detok.add(msg["tokens"])
-                finished = msg["finished"] or stopped
-                reason = "stop" if stopped else (msg["reason"] if msg["finished"] else None)
-                if finished:
-                    delta += detok.flush()
-                    m.e2e.observe(time.monotonic() - start)
-                    m.finished.labels(reason=reason).inc()
-                    m.observe_phases(msg["phases"])
-                    m.prefix_cached_tokens.inc(msg["cached"])
-                yield Chunk(delta, reason, detok.num_tokens, msg["tokens"], msg["logprobs"])
+                if worker is not None:  # its worker died: leave it, resubmit elsewhere
+                    worker.queues.pop(request_id, None)
+                    worker.send("abort", id=request_id)  # in case it was only slow
+                    if params.max_tokens - detok.num_tokens < 1:  # cannot happen: the last batch says finished
+                        finished = True
+                        yield Chunk(detok.flush(), "length", detok.num_tokens, worker=worker.name)
+                        break
+                worker, request_id, queue = self._submit(prompt, detok.ids, params, failover=worker is not None)
+                while not finished:
+                    msg = await queue.get()
+                    if msg is WORKER_LOST:
+                        break
+                    if msg["kind"] == "rejected":
+                        finished = True  # nothing to abort: the worker never queued it
+                        raise APIError(400, msg["error"])
+                    now, new = time.monotonic(), len(msg["tokens"])
+                    if new and detok.num_tokens == 0:
+                        m.ttft.observe(now - start)
+                    elif new:  # a batch of tokens from one step: each waited its share
+                        for _ in range(new):
+                            m.itl.observe((now - last) / new)
+                    if new:
+                        last = now
+                        m.generation_tokens.inc(new)
+                    delta, stopped = detok.add(msg["tokens"])
+                    finished = msg["finished"] or stopped
+                    reason = "stop" if stopped else (msg["reason"] if msg["finished"] else None)
+                    if finished:
+                        delta += detok.flush()
+                        m.e2e.observe(time.monotonic() - start)
+                        m.finished.labels(reason=reason).inc()
+                        m.observe_phases(msg["phases"])
+                        m.prefix_cached_tokens.inc(msg["cached"])
+                    yield Chunk(delta, reason, detok.num_tokens, msg["tokens"], msg["logprobs"], worker.name)
         finally:
-            worker.queues.pop(request_id, None)
             self.in_flight -= 1
             m.in_flight.set(self.in_flight)
-            if not finished:  # the client went away: free the worker's blocks
-                m.finished.labels(reason="abort").inc()
-                await worker.send("abort", id=request_id)
-            elif detok.stopped:
-                await worker.send("abort", id=request_id)
+            if worker is not None:
+                worker.queues.pop(request_id, None)
+                if not finished:  # the client went away: free the worker's blocks
+                    m.finished.labels(reason="abort").inc()
+                    worker.send("abort", id=request_id)
+                elif detok.stopped:
+                    worker.send("abort", id=request_id)
+
+    def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams,
+                failover: bool) -> tuple[DecodeClient, str, asyncio.Queue]:
+        """Send prompt + generated to a live decode worker, asking for what remains of
+        params.max_tokens; the worker, the request's id there, and its message queue."""
+        live = [w.alive for w in self.workers]
+        if not any(live):
+            raise APIError(503, f"no decode worker is alive (all {len(self.workers)} silent for more than "
+                                f"router.worker_timeout_s); retry later", kind="service_unavailable")
+        tokens = prompt + generated
+        if generated:
+            n = len(generated)
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - n,
+                                         min_tokens=max(0, params.min_tokens - n))
+        index, cached = self.routing.choose(tokens, [len(w.queues) for w in self.workers], live)
+        worker, request_id = self.workers[index], uuid.uuid4().hex
+        # Conditional disaggregation: only the part the worker must compute counts.
+        remote = self.has_prefill and len(tokens) - cached >= self.config.router.remote_prefill_min_tokens
+        m = self.metrics
+        if failover:
+            m.failovers.inc()
+        else:
+            m.requests.labels(prefill="remote" if remote else "local").inc()
+            m.prompt_tokens.inc(len(prompt))
+            m.cached_tokens.inc(cached)
+        if not worker.send("generate", id=request_id, prompt=tokens, params=_params_dict(params),
+                           remote=remote, priority=0):
+            raise APIError(503, f"decode worker {worker.name} cannot be reached; retry later",
+                           kind="service_unavailable")
+        queue: asyncio.Queue = asyncio.Queue()
+        worker.queues[request_id] = queue
+        return worker, request_id, queue
+
+    async def monitor(self) -> None:
+        """Supervise the decode workers for the app's lifetime: ping each every
+        router.health_interval_s, declare the silent ones dead (router/health.py)."""
+        while True:
+            for w in self.workers:
+                w.ping()
+            await asyncio.sleep(self.config.router.health_interval_s)
+            for w in self.workers:
+                w.check()
+            self.metrics.set_live({w.name: w.alive for w in self.workers})
 
 
 class Detokenizer:
@@ -252,9 +278,10 @@ def _error(exc: APIError) -> JSONResponse:
 def create_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        readers = [asyncio.create_task(w.read_forever()) for w in router.workers]
+        tasks = [asyncio.create_task(w.read_forever()) for w in router.workers]
+        tasks.append(asyncio.create_task(router.monitor()))
         yield
-        for task in readers:
+        for task in tasks:
             task.cancel()
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
@@ -280,9 +307,11 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        for worker, stats in zip(router.workers, await asyncio.gather(*(w.stats() for w in router.workers))):
+        live = [w for w in router.workers if w.alive]  # a dead one would only time out
+        for worker, stats in zip(live, await asyncio.gather(*(w.stats() for w in live))):
             if stats is not None:
                 router.metrics.set_worker(worker.name, stats)
+        router.metrics.set_live({w.name: w.alive for w in router.workers})
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -327,10 +356,11 @@ def create_app(router: Router) -> FastAPI:
             chunks = [first] + [c async for c in stream]
             parts = [p for p in map(logprobs_of, chunks) if p is not None]
             last = chunks[-1]
-            return {"id": rid, "object": kind, "created": created, "model": router.model_name,
-                    "choices": [choice("".join(c.text for c in chunks), last.finish_reason, False,
-                                       merge(parts))],
-                    "usage": usage(last.num_tokens)}
+            return JSONResponse({"id": rid, "object": kind, "created": created, "model": router.model_name,
+                                 "choices": [choice("".join(c.text for c in chunks), last.finish_reason, False,
+                                                    merge(parts))],
+                                 "usage": usage(last.num_tokens)},
+                                headers={WORKER_HEADER: last.worker})
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
@@ -356,7 +386,7 @@ def create_app(router: Router) -> FastAPI:
             finally:
                 await stream.aclose()  # a client gone mid-stream aborts the request
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream", headers={WORKER_HEADER: first.worker})
 
     return app
 

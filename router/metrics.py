@@ -18,6 +18,9 @@ Worker gauges (KV blocks, queue depths, remote prefills, local fallbacks, satura
 KV bytes and transfer seconds and failures, late KV writes dropped) are asked of every
 decode worker on each scrape; the prefix-cache hit rate is
 pdserve_prefix_cache_hit_tokens / pdserve_prompt_tokens.
+
+Supervision (router/health.py): decode workers the router considers alive, in total
+and per worker, and requests failed over from a dead decode worker to a live one.
 """
 
 from __future__ import annotations
@@ -69,6 +72,13 @@ class RouterMetrics:
         self.in_flight = Gauge("pdserve_requests_in_flight", "requests the router is serving", registry=r)
         self.phase = Histogram("pdserve_request_phase_seconds", "time per request in each phase",
                                ["phase", "prefill"], registry=r, buckets=LATENCY_BUCKETS)
+        self.failovers = Counter("pdserve_decode_failovers",
+                                 "requests resubmitted to another decode worker after theirs was declared dead",
+                                 registry=r)
+        self.live_workers = Gauge("pdserve_decode_workers_live", "decode workers the router routes to",
+                                  registry=r)
+        self.worker_live = Gauge("pdserve_worker_live", "1 if the router considers the decode worker alive",
+                                 ["worker"], registry=r)
         self.worker = {key: Gauge(f"pdserve_worker_{key}", help_, ["worker"], registry=r)
                        for key, help_ in WORKER_GAUGES.items()}
 
@@ -85,6 +95,12 @@ class RouterMetrics:
         for key, gauge in self.worker.items():
             if key in stats:
                 gauge.labels(worker=name).set(stats[key])
+
+    def set_live(self, alive: dict[str, bool]) -> None:
+        """Each decode worker's health as the router sees it (router/health.py)."""
+        for name, ok in alive.items():
+            self.worker_live.labels(worker=name).set(int(ok))
+        self.live_workers.set(sum(alive.values()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,8 @@ routing id is its own name. A worker answers on the socket a message came in on.
                         transfer seconds, bytes written)
 
 Version 2: tokens carry logprobs and phases; prefill_done its timings.
+Version 3: stats and stats_reply carry a sequence number, so the router's health pings
+and its /metrics scrapes can share a connection without taking each other's replies.
     launcher <-> worker  over the start pipe: ready (address, transport metadata), peers
 """
 
@@ -19,14 +21,14 @@ from __future__ import annotations
 
 from kv_transfer.messages import _BOOL, _BYTES, _DICT, _FLOAT, _INT, _LIST, _STR, Schema
 
-WORKER = Schema(2, {
+WORKER = Schema(3, {
     "generate": {"id": _STR, "prompt": _LIST, "params": _DICT, "remote": _BOOL, "priority": _INT},
     "abort": {"id": _STR},
-    "stats": {},
+    "stats": {"seq": _INT},
     "tokens": {"id": _STR, "tokens": _LIST, "finished": _BOOL, "reason": _STR, "cached": _INT,
                "logprobs": _LIST, "phases": _DICT},
     "rejected": {"id": _STR, "error": _STR},
-    "stats_reply": {"stats": _DICT},
+    "stats_reply": {"seq": _INT, "stats": _DICT},
     "prefill": {"id": _STR, "prompt": _LIST, "peer": _STR, "blocks": _LIST, "first": _INT,
                 "epoch": _INT, "deadline": _FLOAT},
     "prefill_done": {"id": _STR, "error": _STR, "compute_s": _FLOAT, "transfer_s": _FLOAT, "bytes": _INT},

@@ -51,16 +51,22 @@ class RoutingPolicy:
         self.indexes = [PrefixIndex(capacity_blocks) for _ in range(num_workers)]
         self._round_robin = itertools.cycle(range(num_workers))
 
-    def choose(self, prompt: Sequence[int], loads: Sequence[int]) -> tuple[int, int]:
+    def choose(self, prompt: Sequence[int], loads: Sequence[int],
+               live: Sequence[bool] | None = None) -> tuple[int, int]:
         """(worker index, prompt tokens it probably has cached) for this prompt, given
-        each worker's requests in flight. Records the choice in kv_aware's history."""
+        each worker's requests in flight and which workers are alive (all if None; at
+        least one must be). Records the choice in kv_aware's history."""
+        candidates = [i for i in range(len(loads)) if live is None or live[i]]
+        if not candidates:
+            raise ValueError("no live worker to choose from")
         if self.policy == "round_robin":
-            return next(self._round_robin), 0
+            # At most one lap: some worker in the cycle is alive.
+            return next(i for i in self._round_robin if i in candidates), 0
         if self.policy == "least_loaded":
-            return min(range(len(loads)), key=lambda i: loads[i]), 0
+            return min(candidates, key=lambda i: loads[i]), 0
         # At most len - 1 tokens can be cached: the last one is always computed.
         hashes = hash_full_blocks(prompt[:-1], self.block_size)
         cached = [idx.cached_blocks(hashes) * self.block_size for idx in self.indexes]
-        best = min(range(len(loads)), key=lambda i: (len(prompt) - cached[i] + LOAD_TOKENS * loads[i], i))
+        best = min(candidates, key=lambda i: (len(prompt) - cached[i] + LOAD_TOKENS * loads[i], i))
         self.indexes[best].add(hashes)
         return best, cached[best]

@@ -3,8 +3,6 @@ decode worker process behind the router (uvicorn on 127.0.0.1)."""
 
 from __future__ import annotations
 
-import socket
-import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
 from collections.abc import Iterator
@@ -12,22 +10,15 @@ from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
 
 from cluster.config import ClusterConfig
 from cluster.local import LocalWorkers
 from cluster.serve import build
 from engine import LLM, SamplingParams
-from router.app import create_app
 from tests.disagg.test_worker_processes import Client
+from tests.http_server import free_port, serving
 
 PROMPTS = ["The quick brown fox", "Paged attention stores keys and values in fixed-size blocks. " * 2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +29,10 @@ def server(llama_dir: Path) -> Iterator[tuple[openai.OpenAI, ClusterConfig, Loca
         "prefill": {"replicas": 1, "engine": {"num_kv_blocks": 80, "max_num_batched_tokens": 32}},
         "decode": {"replicas": 1, "engine": {"num_kv_blocks": 80}}})
     workers, router = build(config)
-    http = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=config.router.port,
-                                         log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
     try:
-        end = time.monotonic() + 30
-        while not http.started:
-            assert time.monotonic() < end, "router did not start"
-            time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.router.port}/v1", api_key="none",
-                               timeout=60, max_retries=0)
-        yield client, config, workers
+        with serving(router, config.router.port) as base:
+            yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60, max_retries=0), config, workers
     finally:
-        http.should_exit = True
-        thread.join(10)
         workers.stop()
 
 

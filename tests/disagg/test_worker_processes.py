@@ -56,7 +56,7 @@ class Client:
         return results
 
     def stats(self) -> dict:
-        self.send("stats")
+        self.send("stats", seq=0)
         return self.recv(10)["stats"]
 
     def close(self) -> None:

@@ -6,14 +6,12 @@ its placement group."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Iterator
 
 import openai
 import pytest
 import ray
-import uvicorn
 from ray.util import placement_group_table
 
 from cluster.config import PoolConfig
@@ -21,8 +19,7 @@ from cluster.ray_launcher import RayWorkers, start_ray_workers
 from cluster.ray_resources import PlacementError
 from cluster.serve import build
 from engine import LLM, SamplingParams
-from router.app import create_app
-from tests.disagg.test_http import free_port
+from tests.http_server import free_port, serving
 from tests.disagg.test_worker_processes import Client
 from tests.ray.conftest import descendants, ray_local_config
 
@@ -37,21 +34,10 @@ def served() -> Iterator[tuple[openai.OpenAI, RayWorkers, str]]:
     config = ray_local_config(port=free_port())
     workers, router = build(config)
     assert isinstance(workers, RayWorkers) and ray.is_initialized()
-    http = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=config.router.port,
-                                         log_level="warning"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
     try:
-        end = time.monotonic() + 30
-        while not http.started:
-            assert time.monotonic() < end and thread.is_alive(), "router did not start"
-            time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{config.router.port}/v1", api_key="none",
-                               timeout=60, max_retries=0)
-        yield client, workers, config.model
+        with serving(router, config.router.port) as base:
+            yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60, max_retries=0), workers, config.model
     finally:
-        http.should_exit = True
-        thread.join(10)
         workers.stop()
     assert not ray.is_initialized()
     end = time.monotonic() + 15

@@ -38,6 +38,10 @@ BASE = {"model": "m", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
     ({"decode": {"engine": {"max_num_seq": 8}}}, "decode.engine: unknown engine option(s) ['max_num_seq']"),
     ({"prefill": {"engine": {"model": "other"}}}, "prefill.engine.model: is set once, at the top"),
     ({"pools": {}}, "pools: unknown key"),
+    ({"router": {"health_interval_s": 0}}, "router.health_interval_s: must be > 0, got 0"),
+    ({"router": {"worker_timeout_s": "10s"}}, "router.worker_timeout_s: must be a number, got '10s'"),
+    ({"router": {"health_interval_s": 2, "worker_timeout_s": 1}},
+     "router.worker_timeout_s: must be > health_interval_s (2)"),
 ])
 def test_mistakes_are_named_with_their_path(change: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -48,3 +48,10 @@ def test_chat_messages_are_checked(http) -> None:
     client, _ = http
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
     assert r.status_code == 400 and "messages must be a non-empty list" in r.json()["error"]["message"]
+
+
+def test_no_live_decode_worker_answers_503(http) -> None:
+    client, router = http
+    router.workers[0].health.alive = False  # as if it had been silent past worker_timeout_s
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+    assert r.status_code == 503 and "no decode worker is alive" in r.json()["error"]["message"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router.routing import LOAD_TOKENS, PrefixIndex, RoutingPolicy
 
 SHARED = list(range(1000, 1064))  # 4 blocks of 16
@@ -39,3 +41,12 @@ def test_round_robin_and_least_loaded() -> None:
     assert [rr.choose([1, 2], [0, 0, 0])[0] for _ in range(4)] == [0, 1, 2, 0]
     ll = RoutingPolicy("least_loaded", 3, 16, 10)
     assert ll.choose([1, 2], [3, 1, 2]) == (1, 0)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "kv_aware"])
+def test_dead_workers_are_never_chosen(policy: str) -> None:
+    routing = RoutingPolicy(policy, 3, 16, 10)
+    live = [False, True, False]
+    assert {routing.choose(list(range(40)), [0, 5, 0], live)[0] for _ in range(4)} == {1}
+    with pytest.raises(ValueError, match="no live worker"):
+        routing.choose([1, 2], [0, 0, 0], [False] * 3)

@@ -1,0 +1,107 @@
+"""The router's connection to one decode worker: a DEALER socket, the queues of the
+requests it serves, and its health (router/health.py).
+
+Who calls what: the router starts `read_forever()` and one shared monitor task
+(router/app.py) for the app's lifetime; the monitor calls `ping()` and `check()` every
+router.health_interval_s; request handlers call `send()`, and /metrics `stats()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kv_transfer.messages import MessageError
+from router.health import WorkerHealth
+from router.protocol import decode, encode
+
+logger = logging.getLogger(__name__)
+
+# Put into a request's queue when its worker is declared dead: the request fails over.
+WORKER_LOST: dict[str, Any] = {"kind": "worker_lost"}
+
+
+class DecodeClient:
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, address: str, timeout_s: float) -> None:
+        self.name = name
+        self.address = address
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, f"router-{uuid.uuid4().hex[:8]}".encode())
+        self.sock.connect(address)
+        self.queues: dict[str, asyncio.Queue] = {}  # request id -> its messages
+        self.health = WorkerHealth(timeout_s, time.monotonic())
+        self._stats_waiters: dict[int, asyncio.Future] = {}  # ping seq -> its reply
+        self._seq = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.health.alive
+
+    async def read_forever(self) -> None:
+        while True:
+            try:
+                msg = decode(await self.sock.recv())
+            except MessageError as exc:  # e.g. a worker of another protocol version
+                logger.warning("dropped a message from %s: %s", self.name, exc)
+                continue
+            if self.health.heard(time.monotonic()):
+                logger.warning("decode worker %s answers again: routing to it again", self.name)
+            if msg["kind"] == "stats_reply":
+                waiter = self._stats_waiters.pop(msg["seq"], None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg["stats"])
+                continue
+            queue = self.queues.get(msg.get("id", ""))
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    def send(self, kind: str, **fields: Any) -> bool:
+        """Queue a message for the worker; False if it cannot be queued (the socket's
+        buffer is full: the worker has been unreachable for a long time). Never blocks,
+        so a dead worker cannot stall the router."""
+        # With NOBLOCK the async socket sends at once and returns a finished future.
+        sent = self.sock.send(encode(kind, **fields), flags=zmq.NOBLOCK)
+        error = sent.exception()
+        if isinstance(error, zmq.Again):
+            return False
+        if error is not None:
+            raise error
+        return True
+
+    def ping(self) -> None:
+        """A stats request whose reply only counts as a sign of life."""
+        self._seq += 1
+        self.send("stats", seq=self._seq)
+
+    async def stats(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        """The worker's own figures, or None if it does not answer in time."""
+        self._seq += 1
+        seq = self._seq
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters[seq] = waiter
+        try:
+            if not self.send("stats", seq=seq):
+                return None
+            return await asyncio.wait_for(waiter, timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._stats_waiters.pop(seq, None)
+
+    def check(self) -> bool:
+        """True if the worker has just been declared dead; then every request it was
+        serving is told so (WORKER_LOST), to fail over."""
+        if not self.health.expired(time.monotonic()):
+            return False
+        logger.warning("decode worker %s (%s) sent nothing for %g s: declared dead; %d request(s) "
+                       "fail over", self.name, self.address, self.health.timeout_s, len(self.queues))
+        for queue in self.queues.values():
+            queue.put_nowait(WORKER_LOST)
+        return True

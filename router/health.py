@@ -1,0 +1,43 @@
+"""Whether the router considers a decode worker alive (pure Python, no sockets).
+
+The router pings every decode worker with `stats` each `router.health_interval_s`, and
+counts *any* message from a worker (a token batch, a ping reply) as a sign of life: a
+worker busy with a long step cannot answer a ping, but it answered the last one before
+that step began, so only silence for `router.worker_timeout_s` declares it dead. Then
+the router stops routing to it and fails its requests over (router/app.py); the next
+message it sends re-admits it (a hung process that resumes; a restarted one at the
+same address).
+
+Detection is bounded: a worker that dies is declared dead at most
+worker_timeout_s + health_interval_s after its last message.
+
+Who calls what: the router's reader task for a worker calls `heard()` on every message
+it receives; the router's monitor task calls `expired()` once per interval. Both run on
+one event loop, so there is no locking.
+"""
+
+from __future__ import annotations
+
+
+class WorkerHealth:
+    def __init__(self, timeout_s: float, now: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.last_heard = now  # a worker reported ready just before the router started
+        self.alive = True
+
+    def heard(self, now: float) -> bool:
+        """A message arrived from the worker. True if that re-admits a dead worker."""
+        self.last_heard = max(self.last_heard, now)
+        revived = not self.alive
+        self.alive = True
+        return revived
+
+    def expired(self, now: float) -> bool:
+        """True exactly once per death: when the worker, alive until now, has been
+        silent for longer than timeout_s."""
+        if self.alive and now - self.last_heard > self.timeout_s:
+            self.alive = False
+            return True
+        return False

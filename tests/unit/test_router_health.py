@@ -1,0 +1,30 @@
+"""The router's view of a decode worker's health, on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.health import WorkerHealth
+
+
+def test_silence_past_the_timeout_kills_once_and_any_message_readmits() -> None:
+    health = WorkerHealth(timeout_s=2.0, now=100.0)
+    assert not health.expired(101.9) and health.alive
+    assert not health.heard(101.9)  # a live worker's message re-admits nothing
+    assert not health.expired(103.8)  # 1.9 s since it was last heard
+    assert health.expired(104.0) and not health.alive
+    assert not health.expired(110.0)  # declared dead once, not on every check
+    assert health.heard(111.0) and health.alive  # it answers again: re-admitted
+    assert not health.expired(112.5) and health.expired(113.5)
+
+
+def test_a_late_timestamp_never_moves_last_heard_back() -> None:
+    health = WorkerHealth(timeout_s=1.0, now=10.0)
+    health.heard(12.0)
+    health.heard(11.0)
+    assert not health.expired(12.9)
+
+
+def test_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
+        WorkerHealth(timeout_s=0, now=0.0)
