@@ -45,6 +45,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from cluster.status import fetch_status, format_status
+
+    url = args.url
+    if url is None:
+        from cluster.config import load_cluster_config
+
+        router = load_cluster_config(args.config).router
+        url = f"http://{router.host}:{router.port}"
+    try:
+        print(format_status(fetch_status(url)))
+    except ConnectionError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="override router.port")
     serve.add_argument("--model", default=None, help="override model (a directory every worker's node can read)")
     serve.set_defaults(func=_cmd_serve)
+
+    status = sub.add_parser("status", help="a running deployment's decode workers: health, queues, KV usage")
+    where = status.add_mutually_exclusive_group()
+    where.add_argument("config", nargs="?", default="configs/local.yaml", help="its cluster config (router address)")
+    where.add_argument("--url", default=None, help="the router's base URL, e.g. http://127.0.0.1:8000")
+    status.set_defaults(func=_cmd_status)
     return parser
 
 

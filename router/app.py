@@ -305,6 +305,15 @@ def create_app(router: Router) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/status")
+    async def status() -> dict[str, Any]:
+        """Every decode worker: live or not, and its own figures (None if it did not
+        answer); `pdserve status` prints this."""
+        replies = await asyncio.gather(*(w.stats() if w.alive else _none() for w in router.workers))
+        return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": router.has_prefill,
+                "decode_workers": [{"name": w.name, "live": w.alive, "stats": s}
+                                   for w, s in zip(router.workers, replies)]}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         live = [w for w in router.workers if w.alive]  # a dead one would only time out
@@ -389,6 +398,10 @@ def create_app(router: Router) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream", headers={WORKER_HEADER: first.worker})
 
     return app
+
+
+async def _none() -> None:
+    return None
 
 
 def _sse(rid: str, kind: str, created: int, model: str, choice: dict[str, Any]) -> str:

@@ -180,3 +180,17 @@ def test_metrics_count_requests_latencies_and_worker_blocks(server) -> None:
     for phase in ("queue", "prefill", "transfer", "decode"):  # from the remote prefills of earlier tests
         assert values[f'pdserve_request_phase_seconds_count{{phase="{phase}",prefill="remote"}}'] >= 1
     assert values['pdserve_request_phase_seconds_count{phase="prefill",prefill="local"}'] >= 1
+
+
+@pytest.mark.timeout(60)
+def test_pdserve_status_lists_the_decode_workers(server, capsys) -> None:
+    from cluster.cli import main
+
+    _, config, _ = server
+    assert main(["status", "--url", f"http://127.0.0.1:{config.router.port}"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"model {config.model}; prefill pool: yes")
+    assert out[1].split()[:3] == ["worker", "live", "running"]
+    assert out[2].split()[:2] == ["decode-0", "yes"] and out[2].split()[5] == "0%"  # idle: no blocks held
+    assert main(["status", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
+    assert "no pdserve router answers at" in capsys.readouterr().err
