@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from kv_transfer.base import KVTransport, TransportConfig, _Peer, _Write
 from kv_transfer.block_copy import as_words, copy_blocks
+from kv_transfer.runs import block_pairs
 
 
 class CudaIpcTransport(KVTransport):
@@ -50,8 +52,7 @@ class CudaIpcTransport(KVTransport):
         # The source blocks were written by the compute stream: order after it.
         self._stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
         with torch.cuda.stream(self._stream):
-            ids = torch.tensor([[s + i for s, _, n in write.runs for i in range(n)],
-                                [d + i for _, d, n in write.runs for i in range(n)]], dtype=torch.int32)
+            ids = torch.from_numpy(np.stack(block_pairs(write.runs)))
             ids = ids.pin_memory().to(self.kv_cache.device, non_blocking=True)
             copy_blocks(src, dst, ids[0], ids[1])
             event = torch.cuda.Event()

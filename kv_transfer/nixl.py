@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kv_transfer.base import KVTransport, TransportConfig, _Peer, _Write
+from kv_transfer.runs import block_pairs
 
 
 def _import_nixl():
@@ -65,8 +66,7 @@ class NixlTransport(KVTransport):
             data["mem"])
 
     def _start(self, peer: _Peer, write: _Write) -> None:
-        src = np.concatenate([np.arange(s, s + n, dtype=np.int32) for s, _, n in write.runs])
-        dst = np.concatenate([np.arange(d, d + n, dtype=np.int32) for _, d, n in write.runs])
+        src, dst = block_pairs(write.runs)
         handle = self._agent.make_prepped_xfer("WRITE", self._local_blocks, src, self._remote_blocks[peer.name],
                                                dst, self._header(write))
         write.handle = handle

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """(src_start, dst_start, count) for maximal runs where both sides are consecutive.
@@ -21,3 +23,13 @@ def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int
                 continue
         runs.append((s, d, 1))
     return runs
+
+
+def block_pairs(runs: Sequence[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The runs back as (source, destination) block ids, one pair per block, int32: for
+    data planes that move a write in one call over per-block indices."""
+    counts = np.fromiter((n for *_, n in runs), dtype=np.int64, count=len(runs))
+    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    src = np.repeat(np.fromiter((s for s, _, _ in runs), dtype=np.int64, count=len(runs)), counts) + offsets
+    dst = np.repeat(np.fromiter((d for _, d, _ in runs), dtype=np.int64, count=len(runs)), counts) + offsets
+    return src.astype(np.int32), dst.astype(np.int32)

@@ -40,3 +40,11 @@ def test_bad_inputs_are_named() -> None:
                     torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="contiguous \\[blocks, bytes\\] uint8"):
         as_words(torch.zeros(4, 4))
+
+
+def test_block_pairs_undo_coalescing() -> None:
+    from kv_transfer.runs import block_pairs, coalesce
+
+    src, dst = [4, 5, 6, 0, 9, 10], [20, 21, 22, 3, 7, 8]
+    pairs = block_pairs(coalesce(src, dst))
+    assert [p.tolist() for p in pairs] == [src, dst] and pairs[0].dtype.name == "int32"
