@@ -163,6 +163,12 @@ class RayConfig:
     placement_timeout_s: float = 15.0
     prefill: RayPoolConfig = field(default_factory=RayPoolConfig)
     decode: RayPoolConfig = field(default_factory=RayPoolConfig)
+    # Supervision (cluster/supervisor.py): Ray restarts a crashed worker up to this many
+    # times; every probe_interval_s each worker is asked for its incarnation, and one
+    # that does not answer within probe_timeout_s is treated as dead until it does.
+    max_restarts: int = 3
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 5.0
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "ray") -> "RayConfig":
@@ -179,7 +185,10 @@ class RayConfig:
         timeout = _number(data.get("placement_timeout_s", 15.0), f"{path}.placement_timeout_s", 0, strict=True)
         return cls(address, num_cpus, strategy, timeout,
                    RayPoolConfig.from_dict(data.get("prefill", {}), f"{path}.prefill"),
-                   RayPoolConfig.from_dict(data.get("decode", {}), f"{path}.decode"))
+                   RayPoolConfig.from_dict(data.get("decode", {}), f"{path}.decode"),
+                   _int(data.get("max_restarts", 3), f"{path}.max_restarts", 0),
+                   _number(data.get("probe_interval_s", 1.0), f"{path}.probe_interval_s", 0, strict=True),
+                   _number(data.get("probe_timeout_s", 5.0), f"{path}.probe_timeout_s", 0, strict=True))
 
 
 def _valid_address(address: str) -> bool:

@@ -1,10 +1,12 @@
 """The control channel between a launcher and one worker it started.
 
-A worker's `serve(config, index, control)` uses three calls on `control`, in this
-order: `send_bytes(ready)` once (its ZMQ address and transport metadata,
-router/protocol.py "ready"), `recv_bytes()` once (its peers, "peers"), then `poll()`
-after every loop iteration: True means stop. The local launcher passes one end of a
-multiprocessing Pipe (a closed pipe also polls True, so a dead launcher stops its
+A worker's `serve(config, index, control)` uses three calls on `control`:
+`send_bytes(ready)` once (its ZMQ address and transport metadata, router/protocol.py
+"ready"), `recv_bytes()` once (its peers, "peers"), then `poll()` after every loop
+iteration and, when it is True, `recv_bytes()`: STOP ends the worker; anything else is
+a new "peers" message (the Ray launcher's supervisor sends one when a peer dies or
+comes back restarted). The local launcher passes one end of a multiprocessing Pipe (a
+closed pipe polls True and raises EOFError on reading, so a dead launcher stops its
 workers); the Ray launcher passes a `QueueControl`, whose other end is driven by the
 actor's methods (cluster/ray_actor.py). Messages stay msgpack bytes either way.
 """
@@ -12,10 +14,13 @@ actor's methods (cluster/ray_actor.py). Messages stay msgpack bytes either way.
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Sequence
 from typing import Protocol
 
 from router.protocol import encode
+
+STOP = b"stop"
 
 
 class ControlChannel(Protocol):
@@ -35,20 +40,39 @@ class QueueControl:
     def __init__(self) -> None:
         self._inbox: queue.Queue[bytes] = queue.Queue()   # launcher -> worker
         self._outbox: queue.Queue[bytes] = queue.Queue()  # worker -> launcher
+        # Messages put, taken and applied. The worker polls again only once it has
+        # acted on what it took, so a poll marks everything taken as applied.
+        self._sent = self._taken = self._applied = 0
+        self._changed = threading.Condition()
 
     # --- the worker's end (ControlChannel) ---
     def send_bytes(self, data: bytes) -> None:
         self._outbox.put(bytes(data))
 
     def recv_bytes(self) -> bytes:
-        return self._inbox.get()
+        data = self._inbox.get()
+        self._taken += 1
+        return data
 
     def poll(self) -> bool:
+        if self._applied != self._taken:
+            with self._changed:
+                self._applied = self._taken
+                self._changed.notify_all()
         return not self._inbox.empty()  # only the worker thread reads: no race to lose
 
     # --- the launcher's end ---
-    def to_worker(self, data: bytes) -> None:
+    def to_worker(self, data: bytes, wait_s: float = 0.0) -> bool:
+        """Queue a message; with wait_s, wait until the worker has acted on it (e.g. its
+        new peers are connected). False if it has not within wait_s seconds."""
+        with self._changed:
+            self._sent += 1
+            number = self._sent
         self._inbox.put(data)
+        if not wait_s:
+            return True
+        with self._changed:
+            return self._changed.wait_for(lambda: self._applied >= number, wait_s)
 
     def from_worker(self, timeout: float) -> bytes | None:
         """The worker's next message, or None if none came within `timeout` seconds."""

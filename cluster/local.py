@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from cluster.config import ClusterConfig
-from cluster.control import peers_messages
+from cluster.control import STOP, peers_messages
 from kv_transfer.shm import unlink_segment
 from router.protocol import decode
 
@@ -33,7 +33,7 @@ class LocalWorkers:
     def stop(self, timeout: float = 10.0) -> None:
         for w in self.all:
             try:
-                w.control.send_bytes(b"stop")
+                w.control.send_bytes(STOP)
             except (BrokenPipeError, OSError):
                 pass
         for w in self.all:

@@ -1,22 +1,26 @@
 """One pdserve worker inside a Ray actor: the same `serve(config, index, control)` the
 local launcher runs in a process, here in a thread of the actor process.
 
-The class is plain Python (no Ray import) so it runs in tests without Ray; the launcher
-wraps it with `ray.remote(WorkerActor)` and creates it with max_concurrency > 1,
-because `ready()` blocks in one of Ray's threads while the worker starts in another.
-Who calls what: the launcher calls `ready()` once, then `peers()` once, then `stop()`;
-nothing else talks to the actor (requests and KV go over ZMQ and the transport).
+The class is plain Python (no Ray import) so it runs in tests without Ray; the launcher wraps it with `ray.remote(WorkerActor)` and
+creates it with max_concurrency > 1, because `ready()` blocks in one of Ray's threads
+while the worker starts in another. Who calls what: the launcher calls `ready()` once,
+then `peers()`, then `stop()`; its supervisor (cluster/supervisor.py) calls
+`incarnation()` every interval, `peers()` again when a peer dies or comes back, and,
+after Ray restarted the actor (a new incarnation), `ready()` and `peers()` as at the
+start. Nothing else talks to the actor (requests and KV go over ZMQ and the transport).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
+import uuid
 
 from cluster.config import ClusterConfig
-from cluster.control import QueueControl
+from cluster.control import STOP, QueueControl
 
 logger = logging.getLogger(__name__)
 
@@ -24,17 +28,21 @@ ROLES = ("decode", "prefill")
 
 
 class WorkerActor:
-    def __init__(self, role: str, config: ClusterConfig, index: int) -> None:
+    def __init__(self, role: str, config: ClusterConfig, index: int, host: str) -> None:
+        """`host`: where the worker's sockets listen (this node's address)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.name = f"{role}-{index}"
+        # Ray reruns __init__ in a new process when it restarts the actor: the
+        # supervisor tells a restart by this changing.
+        self._incarnation = uuid.uuid4().hex
         self.control = QueueControl()
         self.error = ""  # the worker thread's traceback, if serve() raised
-        self.thread = threading.Thread(target=self._run, args=(role, config, index),
+        self.thread = threading.Thread(target=self._run, args=(role, config, index, host),
                                        name=f"pdserve-{self.name}", daemon=True)
         self.thread.start()
 
-    def _run(self, role: str, config: ClusterConfig, index: int) -> None:
+    def _run(self, role: str, config: ClusterConfig, index: int, host: str) -> None:
         # Imported here: the entry points load torch and the engine, which only the
         # worker thread needs.
         if role == "decode":
@@ -42,7 +50,7 @@ class WorkerActor:
         else:
             from prefill_worker.server import serve
         try:
-            serve(config, index, self.control)
+            serve(config, index, self.control, host)
         except BaseException:  # kept for ready(), and logged: Ray forwards actor logs to the driver
             self.error = traceback.format_exc()
             logger.error("worker %s failed:\n%s", self.name, self.error)
@@ -59,12 +67,23 @@ class WorkerActor:
                 raise RuntimeError(f"worker {self.name} failed while starting:\n{self.error}")
         raise TimeoutError(f"worker {self.name} did not become ready within {timeout} s")
 
-    def peers(self, message: bytes) -> None:
-        """Hand the worker its "peers" message; it starts serving after it."""
-        self.control.to_worker(message)
+    def incarnation(self) -> str:
+        """This process's id; a health check. Raises if the worker thread died (so the
+        supervisor counts a worker whose loop crashed as dead, too)."""
+        if not self.thread.is_alive() and self.error:
+            raise RuntimeError(f"worker {self.name} failed:\n{self.error}")
+        return self._incarnation
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def peers(self, message: bytes, wait_s: float = 30.0) -> bool:
+        """Hand the worker a "peers" message (the first one starts it serving); True
+        once it has acted on it (connected to new peers, dropped gone ones)."""
+        return self.control.to_worker(message, wait_s)
 
     def stop(self, timeout: float) -> bool:
         """Stop the worker loop (it closes its sockets and transport); True once it has."""
-        self.control.to_worker(b"stop")
+        self.control.to_worker(STOP)
         self.thread.join(timeout)
         return not self.thread.is_alive()

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 from ray._private import services
+from ray.util import placement_group_table
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -26,6 +27,7 @@ from cluster.config import ClusterConfig, RayConfig
 from cluster.control import peers_messages
 from cluster.ray_actor import WorkerActor
 from cluster.ray_resources import PlacementError, missing_resources, pool_bundles
+from cluster.supervisor import RouterHooks, Supervisor
 from kv_transfer.shm import unlink_segment
 from router.protocol import decode
 
@@ -39,12 +41,15 @@ LOCAL_OBJECT_STORE_BYTES = 256 << 20
 ACTOR_CONCURRENCY = 4
 
 
-@dataclass
+@dataclass(eq=False)
 class RayWorker:
     name: str
+    role: str  # "decode" | "prefill"
     actor: Any  # ray.actor.ActorHandle of a WorkerActor
     address: str = ""
     metadata: bytes = b""
+    incarnation: str = ""  # the actor process's id (a restart changes it)
+    alive: bool = True  # as the supervisor last saw it
 
 
 @dataclass
@@ -53,6 +58,13 @@ class RayWorkers:
     prefill: list[RayWorker] = field(default_factory=list)
     groups: list[PlacementGroup] = field(default_factory=list)
     shutdown_ray: bool = False  # this process connected to (or started) Ray: undo it on stop
+    supervisor: Supervisor | None = None
+
+    def supervise(self, config: RayConfig, router: RouterHooks | None) -> Supervisor:
+        """Start watching the workers (cluster/supervisor.py); stop() ends it."""
+        self.supervisor = Supervisor(self, router, config.probe_interval_s, config.probe_timeout_s)
+        self.supervisor.start()
+        return self.supervisor
 
     @property
     def all(self) -> list[RayWorker]:
@@ -64,6 +76,9 @@ class RayWorkers:
         Bounded in time: if Ray itself is gone (e.g. a signal to the whole process group
         reached a Ray started here first), its calls block, so they run in a thread that
         is abandoned after `timeout` + 10 s (Ray's processes die with their GCS)."""
+        if self.supervisor is not None:  # first: a worker being stopped is not a crash
+            self.supervisor.stop(timeout)
+            self.supervisor = None
         cleanup = threading.Thread(target=self._release, args=(timeout,), name="pdserve-ray-stop", daemon=True)
         cleanup.start()
         cleanup.join(timeout + 10)
@@ -131,6 +146,18 @@ def _check_capacity(config: ClusterConfig) -> None:
         raise PlacementError("the Ray cluster cannot hold this config: " + "; ".join(problems))
 
 
+def _worker_hosts(groups: dict[str, PlacementGroup]) -> dict[str, list[str]]:
+    """Where each worker's sockets listen: its node's address as Ray knows it (a
+    restarted actor stays in its bundle, so on the same node), which workers and the
+    router on other nodes can reach."""
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    hosts = {}
+    for role, group in groups.items():
+        nodes = placement_group_table(group)["bundles_to_node_id"]
+        hosts[role] = [address[nodes[i]] for i in range(group.bundle_count)]
+    return hosts
+
+
 def _place(config: ClusterConfig) -> dict[str, PlacementGroup]:
     """One ready placement group per pool, or PlacementError (with none left behind)."""
     groups = {role: placement_group(bundles, strategy=config.ray.strategy)
@@ -158,27 +185,29 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
         _check_capacity(config)
         groups = _place(config)
         workers.groups = list(groups.values())
+        hosts = _worker_hosts(groups)
         actor_class = ray.remote(WorkerActor)
         for role, group in groups.items():
             pool = getattr(config.ray, role)
             for i in range(getattr(config, role).replicas):
                 actor = actor_class.options(
                     num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
-                    max_concurrency=ACTOR_CONCURRENCY, max_restarts=0,
+                    max_concurrency=ACTOR_CONCURRENCY, max_restarts=config.ray.max_restarts, max_task_retries=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-                ).remote(role, config, i)
-                getattr(workers, role).append(RayWorker(f"{role}-{i}", actor))
+                ).remote(role, config, i, hosts[role][i])
+                getattr(workers, role).append(RayWorker(f"{role}-{i}", role, actor))
         replies = [w.actor.ready.remote(timeout) for w in workers.all]
         try:
             messages = ray.get(replies, timeout=timeout + 30)
+            incarnations = ray.get([w.actor.incarnation.remote() for w in workers.all], timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise RuntimeError(f"a Ray worker did not start: {exc}") from None
-        for w, message in zip(workers.all, messages):
+        for w, message, incarnation in zip(workers.all, messages, incarnations):
             ready = decode(message)
-            w.address, w.metadata = ready["address"], ready["metadata"]
+            w.address, w.metadata, w.incarnation = ready["address"], ready["metadata"], incarnation
         to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)
         ray.get([w.actor.peers.remote(to_decode) for w in workers.decode]
-                + [w.actor.peers.remote(to_prefill) for w in workers.prefill], timeout=30)
+                + [w.actor.peers.remote(to_prefill) for w in workers.prefill], timeout=60)
     except BaseException:
         workers.stop()
         raise

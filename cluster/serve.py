@@ -32,9 +32,15 @@ def start(config: ClusterConfig) -> "LocalWorkers | RayWorkers":
 
 
 def build(config: ClusterConfig) -> tuple["LocalWorkers | RayWorkers", Router]:
+    """The workers and the router in front of them; on Ray, supervised (restarted
+    workers are wired back in, cluster/supervisor.py)."""
     workers = start(config)
     try:
         router = Router(config, {w.name: w.address for w in workers.decode}, bool(workers.prefill))
+        if config.launcher == "ray":
+            from cluster.supervisor import RouterHooks
+
+            workers.supervise(config.ray, RouterHooks(router.decode_worker_down, router.decode_worker_moved))
     except BaseException:
         workers.stop()
         raise

@@ -34,18 +34,21 @@ class DecodeWorkerCore:
         self.kv_ready_at: dict[str, float] = {}  # request id -> time.monotonic() its pushed KV completed
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    remote: bool, priority: int = 0) -> RemotePrefill | None:
+                    remote: bool, priority: int = 0, sender: str | None = None) -> RemotePrefill | None:
         """Queue a request. With remote=True and blocks to spare, returns what the prefill
-        worker must do; None means it prefills here."""
+        worker must do; None means it prefills here. `sender`: the prefill worker's
+        agent name, if known, so that its death releases the blocks at once
+        (KVTransport.peer_gone)."""
         if remote and len(prompt_token_ids) >= 2:
             request = self.engine.add_remote_prefill_request(request_id, prompt_token_ids, params, priority)
             if request is not None:
-                return self._expect(request_id, prompt_token_ids, request.num_cached_tokens)
+                return self._expect(request_id, prompt_token_ids, request.num_cached_tokens, sender)
         self.engine.add_request(request_id, prompt_token_ids, params, priority)
         self.stats["local"] += 1
         return None
 
-    def _expect(self, request_id: str, prompt: list[int], num_cached: int) -> RemotePrefill | None:
+    def _expect(self, request_id: str, prompt: list[int], num_cached: int,
+                sender: str | None) -> RemotePrefill | None:
         blocks = self.engine.kv.block_ids(request_id)
         first, end = num_cached // self.block_size, cdiv(len(prompt) - 1, self.block_size)
         if first >= end:  # the local prefix cache already holds it all
@@ -54,7 +57,7 @@ class DecodeWorkerCore:
             return None
         epoch = self._epochs[request_id] = self._epochs.get(request_id, 0) + 1
         deadline = time.time() + self.deadline_s
-        self.transport.expect(request_id, epoch, blocks[first:end], deadline)
+        self.transport.expect(request_id, epoch, blocks[first:end], deadline, sender)
         self.waiting_for_kv.add(request_id)
         self.stats["remote"] += 1
         return RemotePrefill(request_id, list(prompt), self.transport.agent_name, blocks, first, epoch, deadline)

@@ -13,11 +13,11 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 import zmq
 
 from cluster.config import ClusterConfig
+from cluster.control import ControlChannel
 from cluster.worker_loop import WorkerLoop, engine_and_transport
 from decode_worker.remote_kv import DecodeWorkerCore
 from engine.request import Request
@@ -38,8 +38,9 @@ class _Timing:
 
 
 class DecodeWorker(WorkerLoop):
-    def __init__(self, name: str, core: DecodeWorkerCore, prefill_max_outstanding: int = 16) -> None:
-        super().__init__(name)
+    def __init__(self, name: str, core: DecodeWorkerCore, prefill_max_outstanding: int = 16,
+                 host: str = "127.0.0.1") -> None:
+        super().__init__(name, host)
         self.core = core
         self.prefill_max_outstanding = prefill_max_outstanding
         self.clients: dict[str, tuple[zmq.Socket, bytes]] = {}  # request id -> who asked
@@ -47,12 +48,24 @@ class DecodeWorker(WorkerLoop):
         self.prefill_of: dict[str, str] = {}  # request id -> prefill worker doing it
         self.timing: dict[str, _Timing] = {}
         self.prefill_workers: list[str] = []
+        self.prefill_addresses: dict[str, str] = {}
         self.transfer = dict(saturated=0, kv_bytes_received=0, kv_transfer_seconds=0.0,
                              kv_transfer_failures=0)
 
-    def set_prefill_workers(self, addresses: dict[str, str]) -> None:
+    def set_peers(self, msg: dict) -> None:
+        """The prefill workers to use (name -> ZMQ address). One that left the list, or
+        came back at a new address (restarted), is gone: its prompts still waiting for
+        KV are prefilled here at once (a dead sender can write nothing more)."""
+        addresses: dict[str, str] = msg["prefill"]
+        for name in [n for n in self.prefill_addresses if addresses.get(n) != self.prefill_addresses[n]]:
+            logger.warning("%s: prefill worker %s is gone; its prompts here are prefilled locally", self.name, name)
+            self.disconnect(name)
+            del self.prefill_addresses[name]
+            self.core.transport.peer_gone(name)  # Released -> local fallback (remote_kv.py)
         for name, address in addresses.items():
-            self.connect(name, address)
+            if name not in self.prefill_addresses:
+                self.connect(name, address)
+                self.prefill_addresses[name] = address
         self.prefill_workers = sorted(addresses)
 
     def _pick_prefill_worker(self) -> str | None:
@@ -101,7 +114,8 @@ class DecodeWorker(WorkerLoop):
         prefill = self._pick_prefill_worker() if msg["remote"] else None
         try:
             params = SamplingParams(**msg["params"])
-            rp = self.core.add_request(request_id, msg["prompt"], params, prefill is not None, msg["priority"])
+            rp = self.core.add_request(request_id, msg["prompt"], params, prefill is not None, msg["priority"],
+                                       sender=prefill)
         except (TypeError, ValueError) as exc:  # bad input: say so, keep serving
             self.send(sock, sender, encode("rejected", id=request_id, error=str(exc)))
             return
@@ -177,13 +191,14 @@ class DecodeWorker(WorkerLoop):
                 "late_writes_dropped": self.core.transport.stats["late_writes_dropped"]}
 
 
-def serve(config: ClusterConfig, index: int, control: Connection) -> None:
-    """Process entry point: start, report ready on `control`, get peers, run."""
-    name, engine, transport = engine_and_transport(config, "decode", index)
+def serve(config: ClusterConfig, index: int, control: ControlChannel, host: str = "127.0.0.1") -> None:
+    """Worker entry point: start (sockets on `host`), report ready on `control`, get
+    peers, run (cluster/control.py)."""
+    name, engine, transport = engine_and_transport(config, "decode", index, host)
     worker = DecodeWorker(name, DecodeWorkerCore(engine, transport, config.prefill_deadline_s),
-                          config.router.prefill_max_outstanding)
+                          config.router.prefill_max_outstanding, host)
     control.send_bytes(encode("ready", name=name, address=worker.address, metadata=transport.metadata()))
-    worker.set_prefill_workers(decode(control.recv_bytes())["prefill"])
+    worker.set_peers(decode(control.recv_bytes()))
     try:
         worker.run(control)
     finally:

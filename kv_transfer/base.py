@@ -148,6 +148,7 @@ class _Peer:
     compat: KVCompat
     socket: zmq.Socket
     data: dict[str, Any]
+    metadata: bytes  # as add_peer() got it: new bytes under the same name = a restart
 
 
 def _covered(runs: Any) -> set[int] | None:
@@ -239,8 +240,13 @@ class KVTransport(ABC):
         """Two-sided, on D: consume and drop the data of a refused write, if it comes
         separately from the notification."""
 
-    def _on_join(self, sender: str) -> None:
-        """On D: a sender asked to set up a pairwise data channel."""
+    def _on_join(self, sender: str, session: str) -> None:
+        """On D: a sender asked to set up a pairwise data channel (`session`: new for
+        each of its connections)."""
+
+    def _disconnect(self, name: str) -> None:
+        """Free what _connect() (as sender) or _on_join() (as receiver) set up for a
+        peer that is gone. It is dead: nothing here may wait for it."""
 
     def _close(self) -> None:
         pass
@@ -283,15 +289,41 @@ class KVTransport(ABC):
         compat = KVCompat.from_dict(meta["compat"])
         self.compat.check_peer(compat, name)
         if name in self._peers:
-            return name
+            if self._peers[name].metadata == metadata:
+                return name
+            # Same agent name, new metadata: the peer was restarted (new process, new
+            # cache and control socket). The old one is dead.
+            self.peer_gone(name)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self.agent_name.encode())
         sock.connect(meta["control"])
-        peer = _Peer(name, compat, sock, dict(meta["data"], num_blocks=meta["num_blocks"]))
+        peer = _Peer(name, compat, sock, dict(meta["data"], num_blocks=meta["num_blocks"]), bytes(metadata))
         self._connect(peer)
         self._peers[name] = peer
         return name
+
+    def has_peer(self, name: str) -> bool:
+        return name in self._peers
+
+    def peer_gone(self, name: str) -> None:
+        """The process of agent `name` is gone (its supervisor says so). As sender: our
+        writes to it fail now, and it is forgotten (add_peer it again once restarted). As
+        receiver: the reservations it was writing are released at once, since a dead
+        sender can land nothing more (no cancel_ack will come from it)."""
+        peer = self._peers.pop(name, None)
+        if peer is not None:
+            for w in [w for w in self._writes.values() if w.peer == name]:
+                self._fail(w, f"peer {name!r} is gone")
+            self._acks_due = {k: p for k, p in self._acks_due.items() if p is not peer}
+            peer.socket.close(0)
+        self._disconnect(name)
+        for req, r in [(q, r) for q, r in self._reservations.items() if r.sender == name]:
+            del self._reservations[req]
+            self._events.append(Released(req, r.epoch, tuple(sorted(r.blocks))))
+        for (req, epoch), r in list(self._quarantine.items()):
+            if r.sender == name:
+                self._release(req, epoch)
 
     # ------------------------------------------------------------------ sender (P)
 
@@ -495,7 +527,7 @@ class KVTransport(ABC):
         elif msg["kind"] == "cancel_ack":
             self._release(msg["req"], msg["epoch"])
         elif msg["kind"] == "join":
-            self._on_join(sender.decode())
+            self._on_join(sender.decode(), msg["session"])
 
     def _drain_dealer(self, peer: _Peer) -> None:
         while True:

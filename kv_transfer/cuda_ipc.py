@@ -47,6 +47,9 @@ class CudaIpcTransport(KVTransport):
         raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{peer.data['device']}").set_(storage)
         self._peer_words[peer.name] = as_words(raw[:peer.data["bytes"]].view(peer.data["num_blocks"], -1))
 
+    def _disconnect(self, name: str) -> None:
+        self._peer_words.pop(name, None)
+
     def _start(self, peer: _Peer, write: _Write) -> None:
         dst, src = self._peer_words[peer.name], self._words
         # The source blocks were written by the compute stream: order after it.

@@ -59,7 +59,9 @@ CONTROL = Schema(1, {
     # of it can land any more.
     "cancel": {"req": _STR, "epoch": _INT},
     "cancel_ack": {"req": _STR, "epoch": _INT},
-    # sender -> receiver, once: set up the data plane's pairwise channel (nccl).
-    "join": {},
+    # sender -> receiver, once per connection: set up the data plane's pairwise
+    # channel (nccl). `session` is new each time the sender connects, so a restarted
+    # peer (same name) rendezvouses afresh.
+    "join": {"session": _STR},
 })
 encode, decode = CONTROL.encode, CONTROL.decode

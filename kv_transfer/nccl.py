@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +34,7 @@ class NcclTransport(KVTransport):
         self._groups: dict[str, Any] = {}  # peer name -> its pairwise process group
         self._joining: dict[str, threading.Thread] = {}
         self._join_errors: dict[str, str] = {}
+        self._sessions: dict[str, str] = {}  # sender -> the session its group was made for
 
     def _timeout(self) -> timedelta:
         return timedelta(seconds=self.config.timeout_s)
@@ -56,8 +58,9 @@ class NcclTransport(KVTransport):
     def _connect(self, peer: _Peer) -> None:
         store = TCPStore(self.config.host, peer.data["store_port"], is_master=False,
                          timeout=self._timeout())
-        prefix = PrefixStore(f"{peer.name}/{self.agent_name}", store)
-        peer.socket.send(encode("join"))
+        session = uuid.uuid4().hex
+        prefix = PrefixStore(f"{peer.name}/{self.agent_name}/{session}", store)
+        peer.socket.send(encode("join", session=session))
 
         def join() -> None:  # blocks until the receiver joins in its poll()
             try:
@@ -68,14 +71,23 @@ class NcclTransport(KVTransport):
         self._joining[peer.name] = thread = threading.Thread(target=join, daemon=True)
         thread.start()
 
-    def _on_join(self, sender: str) -> None:
-        if sender in self._groups:
+    def _on_join(self, sender: str, session: str) -> None:
+        if self._sessions.get(sender) == session:
             return
+        self._disconnect(sender)  # a restarted sender: its old group is dead
         try:
-            self._groups[sender] = self._group(PrefixStore(f"{self.agent_name}/{sender}", self._store),
-                                               RECEIVER)
+            self._groups[sender] = self._group(
+                PrefixStore(f"{self.agent_name}/{sender}/{session}", self._store), RECEIVER)
+            self._sessions[sender] = session
         except RuntimeError as exc:  # the sender died while joining: its writes will expire
             logger.warning("transfer group with %r failed: %s", sender, exc)
+
+    def _disconnect(self, name: str) -> None:
+        # Dropped, not shut down: shutting a group down may wait for the dead peer.
+        self._groups.pop(name, None)
+        self._sessions.pop(name, None)
+        self._joining.pop(name, None)  # a join thread still waiting times out on its own
+        self._join_errors.pop(name, None)
 
     def _sender_group(self, peer: str) -> Any:
         thread = self._joining.get(peer)

@@ -65,6 +65,12 @@ class NixlTransport(KVTransport):
             peer.name, _block_descs(data["base"], self.compat.block_bytes, data["num_blocks"], data["device_id"]),
             data["mem"])
 
+    def _disconnect(self, name: str) -> None:
+        dlist = self._remote_blocks.pop(name, None)
+        if dlist is not None:
+            self._agent.release_dlist_handle(dlist)
+            self._agent.remove_remote_agent(name)
+
     def _start(self, peer: _Peer, write: _Write) -> None:
         src, dst = block_pairs(write.runs)
         handle = self._agent.make_prepped_xfer("WRITE", self._local_blocks, src, self._remote_blocks[peer.name],

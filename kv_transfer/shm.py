@@ -72,6 +72,10 @@ class ShmTransport(KVTransport):
         self._maps.append(m)
         self._peer_bytes[peer.name] = raw.view(peer.data["num_blocks"], -1)
 
+    def _disconnect(self, name: str) -> None:
+        # Its mapping stays in self._maps until close(): a copy may still hold a view.
+        self._peer_bytes.pop(name, None)
+
     def _start(self, peer: _Peer, write: _Write) -> None:
         dst = self._peer_bytes[peer.name]
         # One call for every run: a Python loop of copies would retake the GIL between

@@ -110,8 +110,11 @@ class PrefillWorkerCore:
                                                      job.end_block)
         if ready <= job.next_block:
             return
-        local = self.engine.kv.block_ids(request_id)
         rp = job.rp
+        if not self.transport.has_peer(rp.peer):  # its decode worker is gone (peer_gone)
+            job.failed = f"decode worker {rp.peer!r} is gone"
+            return
+        local = self.engine.kv.block_ids(request_id)
         xfer = self.transport.write(rp.peer, request_id, rp.epoch, local[job.next_block:ready],
                                     rp.block_ids[job.next_block:ready], rp.deadline)
         job.outstanding.add(xfer)

@@ -5,11 +5,11 @@ and reports each request's end to the decode worker that asked."""
 from __future__ import annotations
 
 import logging
-from multiprocessing.connection import Connection
 
 import zmq
 
 from cluster.config import ClusterConfig
+from cluster.control import ControlChannel
 from cluster.worker_loop import WorkerLoop, engine_and_transport
 from prefill_worker.remote_prefill import PrefillWorkerCore, RemotePrefill
 from router.protocol import decode, encode
@@ -18,10 +18,21 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillWorker(WorkerLoop):
-    def __init__(self, name: str, core: PrefillWorkerCore) -> None:
-        super().__init__(name)
+    def __init__(self, name: str, core: PrefillWorkerCore, host: str = "127.0.0.1") -> None:
+        super().__init__(name, host)
         self.core = core
         self.origin: dict[str, tuple[zmq.Socket, bytes]] = {}  # request id -> decode worker
+        self.decode_workers: set[str] = set()  # KV destinations, by transport agent name
+
+    def set_peers(self, msg: dict) -> None:
+        """The decode workers' transport metadata. A new blob under a known name is a
+        restarted worker (the transport replaces it); a name left out is gone: writes
+        to it fail now, and the jobs for it end at their next step."""
+        names = {self.core.transport.add_peer(metadata) for metadata in msg["decode"]}
+        for name in self.decode_workers - names:
+            logger.warning("%s: decode worker %s is gone", self.name, name)
+            self.core.transport.peer_gone(name)
+        self.decode_workers = names
 
     def busy(self) -> bool:
         return bool(self.core.jobs)
@@ -54,13 +65,13 @@ class PrefillWorker(WorkerLoop):
                                           bytes=r.bytes_written))
 
 
-def serve(config: ClusterConfig, index: int, control: Connection) -> None:
-    """Process entry point: start, report ready on `control`, get peers, run."""
-    name, engine, transport = engine_and_transport(config, "prefill", index)
-    worker = PrefillWorker(name, PrefillWorkerCore(engine, transport))
+def serve(config: ClusterConfig, index: int, control: ControlChannel, host: str = "127.0.0.1") -> None:
+    """Worker entry point: start (sockets on `host`), report ready on `control`, get
+    peers, run (cluster/control.py)."""
+    name, engine, transport = engine_and_transport(config, "prefill", index, host)
+    worker = PrefillWorker(name, PrefillWorkerCore(engine, transport), host)
     control.send_bytes(encode("ready", name=name, address=worker.address, metadata=transport.metadata()))
-    for metadata in decode(control.recv_bytes())["decode"]:
-        transport.add_peer(metadata)
+    worker.set_peers(decode(control.recv_bytes()))
     try:
         worker.run(control)
     finally:

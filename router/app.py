@@ -74,6 +74,7 @@ class Router:
         self.has_prefill = has_prefill
         self.in_flight = 0
         self.metrics = RouterMetrics()
+        self.loop: asyncio.AbstractEventLoop | None = None  # set while the app runs
 
     # --- request parsing ----------------------------------------------------------
 
@@ -217,6 +218,28 @@ class Router:
         worker.queues[request_id] = queue
         return worker, request_id, queue
 
+    # --- from the Ray supervisor's thread (cluster/supervisor.py) ---------------------
+
+    def decode_worker_down(self, name: str) -> None:
+        self._on_loop(lambda: self._client(name).declare_dead("is down (Ray supervisor)"))
+
+    def decode_worker_moved(self, name: str, address: str) -> None:
+        """Restarted at `address`, with an empty cache."""
+        def move() -> None:
+            self._client(name).move(address)
+            self.routing.forget(next(i for i, w in enumerate(self.workers) if w.name == name))
+        self._on_loop(move)
+
+    def _client(self, name: str) -> DecodeClient:
+        return next(w for w in self.workers if w.name == name)
+
+    def _on_loop(self, call: Any) -> None:
+        """Run `call` on the router's event loop (its sockets and queues live there)."""
+        if self.loop is None:  # not serving yet: nothing else touches them
+            call()
+        else:
+            self.loop.call_soon_threadsafe(call)
+
     async def monitor(self) -> None:
         """Supervise the decode workers for the app's lifetime: ping each every
         router.health_interval_s, declare the silent ones dead (router/health.py)."""
@@ -278,6 +301,7 @@ def _error(exc: APIError) -> JSONResponse:
 def create_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        router.loop = asyncio.get_running_loop()
         tasks = [asyncio.create_task(w.read_forever()) for w in router.workers]
         tasks.append(asyncio.create_task(router.monitor()))
         yield

@@ -100,8 +100,24 @@ class DecodeClient:
         serving is told so (WORKER_LOST), to fail over."""
         if not self.health.expired(time.monotonic()):
             return False
-        logger.warning("decode worker %s (%s) sent nothing for %g s: declared dead; %d request(s) "
-                       "fail over", self.name, self.address, self.health.timeout_s, len(self.queues))
+        self._lose_requests(f"sent nothing for {self.health.timeout_s:g} s")
+        return True
+
+    def declare_dead(self, reason: str) -> None:
+        """Someone who knows (the Ray supervisor) says the worker is down: fail its
+        requests over now rather than after the health timeout."""
+        if self.health.kill():
+            self._lose_requests(reason)
+
+    def move(self, address: str) -> None:
+        """The worker was restarted at `address`. It stays dead to routing until it
+        answers (the next ping goes there)."""
+        self.sock.disconnect(self.address)
+        self.address = address
+        self.sock.connect(address)
+
+    def _lose_requests(self, reason: str) -> None:
+        logger.warning("decode worker %s (%s) %s: declared dead; %d request(s) fail over",
+                       self.name, self.address, reason, len(self.queues))
         for queue in self.queues.values():
             queue.put_nowait(WORKER_LOST)
-        return True

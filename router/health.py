@@ -5,8 +5,9 @@ counts *any* message from a worker (a token batch, a ping reply) as a sign of li
 worker busy with a long step cannot answer a ping, but it answered the last one before
 that step began, so only silence for `router.worker_timeout_s` declares it dead. Then
 the router stops routing to it and fails its requests over (router/app.py); the next
-message it sends re-admits it (a hung process that resumes; a restarted one at the
-same address).
+message it sends re-admits it (a hung process that resumes; a restarted one, once the
+Ray supervisor has told the router its new address, cluster/supervisor.py). The
+supervisor may also declare a worker dead at once (`kill`), when Ray saw it die.
 
 Detection is bounded: a worker that dies is declared dead at most
 worker_timeout_s + health_interval_s after its last message.
@@ -33,6 +34,11 @@ class WorkerHealth:
         revived = not self.alive
         self.alive = True
         return revived
+
+    def kill(self) -> bool:
+        """Declared dead from outside (the Ray supervisor); True if it was alive."""
+        was_alive, self.alive = self.alive, False
+        return was_alive
 
     def expired(self, now: float) -> bool:
         """True exactly once per death: when the worker, alive until now, has been

@@ -70,3 +70,7 @@ class RoutingPolicy:
         best = min(candidates, key=lambda i: (len(prompt) - cached[i] + LOAD_TOKENS * loads[i], i))
         self.indexes[best].add(hashes)
         return best, cached[best]
+
+    def forget(self, index: int) -> None:
+        """Worker `index` restarted: its prefix cache is empty."""
+        self.indexes[index] = PrefixIndex(self.indexes[index].capacity)

@@ -16,6 +16,9 @@ import torch
 # before any @triton.jit function is defined (ENVIRONMENT.md).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Ray reads this once, when first imported: 0 keeps every Ray the tests start (and the
+# addresses of the workers on it) on 127.0.0.1 (ENVIRONMENT.md).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 from tests.tiny_models import build_tiny_model
 

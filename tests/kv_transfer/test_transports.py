@@ -204,3 +204,58 @@ def test_late_write_never_lands_in_a_reused_block(transport: str, agents) -> Non
         assert decode.stats["late_writes_dropped"] + prefill.call("poll", seconds=0)["stats"]["writes_failed"] >= 2
     finally:
         decode.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_declared_gone_releases_its_reservations_at_once(transport: str, agents) -> None:
+    receiver = local_agent(transport, "decode", grace_s=30.0)  # no waiting for the grace period
+    try:
+        sender = RemoteAgent(transport, "prefill", seed=1, local=receiver)
+        agents.append(sender)
+        sender.call("add_peer", meta=receiver.metadata())
+        receiver.expect("a", 1, [3, 4], deadline=time.time() + 60, sender="prefill")
+        receiver.expect("b", 1, [5], deadline=time.time() + 60, sender="another")
+        sender.kill()
+        receiver.peer_gone("prefill")
+        events = receiver.poll()
+        assert [(type(e).__name__, e.req, e.blocks) for e in events] == [("Released", "a", (3, 4))]
+        assert not drain(receiver, 0.2)  # b's sender lives: its reservation stays
+    finally:
+        receiver.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_restarted_receiver_replaces_the_dead_one(transport: str, agents) -> None:
+    """Same agent name, new metadata (a restarted decode worker): writes in flight to
+    the old one fail at once, and writes go to the new one, intact."""
+    sender = local_agent(transport, "prefill")
+    sender.kv_cache.copy_(source_cache(seed=1))
+    try:
+        old = RemoteAgent(transport, "decode", seed=2, local=sender)
+        agents.append(old)
+        assert sender.add_peer(old.metadata) == "decode"
+        old.call("expect", req="a", epoch=1, blocks=[0, 1], deadline=time.time() + 60)
+        old.kill()
+        sender.write("decode", "a", 1, [5, 6], [0, 1], deadline=time.time() + 60)
+        new = RemoteAgent(transport, "decode", seed=3, local=sender)
+        agents.append(new)
+        assert new.metadata != old.metadata
+        assert sender.add_peer(new.metadata) == "decode"  # replaces the old peer
+        assert sender.add_peer(new.metadata) == "decode"  # the same blob again: no-op
+        failed = [e for e in drain(sender, 0.1) if type(e).__name__ == "WriteFailed"]
+        assert [e.req for e in failed] == ["a"]  # nccl's data plane may notice the death first
+        assert failed[0].reason == "peer 'decode' is gone" or "data plane error" in failed[0].reason
+        new.call("expect", req="b", epoch=1, blocks=[7, 8, 9], deadline=time.time() + 60)
+        new.call("poll", seconds=0.3)  # let the pairwise channel (nccl) join
+        sender.write("decode", "b", 1, [10, 11, 20], [7, 8, 9], deadline=time.time() + 60)
+        done = []
+        end = time.monotonic() + 20
+        while not done:
+            assert time.monotonic() < end, "the write to the restarted receiver never finished"
+            new.call("poll", seconds=0.02)
+            done = [e for e in new.local_events if type(e).__name__ in ("WriteDone", "WriteFailed")]
+        assert type(done[0]).__name__ == "WriteDone", done
+        data = torch.frombuffer(bytearray(new.call("blocks", ids=[7, 8, 9])["data"]), dtype=torch.float32)
+        assert torch.equal(data.view(3, *cache_shape()[1:]), source_cache(seed=1)[[10, 11, 20]])
+    finally:
+        sender.close()

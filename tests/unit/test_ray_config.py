@@ -78,11 +78,38 @@ def test_queue_control_carries_messages_both_ways() -> None:
     assert control.poll() and control.recv_bytes() == b"peers" and not control.poll()
 
 
+@pytest.mark.timeout(30)
+def test_queue_control_waits_until_the_worker_acted_on_a_message() -> None:
+    """to_worker(wait_s) returns once the worker has taken the message and polled again
+    (it polls only after acting on what it took), False if it never does."""
+    import threading
+    import time
+
+    control = QueueControl()
+    assert control.to_worker(b"peers-1", wait_s=0.2) is False  # nobody reads
+    acted: list[bytes] = []
+
+    def worker() -> None:
+        for _ in range(2):
+            while not control.poll():
+                time.sleep(0.01)
+            message = control.recv_bytes()
+            time.sleep(0.1)  # acting on it
+            acted.append(message)
+        control.poll()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert control.to_worker(b"peers-2", wait_s=10) is True
+    assert acted == [b"peers-1", b"peers-2"]
+    thread.join(5)
+
+
 @pytest.mark.timeout(60)
 def test_worker_actor_reports_a_failed_start(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="role must be one of"):
-        WorkerActor("router", ClusterConfig.from_dict({"model": "m"}), 0)
-    actor = WorkerActor("decode", ClusterConfig.from_dict({"model": str(tmp_path / "no-model")}), 0)
+        WorkerActor("router", ClusterConfig.from_dict({"model": "m"}), 0, "127.0.0.1")
+    actor = WorkerActor("decode", ClusterConfig.from_dict({"model": str(tmp_path / "no-model")}), 0, "127.0.0.1")
     with pytest.raises(RuntimeError, match="worker decode-0 failed while starting") as err:
         actor.ready(30)
     assert "no-model" in str(err.value)
