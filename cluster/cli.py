@@ -41,7 +41,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=args.port))
     if args.model is not None:  # e.g. under `ray job submit`, whose upload leaves out models/
         config = dataclasses.replace(config, model=args.model)
-    serve(config)
+    serve(config, detach=args.detach)
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from cluster.config import load_cluster_config
+    from cluster.ray_deployment import down
+
+    config = load_cluster_config(args.config)
+    if config.launcher != "ray":
+        raise ValueError(f"{args.config}: only a Ray deployment (launcher: ray) runs detached; "
+                         "a local one stops with its `pdserve serve` (Ctrl-C)")
+    try:
+        url = down(config.ray)
+    except LookupError as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"pdserve: stopped the deployment {config.ray.name!r} that served {url}")
     return 0
 
 
@@ -91,7 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("config", help="YAML cluster config, e.g. configs/local.yaml")
     serve.add_argument("--port", type=int, default=None, help="override router.port")
     serve.add_argument("--model", default=None, help="override model (a directory every worker's node can read)")
+    serve.add_argument("--detach", action="store_true",
+                       help="Ray only: leave the deployment running on the cluster and return; `pdserve down` stops it")
     serve.set_defaults(func=_cmd_serve)
+
+    down = sub.add_parser("down", help="stop a detached Ray deployment (pdserve serve --detach)")
+    down.add_argument("config", help="its cluster config (Ray address and ray.name)")
+    down.set_defaults(func=_cmd_down)
 
     status = sub.add_parser("status", help="a running deployment's decode workers: health, queues, KV usage")
     where = status.add_mutually_exclusive_group()

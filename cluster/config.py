@@ -18,6 +18,7 @@ refused (a typo never silently falls back to a default).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,8 @@ class RayConfig:
     max_restarts: int = 3
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 5.0
+    # The deployment's actor name (namespace "pdserve"): `pdserve down` finds it by it.
+    name: str = "pdserve"
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "ray") -> "RayConfig":
@@ -188,7 +191,14 @@ class RayConfig:
                    RayPoolConfig.from_dict(data.get("decode", {}), f"{path}.decode"),
                    _int(data.get("max_restarts", 3), f"{path}.max_restarts", 0),
                    _number(data.get("probe_interval_s", 1.0), f"{path}.probe_interval_s", 0, strict=True),
-                   _number(data.get("probe_timeout_s", 5.0), f"{path}.probe_timeout_s", 0, strict=True))
+                   _number(data.get("probe_timeout_s", 5.0), f"{path}.probe_timeout_s", 0, strict=True),
+                   _name(data.get("name", "pdserve"), f"{path}.name"))
+
+
+def _name(value: Any, path: str) -> str:
+    _check(isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", value) is not None, path,
+           f"must be 1-63 letters, digits, '_', '.' or '-', got {value!r}")
+    return value
 
 
 def _valid_address(address: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -10,6 +11,8 @@ from cluster.config import ClusterConfig
 from cluster.control import STOP, peers_messages
 from kv_transfer.shm import unlink_segment
 from router.protocol import decode
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,7 +51,8 @@ class LocalWorkers:
 def start_workers(config: ClusterConfig, timeout: float = 180.0) -> LocalWorkers:
     """Spawn every worker, wait until each reports ready, then tell each its peers:
     decode workers get the prefill workers' addresses, prefill workers the decode
-    workers' transport metadata. Raises (after stopping what started) if any fails."""
+    workers' transport metadata; wait until each reports serving (its handshakes made).
+    Raises (after stopping what started) if any fails."""
     from decode_worker.server import serve as serve_decode
     from prefill_worker.server import serve as serve_prefill
 
@@ -69,10 +73,17 @@ def start_workers(config: ClusterConfig, timeout: float = 180.0) -> LocalWorkers
             ready = decode(w.control.recv_bytes())
             w.address, w.metadata = ready["address"], ready["metadata"]
         to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)
-        for w in workers.decode:
+        for w in workers.decode:  # first: the prefill workers' handshakes need them polling
             w.control.send_bytes(to_decode)
         for w in workers.prefill:
             w.control.send_bytes(to_prefill)
+        for w in workers.all:  # pre-warmed: every KV handshake is made before the router starts
+            if not w.control.poll(timeout):
+                raise RuntimeError(f"worker {w.name} did not take its peers within {timeout} s")
+            serving = decode(w.control.recv_bytes())
+            if serving["cold"]:
+                logger.warning("%s has no KV handshake with %s: their prompts are prefilled locally",
+                               w.name, ", ".join(serving["cold"]))
     except BaseException:
         workers.stop()
         raise

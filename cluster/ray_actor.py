@@ -21,6 +21,7 @@ import uuid
 
 from cluster.config import ClusterConfig
 from cluster.control import STOP, QueueControl
+from router.protocol import decode
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class WorkerActor:
         # supervisor tells a restart by this changing.
         self._incarnation = uuid.uuid4().hex
         self.control = QueueControl()
+        self._serving = False  # the first peers message was taken and answered
         self.error = ""  # the worker thread's traceback, if serve() raised
         self.thread = threading.Thread(target=self._run, args=(role, config, index, host),
                                        name=f"pdserve-{self.name}", daemon=True)
@@ -58,6 +60,9 @@ class WorkerActor:
     def ready(self, timeout: float) -> bytes:
         """The worker's "ready" message (msgpack, router/protocol.py). Raises if the
         worker failed or took longer than `timeout` seconds."""
+        return self._from_worker("become ready", timeout)
+
+    def _from_worker(self, what: str, timeout: float) -> bytes:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             message = self.control.from_worker(0.1)
@@ -65,7 +70,7 @@ class WorkerActor:
                 return message
             if not self.thread.is_alive():
                 raise RuntimeError(f"worker {self.name} failed while starting:\n{self.error}")
-        raise TimeoutError(f"worker {self.name} did not become ready within {timeout} s")
+        raise TimeoutError(f"worker {self.name} did not {what} within {timeout} s")
 
     def incarnation(self) -> str:
         """This process's id; a health check. Raises if the worker thread died (so the
@@ -78,9 +83,18 @@ class WorkerActor:
         return os.getpid()
 
     def peers(self, message: bytes, wait_s: float = 30.0) -> bool:
-        """Hand the worker a "peers" message (the first one starts it serving); True
-        once it has acted on it (connected to new peers, dropped gone ones)."""
-        return self.control.to_worker(message, wait_s)
+        """Hand the worker a "peers" message; True once it has acted on it (connected
+        to new peers and made their KV handshakes, dropped gone ones). The first one
+        starts it serving: it answers "serving" (pre-warmed), read here."""
+        if self._serving:
+            return self.control.to_worker(message, wait_s)
+        self.control.to_worker(message)
+        serving = decode(self._from_worker("take its peers", wait_s))
+        if serving["cold"]:
+            logger.warning("%s has no KV handshake with %s: their prompts are prefilled locally",
+                           self.name, ", ".join(serving["cold"]))
+        self._serving = True
+        return True
 
     def stop(self, timeout: float) -> bool:
         """Stop the worker loop (it closes its sockets and transport); True once it has."""

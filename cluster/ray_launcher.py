@@ -139,7 +139,7 @@ def _probe(address: str, timeout: float = 5.0) -> None:
                              "is `ray start` running there?") from None
 
 
-def _check_capacity(config: ClusterConfig) -> None:
+def check_capacity(config: ClusterConfig) -> None:
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     problems = missing_resources(pool_bundles(config), nodes)
     if problems:
@@ -182,7 +182,7 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
     whatever started and releasing its resources, if any step fails."""
     workers = RayWorkers(shutdown_ray=connect(config.ray))
     try:
-        _check_capacity(config)
+        check_capacity(config)
         groups = _place(config)
         workers.groups = list(groups.values())
         hosts = _worker_hosts(groups)

@@ -1,5 +1,9 @@
-"""`pdserve serve CONFIG`: the workers (local processes, or Ray actors with
-`launcher: ray`), and the router in front, in this process."""
+"""`pdserve serve CONFIG`: the workers and the router in front of them.
+
+With `launcher: local` the workers are processes and the router runs here. With
+`launcher: ray` all of it runs in a deployment actor on this node (cluster/ray_deployment.py),
+which this command starts and, unless detached, stops.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -36,40 +41,69 @@ def build(config: ClusterConfig) -> tuple["LocalWorkers | RayWorkers", Router]:
     workers are wired back in, cluster/supervisor.py)."""
     workers = start(config)
     try:
-        router = Router(config, {w.name: w.address for w in workers.decode}, bool(workers.prefill))
+        router = Router(config, {w.name: w.address for w in workers.decode},
+                        {w.name: w.address for w in workers.prefill})
         if config.launcher == "ray":
             from cluster.supervisor import RouterHooks
 
-            workers.supervise(config.ray, RouterHooks(router.decode_worker_down, router.decode_worker_moved))
+            workers.supervise(config.ray, RouterHooks(router.worker_down, router.worker_moved))
     except BaseException:
         workers.stop()
         raise
     return workers, router
 
 
-def serve(config: ClusterConfig) -> None:
-    """Blocks until Ctrl-C (or SIGTERM), then stops the router and every worker."""
-    workers, router = build(config)
-    host, port = config.router.host, config.router.port
-    # The HTTP server runs in a thread, so the signals stay here: one orderly shutdown.
-    server = uvicorn.Server(uvicorn.Config(create_app(router), host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="router", daemon=True)
+class HTTPServer:
+    """The router's HTTP endpoint, served by uvicorn from a thread (signals stay with
+    whoever owns the main thread)."""
+
+    def __init__(self, router: Router, host: str, port: int) -> None:
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(router), host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="router", daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the router could not serve on {host}:{port} (port taken? see the log)")
+            time.sleep(0.05)
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def wait_for_signal(still_running: Callable[[], bool]) -> None:
+    """Until Ctrl-C or SIGTERM (or still_running() turns False)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5) and still_running():
+        pass
+
+
+def serve(config: ClusterConfig, detach: bool = False) -> None:
+    """Serve until Ctrl-C (or SIGTERM), then stop the router and every worker. On Ray
+    with detach=True, return once the deployment serves; `pdserve down` stops it."""
+    if config.launcher == "ray":
+        from cluster.ray_deployment import serve_on_ray
+
+        serve_on_ray(config, detach)
+        return
+    if detach:
+        raise ValueError("--detach needs launcher: ray (local workers end with this command)")
+    workers, router = build(config)
+    http = None
     try:
-        thread.start()
-        while not server.started:
-            if not thread.is_alive():
-                raise RuntimeError(f"the router could not start on {host}:{port} (see above)")
-            time.sleep(0.05)
-        print(f"pdserve: serving {config.model} at http://{host}:{port}/v1 "
-              f"({len(workers.prefill)} prefill + {len(workers.decode)} decode workers, "
-              f"{config.transport} transport, {config.launcher} launcher); Ctrl-C stops", flush=True)
-        while not stop.wait(0.5) and thread.is_alive():
-            pass
+        http = HTTPServer(router, config.router.host, config.router.port)
+        print(f"pdserve: serving {config.model} at {http.url}/v1 ({len(workers.prefill)} prefill + "
+              f"{len(workers.decode)} decode workers, {config.transport} transport, local launcher); "
+              "Ctrl-C stops", flush=True)
+        wait_for_signal(http.alive)
     finally:
-        server.should_exit = True
-        thread.join(10)
+        if http is not None:
+            http.stop()
         workers.stop()
         print("pdserve: stopped", flush=True)

@@ -1,4 +1,4 @@
-"""`pdserve status`: a running deployment's decode workers, as its router sees them."""
+"""`pdserve status`: a running deployment's workers, as its router sees them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-COLUMNS = ("worker", "live", "running", "waiting", "waiting_kv", "kv_used", "remote", "local", "fallbacks")
+# (column, stats key) per pool; "kv_used" is computed: blocks not free / all blocks.
+DECODE_COLUMNS = (("running", "running"), ("waiting", "waiting"), ("waiting_kv", "waiting_for_kv"),
+                  ("kv_used", None), ("remote", "remote"), ("local", "local"), ("fallbacks", "fallbacks"))
+PREFILL_COLUMNS = (("jobs", "jobs"), ("kv_used", None), ("prefills", "prefills"),
+                   ("blocks_sent", "blocks_written"), ("failed", "failed"))
 
 
 def fetch_status(url: str, timeout: float = 10.0) -> dict[str, Any]:
@@ -19,18 +23,27 @@ def fetch_status(url: str, timeout: float = 10.0) -> dict[str, Any]:
         raise ConnectionError(f"no pdserve router answers at {url}: {exc}") from None
 
 
-def format_status(status: dict[str, Any]) -> str:
-    """A table a row per decode worker; KV used = blocks not free / all blocks."""
+def _table(title: str, workers: list[dict[str, Any]], columns: tuple[tuple[str, str | None], ...]) -> list[str]:
+    header = ("worker", "live", "address", *(c for c, _ in columns))
     rows = []
-    for w in status["decode_workers"]:
+    for w in workers:
         s = w["stats"] or {}
-        used = f"{1 - s['free_blocks'] / s['num_blocks']:.0%}" if s.get("num_blocks") else "?"
-        rows.append((w["name"], "yes" if w["live"] else "NO", *(str(s.get(k, "?")) for k in
-                     ("running", "waiting", "waiting_for_kv")), used,
-                     *(str(s.get(k, "?")) for k in ("remote", "local", "fallbacks"))))
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
-    lines = [f"model {status['model']}; prefill pool: {'yes' if status['prefill_pool'] else 'no'}; "
-             f"requests in flight: {status['in_flight']}",
-             "  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        cells = []
+        for _, key in columns:
+            if key is None:
+                cells.append(f"{1 - s['free_blocks'] / s['num_blocks']:.0%}" if s.get("num_blocks") else "?")
+            else:
+                cells.append(str(s.get(key, "?")))
+        rows.append((w["name"], "yes" if w["live"] else "NO", w.get("address", "?"), *cells))
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(header)]
+    return [title, "  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip()] + [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A table per pool, a row per worker."""
+    lines = [f"model {status['model']}; requests in flight: {status['in_flight']}", ""]
+    lines += _table("decode pool", status["decode_workers"], DECODE_COLUMNS)
+    prefill = status.get("prefill_workers", [])
+    lines += [""] + (_table("prefill pool", prefill, PREFILL_COLUMNS) if prefill else ["prefill pool: none"])
     return "\n".join(lines)

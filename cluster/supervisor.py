@@ -11,11 +11,13 @@ thread asks every worker for its incarnation each `ray.probe_interval_s`:
   drop a dead decode worker as a KV destination (their writes to it fail); decode
   workers drop a dead prefill worker, and prefill locally the prompts it was computing
   (KVTransport.peer_gone); the router fails the requests of a dead decode worker over
-  to a live one (router/decode_client.py) without waiting for its own health timeout.
+  to a live one (router/worker_client.py) without waiting for its own health timeout.
 - a new incarnation: Ray restarted it. Its "ready" gives the new address and metadata;
-  then, in this order, so that no message reaches a peer that does not know it yet:
-  the peers it sends to learn it, it learns its peers (it starts serving), the router
-  learns its address (a decode worker is routed to again once it answers a ping).
+  then, in this order: it learns its peers (it starts serving and handshakes with
+  them), the other pool learns it (a prefill worker's `add_peer` under a known name
+  with new metadata replaces the dead peer), and last the router learns its address,
+  so no request reaches it before its peers know it (a decode worker is routed to
+  again once it answers a ping).
 
 Peer updates are "peers" messages through the actor (cluster/control.py), each waited
 for until the worker has acted on it. Requests and KV never pass through here.
@@ -43,11 +45,12 @@ PEERS_WAIT_S = 30.0  # a live worker acts on a peers message within one loop ite
 
 
 class RouterHooks:
-    """What the supervisor tells the router about decode workers; both are called from
-    the supervisor's thread (the router's own methods hop onto its event loop)."""
+    """What the supervisor tells the router about workers of either pool; both are
+    called from the supervisor's thread (the router's own methods hop onto its event
+    loop)."""
 
     def __init__(self, down: Callable[[str], None], moved: Callable[[str, str], None]) -> None:
-        self.down = down  # (name): declared dead, fail its requests over
+        self.down = down  # (name): declared dead; a decode worker's requests fail over
         self.moved = moved  # (name, new ZMQ address): restarted there
 
 
@@ -105,9 +108,9 @@ class Supervisor:
     def _down(self, w: "RayWorker", reason: str) -> None:
         logger.warning("worker %s is down (%s): its peers stop using it", w.name, reason)
         w.alive = False
+        if self.router is not None:
+            self.router.down(w.name)
         if w.role == "decode":
-            if self.router is not None:
-                self.router.down(w.name)
             self._tell(self.workers.prefill)
         else:
             self._tell(self.workers.decode)
@@ -121,14 +124,13 @@ class Supervisor:
         if w.metadata:  # the dead process could not remove its shared memory
             unlink_segment(w.metadata)
         w.address, w.metadata, w.incarnation, w.alive = ready["address"], ready["metadata"], incarnation, True
-        if w.role == "decode":
-            self._tell(self.workers.prefill)  # they can write its KV before it asks
-            self._tell([w])
-            if self.router is not None:
-                self.router.moved(w.name, w.address)
-        else:
-            self._tell([w])
-            self._tell(self.workers.decode)
+        # Itself first (it starts serving, and polls its transport, which a peer's
+        # handshake may need), then the other pool; the router last, so no request
+        # reaches it before its peers know it.
+        self._tell([w])
+        self._tell(self.workers.prefill if w.role == "decode" else self.workers.decode)
+        if self.router is not None:
+            self.router.moved(w.name, w.address)
         self.restarts += 1
         logger.warning("worker %s restarted by Ray and back in service at %s", w.name, w.address)
 

@@ -13,7 +13,7 @@ from cluster.control import STOP, ControlChannel
 from engine.engine_core import EngineCore
 from kv_transfer import KVTransport, TransportConfig, create_transport
 from kv_transfer.messages import MessageError
-from router.protocol import decode
+from router.protocol import decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +61,24 @@ class WorkerLoop:
             self.poller.unregister(sock)
             sock.close(0)
 
-    def set_peers(self, msg: dict) -> None:
+    def set_peers(self, msg: dict) -> list[str]:
         """Apply a "peers" message (router/protocol.py): once before run(), and again
         whenever the launcher's supervisor reports a peer dead (left out) or restarted
-        (back, with a new address and transport metadata)."""
+        (back, with a new address and transport metadata). Makes the KV handshakes;
+        returns the peers whose handshake failed."""
         raise NotImplementedError
+
+    def serve(self, control: ControlChannel, transport: KVTransport) -> None:
+        """The worker's life on its control channel (cluster/control.py): report ready,
+        take the first peers and make every handshake, report serving, run until told
+        to stop; then close the transport."""
+        control.send_bytes(encode("ready", name=self.name, address=self.address, metadata=transport.metadata()))
+        cold = self.set_peers(decode(control.recv_bytes()))
+        control.send_bytes(encode("serving", cold=cold))
+        try:
+            self.run(control)
+        finally:
+            transport.close()
 
     def handle(self, sender: bytes, msg: dict, reply: zmq.Socket) -> None:
         raise NotImplementedError

@@ -22,7 +22,7 @@ from cluster.worker_loop import WorkerLoop, engine_and_transport
 from decode_worker.remote_kv import DecodeWorkerCore
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from router.protocol import decode, encode
+from router.protocol import encode
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +52,11 @@ class DecodeWorker(WorkerLoop):
         self.transfer = dict(saturated=0, kv_bytes_received=0, kv_transfer_seconds=0.0,
                              kv_transfer_failures=0)
 
-    def set_peers(self, msg: dict) -> None:
+    def set_peers(self, msg: dict) -> list[str]:
         """The prefill workers to use (name -> ZMQ address). One that left the list, or
         came back at a new address (restarted), is gone: its prompts still waiting for
-        KV are prefilled here at once (a dead sender can write nothing more)."""
+        KV are prefilled here at once (a dead sender can write nothing more). The
+        senders make the KV handshakes, so none is cold here."""
         addresses: dict[str, str] = msg["prefill"]
         for name in [n for n in self.prefill_addresses if addresses.get(n) != self.prefill_addresses[n]]:
             logger.warning("%s: prefill worker %s is gone; its prompts here are prefilled locally", self.name, name)
@@ -67,6 +68,7 @@ class DecodeWorker(WorkerLoop):
                 self.connect(name, address)
                 self.prefill_addresses[name] = address
         self.prefill_workers = sorted(addresses)
+        return []
 
     def _pick_prefill_worker(self) -> str | None:
         """The prefill worker with the fewest of our prompts in flight, or None when
@@ -197,9 +199,4 @@ def serve(config: ClusterConfig, index: int, control: ControlChannel, host: str 
     name, engine, transport = engine_and_transport(config, "decode", index, host)
     worker = DecodeWorker(name, DecodeWorkerCore(engine, transport, config.prefill_deadline_s),
                           config.router.prefill_max_outstanding, host)
-    control.send_bytes(encode("ready", name=name, address=worker.address, metadata=transport.metadata()))
-    worker.set_peers(decode(control.recv_bytes()))
-    try:
-        worker.run(control)
-    finally:
-        transport.close()
+    worker.serve(control, transport)

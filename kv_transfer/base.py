@@ -244,6 +244,9 @@ class KVTransport(ABC):
         """On D: a sender asked to set up a pairwise data channel (`session`: new for
         each of its connections)."""
 
+    def _warm(self, peer: _Peer) -> None:
+        """Make whatever _connect() left to the first write (connections, groups)."""
+
     def _disconnect(self, name: str) -> None:
         """Free what _connect() (as sender) or _on_join() (as receiver) set up for a
         peer that is gone. It is dead: nothing here may wait for it."""
@@ -302,6 +305,11 @@ class KVTransport(ABC):
         self._connect(peer)
         self._peers[name] = peer
         return name
+
+    def warm_up(self, name: str) -> None:
+        """Finish the handshake with peer `name` now rather than on the first write (the
+        receiver must be polling meanwhile). Raises if it cannot be made."""
+        self._warm(self._peers[name])
 
     def has_peer(self, name: str) -> bool:
         return name in self._peers

@@ -82,6 +82,9 @@ class NcclTransport(KVTransport):
         except RuntimeError as exc:  # the sender died while joining: its writes will expire
             logger.warning("transfer group with %r failed: %s", sender, exc)
 
+    def _warm(self, peer: _Peer) -> None:
+        self._sender_group(peer.name)  # waits for the pairwise group (the receiver joins in its poll)
+
     def _disconnect(self, name: str) -> None:
         # Dropped, not shut down: shutting a group down may wait for the dead peer.
         self._groups.pop(name, None)

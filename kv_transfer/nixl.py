@@ -65,6 +65,9 @@ class NixlTransport(KVTransport):
             peer.name, _block_descs(data["base"], self.compat.block_bytes, data["num_blocks"], data["device_id"]),
             data["mem"])
 
+    def _warm(self, peer: _Peer) -> None:
+        self._agent.make_connection(peer.name)  # UCX endpoints, else made by the first write
+
     def _disconnect(self, name: str) -> None:
         dlist = self._remote_blocks.pop(name, None)
         if dlist is not None:

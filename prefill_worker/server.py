@@ -12,7 +12,7 @@ from cluster.config import ClusterConfig
 from cluster.control import ControlChannel
 from cluster.worker_loop import WorkerLoop, engine_and_transport
 from prefill_worker.remote_prefill import PrefillWorkerCore, RemotePrefill
-from router.protocol import decode, encode
+from router.protocol import encode
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +24,27 @@ class PrefillWorker(WorkerLoop):
         self.origin: dict[str, tuple[zmq.Socket, bytes]] = {}  # request id -> decode worker
         self.decode_workers: set[str] = set()  # KV destinations, by transport agent name
 
-    def set_peers(self, msg: dict) -> None:
+    def set_peers(self, msg: dict) -> list[str]:
         """The decode workers' transport metadata. A new blob under a known name is a
         restarted worker (the transport replaces it); a name left out is gone: writes
-        to it fail now, and the jobs for it end at their next step."""
-        names = {self.core.transport.add_peer(metadata) for metadata in msg["decode"]}
+        to it fail now, and the jobs for it end at their next step. Every handshake is
+        made here, not on the first write; returns the peers whose handshake failed
+        (their writes will fail, and their requests be prefilled locally)."""
+        transport, cold = self.core.transport, []
+        names = set()
+        for metadata in msg["decode"]:
+            name = transport.add_peer(metadata)
+            names.add(name)
+            try:
+                transport.warm_up(name)
+            except Exception as exc:
+                logger.warning("%s: no KV handshake with %s: %s", self.name, name, exc)
+                cold.append(name)
         for name in self.decode_workers - names:
             logger.warning("%s: decode worker %s is gone", self.name, name)
-            self.core.transport.peer_gone(name)
+            transport.peer_gone(name)
         self.decode_workers = names
+        return cold
 
     def busy(self) -> bool:
         return bool(self.core.jobs)
@@ -70,9 +82,4 @@ def serve(config: ClusterConfig, index: int, control: ControlChannel, host: str 
     peers, run (cluster/control.py)."""
     name, engine, transport = engine_and_transport(config, "prefill", index, host)
     worker = PrefillWorker(name, PrefillWorkerCore(engine, transport), host)
-    control.send_bytes(encode("ready", name=name, address=worker.address, metadata=transport.metadata()))
-    worker.set_peers(decode(control.recv_bytes()))
-    try:
-        worker.run(control)
-    finally:
-        transport.close()
+    worker.serve(control, transport)

@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from cluster.config import ClusterConfig
 from engine.llm import load_tokenizer
 from engine.sampling_params import SamplingParams
-from router.decode_client import WORKER_LOST, DecodeClient
+from router.worker_client import WORKER_LOST, WorkerClient
 from router.errors import APIError
 from router.logprobs import LogprobFormatter, merge, requested_logprobs
 from router.metrics import RouterMetrics
@@ -59,19 +59,23 @@ class Chunk:
 
 
 class Router:
-    def __init__(self, config: ClusterConfig, decode_workers: dict[str, str], has_prefill: bool) -> None:
+    def __init__(self, config: ClusterConfig, decode_workers: dict[str, str],
+                 prefill_workers: dict[str, str] | None = None) -> None:
+        """Workers by name -> ZMQ address. The router sends requests to decode workers
+        only; it pings prefill workers too, for their health and /status."""
         self.config = config
         self.model_name = config.model
         self.served_names = {config.model, Path(config.model).name}
         self.tokenizer = load_tokenizer(config.model)
         self.ctx = zmq.asyncio.Context()
         timeout = config.router.worker_timeout_s
-        self.workers = [DecodeClient(self.ctx, n, a, timeout) for n, a in sorted(decode_workers.items())]
+        self.workers = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted(decode_workers.items())]
+        self.prefill = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted((prefill_workers or {}).items())]
         engine = config.engine_config("decode")
         # The router cannot see the pools' sizes; this bounds the history it keeps.
         self.routing = RoutingPolicy(config.router.policy, len(self.workers), engine.block_size,
                                      engine.num_kv_blocks or 65536)
-        self.has_prefill = has_prefill
+        self.has_prefill = bool(self.prefill)
         self.in_flight = 0
         self.metrics = RouterMetrics()
         self.loop: asyncio.AbstractEventLoop | None = None  # set while the app runs
@@ -135,7 +139,7 @@ class Router:
         self.in_flight += 1
         m.in_flight.set(self.in_flight)
         detok = Detokenizer(self.tokenizer, params.stop)
-        worker: DecodeClient | None = None
+        worker: WorkerClient | None = None
         request_id = ""
         finished = False
         start = last = time.monotonic()
@@ -187,7 +191,7 @@ class Router:
                     worker.send("abort", id=request_id)
 
     def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams,
-                failover: bool) -> tuple[DecodeClient, str, asyncio.Queue]:
+                failover: bool) -> tuple[WorkerClient, str, asyncio.Queue]:
         """Send prompt + generated to a live decode worker, asking for what remains of
         params.max_tokens; the worker, the request's id there, and its message queue."""
         live = [w.alive for w in self.workers]
@@ -202,7 +206,8 @@ class Router:
         index, cached = self.routing.choose(tokens, [len(w.queues) for w in self.workers], live)
         worker, request_id = self.workers[index], uuid.uuid4().hex
         # Conditional disaggregation: only the part the worker must compute counts.
-        remote = self.has_prefill and len(tokens) - cached >= self.config.router.remote_prefill_min_tokens
+        remote = (len(tokens) - cached >= self.config.router.remote_prefill_min_tokens
+                  and any(p.alive for p in self.prefill))
         m = self.metrics
         if failover:
             m.failovers.inc()
@@ -220,18 +225,21 @@ class Router:
 
     # --- from the Ray supervisor's thread (cluster/supervisor.py) ---------------------
 
-    def decode_worker_down(self, name: str) -> None:
+    def worker_down(self, name: str) -> None:
+        """A decode or prefill worker is down; a decode worker's requests fail over."""
         self._on_loop(lambda: self._client(name).declare_dead("is down (Ray supervisor)"))
 
-    def decode_worker_moved(self, name: str, address: str) -> None:
+    def worker_moved(self, name: str, address: str) -> None:
         """Restarted at `address`, with an empty cache."""
         def move() -> None:
             self._client(name).move(address)
-            self.routing.forget(next(i for i, w in enumerate(self.workers) if w.name == name))
+            for i, w in enumerate(self.workers):
+                if w.name == name:
+                    self.routing.forget(i)
         self._on_loop(move)
 
-    def _client(self, name: str) -> DecodeClient:
-        return next(w for w in self.workers if w.name == name)
+    def _client(self, name: str) -> WorkerClient:
+        return next(w for w in self.workers + self.prefill if w.name == name)
 
     def _on_loop(self, call: Any) -> None:
         """Run `call` on the router's event loop (its sockets and queues live there)."""
@@ -244,12 +252,13 @@ class Router:
         """Supervise the decode workers for the app's lifetime: ping each every
         router.health_interval_s, declare the silent ones dead (router/health.py)."""
         while True:
-            for w in self.workers:
+            for w in self.workers + self.prefill:
                 w.ping()
             await asyncio.sleep(self.config.router.health_interval_s)
-            for w in self.workers:
+            for w in self.workers + self.prefill:
                 w.check()
-            self.metrics.set_live({w.name: w.alive for w in self.workers})
+            self.metrics.set_live({w.name: w.alive for w in self.workers},
+                                  {w.name: w.alive for w in self.prefill})
 
 
 class Detokenizer:
@@ -302,7 +311,7 @@ def create_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         router.loop = asyncio.get_running_loop()
-        tasks = [asyncio.create_task(w.read_forever()) for w in router.workers]
+        tasks = [asyncio.create_task(w.read_forever()) for w in router.workers + router.prefill]
         tasks.append(asyncio.create_task(router.monitor()))
         yield
         for task in tasks:
@@ -331,12 +340,13 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/status")
     async def status() -> dict[str, Any]:
-        """Every decode worker: live or not, and its own figures (None if it did not
-        answer); `pdserve status` prints this."""
-        replies = await asyncio.gather(*(w.stats() if w.alive else _none() for w in router.workers))
+        """Every worker of both pools: live or not, and its own figures (None if it did
+        not answer); `pdserve status` prints this."""
+        pools = router.workers + router.prefill
+        replies = await asyncio.gather(*(w.stats() if w.alive else _none() for w in pools))
+        rows = [{"name": w.name, "address": w.address, "live": w.alive, "stats": s} for w, s in zip(pools, replies)]
         return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": router.has_prefill,
-                "decode_workers": [{"name": w.name, "live": w.alive, "stats": s}
-                                   for w, s in zip(router.workers, replies)]}
+                "decode_workers": rows[:len(router.workers)], "prefill_workers": rows[len(router.workers):]}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -344,7 +354,7 @@ def create_app(router: Router) -> FastAPI:
         for worker, stats in zip(live, await asyncio.gather(*(w.stats() for w in live))):
             if stats is not None:
                 router.metrics.set_worker(worker.name, stats)
-        router.metrics.set_live({w.name: w.alive for w in router.workers})
+        router.metrics.set_live({w.name: w.alive for w in router.workers}, {w.name: w.alive for w in router.prefill})
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -77,8 +77,10 @@ class RouterMetrics:
                                  registry=r)
         self.live_workers = Gauge("pdserve_decode_workers_live", "decode workers the router routes to",
                                   registry=r)
-        self.worker_live = Gauge("pdserve_worker_live", "1 if the router considers the decode worker alive",
-                                 ["worker"], registry=r)
+        self.prefill_live = Gauge("pdserve_prefill_workers_live", "prefill workers answering the router's pings",
+                                  registry=r)
+        self.worker_live = Gauge("pdserve_worker_live", "1 if the router considers the worker (decode or "
+                                 "prefill) alive", ["worker"], registry=r)
         self.worker = {key: Gauge(f"pdserve_worker_{key}", help_, ["worker"], registry=r)
                        for key, help_ in WORKER_GAUGES.items()}
 
@@ -96,11 +98,12 @@ class RouterMetrics:
             if key in stats:
                 gauge.labels(worker=name).set(stats[key])
 
-    def set_live(self, alive: dict[str, bool]) -> None:
-        """Each decode worker's health as the router sees it (router/health.py)."""
-        for name, ok in alive.items():
+    def set_live(self, decode: dict[str, bool], prefill: dict[str, bool]) -> None:
+        """Each worker's health as the router sees it (router/health.py)."""
+        for name, ok in {**decode, **prefill}.items():
             self.worker_live.labels(worker=name).set(int(ok))
-        self.live_workers.set(sum(alive.values()))
+        self.live_workers.set(sum(decode.values()))
+        self.prefill_live.set(sum(prefill.values()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,7 +14,10 @@ routing id is its own name. A worker answers on the socket a message came in on.
 Version 2: tokens carry logprobs and phases; prefill_done its timings.
 Version 3: stats and stats_reply carry a sequence number, so the router's health pings
 and its /metrics scrapes can share a connection without taking each other's replies.
-    launcher <-> worker  over the start pipe: ready (address, transport metadata), peers
+    launcher <-> worker  over the control channel (cluster/control.py): ready (address,
+                         transport metadata), peers, serving (the first peers applied and
+                         every KV handshake made: pre-warmed; `cold` names peers whose
+                         handshake failed)
 """
 
 from __future__ import annotations
@@ -34,5 +37,6 @@ WORKER = Schema(3, {
     "prefill_done": {"id": _STR, "error": _STR, "compute_s": _FLOAT, "transfer_s": _FLOAT, "bytes": _INT},
     "ready": {"name": _STR, "address": _STR, "metadata": _BYTES},
     "peers": {"prefill": _DICT, "decode": _LIST},
+    "serving": {"cold": _LIST},
 })
 encode, decode = WORKER.encode, WORKER.decode

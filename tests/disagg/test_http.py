@@ -183,14 +183,19 @@ def test_metrics_count_requests_latencies_and_worker_blocks(server) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_pdserve_status_lists_the_decode_workers(server, capsys) -> None:
+def test_pdserve_status_lists_the_workers_of_both_pools(server, capsys) -> None:
     from cluster.cli import main
 
     _, config, _ = server
     assert main(["status", "--url", f"http://127.0.0.1:{config.router.port}"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"model {config.model}; prefill pool: yes")
-    assert out[1].split()[:3] == ["worker", "live", "running"]
-    assert out[2].split()[:2] == ["decode-0", "yes"] and out[2].split()[5] == "0%"  # idle: no blocks held
+    assert out[0] == f"model {config.model}; requests in flight: 0"
+    assert out[2] == "decode pool" and out[3].split()[:4] == ["worker", "live", "address", "running"]
+    row = out[4].split()
+    assert row[:2] == ["decode-0", "yes"] and row[2].startswith("tcp://127.0.0.1:")
+    assert row[6] == "0%" and int(row[7]) >= 1  # idle: no blocks held; remote prefills so far
+    assert out[6] == "prefill pool" and out[7].split()[3:] == ["jobs", "kv_used", "prefills", "blocks_sent", "failed"]
+    row = out[8].split()
+    assert row[:2] == ["prefill-0", "yes"] and row[3:5] == ["0", "0%"] and int(row[5]) >= 1
     assert main(["status", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "no pdserve router answers at" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 The test process plays the other side. Commands and replies are msgpack maps sent as
 bytes (never pickled objects):
-    {"op": "add_peer", "meta": bytes}               -> {"peer": name} | {"error": str}
+    {"op": "add_peer", "meta": bytes, "warm": bool} -> {"peer": name} | {"error": str}
     {"op": "write", "peer", "req", "epoch", "src", "dst", "deadline"} -> {"xfer": id}
     {"op": "expect", "req", "epoch", "blocks", "deadline"}            -> {}
     {"op": "poll", "seconds": s}   poll for s seconds -> {"events": [...], "stats": {...}}
@@ -59,6 +59,8 @@ def run_agent(conn: Connection, transport: str, name: str, seed: int, timeout_s:
         try:
             if op == "add_peer":
                 reply["peer"] = t.add_peer(cmd["meta"])
+                if cmd.get("warm"):
+                    t.warm_up(reply["peer"])
             elif op == "write":
                 reply["xfer"] = t.write(cmd["peer"], cmd["req"], cmd["epoch"], cmd["src"], cmd["dst"],
                                         cmd["deadline"])

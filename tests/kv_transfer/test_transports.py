@@ -69,7 +69,8 @@ def decode(transport: str):
 def test_random_block_sets_arrive_intact(transport: str, decode: KVTransport, agents) -> None:
     prefill = RemoteAgent(transport, "prefill", seed=1, local=decode)
     agents.append(prefill)
-    peer = prefill.call("add_peer", meta=decode.metadata())["peer"]
+    # Pre-warmed (the handshake done before any write); decode polls meanwhile.
+    peer = prefill.call("add_peer", meta=decode.metadata(), warm=True)["peer"]
     assert peer == "decode"
     rng = random.Random(0)
     free = list(range(64))

@@ -16,7 +16,7 @@ def http(llama_dir: Path):
     config = ClusterConfig.from_dict({"model": str(llama_dir), "router": {"max_queued_requests": 2},
                                       "prefill": {"replicas": 0}})
     # A worker address nobody listens on: these requests never reach a worker.
-    router = Router(config, {"decode-0": "tcp://127.0.0.1:9"}, has_prefill=False)
+    router = Router(config, {"decode-0": "tcp://127.0.0.1:9"})
     with TestClient(create_app(router)) as client:
         yield client, router
 

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 WORKER_LOST: dict[str, Any] = {"kind": "worker_lost"}
 
 
-class DecodeClient:
+class WorkerClient:
     def __init__(self, ctx: zmq.asyncio.Context, name: str, address: str, timeout_s: float) -> None:
         self.name = name
         self.address = address
