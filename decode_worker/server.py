@@ -26,6 +26,10 @@ from router.protocol import encode
 
 logger = logging.getLogger(__name__)
 
+# Prefix-cache events kept for the router between two of its stats requests, per KV
+# block; beyond that they are dropped and the router told to start its index over.
+KV_EVENTS_PER_BLOCK = 4
+
 
 @dataclass
 class _Timing:
@@ -51,6 +55,8 @@ class DecodeWorker(WorkerLoop):
         self.prefill_addresses: dict[str, str] = {}
         self.transfer = dict(saturated=0, kv_bytes_received=0, kv_transfer_seconds=0.0,
                              kv_transfer_failures=0)
+        core.engine.kv.pool.events = []  # collected for the router (stats replies)
+        self._kv_events_lost = False
 
     def set_peers(self, msg: dict) -> list[str]:
         """The prefill workers to use (name -> ZMQ address). One that left the list, or
@@ -95,7 +101,9 @@ class DecodeWorker(WorkerLoop):
         elif kind == "abort":
             self._abort(msg["id"])
         elif kind == "stats":
-            self.send(sock, sender, encode("stats_reply", seq=msg["seq"], stats=self.stats()))
+            events, reset = self._kv_events()
+            self.send(sock, sender, encode("stats_reply", seq=msg["seq"], stats=self.stats(), kv_events=events,
+                                           kv_reset=reset))
         elif kind == "prefill_done":
             self._prefill_done(sender.decode(), msg)
 
@@ -145,6 +153,7 @@ class DecodeWorker(WorkerLoop):
 
     def step(self) -> None:
         out = self.core.step()
+        self._bound_kv_events()
         finished = {r.request_id for r in out.finished}
         now = time.monotonic()
         for request in {r.request_id: r for r in out.advanced + out.finished}.values():
@@ -183,6 +192,20 @@ class DecodeWorker(WorkerLoop):
         else:
             phases.update(queue=max(0.0, scheduled - t.arrived), prefill=max(0.0, first_token - scheduled))
         return phases
+
+    def _kv_events(self) -> tuple[list, bool]:
+        """The prefix-cache events since the last stats reply, for the router's kv_aware
+        index; reset=True when too many piled up (nobody asked) and were dropped."""
+        pool = self.core.engine.kv.pool
+        events, reset = pool.events or [], self._kv_events_lost
+        pool.events, self._kv_events_lost = [], False
+        return events, reset
+
+    def _bound_kv_events(self) -> None:
+        pool = self.core.engine.kv.pool
+        if len(pool.events) > KV_EVENTS_PER_BLOCK * pool.num_blocks:
+            pool.events.clear()
+            self._kv_events_lost = True
 
     def stats(self) -> dict:
         kv = self.core.engine.kv

@@ -66,7 +66,7 @@ class PrefillWorker(WorkerLoop):
             kv = self.core.engine.kv
             self.send(sock, sender, encode("stats_reply", seq=msg["seq"], stats={
                 "name": self.name, "num_blocks": kv.pool.num_blocks, "free_blocks": kv.num_free_blocks,
-                "jobs": len(self.core.jobs), **self.core.stats}))
+                "jobs": len(self.core.jobs), **self.core.stats}, kv_events=[], kv_reset=False))
 
     def step(self) -> None:
         for r in self.core.step():

@@ -75,6 +75,8 @@ class Router:
         # The router cannot see the pools' sizes; this bounds the history it keeps.
         self.routing = RoutingPolicy(config.router.policy, len(self.workers), engine.block_size,
                                      engine.num_kv_blocks or 65536)
+        for i, w in enumerate(self.workers):
+            w.on_kv_events = lambda events, reset, i=i: self.routing.kv_events(i, events, reset)
         self.has_prefill = bool(self.prefill)
         self.in_flight = 0
         self.metrics = RouterMetrics()

@@ -14,6 +14,9 @@ routing id is its own name. A worker answers on the socket a message came in on.
 Version 2: tokens carry logprobs and phases; prefill_done its timings.
 Version 3: stats and stats_reply carry a sequence number, so the router's health pings
 and its /metrics scrapes can share a connection without taking each other's replies.
+Version 4: stats_reply carries the worker's prefix-cache events since its last reply
+(kv_events: [block hash, cached?] in order; kv_reset: some were dropped, start over),
+for the router's kv_aware index.
     launcher <-> worker  over the control channel (cluster/control.py): ready (address,
                          transport metadata), peers, serving (the first peers applied and
                          every KV handshake made: pre-warmed; `cold` names peers whose
@@ -24,14 +27,14 @@ from __future__ import annotations
 
 from kv_transfer.messages import _BOOL, _BYTES, _DICT, _FLOAT, _INT, _LIST, _STR, Schema
 
-WORKER = Schema(3, {
+WORKER = Schema(4, {
     "generate": {"id": _STR, "prompt": _LIST, "params": _DICT, "remote": _BOOL, "priority": _INT},
     "abort": {"id": _STR},
     "stats": {"seq": _INT},
     "tokens": {"id": _STR, "tokens": _LIST, "finished": _BOOL, "reason": _STR, "cached": _INT,
                "logprobs": _LIST, "phases": _DICT},
     "rejected": {"id": _STR, "error": _STR},
-    "stats_reply": {"seq": _INT, "stats": _DICT},
+    "stats_reply": {"seq": _INT, "stats": _DICT, "kv_events": _LIST, "kv_reset": _BOOL},
     "prefill": {"id": _STR, "prompt": _LIST, "peer": _STR, "blocks": _LIST, "first": _INT,
                 "epoch": _INT, "deadline": _FLOAT},
     "prefill_done": {"id": _STR, "error": _STR, "compute_s": _FLOAT, "transfer_s": _FLOAT, "bytes": _INT},

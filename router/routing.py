@@ -1,12 +1,16 @@
 """Routing policies: which decode worker takes a request, and how much of its prompt
 that worker probably has cached already.
 
-`kv_aware` keeps, per worker, the block hashes of the prompts it was sent (the same
+`kv_aware` keeps, per worker, an index of the block hashes it probably holds (the same
 chained hashes the engines' prefix caches use, engine/kv_cache/block_hash.py), most
 recent last and bounded by the worker's pool size, and picks the worker with the
 lowest cost = prompt tokens it would have to prefill + LOAD_TOKENS per request it is
-already serving (in the spirit of Dynamo's KV router). The same overlap decides
-conditional disaggregation: only the uncached part counts toward the threshold.
+already serving (in the spirit of Dynamo's KV router). The index learns from two
+sources: routing history (a prompt's blocks are added when it is sent, so the next
+request sees them at once) and the worker's own prefix-cache events (blocks cached and
+evicted, reported with every stats reply, router/protocol.py), which correct it: an
+evicted block stops attracting requests. The same overlap decides conditional
+disaggregation: only the uncached part counts toward the threshold.
 """
 
 from __future__ import annotations
@@ -43,6 +47,15 @@ class PrefixIndex:
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
 
+    def apply(self, events: Sequence[Sequence]) -> None:
+        """The worker's prefix-cache events, in order: [hash, True] cached, [hash, False]
+        evicted."""
+        for h, cached in events:
+            if cached:
+                self.add((h,))
+            else:
+                self._hashes.pop(h, None)
+
 
 class RoutingPolicy:
     def __init__(self, policy: str, num_workers: int, block_size: int, capacity_blocks: int) -> None:
@@ -72,5 +85,11 @@ class RoutingPolicy:
         return best, cached[best]
 
     def forget(self, index: int) -> None:
-        """Worker `index` restarted: its prefix cache is empty."""
+        """Worker `index` restarted (its prefix cache is empty), or its events were lost."""
         self.indexes[index] = PrefixIndex(self.indexes[index].capacity)
+
+    def kv_events(self, index: int, events: Sequence[Sequence], reset: bool) -> None:
+        """Prefix-cache events reported by worker `index` (router/protocol.py stats_reply)."""
+        if reset:
+            self.forget(index)
+        self.indexes[index].apply(events)

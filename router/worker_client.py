@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -38,6 +39,8 @@ class WorkerClient:
         self.queues: dict[str, asyncio.Queue] = {}  # request id -> its messages
         self.health = WorkerHealth(timeout_s, time.monotonic())
         self._stats_waiters: dict[int, asyncio.Future] = {}  # ping seq -> its reply
+        # (events, reset): the worker's prefix-cache events, from every stats reply
+        self.on_kv_events: Callable[[list, bool], None] | None = None
         self._seq = 0
 
     @property
@@ -54,6 +57,8 @@ class WorkerClient:
             if self.health.heard(time.monotonic()):
                 logger.warning("decode worker %s answers again: routing to it again", self.name)
             if msg["kind"] == "stats_reply":
+                if (msg["kv_events"] or msg["kv_reset"]) and self.on_kv_events is not None:
+                    self.on_kv_events(msg["kv_events"], msg["kv_reset"])
                 waiter = self._stats_waiters.pop(msg["seq"], None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg["stats"])

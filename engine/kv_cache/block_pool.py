@@ -41,6 +41,9 @@ class BlockPool:
         self._cached: dict[int, KVBlock] = {}  # block hash -> block
         self.num_cache_queries = 0  # blocks looked up
         self.num_cache_hits = 0  # blocks found
+        # Prefix-cache events, when someone collects them (a decode worker, for the
+        # router's kv_aware index): [block hash, True = cached / False = evicted], in order.
+        self.events: list[list] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +100,8 @@ class BlockPool:
             return  # an identical block is already cached; this one stays private
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.append([block_hash, True])
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
@@ -105,4 +110,6 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.append([block.block_hash, False])
             block.block_hash = block.parent_hash = block.token_ids = None

@@ -99,6 +99,23 @@ def test_disaggregated_tokens_match_colocated(client: Client, reference) -> None
 
 
 @pytest.mark.timeout(60)
+def test_stats_replies_carry_the_prefix_cache_events_for_the_router(client: Client) -> None:
+    from engine.kv_cache.block_hash import hash_full_blocks
+
+    client.send("stats", seq=1)
+    client.recv(10)  # events so far: not this test's
+    prompt = list(range(300, 340))  # 2 full blocks of 16 (the last token is never cached)
+    client.generate({"events": prompt}, remote=False)
+    client.send("stats", seq=2)
+    reply = client.recv(10)
+    assert reply["kv_reset"] is False
+    cached = [h for h, stored in reply["kv_events"] if stored]
+    assert hash_full_blocks(prompt, 16) == cached[:2]  # the prompt's blocks, in order
+    client.send("stats", seq=3)
+    assert client.recv(10)["kv_events"] == []  # each event is reported once
+
+
+@pytest.mark.timeout(60)
 def test_bad_request_is_refused_by_name_and_serving_goes_on(client: Client, reference) -> None:
     results = client.generate({"bad": PROMPTS[0]}, remote=False, params={"max_tokens": 0})
     assert "max_tokens must be an integer >= 1" in results["bad"]["error"]

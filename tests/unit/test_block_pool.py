@@ -113,3 +113,16 @@ def test_disabled_prefix_caching_never_hits() -> None:
     a.num_computed_tokens = 9
     kv.cache_computed_blocks(a)
     assert kv.get_computed_blocks(make_request("b", list(range(9)))) == []
+
+
+def test_prefix_cache_events_report_caching_and_eviction_in_order() -> None:
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache(a, NONE_HASH, 11, [1])
+    assert pool.events is None  # nobody collects: nothing is kept
+    pool.events = []
+    pool.cache(b, 11, 22, [2])
+    pool.cache(b, 11, 22, [2])  # already cached: no event
+    pool.free([b, a])
+    pool.allocate(2)  # both evicted, least recently freed first
+    assert pool.events == [[22, True], [22, False], [11, False]]

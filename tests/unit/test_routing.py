@@ -50,3 +50,18 @@ def test_dead_workers_are_never_chosen(policy: str) -> None:
     assert {routing.choose(list(range(40)), [0, 5, 0], live)[0] for _ in range(4)} == {1}
     with pytest.raises(ValueError, match="no live worker"):
         routing.choose([1, 2], [0, 0, 0], [False] * 3)
+
+
+def test_a_workers_eviction_events_correct_the_routing_history() -> None:
+    from engine.kv_cache.block_hash import hash_full_blocks
+
+    policy = RoutingPolicy("kv_aware", 2, 16, capacity_blocks=100)
+    first, _ = policy.choose(SHARED + [1], loads=[0, 0])
+    assert policy.choose(SHARED + [2], loads=[0, 0]) == (first, 64)
+    hashes = hash_full_blocks(SHARED, 16)
+    policy.kv_events(first, [[hashes[2], False]], reset=False)  # its third block was evicted
+    assert policy.choose(SHARED + [3], loads=[0, 0]) == (first, 32)  # chained: only 2 blocks left
+    policy.kv_events(first, [], reset=True)  # events were lost: nothing is assumed cached
+    assert policy.indexes[first].cached_blocks(hashes) == 0
+    policy.kv_events(1 - first, [[h, True] for h in hashes], reset=False)  # the other cached them
+    assert policy.choose(SHARED + [4], loads=[0, 0]) == (1 - first, 64)
