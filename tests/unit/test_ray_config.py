@@ -131,3 +131,16 @@ def test_an_address_where_no_ray_listens_fails_in_seconds() -> None:
     with pytest.raises(PlacementError, match=f"no Ray cluster answers at \\S+:{port} "):
         connect(RayConfig(address=f"127.0.0.1:{port}"))
     assert time.monotonic() - start < 10
+
+
+def test_detach_without_a_lasting_ray_cluster_is_refused_before_anything_starts(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["serve", str(REPO / "configs" / "ray-local.yaml"), "--detach"]) == 2
+    assert "--detach needs a Ray cluster that outlives this command" in capsys.readouterr().err
+    assert main(["serve", str(REPO / "configs" / "local.yaml"), "--detach"]) == 2
+    assert "--detach needs launcher: ray" in capsys.readouterr().err
+    assert main(["down", str(REPO / "configs" / "local.yaml")]) == 2
+    assert "only a Ray deployment (launcher: ray) runs detached" in capsys.readouterr().err
