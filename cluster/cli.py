@@ -41,6 +41,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=args.port))
     if args.model is not None:  # e.g. under `ray job submit`, whose upload leaves out models/
         config = dataclasses.replace(config, model=args.model)
+    if args.ray:
+        config = dataclasses.replace(config, launcher="ray")
     serve(config, detach=args.detach)
     return 0
 
@@ -108,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("config", help="YAML cluster config, e.g. configs/local.yaml")
     serve.add_argument("--port", type=int, default=None, help="override router.port")
     serve.add_argument("--model", default=None, help="override model (a directory every worker's node can read)")
+    serve.add_argument("--ray", action="store_true", help="place the workers with Ray (launcher: ray), "
+                       "with the config's ray section or its defaults (a private local Ray)")
     serve.add_argument("--detach", action="store_true",
                        help="Ray only: leave the deployment running on the cluster and return; `pdserve down` stops it")
     serve.set_defaults(func=_cmd_serve)

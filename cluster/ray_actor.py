@@ -56,6 +56,11 @@ class WorkerActor:
         except BaseException:  # kept for ready(), and logged: Ray forwards actor logs to the driver
             self.error = traceback.format_exc()
             logger.error("worker %s failed:\n%s", self.name, self.error)
+            if self._serving:
+                # A crash while serving: end the process, so that Ray restarts the actor
+                # (bounded by ray.max_restarts) and the supervisor wires it back in. A
+                # failed start is reported by ready() instead.
+                os._exit(1)
 
     def ready(self, timeout: float) -> bytes:
         """The worker's "ready" message (msgpack, router/protocol.py). Raises if the

@@ -44,6 +44,7 @@ class _Timing:
 class DecodeWorker(WorkerLoop):
     def __init__(self, name: str, core: DecodeWorkerCore, prefill_max_outstanding: int = 16,
                  host: str = "127.0.0.1") -> None:
+        core.engine.kv.pool.events = []  # collected for the router (stats replies); before any socket exists
         super().__init__(name, host)
         self.core = core
         self.prefill_max_outstanding = prefill_max_outstanding
@@ -55,7 +56,6 @@ class DecodeWorker(WorkerLoop):
         self.prefill_addresses: dict[str, str] = {}
         self.transfer = dict(saturated=0, kv_bytes_received=0, kv_transfer_seconds=0.0,
                              kv_transfer_failures=0)
-        core.engine.kv.pool.events = []  # collected for the router (stats replies)
         self._kv_events_lost = False
 
     def set_peers(self, msg: dict) -> list[str]:

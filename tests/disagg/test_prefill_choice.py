@@ -7,8 +7,14 @@ from types import SimpleNamespace
 from decode_worker.server import DecodeWorker
 
 
+def fake_core(gone: list[str] | None = None) -> SimpleNamespace:
+    """What DecodeWorker touches of its core outside a step."""
+    return SimpleNamespace(waiting_for_kv=set(), engine=SimpleNamespace(kv=SimpleNamespace(pool=SimpleNamespace())),
+                           transport=SimpleNamespace(peer_gone=(gone if gone is not None else []).append))
+
+
 def test_least_busy_prefill_worker_then_local_when_saturated() -> None:
-    core = SimpleNamespace(waiting_for_kv=set())
+    core = fake_core()
     worker = DecodeWorker("decode-test", core, prefill_max_outstanding=2)
     try:
         assert worker._pick_prefill_worker() is None  # no prefill pool: local
@@ -24,5 +30,22 @@ def test_least_busy_prefill_worker_then_local_when_saturated() -> None:
         core.waiting_for_kv.discard("r1")  # its KV arrived (or it fell back): a slot frees
         assert worker._pick_prefill_worker() == "prefill-1"
         assert "r1" not in worker.prefill_of
+    finally:
+        worker.close()
+
+
+def test_peers_updates_drop_gone_and_moved_prefill_workers() -> None:
+    gone: list[str] = []
+    worker = DecodeWorker("decode-test", fake_core(gone))
+    try:
+        worker.set_peers({"prefill": {"prefill-0": "tcp://127.0.0.1:1", "prefill-1": "tcp://127.0.0.1:2"}})
+        assert worker.prefill_workers == ["prefill-0", "prefill-1"] and set(worker.dealers) == set(worker.prefill_workers)
+        worker.set_peers({"prefill": {"prefill-1": "tcp://127.0.0.1:2"}})  # prefill-0 died
+        assert gone == ["prefill-0"] and worker.prefill_workers == ["prefill-1"] and set(worker.dealers) == {"prefill-1"}
+        worker.set_peers({"prefill": {"prefill-0": "tcp://127.0.0.1:3", "prefill-1": "tcp://127.0.0.1:4"}})
+        # prefill-0 came back; prefill-1 moved (restarted between two probes): gone, then new
+        assert gone == ["prefill-0", "prefill-1"] and worker.prefill_addresses == {
+            "prefill-0": "tcp://127.0.0.1:3", "prefill-1": "tcp://127.0.0.1:4"}
+        assert worker._pick_prefill_worker() == "prefill-0"
     finally:
         worker.close()

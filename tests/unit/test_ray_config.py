@@ -142,5 +142,8 @@ def test_detach_without_a_lasting_ray_cluster_is_refused_before_anything_starts(
     assert "--detach needs a Ray cluster that outlives this command" in capsys.readouterr().err
     assert main(["serve", str(REPO / "configs" / "local.yaml"), "--detach"]) == 2
     assert "--detach needs launcher: ray" in capsys.readouterr().err
+    # --ray turns a local config into a Ray one (here: a private Ray, so no --detach).
+    assert main(["serve", str(REPO / "configs" / "local.yaml"), "--ray", "--detach"]) == 2
+    assert "--detach needs a Ray cluster that outlives this command" in capsys.readouterr().err
     assert main(["down", str(REPO / "configs" / "local.yaml")]) == 2
     assert "only a Ray deployment (launcher: ray) runs detached" in capsys.readouterr().err
