@@ -30,6 +30,7 @@ from tests.http_server import free_port, serving
 from tests.ray.conftest import descendants
 
 LONG_PROMPT = "Paged attention keeps keys and values in fixed-size blocks of the cache. " * 6
+VARIANTS = ("First, ", "Second, ", "Third, ")
 RESTART_WAIT_S = 90  # a new actor process: Python, torch and the model load again
 
 
@@ -62,11 +63,16 @@ def deployment(llama_dir: Path) -> Iterator[tuple[str, RayWorkers]]:
 
 @pytest.fixture(scope="module")
 def expected(llama_dir: Path) -> dict[str, str]:
+    """The offline engine's greedy text: the stream, and one long prompt per variant
+    (each prompt is new to every decode worker, so none has it cached: a cached prompt
+    is rightly prefilled locally)."""
     llm = LLM(str(llama_dir), num_kv_blocks=64)
     stream_params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    return {"stream": llm.generate([PROMPT], stream_params, use_tqdm=False)[0].text,
-            "long": llm.generate([LONG_PROMPT], params, use_tqdm=False)[0].text}
+    texts = {"stream": llm.generate([PROMPT], stream_params, use_tqdm=False)[0].text}
+    for variant in VARIANTS:
+        texts[variant] = llm.generate([variant + LONG_PROMPT], params, use_tqdm=False)[0].text
+    return texts
 
 
 def kill(w: RayWorker) -> None:
@@ -81,13 +87,19 @@ def wait_restarted(workers: RayWorkers, count: int, w: RayWorker, old_address: s
     assert w.address != old_address and w.address.startswith("tcp://127.0.0.1:")  # a new process
 
 
-def long_completion(base: str) -> str:
+def long_completion(base: str, variant: str) -> str:
     import httpx2 as httpx
 
     r = httpx.post(f"{base}/v1/completions", timeout=60, json={
-        "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+        "prompt": variant + LONG_PROMPT, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
+
+
+def router_sees_prefill_live(base: str) -> bool:
+    import httpx2 as httpx
+
+    return all(w["live"] for w in httpx.get(f"{base}/status", timeout=10).json()["prefill_workers"])
 
 
 def decode_stats(workers: RayWorkers) -> dict[str, int]:
@@ -135,16 +147,24 @@ def test_a_decode_actor_killed_mid_stream_fails_over_and_comes_back(deployment, 
 def test_a_killed_prefill_actor_falls_back_to_local_prefill_and_comes_back(deployment, expected) -> None:
     base, workers = deployment
     prefill = workers.prefill[0]
-    assert long_completion(base) == expected["long"]
+    before = decode_stats(workers)
+    first, second, third = VARIANTS
+    assert long_completion(base, first) == expected[first]
     start = decode_stats(workers)
-    assert start["remote"] >= 1  # the prefill actor computed that prompt's KV
+    assert start["remote"] == before["remote"] + 1  # the prefill actor computed that prompt's KV
     restarts, old_address = workers.supervisor.restarts, prefill.address
     kill(prefill)
     t0 = time.monotonic()
-    assert long_completion(base) == expected["long"]
+    assert long_completion(base, second) == expected[second]
     assert time.monotonic() - t0 < 15, "the fallback waited for the prefill deadline"
     after = decode_stats(workers)
-    assert after["local"] + after["fallbacks"] > start["local"] + start["fallbacks"]
+    # Prefilled on the decode worker: as a fallback (sent before the death was known) or
+    # at once (the router or the decode worker already knew).
+    assert after["local"] + after["fallbacks"] == start["local"] + start["fallbacks"] + 1
     wait_restarted(workers, restarts + 1, prefill, old_address)
-    assert long_completion(base) == expected["long"]
+    end = time.monotonic() + 20
+    while not router_sees_prefill_live(base):  # its next ping reply re-admits it
+        assert time.monotonic() < end, "the router did not re-admit the restarted prefill worker"
+        time.sleep(0.2)
+    assert long_completion(base, third) == expected[third]
     assert decode_stats(workers)["remote"] == after["remote"] + 1  # prefilled remotely again
