@@ -166,7 +166,8 @@ class RayConfig:
     decode: RayPoolConfig = field(default_factory=RayPoolConfig)
     # Supervision (cluster/supervisor.py): Ray restarts a crashed worker up to this many
     # times; every probe_interval_s each worker is asked for its incarnation, and one
-    # that does not answer within probe_timeout_s is treated as dead until it does.
+    # that does not answer within probe_timeout_s is killed (then restarted): a hung
+    # worker must not write KV after its peers stopped expecting it.
     max_restarts: int = 3
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 5.0

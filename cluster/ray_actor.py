@@ -1,13 +1,15 @@
 """One pdserve worker inside a Ray actor: the same `serve(config, index, control)` the
 local launcher runs in a process, here in a thread of the actor process.
 
-The class is plain Python (no Ray import) so it runs in tests without Ray; the launcher wraps it with `ray.remote(WorkerActor)` and
+The class is plain Python (Ray is imported only to look up the node's address) so it
+runs in tests without Ray; the launcher wraps it with `ray.remote(WorkerActor)` and
 creates it with max_concurrency > 1, because `ready()` blocks in one of Ray's threads
-while the worker starts in another. Who calls what: the launcher calls `ready()` once,
-then `peers()`, then `stop()`; its supervisor (cluster/supervisor.py) calls
-`incarnation()` every interval, `peers()` again when a peer dies or comes back, and,
-after Ray restarted the actor (a new incarnation), `ready()` and `peers()` as at the
-start. Nothing else talks to the actor (requests and KV go over ZMQ and the transport).
+while the worker starts in another. Who calls what: the launcher calls `incarnation()`,
+`ready()`, then `start_serving()` once each, and `stop()` at the end; the supervisor
+(cluster/supervisor.py) calls `incarnation()` every interval, `peers()` when a peer
+dies or comes back, and, after Ray restarted the actor (a new incarnation),
+`ready()` and `start_serving()` as at the start. Nothing else talks to the actor
+(requests and KV go over ZMQ and the transport).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ ROLES = ("decode", "prefill")
 
 
 class WorkerActor:
-    def __init__(self, role: str, config: ClusterConfig, index: int, host: str) -> None:
-        """`host`: where the worker's sockets listen (this node's address)."""
+    def __init__(self, role: str, config: ClusterConfig, index: int, host: str | None = None) -> None:
+        """`host`: where the worker's sockets listen; None: this node's address as Ray
+        knows it (looked up here, because a restart may land on another node)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.name = f"{role}-{index}"
@@ -40,7 +43,7 @@ class WorkerActor:
         self.control = QueueControl()
         self._serving = False  # the first peers message was taken and answered
         self.error = ""  # the worker thread's traceback, if serve() raised
-        self.thread = threading.Thread(target=self._run, args=(role, config, index, host),
+        self.thread = threading.Thread(target=self._run, args=(role, config, index, host or _node_address()),
                                        name=f"pdserve-{self.name}", daemon=True)
         self.thread.start()
 
@@ -87,22 +90,41 @@ class WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def peers(self, message: bytes, wait_s: float = 30.0) -> bool:
-        """Hand the worker a "peers" message; True once it has acted on it (connected
-        to new peers and made their KV handshakes, dropped gone ones). The first one
-        starts it serving: it answers "serving" (pre-warmed), read here."""
-        if self._serving:
-            return self.control.to_worker(message, wait_s)
+    def start_serving(self, message: bytes, incarnation: str, wait_s: float = 60.0) -> list[str]:
+        """Hand the worker its first "peers" message, after ready(); returns once it
+        serves, with every KV handshake made (pre-warmed): the peers whose handshake
+        failed. `incarnation` must be this process's: a call meant for the actor
+        before a restart must not be taken as this one's start."""
+        self._check(incarnation, serving=False)
         self.control.to_worker(message)
         serving = decode(self._from_worker("take its peers", wait_s))
-        if serving["cold"]:
-            logger.warning("%s has no KV handshake with %s: their prompts are prefilled locally",
-                           self.name, ", ".join(serving["cold"]))
         self._serving = True
-        return True
+        return serving["cold"]
+
+    def peers(self, message: bytes, incarnation: str, wait_s: float = 30.0) -> bool:
+        """A later "peers" message (a peer died or came back); True once the worker has
+        acted on it (connected to new peers and made their handshakes, dropped gone
+        ones)."""
+        self._check(incarnation, serving=True)
+        return self.control.to_worker(message, wait_s)
+
+    def _check(self, incarnation: str, serving: bool) -> None:
+        if incarnation != self._incarnation:
+            raise RuntimeError(f"{self.name}: a call for incarnation {incarnation}, this is {self._incarnation} "
+                               "(restarted meanwhile)")
+        if self._serving != serving:
+            raise RuntimeError(f"{self.name} is {'already' if self._serving else 'not yet'} serving")
 
     def stop(self, timeout: float) -> bool:
         """Stop the worker loop (it closes its sockets and transport); True once it has."""
         self.control.to_worker(STOP)
         self.thread.join(timeout)
         return not self.thread.is_alive()
+
+
+def _node_address() -> str:
+    """The address Ray registered this node under (what other nodes reach it at)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)

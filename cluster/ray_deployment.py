@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve"
 START_TIMEOUT_S = 300.0  # placement, every worker loading its model, the router
+SHUTDOWN_S = 40.0  # DeploymentActor.shutdown's worst case: router 5 s, supervisor and workers 10 + 20 s
 
 
 class DeploymentActor:
@@ -58,17 +59,20 @@ class DeploymentActor:
         return self.http.url
 
     def status(self) -> dict[str, Any]:
-        """Each worker's address and health as the supervisor sees it."""
+        """Whether the endpoint serves; each worker's address and health as the
+        supervisor sees it."""
         w = self.workers
-        return {"url": self.http.url if self.http else "", "restarts": w.supervisor.restarts if w else 0,
+        return {"url": self.http.url if self.http else "", "serving": bool(self.http and self.http.alive()),
+                "restarts": w.supervisor.restarts if w and w.supervisor else 0,
                 "workers": [{"name": x.name, "address": x.address, "alive": x.alive} for x in (w.all if w else [])]}
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self) -> None:
+        """The router, then the workers; at most SHUTDOWN_S in all."""
         if self.http is not None:
-            self.http.stop(timeout)
+            self.http.stop(5.0)
             self.http = None
         if self.workers is not None:
-            self.workers.stop(timeout)
+            self.workers.stop(10.0)  # bounded by about twice this (RayWorkers.stop)
             self.workers = None
 
 
@@ -112,16 +116,19 @@ def serve_on_ray(config: ClusterConfig, detach: bool) -> None:
             ray.shutdown()  # leaves a joined cluster running; ends a private one
 
 
-def down(config: RayConfig, timeout: float = 60.0) -> str:
-    """Stop the detached deployment `config.name`; its URL. Raises LookupError if there
-    is none on the cluster."""
+def down(config: RayConfig) -> str:
+    """Stop the deployment named `config.name` on the cluster (detached, or the one a
+    running `pdserve serve` holds); its URL. Raises LookupError if there is none."""
     connect(config)
     try:
         actor = _find(config)
         if actor is None:
             raise LookupError(f"no pdserve deployment named {config.name!r} on this Ray cluster")
-        url = ray.get(actor.status.remote(), timeout=timeout)["url"]
-        _stop(actor, timeout)
+        try:
+            url = ray.get(actor.status.remote(), timeout=30)["url"]
+        except (ray.exceptions.RayError, TimeoutError) as exc:  # a sick deployment is stopped all the same
+            url = f"(unknown: {type(exc).__name__})"
+        _stop(actor)
         return url
     finally:
         ray.shutdown()
@@ -135,18 +142,20 @@ def _find(config: RayConfig) -> Any:
 
 
 def _alive(actor: Any) -> bool:
+    """Does the deployment still serve? (Its actor answers, and its HTTP thread runs.)"""
     try:
-        ray.get(actor.status.remote(), timeout=30)
-        return True
+        if ray.get(actor.status.remote(), timeout=30)["serving"]:
+            return True
+        logger.error("the deployment's HTTP endpoint stopped")
     except (ray.exceptions.RayError, TimeoutError):
         logger.error("the deployment actor is gone")
-        return False
+    return False
 
 
-def _stop(actor: Any, timeout: float = 30.0) -> None:
+def _stop(actor: Any) -> None:
     """Stop the router and workers in order, then end the actor (even if that failed)."""
     try:
-        ray.get(actor.shutdown.remote(), timeout=timeout)
+        ray.get(actor.shutdown.remote(), timeout=SHUTDOWN_S + 10)
     except (ray.exceptions.RayError, TimeoutError) as exc:
         logger.warning("the deployment did not stop cleanly: %s", exc)
     ray.kill(actor, no_restart=True)

@@ -19,7 +19,6 @@ from typing import Any
 
 import ray
 from ray._private import services
-from ray.util import placement_group_table
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -146,18 +145,6 @@ def check_capacity(config: ClusterConfig) -> None:
         raise PlacementError("the Ray cluster cannot hold this config: " + "; ".join(problems))
 
 
-def _worker_hosts(groups: dict[str, PlacementGroup]) -> dict[str, list[str]]:
-    """Where each worker's sockets listen: its node's address as Ray knows it (a
-    restarted actor stays in its bundle, so on the same node), which workers and the
-    router on other nodes can reach."""
-    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    hosts = {}
-    for role, group in groups.items():
-        nodes = placement_group_table(group)["bundles_to_node_id"]
-        hosts[role] = [address[nodes[i]] for i in range(group.bundle_count)]
-    return hosts
-
-
 def _place(config: ClusterConfig) -> dict[str, PlacementGroup]:
     """One ready placement group per pool, or PlacementError (with none left behind)."""
     groups = {role: placement_group(bundles, strategy=config.ray.strategy)
@@ -185,7 +172,6 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
         check_capacity(config)
         groups = _place(config)
         workers.groups = list(groups.values())
-        hosts = _worker_hosts(groups)
         actor_class = ray.remote(WorkerActor)
         for role, group in groups.items():
             pool = getattr(config.ray, role)
@@ -194,7 +180,7 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
                     num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
                     max_concurrency=ACTOR_CONCURRENCY, max_restarts=config.ray.max_restarts, max_task_retries=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-                ).remote(role, config, i, hosts[role][i])
+                ).remote(role, config, i)
                 getattr(workers, role).append(RayWorker(f"{role}-{i}", role, actor))
         replies = [w.actor.ready.remote(timeout) for w in workers.all]
         try:
@@ -206,8 +192,12 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
             ready = decode(message)
             w.address, w.metadata, w.incarnation = ready["address"], ready["metadata"], incarnation
         to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)
-        ray.get([w.actor.peers.remote(to_decode) for w in workers.decode]
-                + [w.actor.peers.remote(to_prefill) for w in workers.prefill], timeout=60)
+        cold = ray.get([w.actor.start_serving.remote(to_decode if w.role == "decode" else to_prefill, w.incarnation)
+                        for w in workers.all], timeout=90)
+        for w, names in zip(workers.all, cold):
+            if names:
+                logger.warning("%s has no KV handshake with %s: their prompts are prefilled locally",
+                               w.name, ", ".join(names))
     except BaseException:
         workers.stop()
         raise

@@ -4,31 +4,37 @@ Ray has restarted it, wire it back in.
 Ray restarts a crashed worker actor in its placement-group bundle (up to
 `ray.max_restarts` times) by running its constructor again in a new process: a new
 ZMQ address, a new KV cache and new transport metadata. Nobody else would know. This
-thread asks every worker for its incarnation each `ray.probe_interval_s`:
+thread asks every worker for its incarnation each `ray.probe_interval_s`; each pass
+first classifies every worker, then acts:
 
-- no answer within `ray.probe_timeout_s` (dead, restarting, or hung): the worker is
-  down. Its peers are told at once, so nothing waits for a deadline: prefill workers
-  drop a dead decode worker as a KV destination (their writes to it fail); decode
-  workers drop a dead prefill worker, and prefill locally the prompts it was computing
-  (KVTransport.peer_gone); the router fails the requests of a dead decode worker over
-  to a live one (router/worker_client.py) without waiting for its own health timeout.
-- a new incarnation: Ray restarted it. Its "ready" gives the new address and metadata;
-  then, in this order: it learns its peers (it starts serving and handshakes with
-  them), the other pool learns it (a prefill worker's `add_peer` under a known name
-  with new metadata replaces the dead peer), and last the router learns its address,
-  so no request reaches it before its peers know it (a decode worker is routed to
-  again once it answers a ping).
+- down: Ray reports it dead or restarting, or it did not answer within
+  `ray.probe_timeout_s`. A silent one is killed first (Ray restarts it), so "down"
+  always means its process is gone: a hung prefill worker must not wake up and write
+  into blocks its decode worker has reused. Its peers are told at once, so nothing
+  waits for a deadline: prefill workers drop a dead decode worker as a KV destination
+  (its jobs end); decode workers drop a dead prefill worker and prefill locally the
+  prompts it was computing (KVTransport.peer_gone); the router fails the requests of a
+  dead decode worker over to a live one (router/worker_client.py) without waiting for
+  its own health timeout.
+- a new incarnation: Ray restarted it. Its "ready" (address, metadata) is awaited
+  without blocking the passes; then, in this order: it gets its peers and starts
+  serving (its handshakes made), the other pool learns it (a prefill worker's
+  `add_peer` under a known name with new metadata replaces the dead peer, and jobs for
+  the old process end: their blocks are not the new one's), and last the router
+  learns its address, so no request reaches it before its peers know it. A restarted
+  worker that fails to start is killed, for Ray to try again (bounded).
 
-Peer updates are "peers" messages through the actor (cluster/control.py), each waited
-for until the worker has acted on it. Requests and KV never pass through here.
+Calls to a worker carry the incarnation they are meant for: one that reaches a process
+restarted meanwhile is refused, not taken as its own. Requests and KV never pass here.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -63,6 +69,9 @@ class Supervisor:
         self.probe_timeout_s = probe_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.restarts = 0  # restarted workers wired back in
+        # name -> (new incarnation, its pending ready() call, give up at): restarted
+        # workers whose start is awaited across passes (loading a model takes a while)
+        self._starting: dict[str, tuple[str, Any, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pdserve-supervisor", daemon=True)
 
@@ -82,71 +91,103 @@ class Supervisor:
                 logger.exception("supervisor pass failed")
 
     def check(self) -> None:
-        """One pass: probe every worker, handle deaths, then restarts."""
-        probes = {id(w): w.actor.incarnation.remote() for w in self.workers.all}
-        done, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=self.probe_timeout_s)
-        done_set = set(done)
-        for w in self.workers.all:
-            ref = probes[id(w)]
-            incarnation = None
-            if ref in done_set:
+        """One pass: probe, classify, then handle deaths, then restarts."""
+        self._collect_restarts()
+        watched = [w for w in self.workers.all if w.name not in self._starting]
+        probes = [w.actor.incarnation.remote() for w in watched]
+        done, _ = ray.wait(probes, num_returns=len(probes), timeout=self.probe_timeout_s) if probes else ([], [])
+        down, restarted = [], []
+        for w, ref in zip(watched, probes):
+            incarnation, reason = None, f"no answer within {self.probe_timeout_s:g} s"
+            if ref in done:
                 try:
-                    incarnation = ray.get(ref)
+                    incarnation, reason = ray.get(ref), ""
                 except ray.exceptions.RayError as exc:
                     reason = _first_line(exc)
-                else:
-                    reason = ""
-            else:
-                reason = f"no answer within {self.probe_timeout_s:g} s"
-            if incarnation is not None and incarnation == w.incarnation:
+            if incarnation == w.incarnation:
                 continue
-            if w.alive:  # died (or died and came back since the last pass)
-                self._down(w, reason or "restarted by Ray")
-            if incarnation is not None and not self._stop.is_set():
-                self._restarted(w, incarnation)
-
-    def _down(self, w: "RayWorker", reason: str) -> None:
-        logger.warning("worker %s is down (%s): its peers stop using it", w.name, reason)
-        w.alive = False
-        if self.router is not None:
-            self.router.down(w.name)
-        if w.role == "decode":
+            if incarnation is None and not reason.startswith(("ActorDiedError", "ActorUnavailableError")) \
+                    and w.alive:
+                ray.kill(w.actor, no_restart=False)  # silent, maybe hung: make sure it is gone
+            if w.alive:
+                down.append((w, reason or "restarted by Ray"))
+            if incarnation is not None:
+                restarted.append((w, incarnation))
+        for w, _ in down:  # all of them first, so no message goes to one that is down
+            w.alive = False
+        for w, reason in down:
+            logger.warning("worker %s is down (%s): its peers stop using it", w.name, reason)
+            if self.router is not None:
+                self.router.down(w.name)
+        roles = {w.role for w, _ in down}
+        if "decode" in roles:
             self._tell(self.workers.prefill)
-        else:
+        if "prefill" in roles:
             self._tell(self.workers.decode)
+        for w, incarnation in restarted:
+            self._starting[w.name] = (incarnation, w.actor.ready.remote(self.ready_timeout_s),
+                                      time.monotonic() + self.ready_timeout_s + 30)
 
-    def _restarted(self, w: "RayWorker", incarnation: str) -> None:
-        try:
-            ready = decode(ray.get(w.actor.ready.remote(self.ready_timeout_s), timeout=self.ready_timeout_s + 30))
-        except (ray.exceptions.RayError, TimeoutError) as exc:
-            logger.warning("restarted worker %s did not become ready: %s", w.name, _first_line(exc))
-            return
+    def _collect_restarts(self) -> None:
+        """Wire in every restarted worker whose "ready" has come; kill one that failed
+        to start or took too long, so that Ray tries again."""
+        for w in self.workers.all:
+            if w.name not in self._starting:
+                continue
+            incarnation, ref, deadline = self._starting[w.name]
+            done, _ = ray.wait([ref], timeout=0)
+            if not done and time.monotonic() < deadline:
+                continue
+            del self._starting[w.name]
+            try:
+                if not done:
+                    raise TimeoutError(f"not ready within {self.ready_timeout_s:g} s")
+                self._wire_in(w, incarnation, decode(ray.get(ref)))
+            except (ray.exceptions.RayError, TimeoutError, RuntimeError) as exc:
+                logger.warning("restarted worker %s did not start (%s): restarting it again", w.name,
+                               _first_line(exc))
+                ray.kill(w.actor, no_restart=False)
+
+    def _wire_in(self, w: "RayWorker", incarnation: str, ready: dict) -> None:
         if w.metadata:  # the dead process could not remove its shared memory
             unlink_segment(w.metadata)
-        w.address, w.metadata, w.incarnation, w.alive = ready["address"], ready["metadata"], incarnation, True
-        # Itself first (it starts serving, and polls its transport, which a peer's
-        # handshake may need), then the other pool; the router last, so no request
-        # reaches it before its peers know it.
-        self._tell([w])
+        w.address, w.metadata, w.incarnation = ready["address"], ready["metadata"], incarnation
+        # Itself first (it starts serving and makes its handshakes with peers that are
+        # polling), then the other pool, then the router, so no request reaches it
+        # before its peers know it.
+        to_decode, to_prefill = self._peers_messages()
+        cold = ray.get(w.actor.start_serving.remote(to_decode if w.role == "decode" else to_prefill, incarnation),
+                       timeout=PEERS_WAIT_S * 2)
+        if cold:
+            logger.warning("%s has no KV handshake with %s", w.name, ", ".join(cold))
+        w.alive = True
         self._tell(self.workers.prefill if w.role == "decode" else self.workers.decode)
         if self.router is not None:
             self.router.moved(w.name, w.address)
         self.restarts += 1
         logger.warning("worker %s restarted by Ray and back in service at %s", w.name, w.address)
 
+    def _peers_messages(self) -> tuple[bytes, bytes]:
+        return peers_messages([w for w in self.workers.decode if w.alive], [w for w in self.workers.prefill if w.alive])
+
     def _tell(self, targets: "list[RayWorker]") -> None:
         """Send each live target the peers message for its role: the live workers of the
-        other pool. Waits until each has acted on it."""
-        live_decode = [w for w in self.workers.decode if w.alive]
-        live_prefill = [w for w in self.workers.prefill if w.alive]
-        to_decode, to_prefill = peers_messages(live_decode, live_prefill)
+        other pool. Waits until each has acted on it; one that fails is left to the next
+        probe."""
+        to_decode, to_prefill = self._peers_messages()
         targets = [t for t in targets if t.alive]
-        refs = [t.actor.peers.remote(to_decode if t.role == "decode" else to_prefill, PEERS_WAIT_S)
+        refs = [t.actor.peers.remote(to_decode if t.role == "decode" else to_prefill, t.incarnation, PEERS_WAIT_S)
                 for t in targets]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PEERS_WAIT_S + 5) if refs else ([], [])
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=PEERS_WAIT_S + 5) if refs else ([], [])
         for t, ref in zip(targets, refs):
-            if ref not in ready:
-                logger.warning("worker %s did not take its new peers in time", t.name)
+            try:
+                ok = ref in done and ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                ok, reason = False, _first_line(exc)
+            else:
+                reason = "no answer in time"
+            if not ok:
+                logger.warning("worker %s did not take its new peers (%s)", t.name, reason)
 
 
 def _first_line(exc: BaseException) -> str:

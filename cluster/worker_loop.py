@@ -72,10 +72,14 @@ class WorkerLoop:
         """The worker's life on its control channel (cluster/control.py): report ready,
         take the first peers and make every handshake, report serving, run until told
         to stop; then close the transport."""
-        control.send_bytes(encode("ready", name=self.name, address=self.address, metadata=transport.metadata()))
-        cold = self.set_peers(decode(control.recv_bytes()))
-        control.send_bytes(encode("serving", cold=cold))
         try:
+            control.send_bytes(encode("ready", name=self.name, address=self.address, metadata=transport.metadata()))
+            first = control.recv_bytes()
+            if first == STOP:  # stopped before it served
+                self.close()
+                return
+            cold = self.set_peers(decode(first))
+            control.send_bytes(encode("serving", cold=cold))
             self.run(control)
         finally:
             transport.close()

@@ -60,7 +60,8 @@ class DecodeWorkerCore:
         self.transport.expect(request_id, epoch, blocks[first:end], deadline, sender)
         self.waiting_for_kv.add(request_id)
         self.stats["remote"] += 1
-        return RemotePrefill(request_id, list(prompt), self.transport.agent_name, blocks, first, epoch, deadline)
+        return RemotePrefill(request_id, list(prompt), self.transport.agent_name, blocks, first, epoch, deadline,
+                             self.transport.session)
 
     def prefill_failed(self, request_id: str) -> None:
         """The prefill worker reported failure (or died): prefill locally instead."""

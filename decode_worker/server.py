@@ -68,6 +68,7 @@ class DecodeWorker(WorkerLoop):
             logger.warning("%s: prefill worker %s is gone; its prompts here are prefilled locally", self.name, name)
             self.disconnect(name)
             del self.prefill_addresses[name]
+            self.prefill_of = {r: p for r, p in self.prefill_of.items() if p != name}
             self.core.transport.peer_gone(name)  # Released -> local fallback (remote_kv.py)
         for name, address in addresses.items():
             if name not in self.prefill_addresses:
@@ -112,9 +113,10 @@ class DecodeWorker(WorkerLoop):
         self.transfer["kv_bytes_received"] += msg["bytes"]
         self.transfer["kv_transfer_seconds"] += msg["transfer_s"]
         if msg["error"]:
-            logger.warning("prefill of %s failed on %s: %s", request_id, prefill, msg["error"])
-            self.transfer["kv_transfer_failures"] += 1
-            self.core.prefill_failed(request_id)
+            if request_id in self.core.waiting_for_kv:  # else not (or no longer) ours, e.g. from before a restart
+                logger.warning("prefill of %s failed on %s: %s", request_id, prefill, msg["error"])
+                self.transfer["kv_transfer_failures"] += 1
+                self.core.prefill_failed(request_id)
         elif request_id in self.timing:
             self.timing[request_id].remote_compute_s = msg["compute_s"]
             self.timing[request_id].remote_transfer_s = msg["transfer_s"]
@@ -136,12 +138,12 @@ class DecodeWorker(WorkerLoop):
             self.prefill_of[request_id] = prefill
             self.dealers[prefill].send(encode(
                 "prefill", id=request_id, prompt=rp.prompt_token_ids, peer=rp.peer, blocks=rp.block_ids,
-                first=rp.first_block, epoch=rp.epoch, deadline=rp.deadline))
+                first=rp.first_block, epoch=rp.epoch, deadline=rp.deadline, session=rp.session))
 
     def _abort(self, request_id: str) -> None:
-        prefill = self.prefill_of.pop(request_id, None)
-        if prefill is not None:
-            self.dealers[prefill].send(encode("abort", id=request_id))
+        sock = self.dealers.get(self.prefill_of.pop(request_id, ""))
+        if sock is not None:  # its prefill worker may be gone
+            sock.send(encode("abort", id=request_id))
         self.core.abort(request_id)
         self._forget(request_id)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -149,6 +150,7 @@ class _Peer:
     socket: zmq.Socket
     data: dict[str, Any]
     metadata: bytes  # as add_peer() got it: new bytes under the same name = a restart
+    session: str  # the peer's KVTransport.session
 
 
 def _covered(runs: Any) -> set[int] | None:
@@ -177,6 +179,11 @@ class KVTransport(ABC):
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        # A restarted sender reconnects under the same identity: it takes over at once.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # New for every transport object: tells a restarted agent (same name) from the
+        # one before it, so no write meant for the old one reaches the new one.
+        self.session = uuid.uuid4().hex
         port = self._router.bind_to_random_port(f"tcp://{self.config.host}")
         self.control_address = f"tcp://{self.config.host}:{port}"
         self._peers: dict[str, _Peer] = {}
@@ -270,6 +277,7 @@ class KVTransport(ABC):
         if self.compat is None:
             raise RuntimeError("register_kv_cache() first")
         return msgpack.packb({"v": HANDSHAKE_VERSION, "name": self.agent_name, "transport": self.name,
+                              "session": self.session,
                               "control": self.control_address, "compat": self.compat.to_dict(),
                               "num_blocks": self.kv_cache.shape[0], "data": self._data_meta},
                              use_bin_type=True)
@@ -301,7 +309,8 @@ class KVTransport(ABC):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self.agent_name.encode())
         sock.connect(meta["control"])
-        peer = _Peer(name, compat, sock, dict(meta["data"], num_blocks=meta["num_blocks"]), bytes(metadata))
+        peer = _Peer(name, compat, sock, dict(meta["data"], num_blocks=meta["num_blocks"]), bytes(metadata),
+                     str(meta.get("session", "")))
         self._connect(peer)
         self._peers[name] = peer
         return name
@@ -311,8 +320,11 @@ class KVTransport(ABC):
         receiver must be polling meanwhile). Raises if it cannot be made."""
         self._warm(self._peers[name])
 
-    def has_peer(self, name: str) -> bool:
-        return name in self._peers
+    def peer_session(self, name: str) -> str | None:
+        """The session of the agent `name` we write to now (None: not a peer). A write
+        meant for another session of it (one that died) must not start."""
+        peer = self._peers.get(name)
+        return peer.session if peer is not None else None
 
     def peer_gone(self, name: str) -> None:
         """The process of agent `name` is gone (its supervisor says so). As sender: our

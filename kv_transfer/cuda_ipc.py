@@ -48,6 +48,7 @@ class CudaIpcTransport(KVTransport):
         self._peer_words[peer.name] = as_words(raw[:peer.data["bytes"]].view(peer.data["num_blocks"], -1))
 
     def _disconnect(self, name: str) -> None:
+        self._stream.synchronize()  # no queued copy may still target the mapping
         self._peer_words.pop(name, None)
 
     def _start(self, peer: _Peer, write: _Write) -> None:

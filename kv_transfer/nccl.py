@@ -64,9 +64,15 @@ class NcclTransport(KVTransport):
 
         def join() -> None:  # blocks until the receiver joins in its poll()
             try:
-                self._groups[peer.name] = self._group(prefix, SENDER)
+                group = self._group(prefix, SENDER)
             except Exception as exc:
-                self._join_errors[peer.name] = str(exc)
+                group, error = None, str(exc)
+            if self._joining.get(peer.name) is not threading.current_thread():
+                return  # the peer was dropped (or replaced) meanwhile: not ours to set
+            if group is not None:
+                self._groups[peer.name] = group
+            else:
+                self._join_errors[peer.name] = error
 
         self._joining[peer.name] = thread = threading.Thread(target=join, daemon=True)
         thread.start()

@@ -48,7 +48,8 @@ class ShmTransport(KVTransport):
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)
         self._path: str | None = None  # our segment, if we allocated one
-        self._maps: list[mmap.mmap] = []
+        self._maps: list[mmap.mmap] = []  # ours, and peers' still viewed when they went
+        self._peer_maps: dict[str, mmap.mmap] = {}
         self._peer_bytes: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"shm-{agent_name}")
 
@@ -69,12 +70,19 @@ class ShmTransport(KVTransport):
 
     def _connect(self, peer: _Peer) -> None:
         m, raw = _map(peer.data["path"], peer.data["bytes"], create=False)
-        self._maps.append(m)
+        self._peer_maps[peer.name] = m
         self._peer_bytes[peer.name] = raw.view(peer.data["num_blocks"], -1)
 
     def _disconnect(self, name: str) -> None:
-        # Its mapping stays in self._maps until close(): a copy may still hold a view.
+        # Unmapped now if nothing still views it (the pages of a dead peer's cache go
+        # once its file is unlinked too), else at close().
         self._peer_bytes.pop(name, None)
+        m = self._peer_maps.pop(name, None)
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:  # a copy still holds a view
+                self._maps.append(m)
 
     def _start(self, peer: _Peer, write: _Write) -> None:
         dst = self._peer_bytes[peer.name]
@@ -94,7 +102,7 @@ class ShmTransport(KVTransport):
         self._pool.shutdown(wait=True)
         self._peer_bytes.clear()
         self.kv_cache = self._blocks_bytes = None
-        for m in self._maps:
+        for m in self._maps + list(self._peer_maps.values()):
             try:
                 m.close()
             except BufferError:  # a tensor view still exists; the mapping goes with it

@@ -30,6 +30,7 @@ class RemotePrefill:
     first_block: int  # D already holds the KV of blocks before this one (its prefix cache)
     epoch: int
     deadline: float  # time.time() after which D no longer accepts writes
+    session: str = ""  # D's KVTransport.session: the blocks belong to that process only
 
 
 @dataclass
@@ -69,8 +70,19 @@ class PrefillWorkerCore:
         if not (0 <= rp.first_block < end <= len(rp.block_ids)):
             raise ValueError(f"{rp.request_id}: blocks [{rp.first_block}, {end}) to write do not fit "
                              f"the {len(rp.block_ids)} destination blocks")
+        if self.transport.peer_session(rp.peer) != rp.session:
+            raise ValueError(f"{rp.request_id}: decode worker {rp.peer!r} is not a peer in the session that "
+                             "reserved these blocks (it restarted, or is gone)")
         self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1])
         self.jobs[rp.request_id] = _Job(rp, rp.first_block, end)
+
+    def fail_jobs_for(self, peer: str) -> None:
+        """Decode worker `peer` died (or restarted: its blocks are not the ones reserved):
+        every job for it writes no more and ends at the next step."""
+        for request_id, job in self.jobs.items():
+            if job.rp.peer == peer and job.failed is None and self.transport.peer_session(peer) != job.rp.session:
+                job.failed = f"decode worker {peer!r} is gone or restarted"
+                self.transport.cancel(request_id)
 
     def abort(self, request_id: str) -> None:
         """D gave up on it: write no more; it ends (reported by step) once in-flight
@@ -111,8 +123,8 @@ class PrefillWorkerCore:
         if ready <= job.next_block:
             return
         rp = job.rp
-        if not self.transport.has_peer(rp.peer):  # its decode worker is gone (peer_gone)
-            job.failed = f"decode worker {rp.peer!r} is gone"
+        if self.transport.peer_session(rp.peer) != rp.session:  # gone, or restarted: not its blocks
+            self.fail_jobs_for(rp.peer)
             return
         local = self.engine.kv.block_ids(request_id)
         xfer = self.transport.write(rp.peer, request_id, rp.epoch, local[job.next_block:ready],

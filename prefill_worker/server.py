@@ -30,19 +30,24 @@ class PrefillWorker(WorkerLoop):
         to it fail now, and the jobs for it end at their next step. Every handshake is
         made here, not on the first write; returns the peers whose handshake failed
         (their writes will fail, and their requests be prefilled locally)."""
-        transport, cold = self.core.transport, []
-        names = set()
+        transport, cold, names = self.core.transport, [], set()
         for metadata in msg["decode"]:
-            name = transport.add_peer(metadata)
-            names.add(name)
-            try:
+            name = None
+            try:  # one bad or unreachable peer must not take this worker down
+                name = transport.add_peer(metadata)
+                names.add(name)
                 transport.warm_up(name)
             except Exception as exc:
-                logger.warning("%s: no KV handshake with %s: %s", self.name, name, exc)
-                cold.append(name)
+                logger.warning("%s: no KV handshake with decode worker %s: %s", self.name, name, exc)
+                cold.append(name or "(unusable metadata)")
         for name in self.decode_workers - names:
             logger.warning("%s: decode worker %s is gone", self.name, name)
-            transport.peer_gone(name)
+            try:
+                transport.peer_gone(name)
+            except Exception as exc:
+                logger.warning("%s: dropping %s: %s", self.name, name, exc)
+        for name in self.decode_workers | names:  # jobs for a dead or replaced session end now
+            self.core.fail_jobs_for(name)
         self.decode_workers = names
         return cold
 
@@ -52,7 +57,7 @@ class PrefillWorker(WorkerLoop):
     def handle(self, sender: bytes, msg: dict, sock: zmq.Socket) -> None:
         if msg["kind"] == "prefill":
             rp = RemotePrefill(msg["id"], msg["prompt"], msg["peer"], msg["blocks"], msg["first"],
-                               msg["epoch"], msg["deadline"])
+                               msg["epoch"], msg["deadline"], msg["session"])
             try:
                 self.core.submit(rp)
             except ValueError as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -81,6 +82,8 @@ class Router:
         self.in_flight = 0
         self.metrics = RouterMetrics()
         self.loop: asyncio.AbstractEventLoop | None = None  # set while the app runs
+        self._early_calls: list[Any] = []  # from other threads before it ran
+        self._calls_lock = threading.Lock()
 
     # --- request parsing ----------------------------------------------------------
 
@@ -244,10 +247,12 @@ class Router:
         return next(w for w in self.workers + self.prefill if w.name == name)
 
     def _on_loop(self, call: Any) -> None:
-        """Run `call` on the router's event loop (its sockets and queues live there)."""
-        if self.loop is None:  # not serving yet: nothing else touches them
-            call()
-        else:
+        """Run `call` on the router's event loop (its sockets and queues live there);
+        before the app runs, when it starts."""
+        with self._calls_lock:
+            if self.loop is None:
+                self._early_calls.append(call)
+                return
             self.loop.call_soon_threadsafe(call)
 
     async def monitor(self) -> None:
@@ -312,10 +317,16 @@ def _error(exc: APIError) -> JSONResponse:
 def create_app(router: Router) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        router.loop = asyncio.get_running_loop()
+        with router._calls_lock:
+            router.loop = asyncio.get_running_loop()
+            early, router._early_calls = router._early_calls, []
+        for call in early:
+            call()
         tasks = [asyncio.create_task(w.read_forever()) for w in router.workers + router.prefill]
         tasks.append(asyncio.create_task(router.monitor()))
         yield
+        with router._calls_lock:
+            router.loop = None  # later calls wait for a next start, if any
         for task in tasks:
             task.cancel()
 

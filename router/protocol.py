@@ -17,6 +17,9 @@ and its /metrics scrapes can share a connection without taking each other's repl
 Version 4: stats_reply carries the worker's prefix-cache events since its last reply
 (kv_events: [block hash, cached?] in order; kv_reset: some were dropped, start over),
 for the router's kv_aware index.
+Version 5: prefill carries the decode worker's transport session: a prefill worker
+writes only into the blocks of the process that reserved them, never into those of
+one restarted under the same name.
     launcher <-> worker  over the control channel (cluster/control.py): ready (address,
                          transport metadata), peers, serving (the first peers applied and
                          every KV handshake made: pre-warmed; `cold` names peers whose
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from kv_transfer.messages import _BOOL, _BYTES, _DICT, _FLOAT, _INT, _LIST, _STR, Schema
 
-WORKER = Schema(4, {
+WORKER = Schema(5, {
     "generate": {"id": _STR, "prompt": _LIST, "params": _DICT, "remote": _BOOL, "priority": _INT},
     "abort": {"id": _STR},
     "stats": {"seq": _INT},
@@ -36,7 +39,7 @@ WORKER = Schema(4, {
     "rejected": {"id": _STR, "error": _STR},
     "stats_reply": {"seq": _INT, "stats": _DICT, "kv_events": _LIST, "kv_reset": _BOOL},
     "prefill": {"id": _STR, "prompt": _LIST, "peer": _STR, "blocks": _LIST, "first": _INT,
-                "epoch": _INT, "deadline": _FLOAT},
+                "epoch": _INT, "deadline": _FLOAT, "session": _STR},
     "prefill_done": {"id": _STR, "error": _STR, "compute_s": _FLOAT, "transfer_s": _FLOAT, "bytes": _INT},
     "ready": {"name": _STR, "address": _STR, "metadata": _BYTES},
     "peers": {"prefill": _DICT, "decode": _LIST},

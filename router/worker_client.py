@@ -1,5 +1,6 @@
-"""The router's connection to one decode worker: a DEALER socket, the queues of the
-requests it serves, and its health (router/health.py).
+"""The router's connection to one worker: a DEALER socket, its health
+(router/health.py) and, for a decode worker, the queues of the requests it serves.
+Prefill workers are only pinged, for their health and figures.
 
 Who calls what: the router starts `read_forever()` and one shared monitor task
 (router/app.py) for the app's lifetime; the monitor calls `ping()` and `check()` every
@@ -55,7 +56,7 @@ class WorkerClient:
                 logger.warning("dropped a message from %s: %s", self.name, exc)
                 continue
             if self.health.heard(time.monotonic()):
-                logger.warning("decode worker %s answers again: routing to it again", self.name)
+                logger.warning("worker %s answers again: in service again", self.name)
             if msg["kind"] == "stats_reply":
                 if (msg["kv_events"] or msg["kv_reset"]) and self.on_kv_events is not None:
                     self.on_kv_events(msg["kv_events"], msg["kv_reset"])
@@ -116,13 +117,17 @@ class WorkerClient:
 
     def move(self, address: str) -> None:
         """The worker was restarted at `address`. It stays dead to routing until it
-        answers (the next ping goes there)."""
+        answers (the next ping goes there); nothing sent to the old process will come
+        back, so any request still waiting on it fails over."""
+        if self.queues:
+            self._lose_requests("restarted")
+        self.health.kill()
         self.sock.disconnect(self.address)
         self.address = address
         self.sock.connect(address)
 
     def _lose_requests(self, reason: str) -> None:
-        logger.warning("decode worker %s (%s) %s: declared dead; %d request(s) fail over",
-                       self.name, self.address, reason, len(self.queues))
+        logger.warning("worker %s (%s) %s: declared dead%s", self.name, self.address, reason,
+                       f"; {len(self.queues)} request(s) fail over" if self.queues else "")
         for queue in self.queues.values():
             queue.put_nowait(WORKER_LOST)

@@ -103,3 +103,33 @@ def test_dead_prefill_worker_falls_back_to_local_prefill(llama_dir: Path, refere
     finally:
         decode.transport.close()
         prefill.transport.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_decode_worker_never_gets_writes_meant_for_the_one_before(llama_dir: Path) -> None:
+    """The decode worker dies and comes back under the same name (new cache, new
+    session) while the prefill worker still has a job queued for the old one, and a
+    prefill request from the old one arrives late: neither may write into the new
+    worker's blocks (they are not the blocks that were reserved)."""
+    old, prefill = worker_pair(llama_dir, "shm")
+    new, _ = worker_pair(llama_dir, "shm")
+    try:
+        queued = old.add_request("queued", PROMPTS[4], GREEDY, remote=True)
+        late = old.add_request("late", PROMPTS[3], GREEDY, remote=True)
+        prefill.submit(queued)
+        prefill.transport.add_peer(new.transport.metadata())  # the restart: same name "decode"
+        assert new.transport.session != old.transport.session
+        with pytest.raises(ValueError, match="not a peer in the session that reserved these blocks"):
+            prefill.submit(late)
+        new.engine.kv_cache.fill_(-7.0)
+        end, results = time.monotonic() + 30, []
+        while not results:
+            assert time.monotonic() < end, "the queued job never ended"
+            results = prefill.step()
+            new.step()
+        assert [(r.request_id, r.error) for r in results] == [("queued", "decode worker 'decode' is gone or restarted")]
+        assert (new.engine.kv_cache == -7.0).all(), "a write meant for the old worker landed in the new one"
+        assert prefill.engine.kv.num_free_blocks == prefill.engine.kv.pool.num_blocks
+    finally:
+        for core in (old, new, prefill):
+            core.transport.close()

@@ -192,8 +192,8 @@ def head() -> Iterator[Head]:
                RAY_USAGE_STATS_ENABLED="0",
                # `ray job stop` SIGKILLs the entrypoint 3 s after its SIGTERM by default.
                # pdserve's orderly stop (actors, placement groups, shm segments) took
-               # about 2 s here, and the interpreter's exit after it 2-3 s more.
-               RAY_JOB_STOP_WAIT_TIME_S="30")
+               # about 2 s here (its bound: cluster/ray_deployment.SHUTDOWN_S), and the interpreter's exit 2-3 s more.
+               RAY_JOB_STOP_WAIT_TIME_S="60")
     ports = {name: free_port() for name in ("gcs", "dashboard", "client", "agent_http", "agent_grpc", "metrics",
                                             "runtime_env", "node_manager", "object_manager")}
     head = Head(temp_dir, env, ports["gcs"], f"http://127.0.0.1:{ports['dashboard']}")
