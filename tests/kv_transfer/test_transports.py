@@ -260,3 +260,27 @@ def test_a_restarted_receiver_replaces_the_dead_one(transport: str, agents) -> N
         assert torch.equal(data.view(3, *cache_shape()[1:]), source_cache(seed=1)[[10, 11, 20]])
     finally:
         sender.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_restarted_sender_writes_again_under_the_same_name(transport: str, agents) -> None:
+    """The prefill side dies and comes back as a new process with the same agent name:
+    the receiver drops the dead one and takes writes from the new one, intact (nccl
+    makes a new pairwise group for the new session)."""
+    receiver = local_agent(transport, "decode")
+    try:
+        first = RemoteAgent(transport, "prefill", seed=1, local=receiver)
+        agents.append(first)
+        first.call("add_peer", meta=receiver.metadata(), warm=True)
+        first.kill()
+        receiver.peer_gone("prefill")
+        second = RemoteAgent(transport, "prefill", seed=5, local=receiver)
+        agents.append(second)
+        peer = second.call("add_peer", meta=receiver.metadata(), warm=True)["peer"]
+        receiver.expect("b", 1, [30, 31], deadline=time.time() + 60, sender="prefill")
+        second.call("write", peer=peer, req="b", epoch=1, src=[3, 4], dst=[30, 31], deadline=time.time() + 60)
+        done = wait_for(second, receiver, 1, ("WriteDone", "WriteFailed"))
+        assert done[0]["type"] == "WriteDone", done
+        assert torch.equal(receiver.kv_cache[[30, 31]], source_cache(seed=5)[[3, 4]])
+    finally:
+        receiver.close()

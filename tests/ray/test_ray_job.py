@@ -341,7 +341,10 @@ def test_a_detached_deployment_outlives_its_command_until_pdserve_down(head: Hea
     assert down.returncode == 0, f"pdserve down failed:\n{down.stdout}{down.stderr}"
     assert f"stopped the deployment 'pdserve' that served http://127.0.0.1:{port}" in down.stdout
     assert not _port_open(port)
-    assert set(head.placement_groups().values()) <= {"REMOVED"}
+    end = time.monotonic() + 15
+    while not set(head.placement_groups().values()) <= {"REMOVED"}:
+        assert time.monotonic() < end, f"placement groups outlived `pdserve down`: {head.placement_groups()}"
+        time.sleep(0.2)
     end = time.monotonic() + 15
     while (left := [_title(p) for p in head.processes() if _title(p).startswith(("ray::WorkerActor",
                                                                                  "ray::DeploymentActor"))]) \

@@ -156,7 +156,7 @@ def test_a_killed_prefill_actor_falls_back_to_local_prefill_and_comes_back(deplo
     kill(prefill)
     t0 = time.monotonic()
     assert long_completion(base, second) == expected[second]
-    assert time.monotonic() - t0 < 15, "the fallback waited for the prefill deadline"
+    assert time.monotonic() - t0 < 25, "the fallback waited for the prefill deadline (30 s)"
     after = decode_stats(workers)
     # Prefilled on the decode worker: as a fallback (sent before the death was known) or
     # at once (the router or the decode worker already knew).
