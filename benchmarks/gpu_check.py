@@ -202,7 +202,7 @@ def check_kernels(s: Setup) -> None:
 
 
 def check_norm_rope(s: Setup) -> None:
-    """The fused norm and rotary kernels against the model's torch ops."""
+    """The fused norm, rotary and SiLU-and-mul kernels against the model's torch ops."""
     import torch
 
     from engine.kernels.norm_rope import add_rms_norm, rotary_
@@ -227,6 +227,13 @@ def check_norm_rope(s: Setup) -> None:
     rotary_(q, k, rope.cos, rope.sin, positions)
     err = max(((a.float() - b).norm() / b.norm()).item() for a, b in ((q, want_q), (k, want_k)))
     row(f"fused rotary ({s.dtype})", f"rel err {err:.1e}", "<= 1e-2", err <= 1e-2)
+    from engine.kernels.activation import silu_and_mul
+
+    gate_up = torch.randn(300, 2 * 4 * s.hidden, device=s.device).to(dtype)  # I = 4 x hidden
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    err = ((silu_and_mul(gate_up).float() - ref).norm() / ref.norm()).item()
+    row(f"fused SiLU-and-mul ({s.dtype})", f"rel err {err:.1e}", "<= 1e-2", err <= 1e-2)
 
 
 # ------------------------------------------------------------------ 2. decode bandwidth

@@ -73,7 +73,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if use_fused_kernels(gate_up) and gate_up.dim() == 2:
+            from engine.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -103,8 +108,8 @@ class DecoderLayer(nn.Module):
 
 
 def use_fused_kernels(x: torch.Tensor) -> bool:
-    """16-bit on a GPU: fused norms and rotary (engine/kernels/norm_rope.py), a few
-    launches a layer instead of dozens. float32 keeps the torch ops, which match
+    """16-bit on a GPU: fused norms and rotary (engine/kernels/norm_rope.py) and
+    SiLU-and-mul (engine/kernels/activation.py), a few launches a layer instead of dozens. float32 keeps the torch ops, which match
     transformers bit for bit."""
     return x.is_cuda and x.dtype != torch.float32
 
