@@ -57,14 +57,18 @@ class HTTPServer:
     """The router's HTTP endpoint, served by uvicorn from a thread (signals stay with
     whoever owns the main thread)."""
 
-    def __init__(self, router: Router, host: str, port: int) -> None:
+    def __init__(self, router: Router, host: str, port: int, timeout: float = 60.0) -> None:
         self.url = f"http://{host}:{port}"
         self.server = uvicorn.Server(uvicorn.Config(create_app(router), host=host, port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="router", daemon=True)
         self.thread.start()
+        end = time.monotonic() + timeout
         while not self.server.started:
             if not self.thread.is_alive():
                 raise RuntimeError(f"the router could not serve on {host}:{port} (port taken? see the log)")
+            if time.monotonic() > end:
+                self.stop()
+                raise RuntimeError(f"the router did not start serving on {host}:{port} within {timeout:g} s")
             time.sleep(0.05)
 
     def alive(self) -> bool:

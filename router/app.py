@@ -78,7 +78,6 @@ class Router:
                                      engine.num_kv_blocks or 65536)
         for i, w in enumerate(self.workers):
             w.on_kv_events = lambda events, reset, i=i: self.routing.kv_events(i, events, reset)
-        self.has_prefill = bool(self.prefill)
         self.in_flight = 0
         self.metrics = RouterMetrics()
         self.loop: asyncio.AbstractEventLoop | None = None  # set while the app runs
@@ -255,6 +254,10 @@ class Router:
                 return
             self.loop.call_soon_threadsafe(call)
 
+    def publish_live(self) -> None:
+        """Each worker's health, as the router sees it now, into the metrics."""
+        self.metrics.set_live({w.name: w.alive for w in self.workers}, {w.name: w.alive for w in self.prefill})
+
     async def monitor(self) -> None:
         """Supervise the decode workers for the app's lifetime: ping each every
         router.health_interval_s, declare the silent ones dead (router/health.py)."""
@@ -264,8 +267,7 @@ class Router:
             await asyncio.sleep(self.config.router.health_interval_s)
             for w in self.workers + self.prefill:
                 w.check()
-            self.metrics.set_live({w.name: w.alive for w in self.workers},
-                                  {w.name: w.alive for w in self.prefill})
+            self.publish_live()
 
 
 class Detokenizer:
@@ -358,7 +360,7 @@ def create_app(router: Router) -> FastAPI:
         pools = router.workers + router.prefill
         replies = await asyncio.gather(*(w.stats() if w.alive else _none() for w in pools))
         rows = [{"name": w.name, "address": w.address, "live": w.alive, "stats": s} for w, s in zip(pools, replies)]
-        return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": router.has_prefill,
+        return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.prefill),
                 "decode_workers": rows[:len(router.workers)], "prefill_workers": rows[len(router.workers):]}
 
     @app.get("/metrics")
@@ -367,7 +369,7 @@ def create_app(router: Router) -> FastAPI:
         for worker, stats in zip(live, await asyncio.gather(*(w.stats() for w in live))):
             if stats is not None:
                 router.metrics.set_worker(worker.name, stats)
-        router.metrics.set_live({w.name: w.alive for w in router.workers}, {w.name: w.alive for w in router.prefill})
+        router.publish_live()
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
