@@ -36,7 +36,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
-    prepack_cpu_weights: bool = True  # oneDNN-prepacked linears on CPU fp32 (model/cpu_linear.py)
+    prepack_cpu_weights: bool = True  # packed linears on CPU fp32: C panel kernel, else oneDNN (model/cpu_linear.py)
 
     def __post_init__(self) -> None:
         def require(ok: bool, message: str) -> None:

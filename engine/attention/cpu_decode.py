@@ -1,79 +1,26 @@
 """Loads the C decode-attention kernel (csrc/paged_decode.c) and checks its inputs.
 
-The kernel is compiled on first use with the system C compiler into a per-user cache
-(keyed by the source, the flags and the compiler), then loaded with ctypes: no torch
-headers, so a build takes about a second. It shares torch's OpenMP runtime (same
-soname, already loaded), hence torch's thread count. Where no compiler is found,
-`load()` returns None and the caller keeps its plain-torch path.
+The kernel is built on first use (engine/native.py); where it cannot be, `load()`
+returns None and the caller keeps its plain-torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from functools import cache
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from engine.native import load_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 MAX_QUERY_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 128  # the C file's stack arrays
 
 
-def _cpu_flags() -> list[str]:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
-                  if line.startswith("flags")), [])
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= set(flags) else []
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdserve", "kernels")
-    return Path(root)
-
-
-def _build(compiler: str, flags: list[str], library: Path) -> None:
-    library.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes never see half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
-    os.close(fd)
-    result = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr}")
-    os.replace(tmp, library)
-
-
-@cache
 def load() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention stays on the slower torch path")
-        return None
-    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", *_cpu_flags()]
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    library = _cache_dir() / f"paged_decode_{key}.so"
-    if not library.exists():
-        try:
-            _build(compiler, flags, library)
-        except (OSError, RuntimeError) as exc:
-            logger.warning("CPU decode attention stays on the slower torch path: %s", exc)
-            return None
-    lib = ctypes.CDLL(str(library))
-    lib.paged_decode_attention_f32.restype = None
+    lib = load_kernel(SOURCE)
+    if lib is not None:
+        lib.paged_decode_attention_f32.restype = None
     return lib
 
 

@@ -1,0 +1,137 @@
+"""CPU float32 linears: pdserve's C panel kernel vs oneDNN vs plain F.linear.
+
+    .venv/bin/python benchmarks/cpu_linear.py                      # 1 thread, ~2 minutes
+    .venv/bin/python benchmarks/cpu_linear.py --threads 2 --rows 1,16,512
+
+Two tables, each a median over interleaved repeats (this machine's speed drifts):
+
+  layers   one forward's worth of the model's linears (every layer's qkv, o, gate_up,
+           down, and the lm_head once), ms per forward and the weight bytes it streams
+           per second, for each row count (decode batches to prefill chunks)
+  engine   the engine's decode step (EngineCore.step, B requests of ~100-token
+           prompts, greedy) with each packed form (--skip-engine to leave it out)
+
+The shapes are the model's (default: the demo model, SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.model import cpu_linear  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
+
+
+def model_linears(cfg: ModelConfig) -> list[nn.Linear]:
+    """Random linears with one forward's shapes: num_layers x (qkv, o, gate_up, down) + lm_head."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = [(cfg.hidden_size, q + 2 * kv), (q, cfg.hidden_size), (cfg.hidden_size, 2 * cfg.intermediate_size),
+              (cfg.intermediate_size, cfg.hidden_size)] * cfg.num_layers + [(cfg.hidden_size, cfg.vocab_size)]
+    return [nn.Linear(i, o, bias=False) for i, o in shapes]
+
+
+def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    for fn in fns.values():
+        fn()  # warm-up: page in the weights, build the kernel
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def layers_table(cfg: ModelConfig, rows_list: list[int], repeats: int) -> None:
+    linears = model_linears(cfg)
+    forms: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+        "F.linear": [lambda x, w=lin.weight: F.linear(x, w) for lin in linears]}
+    if torch.backends.mkldnn.is_available():
+        forms["oneDNN"] = list(map(cpu_linear.PackedLinear, linears))
+    if cpu_linear.panel_kernel() is not None:
+        forms["panel (C)"] = list(map(cpu_linear.PanelLinear, linears))
+    weight_gb = sum(lin.weight.numel() for lin in linears) * 4 / 1e9
+    print(f"\none forward's linears ({len(linears)}, {weight_gb:.2f} GB of fp32 weights), "
+          f"{torch.get_num_threads()} thread(s), median of {repeats}: ms (weight GB/s)")
+    print("| rows | " + " | ".join(forms) + " | panel vs oneDNN |")
+    print("|---:|" + "---:|" * (len(forms) + 1))
+    for rows in rows_list:
+        x = {lin.in_features: torch.randn(rows, lin.in_features) for lin in linears}
+
+        fns = {name: (lambda layers=layers, shapes=linears: [f(x[s.in_features]) for f, s in zip(layers, shapes)])
+               for name, layers in forms.items()}
+        with torch.inference_mode():
+            med = interleaved_medians(fns, repeats)
+        cells = [f"{med[n] * 1e3:.1f} ({weight_gb / med[n]:.1f})" for n in forms]
+        ratio = (f"{med['oneDNN'] / med['panel (C)']:.2f}x"
+                 if {"oneDNN", "panel (C)"} <= set(med) else "-")
+        print(f"| {rows} | " + " | ".join(cells) + f" | {ratio} |")
+
+
+def engine_table(model: str, batches: list[int], steps: int, repeats: int) -> None:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    forms = {"oneDNN": lambda: None}
+    real_kernel = cpu_linear.panel_kernel
+    if real_kernel() is not None:
+        forms["panel (C)"] = real_kernel
+    engines = {}
+    for name, kernel in forms.items():
+        cpu_linear.panel_kernel = kernel  # prepack_linears picks the form from it
+        engines[name] = LLM(model, num_threads=torch.get_num_threads(), kv_cache_memory_gib=1.0)
+    cpu_linear.panel_kernel = real_kernel
+    print(f"\nengine decode step ({model}), ms, median over {repeats} x {steps} steps")
+    print("| batch | " + " | ".join(forms) + " | panel vs oneDNN |")
+    print("|---:|" + "---:|" * (len(forms) + 1))
+    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=0.0)
+    for batch in batches:
+        prompts = [[100 + i + j for j in range(100)] for i in range(batch)]
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for _ in range(repeats):
+            for name, llm in engines.items():
+                requests = [llm.core.add_request(f"{batch}-{len(times[name])}-{i}", p, params)
+                            for i, p in enumerate(prompts)]
+                while not all(r.num_output_tokens for r in requests):
+                    llm.core.step()  # the prompts, in chunks under the token budget
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    llm.core.step()
+                    times[name].append(time.perf_counter() - t)
+                while llm.core.has_unfinished():
+                    llm.core.step()
+        med = {n: statistics.median(ts) for n, ts in times.items()}
+        ratio = f"{med['oneDNN'] / med['panel (C)']:.2f}x" if len(med) == 2 else "-"
+        print(f"| {batch} | " + " | ".join(f"{med[n] * 1e3:.1f}" for n in forms) + f" | {ratio} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rows", default="1,2,4,8,16,32,64,512")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--skip-engine", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    layers_table(ModelConfig.from_model_dir(args.model), [int(r) for r in args.rows.split(",")], args.repeats)
+    if not args.skip_engine:
+        engine_table(args.model, [int(b) for b in args.batches.split(",")], args.steps, max(1, args.repeats // 2))
+
+
+if __name__ == "__main__":
+    main()
