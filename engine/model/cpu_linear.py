@@ -72,7 +72,8 @@ class PanelLinear(nn.Module):
             ptr, i64 = ctypes.c_void_p, ctypes.c_int64
             self.lib.linear_f32(i64(rows), i64(self.out_features), i64(self.in_features),
                                 ptr(x.data_ptr()), i64(x.stride(0)), ptr(self.panels.data_ptr()),
-                                ptr(None if self.bias is None else self.bias.data_ptr()), ptr(y.data_ptr()))
+                                ptr(None if self.bias is None else self.bias.data_ptr()), ptr(y.data_ptr()),
+                                ctypes.c_int(torch.get_num_threads()))
         return y
 
 

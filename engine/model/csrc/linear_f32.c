@@ -76,9 +76,10 @@ static void pack_rows(const float *x, int64_t ldx, int64_t m, int64_t kc, float 
 
 /* Rows [0, m) of y's full panels, over k in [k0, k0 + kc); x is x's rows at column k0. */
 static void full_panels(int64_t m, int64_t full, int64_t N, int64_t K, int64_t k0, int64_t kc,
-                        const float *x, int64_t ldx, const float *xp, const float *panels, float *y) {
+                        const float *x, int64_t ldx, const float *xp, const float *panels, float *y,
+                        int threads) {
     int packed = xp != NULL, resume = k0 > 0;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < full; p++) {
         const float *panel = panels + (p * K + k0) * NR;
         for (int64_t m0 = 0; m0 < m; m0 += MR) {
@@ -89,19 +90,21 @@ static void full_panels(int64_t m, int64_t full, int64_t N, int64_t K, int64_t k
     }
 }
 
+/* threads: the caller's (torch's) count; an OpenMP default would be per calling thread
+ * and, in a thread torch has not set up, every core. */
 void linear_f32(int64_t M, int64_t N, int64_t K, const float *x, int64_t ldx,
-                const float *panels, const float *bias, float *y) {
+                const float *panels, const float *bias, float *y, int threads) {
     int64_t full = N / NR;
     float *xp = NULL;
     if (M > SMALL_M)  /* bytes: a multiple of the alignment, as aligned_alloc requires */
         xp = aligned_alloc(64, (size_t)(M + MR - 1) / MR * MR * KC * sizeof(float));
     if (xp == NULL) {
-        full_panels(M, full, N, K, 0, K, x, ldx, NULL, panels, y);
+        full_panels(M, full, N, K, 0, K, x, ldx, NULL, panels, y, threads);
     } else {
         for (int64_t k0 = 0; k0 < K; k0 += KC) {
             int64_t kc = min64(KC, K - k0);
             pack_rows(x + k0, ldx, M, kc, xp);
-            full_panels(M, full, N, K, k0, kc, NULL, ldx, xp, panels, y);
+            full_panels(M, full, N, K, k0, kc, NULL, ldx, xp, panels, y, threads);
         }
         free(xp);
     }
