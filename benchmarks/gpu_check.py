@@ -29,6 +29,32 @@ Rows:
  6. KV transfer between two processes on the GPU, 256 MiB in 2 MiB descriptors:
     cuda_ipc, and nixl if its wheel came along (>= 150 GB/s)
 A failing section prints FAIL with its error and the script goes on to the next.
+
+Diagnostics, not in the default run (helpers in benchmarks/gpu_profile.py):
+
+    # where the GPU time of a decode step at batch 256, context ~1k goes (~1.5 min):
+    python3 benchmarks/gpu_check.py --only profile
+    # nixl (UCX) GB/s, 256 MiB and 1 GiB, under each UCX setting (<= 3 min; needs the wheels):
+    PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py --only ucx
+    # both, in one run:
+    PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py --only profile,ucx
+
+ profile: torch.profiler (CPU + CUDA activity) over 5 decode steps of the Llama-3.2-1B-shaped
+    bf16 model at batch 256, run eagerly and then replaying the CUDA graphs, on one engine:
+    the top 15 GPU kernels (ms per step side by side, launches, % of the graph step), the
+    sum of all kernel time, the unprofiled wall time of a step and of a graph replay alone,
+    and the time per kernel group (attention, gemm, other Triton, torch ops, memcpy/set).
+ ucx: benchmarks/kv_transfer.py for nixl alone (2 MiB descriptors, 512 KiB blocks, as row 6)
+    in a fresh process per setting (UCX and NIXL read their environment at init; 60 s
+    timeout each, 170 s for the section): default; default with UCX_PROTO_INFO (prints the
+    lanes and put protocols UCX chose); NIXL_UCX_SGL_ENABLE=y (one UCX request per write);
+    UCX_CUDA_IPC_MAX_POLL=1024; NIXL's UCX backend with ucx_error_handling_mode=none (lets
+    UCX pick lanes that cannot report a peer's failure: shared memory), alone and with
+    UCX_TLS=sm,cuda_ipc,cuda_copy,self; UCX_TLS cuda_ipc,cuda_copy,tcp,self /
+    cuda_ipc,cuda_copy,self / sm,cuda_ipc,cuda_copy,self / rc,cuda_copy,cuda_ipc,self;
+    UCX_PROTO_ENABLE=n; UCX_RNDV_SCHEME=put_zcopy with UCX_RNDV_THRESH=8192; and SGL,
+    MAX_POLL and error mode none together. A setting that fails is a row with UCX's error.
+Both also run on CPU with --smoke (tiny model; nixl over DRAM), which checks the code only.
 """
 
 from __future__ import annotations
@@ -427,38 +453,55 @@ def check_fp32_fidelity(s: Setup, work: Path) -> None:
     free_memory(s)
 
 
+def fill_decode_batch(core, s: Setup, b: int, tag: str = "step") -> list[str]:
+    """Add b requests of step_context-token prompts and step until every one has its
+    first token: a steady decode batch of b at context ~step_context. Returns their ids."""
+    from engine import SamplingParams
+
+    ids = [f"{tag}{b}-{i}" for i in range(b)]
+    for rid, p in zip(ids, prompts(s, b, s.step_context, seed=4 + b)):
+        core.add_request(rid, p, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    while any(r.num_output_tokens == 0 for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    return ids
+
+
+def median_step_seconds(core, device: str, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        core.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def replay_seconds(graphs, b: int, device: str) -> float:
+    """Median time of replaying the CUDA graph that serves a decode batch of b."""
+    graph = graphs.graphs[next(x for x in graphs.buckets if x >= b)][0]
+    return median_seconds(graph.replay, device, 20)
+
+
 def time_decode_steps(llm, s: Setup, b: int) -> None:
     """Decode step time at a steady batch of b: prefill everything, then time steps."""
     import torch
 
-    from engine import SamplingParams
-
     core, cfg = llm.core, llm.core.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
-    for i, p in enumerate(prompts(s, b, s.step_context, seed=4 + b)):
-        core.add_request(f"step{b}-{i}", p, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
-    while any(r.num_output_tokens == 0 for r in core.scheduler.running) or core.scheduler.waiting:
-        core.step()
-    times = []
-    for _ in range(20):
-        sync(s.device)
-        start = time.perf_counter()
-        core.step()
-        sync(s.device)
-        times.append(time.perf_counter() - start)
+    ids = fill_decode_batch(core, s, b)
+    step = median_step_seconds(core, s.device, 20)
     ctx = s.step_context + 20
     kv_bytes = b * ctx * cfg.kv_bytes_per_token(torch.tensor([], dtype=getattr(torch, s.dtype)).element_size())
     floor = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
-    step = statistics.median(times)
     graphs, replay = core.runner.graphs, ""
     if graphs is not None:  # the GPU's share of the step; the rest is host work
-        graph = graphs.graphs[next(x for x in graphs.buckets if x >= b)][0]
-        replay = f", graph replay {median_seconds(graph.replay, s.device, 20) * 1e3:.2f} ms"
+        replay = f", graph replay {replay_seconds(graphs, b, s.device) * 1e3:.2f} ms"
     last = b == max(s.step_batches)
     row(f"decode step b{b} ctx~{ctx}",
         f"{step * 1e3:.2f} ms = {step / floor:.2f}x floor ({floor * 1e3:.2f} ms){replay}",
         "<= 1.5x" if last else "(info)", step / floor <= 1.5 if last else None)
-    core.abort([f"step{b}-{i}" for i in range(b)])
+    core.abort(ids)
 
 
 def check_engine(s: Setup, work: Path) -> None:
@@ -543,11 +586,103 @@ def check_transfer(s: Setup) -> None:
                 ">= 150 GB/s" if i == 0 else "(info)", gbs >= 150 if i == 0 else None)
 
 
+# ------------------------------------------------------------------ diagnostics (--only profile,ucx)
+
+def check_profile(s: Setup, work: Path) -> None:
+    """Where a decode step's GPU time goes: torch.profiler over a steady batch of
+    max(step_batches) at context ~step_context, run eagerly and then with the CUDA graphs,
+    on one engine. Both are needed: a graph is captured with the decode splits of the
+    longest context it serves (engine/cuda_graphs.py), an eager step with those of its own
+    context, so their attention and split-reduction kernels differ."""
+    from benchmarks import gpu_profile
+
+    model_dir = work / "bf16"
+    if not (model_dir / "config.json").exists():  # the engine section, if it ran, left it
+        build_model(s, model_dir, s.dtype)
+    b = max(s.step_batches)
+    llm = make_llm(model_dir, s, s.dtype, max_num_seqs=b,
+                   max_num_batched_tokens=8192 if s.device != "cpu" else 64)
+    core = llm.core
+    graphs = core.runner.graphs
+    ids = fill_decode_batch(core, s, b, tag="profile")
+    modes = [("eager", None)] + ([("graph", graphs)] if graphs is not None else [])
+    walls: dict[str, float] = {}
+    try:
+        for mode, mode_graphs in modes:
+            core.runner.graphs = mode_graphs  # None: every step runs the eager forward
+            for _ in range(2):  # settle (and, eagerly, launch every kernel once)
+                core.step()
+            walls[mode] = median_step_seconds(core, s.device, 8)
+        replay = replay_seconds(graphs, b, s.device) if graphs is not None else None
+        stats, errors = gpu_profile.profile_modes(
+            core.step, [(mode, functools.partial(setattr, core.runner, "graphs", g)) for mode, g in modes],
+            s.device, steps=5)
+    finally:
+        core.runner.graphs = graphs
+    profiles = {mode: gpu_profile.StepProfile(stats.get(mode, {}), 5, walls[mode],
+                                              replay if mode == "graph" else None) for mode, _ in modes}
+    unit = "kernel" if s.device.startswith("cuda") else "aten op"  # CPU: ops' self time stand in
+    print(f"  decode b{b} ctx~{s.step_context}+, 5 profiled steps per mode, ms per step:")
+    for line in gpu_profile.format_profile(profiles, unit):
+        print("  " + line, flush=True)
+    summary = "; ".join(f"{m} {p.total_ms():.2f} / {p.wall_s * 1e3:.2f}"
+                        + (f" (replay {p.replay_s * 1e3:.2f})" if p.replay_s is not None else "")
+                        for m, p in profiles.items())
+    row(f"profile b{b}: {unit}s / wall, ms per step", summary, "(info)")
+    for mode, error in errors.items():
+        row(f"profile b{b} {mode} steps", error, "(error)")
+    last = next((m for m in reversed(profiles) if profiles[m].kernels), None)
+    if last is not None:
+        row(f"profile b{b} groups, {last}", ", ".join(f"{g} {ms:.2f}" for g, ms in profiles[last].groups().items()),
+            "(info)")
+    core.abort(ids)
+    del llm
+    free_memory(s)
+
+
+def check_ucx(s: Setup) -> None:
+    """nixl transfer GB/s under each gpu_profile.UCX_SETTINGS entry: benchmarks/kv_transfer.py
+    in a fresh process per setting (UCX and NIXL read their environment at init), with a
+    timeout per run and a time budget for the section."""
+    from benchmarks import gpu_profile
+
+    try:
+        import nixl  # noqa: F401  (carried as a wheel; the image lacks it)
+    except ImportError:
+        row("nixl UCX settings", "nixl not installed here", "(skipped)")
+        return
+    gpu = s.device != "cpu"
+    # As the transfer section: 2 MiB descriptors of 512 KiB blocks (the 1B model's block).
+    sizes = [256, 1024] if gpu else [4]
+    cmd = gpu_profile.transfer_command(s.device, sizes, 2048 if gpu else 1024, 512 if gpu else 32)
+    budget_s, per_run_s = (170.0, 60.0) if gpu else (300.0, 45.0)
+    start = time.perf_counter()
+    for setting in gpu_profile.UCX_SETTINGS:
+        left = budget_s - (time.perf_counter() - start)
+        if left < 20:
+            row(f"nixl UCX {setting.label}", "skipped: the section's time budget is spent", "(skipped)")
+            continue
+        run = gpu_profile.run_with_timeout(cmd, gpu_profile.child_env(os.environ, setting), min(per_run_s, left))
+        gbs = gpu_profile.parse_gbs(run.output)
+        if setting.diagnose:
+            for line in gpu_profile.ucx_diagnosis(run.output):
+                print(f"    ucx: {line}", flush=True)
+        if run.returncode == 0 and all(size in gbs for size in sizes):
+            measured = ", ".join(f"{size} MiB {gbs[size]:.1f}" for size in sizes) + f" GB/s ({run.seconds:.0f} s)"
+            row(f"nixl UCX {setting.label}", measured, ">= 150 GB/s", gbs[sizes[0]] >= 150)
+        else:  # keep what it measured before it failed or ran out of time
+            why = "timed out" if run.returncode is None else f"exit {run.returncode}"
+            got = "".join(f"{size} MiB {v:.1f} GB/s, " for size, v in gbs.items())
+            row(f"nixl UCX {setting.label}", f"{why} after {run.seconds:.0f} s: {got}"
+                f"{gpu_profile.failure_line(run.output)}", "(error)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     p.add_argument("--only", default="kernels,fp32,bandwidth,engine,transfer",
-                   help="comma-separated sections; add tune to sweep the kernels' tiles")
+                   help="comma-separated sections; add tune to sweep the kernels' tiles; "
+                        "profile and ucx are diagnostics (see the module docstring)")
     args = p.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
@@ -568,9 +703,13 @@ def main() -> None:
             section("decode bandwidth", lambda: check_bandwidth(s))
         if "engine" in only:
             section("engine", lambda: check_engine(s, work))
+        if "profile" in only:
+            section("decode step profile", lambda: check_profile(s, work))
         if "transfer" in only and s.device != "cpu":
             section("copy kernels", lambda: check_copy_kernels(s))
             section("KV transfer", lambda: check_transfer(s))
+        if "ucx" in only:  # on CPU too: nixl moves DRAM there
+            section("nixl under UCX settings", lambda: check_ucx(s))
     widths = [max(len(r[i]) for r in ROWS) for i in range(4)] if ROWS else [0] * 4
     print("\n| check | measured | target | |\n|---|---|---|---|")
     for r in ROWS:
