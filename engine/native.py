@@ -57,19 +57,25 @@ def _build(compiler: str, flags: list[str], source: Path, library: Path) -> None
     os.replace(tmp, library)
 
 
+def compiler() -> str | None:
+    """The C compiler kernels are built with: $CC, else cc or gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 @cache
-def load_kernel(source: Path) -> CDLL | None:
-    """The compiled `source` (a C file), or None (logged) where it cannot be built."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+def load_kernel(source: Path, extra_flags: tuple[str, ...] = ()) -> CDLL | None:
+    """The compiled `source` (a C file, with `extra_flags` for the compiler), or None
+    (logged) where it cannot be built."""
+    cc = compiler()
+    if cc is None:
         logger.warning("no C compiler found: %s stays on the slower torch path", source.name)
         return None
-    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", *_cpu_flags()]
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", *_cpu_flags(), *extra_flags]
+    key = hashlib.sha256(source.read_bytes() + " ".join([cc, *flags]).encode()).hexdigest()[:16]
     library = _cache_dir() / f"{source.stem}_{key}.so"
     if not library.exists():
         try:
-            _build(compiler, flags, source, library)
+            _build(cc, flags, source, library)
         except (OSError, RuntimeError) as exc:
             logger.warning("%s stays on the slower torch path: %s", source.name, exc)
             return None

@@ -8,6 +8,8 @@ splits checkpoint tensors into them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import current_metadata
 from engine.model.config import ModelConfig
+from engine.model.fused_ops import FusedOps, fused_ops
 from engine.model.rope import RotaryEmbedding, RotaryTables, apply_rotary
 
 
@@ -54,8 +57,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(rotary, RotaryTables):
-            from engine.kernels.norm_rope import rotary_
-            rotary_(q, k, rotary.cos, rotary.sin, rotary.positions)  # in place, in the qkv buffer
+            rotary.rotate_(q, k, rotary.cos, rotary.sin, rotary.positions)  # in place, in the qkv buffer
         else:
             q, k = apply_rotary(q, k, *rotary)
         md = current_metadata()
@@ -72,11 +74,10 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if use_fused_kernels(gate_up) and gate_up.dim() == 2:
-            from engine.kernels.activation import silu_and_mul
-
+        if silu_and_mul is not None:
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -94,24 +95,15 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(rotary, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, rotary: RotaryTables, x: torch.Tensor,
+    def forward_fused(self, ops: FusedOps, rotary: RotaryTables, x: torch.Tensor,
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer with each residual add fused into the next norm: takes and
         returns (this sublayer's output, the residual stream before it is added)."""
-        from engine.kernels.norm_rope import add_rms_norm
-
-        h, residual = add_rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(x, norm1.weight, norm1.eps, residual)
         h = self.self_attn(rotary, h)
-        h, residual = add_rms_norm(h, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
-                                   residual)
-        return self.mlp(h), residual
-
-
-def use_fused_kernels(x: torch.Tensor) -> bool:
-    """16-bit on a GPU: fused norms and rotary (engine/kernels/norm_rope.py) and
-    SiLU-and-mul (engine/kernels/activation.py), a few launches a layer instead of dozens. float32 keeps the torch ops, which match
-    transformers bit for bit."""
-    return x.is_cuda and x.dtype != torch.float32
+        h, residual = ops.add_rms_norm(h, norm2.weight, norm2.eps, residual)
+        return self.mlp(h, ops.silu_and_mul), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,13 +131,12 @@ class LlamaForCausalLM(nn.Module):
         Returns logits [S, vocab] float32 (only the rows that are sampled).
         """
         x = self.embed_tokens(input_ids)
-        if use_fused_kernels(x):
-            from engine.kernels.norm_rope import add_rms_norm
-
-            rotary, residual = RotaryTables(self.rope.cos, self.rope.sin, positions), None
+        ops = fused_ops(x)  # the fused layer ops for these activations, or None: torch's
+        if ops is not None:
+            rotary, residual = RotaryTables(self.rope.cos, self.rope.sin, positions, ops.rotary_), None
             for layer in self.layers:
-                x, residual = layer.forward_fused(rotary, x, residual)
-            x, _ = add_rms_norm(x[logits_indices], self.norm.weight, self.norm.eps, residual[logits_indices])
+                x, residual = layer.forward_fused(ops, rotary, x, residual)
+            x, _ = ops.add_rms_norm(x[logits_indices], self.norm.weight, self.norm.eps, residual[logits_indices])
             return self.lm_head(x).float()
         rotary = self.rope.lookup(positions, x.dtype)
         for layer in self.layers:

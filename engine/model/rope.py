@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,12 +59,13 @@ class RotaryEmbedding:
 
 @dataclass
 class RotaryTables:
-    """What the fused rotary kernel takes instead of looked-up cos/sin: it reads the
-    fp32 tables at each token's position itself (engine/kernels/norm_rope.py)."""
+    """What a fused rotary op takes instead of looked-up cos/sin: it reads the fp32
+    tables at each token's position itself (engine/model/fused_ops.py)."""
 
     cos: torch.Tensor  # [max_positions, head_dim] fp32
     sin: torch.Tensor
     positions: torch.Tensor  # [T] int64
+    rotate_: Callable[..., None]  # (q, k, cos, sin, positions), in place
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.model import llama
+from engine.model.fused_ops import triton_ops
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [300, 2, 77]]
 
@@ -22,7 +23,7 @@ def first_step_logprobs(model_dir: Path) -> list[dict[int, float]]:
 @pytest.mark.timeout(120)
 def test_fused_norms_and_rotary_match_the_torch_path(tiny_models: dict[str, Path], monkeypatch) -> None:
     expected = first_step_logprobs(tiny_models["llama"])
-    monkeypatch.setattr(llama, "use_fused_kernels", lambda x: True)
+    monkeypatch.setattr(llama, "fused_ops", lambda x: triton_ops())
     got = first_step_logprobs(tiny_models["llama"])
     for want, have in zip(expected, got):
         assert next(iter(have)) == next(iter(want))  # the same greedy token

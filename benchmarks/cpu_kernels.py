@@ -1,7 +1,8 @@
-"""CPU float32 linears: pdserve's C panel kernel vs oneDNN vs plain F.linear.
+"""pdserve's C kernels for CPU float32 models: the panel linear (vs oneDNN and plain
+F.linear) and the layer ops (residual add + RMSNorm, rotary, SiLU-and-mul, vs torch ops).
 
-    .venv/bin/python benchmarks/cpu_linear.py                      # 1 thread, ~2 minutes
-    .venv/bin/python benchmarks/cpu_linear.py --threads 2 --rows 1,16,512
+    .venv/bin/python benchmarks/cpu_kernels.py                     # 1 thread, ~3 minutes
+    .venv/bin/python benchmarks/cpu_kernels.py --threads 2 --rows 1,16,512
 
 Two tables, each a median over interleaved repeats (this machine's speed drifts):
 
@@ -9,7 +10,9 @@ Two tables, each a median over interleaved repeats (this machine's speed drifts)
            down, and the lm_head once), ms per forward and the weight bytes it streams
            per second, for each row count (decode batches to prefill chunks)
   engine   the engine's decode step (EngineCore.step, B requests of ~100-token
-           prompts, greedy) with each packed form (--skip-engine to leave it out)
+           prompts, greedy): oneDNN linears with torch's layer ops (before these
+           kernels), panel linears with torch's ops, panel linears with the C ops; steps
+           of the three alternate (--skip-engine to leave it out)
 
 The shapes are the model's (default: the demo model, SmolLM2-135M).
 """
@@ -79,41 +82,43 @@ def layers_table(cfg: ModelConfig, rows_list: list[int], repeats: int) -> None:
         print(f"| {rows} | " + " | ".join(cells) + f" | {ratio} |")
 
 
-def engine_table(model: str, batches: list[int], steps: int, repeats: int) -> None:
+def engine_table(model: str, batches: list[int], steps: int) -> None:
     from engine.llm import LLM
+    from engine.model import llama
+    from engine.model.fused_ops import fused_ops
     from engine.sampling_params import SamplingParams
 
-    forms = {"oneDNN": lambda: None}
     real_kernel = cpu_linear.panel_kernel
-    if real_kernel() is not None:
-        forms["panel (C)"] = real_kernel
-    engines = {}
-    for name, kernel in forms.items():
-        cpu_linear.panel_kernel = kernel  # prepack_linears picks the form from it
-        engines[name] = LLM(model, num_threads=torch.get_num_threads(), kv_cache_memory_gib=1.0)
+    cpu_linear.panel_kernel = lambda: None  # prepack_linears then picks oneDNN
+    onednn = LLM(model, num_threads=torch.get_num_threads(), kv_cache_memory_gib=1.0)
     cpu_linear.panel_kernel = real_kernel
-    print(f"\nengine decode step ({model}), ms, median over {repeats} x {steps} steps")
-    print("| batch | " + " | ".join(forms) + " | panel vs oneDNN |")
-    print("|---:|" + "---:|" * (len(forms) + 1))
-    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=0.0)
+    panel = LLM(model, num_threads=torch.get_num_threads(), kv_cache_memory_gib=1.0)
+    no_ops = lambda x: None  # noqa: E731 - the model's torch path
+    setups = {"oneDNN + torch ops": (onednn, no_ops), "panel + torch ops": (panel, no_ops),
+              "panel + C ops": (panel, fused_ops)}
+    print(f"\nengine decode step ({model}), ms, median of {steps} steps each, alternating")
+    print("| batch | " + " | ".join(setups) + " | speed-up |")
+    print("|---:|" + "---:|" * (len(setups) + 1))
+    params = SamplingParams(max_tokens=3 * steps + 2, ignore_eos=True, temperature=0.0)
     for batch in batches:
         prompts = [[100 + i + j for j in range(100)] for i in range(batch)]
-        times: dict[str, list[float]] = {name: [] for name in forms}
-        for _ in range(repeats):
-            for name, llm in engines.items():
-                requests = [llm.core.add_request(f"{batch}-{len(times[name])}-{i}", p, params)
-                            for i, p in enumerate(prompts)]
-                while not all(r.num_output_tokens for r in requests):
-                    llm.core.step()  # the prompts, in chunks under the token budget
-                for _ in range(steps):
-                    t = time.perf_counter()
-                    llm.core.step()
-                    times[name].append(time.perf_counter() - t)
-                while llm.core.has_unfinished():
-                    llm.core.step()
-        med = {n: statistics.median(ts) for n, ts in times.items()}
-        ratio = f"{med['oneDNN'] / med['panel (C)']:.2f}x" if len(med) == 2 else "-"
-        print(f"| {batch} | " + " | ".join(f"{med[n] * 1e3:.1f}" for n in forms) + f" | {ratio} |")
+        for llm in (onednn, panel):
+            requests = [llm.core.add_request(f"{batch}-{i}", p, params) for i, p in enumerate(prompts)]
+            while not all(r.num_output_tokens for r in requests):
+                llm.core.step()  # the prompts, in chunks under the token budget
+        times: dict[str, list[float]] = {name: [] for name in setups}
+        for _ in range(steps):
+            for name, (llm, ops) in setups.items():
+                llama.fused_ops = ops
+                t = time.perf_counter()
+                llm.core.step()
+                times[name].append(time.perf_counter() - t)
+        llama.fused_ops = fused_ops
+        for llm in (onednn, panel):
+            while llm.core.has_unfinished():
+                llm.core.step()
+        med = [statistics.median(ts) for ts in times.values()]
+        print(f"| {batch} | " + " | ".join(f"{m * 1e3:.1f}" for m in med) + f" | {med[0] / med[-1]:.2f}x |")
 
 
 def main() -> None:
@@ -123,14 +128,14 @@ def main() -> None:
     p.add_argument("--rows", default="1,2,4,8,16,32,64,512")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--batches", default="1,4,16")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=15)
     p.add_argument("--skip-engine", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     layers_table(ModelConfig.from_model_dir(args.model), [int(r) for r in args.rows.split(",")], args.repeats)
     if not args.skip_engine:
-        engine_table(args.model, [int(b) for b in args.batches.split(",")], args.steps, max(1, args.repeats // 2))
+        engine_table(args.model, [int(b) for b in args.batches.split(",")], args.steps)
 
 
 if __name__ == "__main__":
