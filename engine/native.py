@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+@cache
 def _cpu_flags() -> list[str]:
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -49,12 +51,16 @@ def _build(compiler: str, flags: list[str], source: Path, library: Path) -> None
     # Build beside the target and rename: concurrent processes never see half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
-    result = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"building {source.name} failed:\n{result.stderr}")
-    os.replace(tmp, library)
+    try:
+        # $CC may carry a wrapper or options ("ccache gcc").
+        result = subprocess.run([*shlex.split(compiler), *flags, str(source), "-o", tmp, "-lm"],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"building {source.name} failed:\n{result.stderr}")
+        os.replace(tmp, library)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def compiler() -> str | None:
@@ -76,7 +82,7 @@ def load_kernel(source: Path, extra_flags: tuple[str, ...] = ()) -> CDLL | None:
     if not library.exists():
         try:
             _build(cc, flags, source, library)
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             logger.warning("%s stays on the slower torch path: %s", source.name, exc)
             return None
     return CDLL(str(library))

@@ -7,6 +7,7 @@ returns None and the caller keeps its plain-torch path.
 from __future__ import annotations
 
 import ctypes
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 MAX_QUERY_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 128  # the C file's stack arrays
 
 
+@cache
 def load() -> ctypes.CDLL | None:
     lib = load_kernel(SOURCE)
     if lib is not None:
@@ -83,5 +85,6 @@ def paged_decode_attention(query: torch.Tensor, layer_cache: torch.Tensor, rows:
         ptr(layer_cache.data_ptr()), i64(s_block), i64(s_kv), i64(s_slot), i64(s_head),
         ptr(block_tables.data_ptr()), i64(block_tables.stride(0)), ptr(seq_lens.data_ptr()),
         ctypes.c_int(num_rows), ctypes.c_int(num_kv_heads), ctypes.c_int(groups),
-        ctypes.c_int(head_dim), ctypes.c_int(block_size), ctypes.c_float(scale), ctypes.c_int(splits))
+        ctypes.c_int(head_dim), ctypes.c_int(block_size), ctypes.c_float(scale), ctypes.c_int(splits),
+        ctypes.c_int(torch.get_num_threads()))
     return out

@@ -5,7 +5,7 @@ A plain fp32 F.linear (MKL sgemm) re-lays-out the weight on every call and reach
 
 - PanelLinear: pdserve's C kernel (csrc/linear_f32.c) on AVX2/FMA CPUs. Decode is
   bound by reading the weights, and the kernel streams them near the memory's speed:
-  1.3-1.5x oneDNN's speed at 1-16 rows, on par at prefill sizes.
+  1.4-1.6x oneDNN's speed at 1-16 rows, on par at prefill sizes (docs/benchmarks.md).
 - PackedLinear: oneDNN's reordered weight (~2x F.linear at decode sizes), where the C
   kernel cannot be built.
 
@@ -16,6 +16,7 @@ hold the engine to identical greedy tokens with them.
 from __future__ import annotations
 
 import ctypes
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ def prepack_supported(device: str, dtype: torch.dtype) -> bool:
         panel_kernel() is not None or torch.backends.mkldnn.is_available())
 
 
+@cache
 def panel_kernel() -> ctypes.CDLL | None:
     lib = load_kernel(SOURCE) if has_avx2_fma() else None
     if lib is not None:
@@ -61,7 +63,7 @@ class PanelLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32 or x.is_cuda:
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError(f"PanelLinear({self.in_features} -> {self.out_features}) takes a float32 "
                              f"CPU [T, {self.in_features}] input, got {x.dtype} {tuple(x.shape)} on {x.device}")
         if x.stride(1) != 1:

@@ -25,8 +25,9 @@ def load() -> ctypes.CDLL | None:
     # Products and sums rounded one by one, as torch's separate ops round them.
     lib = load_kernel(SOURCE, ("-ffp-contract=off",)) if has_avx2_fma() else None
     if lib is not None:
-        for name in ("add_rms_norm_f32", "rotary_f32", "silu_and_mul_f32"):
+        for name in ("add_rms_norm_f32", "silu_and_mul_f32"):
             getattr(lib, name).restype = None
+        lib.rotary_f32.restype = ctypes.c_int64
     return lib
 
 
@@ -83,13 +84,18 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         raise ValueError(f"need fp32 tables [positions, {dim}] and int64 positions [{t}], got "
                          f"{tuple(cos.shape)} and {positions.dtype} {tuple(positions.shape)}")
     _check_f32_cpu(q=q, k=k, cos=cos, sin=sin)
+    if positions.device.type != "cpu":
+        raise ValueError(f"positions must be on CPU, got {positions.device}")
     if t == 0:
         return
-    _lib().rotary_f32(_i64(t), _i64(hq), _i64(k.shape[1]), _i64(dim),
-                      _ptr(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)),
-                      _ptr(k.data_ptr()), _i64(k.stride(0)), _i64(k.stride(1)),
-                      _ptr(cos.data_ptr()), _ptr(sin.data_ptr()), _i64(cos.stride(0)),
-                      _ptr(positions.data_ptr()), _threads())
+    bad = _lib().rotary_f32(_i64(t), _i64(hq), _i64(k.shape[1]), _i64(dim),
+                            _ptr(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)),
+                            _ptr(k.data_ptr()), _i64(k.stride(0)), _i64(k.stride(1)),
+                            _ptr(cos.data_ptr()), _ptr(sin.data_ptr()), _i64(cos.stride(0)), _i64(cos.shape[0]),
+                            _ptr(positions.data_ptr()), _threads())
+    if bad:
+        raise ValueError(f"{bad} of {t} positions are outside the rotary tables [0, {cos.shape[0]}): "
+                         f"{positions.min().item()}..{positions.max().item()}")
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,33 @@ def test_packed_linear_matches_linear(form: type[nn.Module], bias: bool, rows: i
 
 
 @needs_panel
+@pytest.mark.parametrize(("in_features", "out_features"), [(1, 1), (7, 15), (255, 17), (257, 16), (513, 33)])
+@pytest.mark.parametrize("rows", [1, 30])
+def test_panel_linear_odd_shapes(in_features: int, out_features: int, rows: int) -> None:
+    """Outputs fewer than a panel (16) or just past one; K below, at and past a K chunk (256)."""
+    torch.manual_seed(in_features)
+    linear = nn.Linear(in_features, out_features)
+    x = torch.randn(rows, in_features + 5)[:, :in_features]
+    with torch.inference_mode():
+        torch.testing.assert_close(PanelLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_panel
+def test_panel_results_do_not_depend_on_the_thread_count() -> None:
+    torch.manual_seed(0)
+    layer = PanelLinear(nn.Linear(300, 200))
+    x = torch.randn(64, 300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_panel
 def test_panel_rows_do_not_depend_on_the_batch_or_its_layout() -> None:
     """Every output is summed over k in the same order on every path: a row's result is
     bit-identical alone, in a decode batch, in a prefill batch, and from a strided view."""
@@ -53,7 +80,7 @@ def test_panel_rows_do_not_depend_on_the_batch_or_its_layout() -> None:
 @needs_panel
 def test_panel_linear_rejects_what_it_cannot_compute() -> None:
     layer = PanelLinear(nn.Linear(8, 4))
-    for bad in (torch.randn(2, 9), torch.randn(2, 8).double(), torch.randn(8)):
+    for bad in (torch.randn(2, 9), torch.randn(2, 8).double(), torch.randn(8), torch.empty(2, 8, device="meta")):
         with pytest.raises(ValueError, match=r"PanelLinear\(8 -> 4\)"):
             layer(bad)
 

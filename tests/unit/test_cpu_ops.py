@@ -57,15 +57,30 @@ def test_rotary_is_bit_equal_to_the_torch_path(tokens: int) -> None:
 def test_silu_and_mul_matches_the_torch_path(rows: int) -> None:
     torch.manual_seed(rows)
     gate_up = torch.randn(rows, 2 * 84 + 16)[:, :168] * 4  # rows of stride 184; 84 = 10 x 8 lanes + 4
-    gate_up[:, :4] = torch.tensor([-100.0, -87.0, 88.0, 100.0])  # past exp's range both ways
+    # Past exp's range both ways, in vector lanes: -1e30 must give -0, not a tiny number.
+    gate_up[:, :8] = torch.tensor([-1e30, -100.0, -88.5, -87.0, 88.0, 100.0, 1e30, -float("inf")])
+    gate_up[:, 84 + 7] = 1.0  # up of the -inf gate: silu(-inf) * 1 is NaN in torch too
     gate, up = gate_up.split(84, dim=-1)
-    torch.testing.assert_close(cpu_ops.silu_and_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    out = cpu_ops.silu_and_mul(gate_up)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-6, atol=1e-6, equal_nan=True)
+    if rows:
+        assert (out[:, 0] == 0).all() and out[:, 7].isnan().all()
 
 
 def test_silu_and_mul_keeps_nan() -> None:
     gate_up = torch.ones(1, 32)
     gate_up[0, 3] = float("nan")
     assert cpu_ops.silu_and_mul(gate_up)[0].isnan().tolist() == [i == 3 for i in range(16)]
+
+
+def test_rotary_refuses_positions_outside_its_tables() -> None:
+    rope = RotaryEmbedding(16, 128, 10000.0, None, "cpu")
+    q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
+    before = q.clone()
+    for positions in ([0, 128, 5], [-1, 0, 0], [0, -10**9, 0]):
+        with pytest.raises(ValueError, match=r"1 of 3 positions are outside the rotary tables \[0, 128\)"):
+            cpu_ops.rotary_(q, k, rope.cos, rope.sin, torch.tensor(positions))
+    assert torch.equal(q, before)  # nothing rotated
 
 
 def test_bad_inputs_are_refused_by_name() -> None:

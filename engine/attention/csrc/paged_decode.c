@@ -103,18 +103,19 @@ static void attend(float *out, const float *q, const float *cache, int h0, int h
  * cache + block*s_block + kv*s_kv + slot*s_slot + head*s_head, dims contiguous.
  * Work is split into `head_splits` parts per row (1 unless rows are too few to keep
  * every thread busy); the caller keeps (num_kv_heads / head_splits) * groups within
- * MAX_QUERY_HEADS. */
+ * MAX_QUERY_HEADS. `threads` is the caller's (torch's) count: OpenMP's default is per
+ * calling thread and, in a thread torch has not set up, every core. */
 void paged_decode_attention_f32(float *out, const float *query, const int64_t *rows,
                                 int64_t q_row_stride, const float *cache, int64_t s_block,
                                 int64_t s_kv, int64_t s_slot, int64_t s_head,
                                 const int32_t *block_tables, int64_t bt_stride,
                                 const int32_t *seq_lens, int num_rows, int num_kv_heads,
                                 int groups, int head_dim, int block_size, float scale,
-                                int head_splits) {
+                                int head_splits, int threads) {
     int64_t items = (int64_t)num_rows * head_splits;
     int64_t head_span = (int64_t)groups * head_dim;
     int per_split = (num_kv_heads + head_splits - 1) / head_splits;
-    #pragma omp parallel for schedule(dynamic, 1)
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t it = 0; it < items; it++) {
         int64_t r = it / head_splits;
         int h0 = (int)(it % head_splits) * per_split;

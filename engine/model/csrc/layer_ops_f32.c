@@ -50,11 +50,17 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t half) {
 }
 
 /* q [T, hq, dim] and k [T, hk, dim] (unit last stride) rotated in place by the tables
- * cos, sin [positions, dim] (row stride ld_table) at positions[t]. */
-void rotary_f32(int64_t tokens, int64_t hq, int64_t hk, int64_t dim,
-                float *q, int64_t q_token, int64_t q_head, float *k, int64_t k_token, int64_t k_head,
-                const float *cos, const float *sin, int64_t ld_table, const int64_t *positions,
-                int threads) {
+ * cos, sin [table_rows, dim] (row stride ld_table) at positions[t]. Returns the number
+ * of positions outside [0, table_rows); then nothing is rotated. */
+int64_t rotary_f32(int64_t tokens, int64_t hq, int64_t hk, int64_t dim,
+                   float *q, int64_t q_token, int64_t q_head, float *k, int64_t k_token, int64_t k_head,
+                   const float *cos, const float *sin, int64_t ld_table, int64_t table_rows,
+                   const int64_t *positions, int threads) {
+    int64_t bad = 0;
+    for (int64_t t = 0; t < tokens; t++)
+        bad += positions[t] < 0 || positions[t] >= table_rows;
+    if (bad)
+        return bad;
     #pragma omp parallel for schedule(static) num_threads(threads) if (tokens >= 64)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + positions[t] * ld_table, *s = sin + positions[t] * ld_table;
@@ -63,13 +69,17 @@ void rotary_f32(int64_t tokens, int64_t hq, int64_t hk, int64_t dim,
         for (int64_t h = 0; h < hk; h++)
             rotate(k + t * k_token + h * k_head, c, s, dim / 2);
     }
+    return 0;
 }
 
 /* e^x for 8 floats: e^x = 2^n e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by
  * a degree-6 polynomial (Cephes' coefficients), 2^n built in the exponent bits. Within
- * 2 ulp over the clamped range; libm's scalar expf was a fifth of a decode step. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+ * an ulp on [-87.3, 88.3], where x is clamped; past 88.72 +inf, as expf; below -87.3 0,
+ * not expf's subnormals (which no sum with 1 can see); NaN stays NaN. libm's scalar
+ * expf was a fifth of a decode step. */
+static inline __m256 exp8(__m256 in) {
+    /* max/min return their second operand when either is NaN: `in` second keeps a NaN. */
+    __m256 x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), in));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);   /* ln 2 in two parts */
@@ -82,7 +92,9 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    y = _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(in, _mm256_set1_ps(88.7228f), _CMP_GT_OQ));
+    return _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(in, _mm256_set1_ps(-87.3f), _CMP_LT_OQ));
 }
 
 /* out [T, n] = silu(gate) * up for rows [gate | up] of 2n floats (row stride ld). */
