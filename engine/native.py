@@ -3,7 +3,8 @@
 A kernel is one C file, compiled on first use with the system C compiler into a
 per-user cache keyed by the source, the flags and the compiler, then loaded with ctypes:
 no torch headers, so a build takes about a second. The libraries share torch's OpenMP
-runtime (same soname, already loaded), hence torch's thread count. ctypes releases the
+runtime (same soname, already loaded), and every call passes torch's thread count as
+its team size (`omp_threads`). ctypes releases the
 GIL for the call, so other Python threads of a worker keep running. Where no compiler is
 found or the build fails, `load_kernel` returns None and the caller keeps its plain-torch
 path.
@@ -11,6 +12,7 @@ path.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -21,6 +23,8 @@ import tempfile
 from ctypes import CDLL
 from functools import cache
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,13 @@ def _cpu_flags() -> list[str]:
 
 def has_avx2_fma() -> bool:
     return bool(_cpu_flags())
+
+
+def omp_threads() -> ctypes.c_int:
+    """The team size every kernel passes to its OpenMP loops: torch's thread count.
+    OpenMP's own default is per calling thread and, in a thread torch has not set up
+    (a Ray actor's engine thread), every core."""
+    return ctypes.c_int(torch.get_num_threads())
 
 
 def _cache_dir() -> Path:
@@ -69,9 +80,12 @@ def compiler() -> str | None:
 
 
 @cache
-def load_kernel(source: Path, extra_flags: tuple[str, ...] = ()) -> CDLL | None:
+def load_kernel(source: Path, extra_flags: tuple[str, ...] = (), needs_avx2_fma: bool = False) -> CDLL | None:
     """The compiled `source` (a C file, with `extra_flags` for the compiler), or None
-    (logged) where it cannot be built."""
+    (logged) where it cannot be built; None without a log where it `needs_avx2_fma`
+    (its intrinsics) and the CPU lacks them."""
+    if needs_avx2_fma and not has_avx2_fma():
+        return None
     cc = compiler()
     if cc is None:
         logger.warning("no C compiler found: %s stays on the slower torch path", source.name)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine.native import load_kernel
+from engine.native import load_kernel, omp_threads
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 MAX_QUERY_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 128  # the C file's stack arrays
@@ -86,5 +86,5 @@ def paged_decode_attention(query: torch.Tensor, layer_cache: torch.Tensor, rows:
         ptr(block_tables.data_ptr()), i64(block_tables.stride(0)), ptr(seq_lens.data_ptr()),
         ctypes.c_int(num_rows), ctypes.c_int(num_kv_heads), ctypes.c_int(groups),
         ctypes.c_int(head_dim), ctypes.c_int(block_size), ctypes.c_float(scale), ctypes.c_int(splits),
-        ctypes.c_int(torch.get_num_threads()))
+        omp_threads())
     return out

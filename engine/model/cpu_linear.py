@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.native import has_avx2_fma, load_kernel
+from engine.native import load_kernel, omp_threads
 
 SOURCE = Path(__file__).parent / "csrc" / "linear_f32.c"
 PANEL = 16  # output columns per panel: the C file's NR
@@ -35,7 +35,7 @@ def prepack_supported(device: str, dtype: torch.dtype) -> bool:
 
 @cache
 def panel_kernel() -> ctypes.CDLL | None:
-    lib = load_kernel(SOURCE) if has_avx2_fma() else None
+    lib = load_kernel(SOURCE, needs_avx2_fma=True)
     if lib is not None:
         lib.linear_f32.restype = None
     return lib
@@ -75,7 +75,7 @@ class PanelLinear(nn.Module):
             self.lib.linear_f32(i64(rows), i64(self.out_features), i64(self.in_features),
                                 ptr(x.data_ptr()), i64(x.stride(0)), ptr(self.panels.data_ptr()),
                                 ptr(None if self.bias is None else self.bias.data_ptr()), ptr(y.data_ptr()),
-                                ctypes.c_int(torch.get_num_threads()))
+                                omp_threads())
         return y
 
 
@@ -102,4 +102,3 @@ def prepack_linears(model: nn.Module) -> int:
     for parent, name, child in targets:
         setattr(parent, name, packed(child))
     return len(targets)
-

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.native import has_avx2_fma, load_kernel
+from engine.native import load_kernel, omp_threads
 
 SOURCE = Path(__file__).parent / "csrc" / "layer_ops_f32.c"
 
@@ -23,7 +23,7 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 @cache
 def load() -> ctypes.CDLL | None:
     # Products and sums rounded one by one, as torch's separate ops round them.
-    lib = load_kernel(SOURCE, ("-ffp-contract=off",)) if has_avx2_fma() else None
+    lib = load_kernel(SOURCE, ("-ffp-contract=off",), needs_avx2_fma=True)
     if lib is not None:
         for name in ("add_rms_norm_f32", "silu_and_mul_f32"):
             getattr(lib, name).restype = None
@@ -36,10 +36,6 @@ def _lib() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"the C layer ops could not be built from {SOURCE}")
     return lib
-
-
-def _threads() -> ctypes.c_int:
-    return ctypes.c_int(torch.get_num_threads())
 
 
 def _check_f32_cpu(**tensors: torch.Tensor) -> None:
@@ -66,7 +62,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _lib().add_rms_norm_f32(_i64(rows), _i64(cols), _ptr(x.data_ptr()), _i64(x.stride(0)),
                                 _ptr(residual.data_ptr() if residual is not None else None), _i64(res.stride(0)),
                                 _ptr(weight.data_ptr()), ctypes.c_float(eps), _ptr(out.data_ptr()),
-                                _ptr(new_residual.data_ptr() if residual is not None else None), _threads())
+                                _ptr(new_residual.data_ptr() if residual is not None else None), omp_threads())
     return out, new_residual
 
 
@@ -92,7 +88,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                             _ptr(q.data_ptr()), _i64(q.stride(0)), _i64(q.stride(1)),
                             _ptr(k.data_ptr()), _i64(k.stride(0)), _i64(k.stride(1)),
                             _ptr(cos.data_ptr()), _ptr(sin.data_ptr()), _i64(cos.stride(0)), _i64(cos.shape[0]),
-                            _ptr(positions.data_ptr()), _threads())
+                            _ptr(positions.data_ptr()), omp_threads())
     if bad:
         raise ValueError(f"{bad} of {t} positions are outside the rotary tables [0, {cos.shape[0]}): "
                          f"{positions.min().item()}..{positions.max().item()}")
@@ -108,5 +104,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=torch.float32)
     if rows:
         _lib().silu_and_mul_f32(_i64(rows), _i64(n), _ptr(gate_up.data_ptr()), _i64(gate_up.stride(0)),
-                                _ptr(out.data_ptr()), _threads())
+                                _ptr(out.data_ptr()), omp_threads())
     return out

@@ -7,8 +7,8 @@ greedy outputs can be token-identical in float32.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
