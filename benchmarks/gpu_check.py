@@ -26,6 +26,8 @@ Rows:
     model, 512-token prompts, 128 new tokens (>= 20x)
  5. greedy tokens equal to HF in float32 (exact); in bf16 the fraction that match; CUDA
     graphs vs eager identical
+ 5b. rows 3 and 4 again with async scheduling (greedy tokens identical to the synchronous
+    engine's), and the offline workload again with all its requests in one batch
  6. KV transfer between two processes on the GPU, 256 MiB in 2 MiB descriptors:
     cuda_ipc, and nixl if its wheel came along (>= 150 GB/s)
 A failing section prints FAIL with its error and the script goes on to the next.
@@ -466,14 +468,19 @@ def fill_decode_batch(core, s: Setup, b: int, tag: str = "step") -> list[str]:
     return ids
 
 
-def median_step_seconds(core, device: str, steps: int) -> float:
+def median_step_seconds(core, device: str, steps: int, run: int = 5) -> float:
+    """Median over groups of `run` consecutive steps of their mean time. Nothing waits
+    between the steps of a group, so async scheduling's overlap of one step's host work
+    with the previous step's GPU work is in the figure (a synchronous step waits for its
+    own tokens anyway)."""
     times = []
-    for _ in range(steps):
+    for _ in range(max(1, steps // run)):
         sync(device)
         start = time.perf_counter()
-        core.step()
+        for _ in range(run):
+            core.step()
         sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / run)
     return statistics.median(times)
 
 
@@ -483,7 +490,7 @@ def replay_seconds(graphs, b: int, device: str) -> float:
     return median_seconds(graph.replay, device, 20)
 
 
-def time_decode_steps(llm, s: Setup, b: int) -> None:
+def time_decode_steps(llm, s: Setup, b: int, label: str = "") -> float:
     """Decode step time at a steady batch of b: prefill everything, then time steps."""
     import torch
 
@@ -498,10 +505,13 @@ def time_decode_steps(llm, s: Setup, b: int) -> None:
     if graphs is not None:  # the GPU's share of the step; the rest is host work
         replay = f", graph replay {replay_seconds(graphs, b, s.device) * 1e3:.2f} ms"
     last = b == max(s.step_batches)
-    row(f"decode step b{b} ctx~{ctx}",
+    row(f"decode step b{b} ctx~{ctx}{label}",
         f"{step * 1e3:.2f} ms = {step / floor:.2f}x floor ({floor * 1e3:.2f} ms){replay}",
         "<= 1.5x" if last else "(info)", step / floor <= 1.5 if last else None)
     core.abort(ids)
+    while core.has_unfinished():  # an async engine's last step is still in flight
+        core.step()
+    return step
 
 
 def check_engine(s: Setup, work: Path) -> None:
@@ -521,13 +531,7 @@ def check_engine(s: Setup, work: Path) -> None:
     matches = sum(a == b for x, y in zip(graph_tokens, hf_tokens) for a, b in zip(x, y))
     row(f"greedy vs HF, {s.dtype}", f"{matches / (len(hf_tokens) * 32):.1%} of tokens match", "(info)")
 
-    params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(workload[:8], params, use_tqdm=False)  # warm-up
-    sync(s.device)
-    start = time.perf_counter()
-    llm.generate(workload, params, use_tqdm=False)
-    sync(s.device)
-    rate = s.requests * s.new_tokens / (time.perf_counter() - start)
+    rate = offline_rate(llm, s, workload)
     row("offline throughput vs HF", f"{rate:,.0f} vs {hf_rate:,.0f} tok/s = {rate / hf_rate:.1f}x",
         ">= 20x", rate / hf_rate >= 20)
 
@@ -537,10 +541,10 @@ def check_engine(s: Setup, work: Path) -> None:
     flops = 2 * sum(p.numel() for p in llm.core.model.parameters()) * 16 * s.prompt_len
     row("prefill step, 16 x 512 tokens", f"{seconds * 1e3:.1f} ms, {flops / seconds / 1e12:.0f} TFLOP/s (linears)",
         "(info)")
-    for b in s.step_batches:
-        time_decode_steps(llm, s, b)
+    sync_steps = {b: time_decode_steps(llm, s, b) for b in s.step_batches}
     del llm
     free_memory(s)
+    check_async_scheduling(s, model_dir, fidelity_batch, graph_tokens, workload, hf_rate, sync_steps)
 
     if s.device.startswith("cuda"):
         eager = make_llm(model_dir, s, s.dtype, max_num_seqs=max(s.step_batches), enforce_eager=True)
@@ -548,6 +552,45 @@ def check_engine(s: Setup, work: Path) -> None:
         same = eager_tokens == graph_tokens
         row("CUDA graphs == eager, greedy tokens", "identical" if same else "differ", "identical", same)
         del eager
+        free_memory(s)
+
+
+def offline_rate(llm, s: Setup, workload: list[list[int]]) -> float:
+    """Output tokens per second of LLM.generate over the whole workload (after a warm-up)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(workload[:8], params, use_tqdm=False)
+    sync(s.device)
+    start = time.perf_counter()
+    llm.generate(workload, params, use_tqdm=False)
+    sync(s.device)
+    return s.requests * s.new_tokens / (time.perf_counter() - start)
+
+
+def check_async_scheduling(s: Setup, model_dir: Path, fidelity_batch: list[list[int]],
+                           sync_tokens: list[list[int]], workload: list[list[int]], hf_rate: float,
+                           sync_steps: dict[int, float]) -> None:
+    """The engine rows again with async scheduling (the host schedules step N+1 while the
+    GPU runs step N), and with every request of the offline workload in one batch."""
+    from engine import SamplingParams
+
+    for max_seqs in (max(s.step_batches), s.requests):
+        llm = make_llm(model_dir, s, s.dtype, max_num_seqs=max_seqs, async_scheduling=True,
+                       max_num_batched_tokens=8192 if s.device != "cpu" else 64)
+        label = f"async scheduling, max_num_seqs {max_seqs}"
+        if max_seqs == max(s.step_batches):
+            greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+            tokens = [o.token_ids for o in llm.generate(fidelity_batch, greedy, use_tqdm=False)]
+            row("async scheduling == sync, greedy tokens", "identical" if tokens == sync_tokens else "differ",
+                "identical", tokens == sync_tokens)
+            for b in s.step_batches:
+                step = time_decode_steps(llm, s, b, label=", async")
+                row(f"decode step b{b}: sync / async", f"{sync_steps[b] / step:.2f}x", "(info)")
+        rate = offline_rate(llm, s, workload)
+        row(f"offline throughput vs HF, {label}", f"{rate:,.0f} vs {hf_rate:,.0f} tok/s = {rate / hf_rate:.1f}x",
+            ">= 20x", rate / hf_rate >= 20)
+        del llm
         free_memory(s)
 
 

@@ -91,7 +91,7 @@ def instrument(core: EngineCore, timers: Timers) -> None:
     runner = core.runner
     runner.model = timers.wrap("forward", runner.model)
     runner.attention_backend.prepare = timers.wrap("attn prepare", runner.attention_backend.prepare)
-    runner.sampler = timers.wrap("sample", runner.sampler)
+    runner.sampler.sample = timers.wrap("sample", runner.sampler.sample)
     core.scheduler.schedule = timers.wrap("schedule", core.scheduler.schedule)
     core.scheduler.update = timers.wrap("update", core.scheduler.update)
     runner_module.build_step_inputs = timers.wrap("inputs", runner_module.build_step_inputs)

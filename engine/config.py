@@ -17,6 +17,9 @@ class EngineConfig:
     num_kv_blocks None sizes the KV pool: on CPU from kv_cache_memory_gib; on CUDA from
     gpu_memory_utilization after a profiling forward pass (engine/gpu_memory.py).
     enforce_eager turns off CUDA graphs (engine/cuda_graphs.py); outputs are identical.
+    async_scheduling schedules and launches each step before the previous one's tokens
+    reach the host, so the host's work overlaps the device's (engine_core.py); greedy
+    outputs are identical.
     max_model_len None takes the model's max_position_embeddings.
     """
 
@@ -30,6 +33,7 @@ class EngineConfig:
     kv_cache_memory_gib: float = 1.0
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    async_scheduling: bool = False
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True

@@ -20,8 +20,7 @@ from engine.attention.metadata import AttentionMetadata, attention_context
 from engine.attention.triton_backend import TritonBackend, TritonStepState
 from engine.kernels.decode_attention import num_splits_for
 from engine.model.llama import LlamaForCausalLM
-from engine.runner import StepInputs
-from engine.staging import Uploader
+from engine.runner import DeviceInputs, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,6 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.rows = torch.arange(n, **i32)
         self.logits_indices = torch.arange(n, **i64)
-        self.uploader = Uploader(device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
@@ -94,19 +92,17 @@ class CudaGraphRunner:
                 and int(inputs.seq_lens.max()) <= self.max_context)
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [B, vocab] for a pure-decode step of B <= the largest bucket."""
+    def run(self, inputs: StepInputs, dev: DeviceInputs) -> torch.Tensor:
+        """Logits [B, vocab] for a pure-decode step of B <= the largest bucket, whose
+        inputs the runner has uploaded (`dev`)."""
         b = len(inputs.query_lens)
         size = next(s for s in self.buckets if s >= b)
         width = inputs.block_tables.shape[1]
-        ids, pos, slots, lens, tables = self.uploader.upload(
-            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
-            inputs.block_tables)
-        self.input_ids[:b].copy_(ids)
-        self.positions[:b].copy_(pos)
-        self.slot_mapping[:b].copy_(slots)
-        self.seq_lens[:b].copy_(lens)
-        self.block_tables[:b, :width].copy_(tables)
+        self.input_ids[:b].copy_(dev.input_ids)
+        self.positions[:b].copy_(dev.positions)
+        self.slot_mapping[:b].copy_(dev.slot_mapping)
+        self.seq_lens[:b].copy_(dev.seq_lens)
+        self.block_tables[:b, :width].copy_(dev.block_tables)
         if size > b:  # padding rows: nothing stored, one token of block 0 read
             self.slot_mapping[b:size].fill_(-1)
             self.seq_lens[b:size].fill_(1)
@@ -114,4 +110,3 @@ class CudaGraphRunner:
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:b]
-

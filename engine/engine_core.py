@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend, get_backend
@@ -19,10 +20,10 @@ from engine.model.config import ModelConfig
 from engine.model.cpu_linear import prepack_linears, prepack_supported
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.request import Request, RequestStatus
-from engine.runner import KVAllocator, ModelRunner, allocate_kv_cache
+from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache
 from engine.sampling import Sampler, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class EngineCore:
                                   backend, config.device)
         if config.device.startswith("cuda") and not config.enforce_eager:
             self._capture_cuda_graphs(backend, model_len)
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, num_blocks, config.block_size, model_len)
 
@@ -163,17 +165,57 @@ class EngineCore:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def step(self) -> StepOutput:
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            return StepOutput()
-        block_tables = self.kv.block_tables([s.request.request_id for s in out.scheduled])
-        sampled = self.runner.execute(out.scheduled, block_tables)
+        """Run one step and report the requests it advanced and finished.
+
+        With async scheduling, the step scheduled and launched here is reported by the
+        next call: each call schedules step N+1, queues it on the device behind step N,
+        and only then waits for step N's tokens and updates the scheduler with them, so
+        the host's scheduling and bookkeeping overlap the device's work. A request
+        scheduled in N+1 whose token N turns out to stop it costs one wasted row; its
+        blocks are freed once N+1 is done. Steps whose sampling reads the tokens so far
+        (penalties, min_tokens) run synchronously.
+        """
+        in_flight, self._in_flight = self._in_flight, None
+        queued = [in_flight[0]] if in_flight else []
+        try:
+            if in_flight and self._reads_history(in_flight[0]):
+                return self._finish_step(in_flight)  # the next call schedules with every token on the host
+            out = self.scheduler.schedule()
+            if out.scheduled:
+                queued.append(out)
+                launched = self.runner.launch(out.scheduled, self._block_tables(out),
+                                              in_flight[1] if in_flight else None)
+                if not self.config.async_scheduling:
+                    return self._finish_step((out, launched))
+                self._in_flight = (out, launched)
+            return self._finish_step(in_flight) if in_flight else StepOutput()
+        except BaseException:
+            # Whatever was queued is void: its requests compute those tokens again, and
+            # the caller may abort them (their blocks are freed at once).
+            self._in_flight = None
+            for out in queued:
+                self.scheduler.discard(out)
+            raise
+
+    def _block_tables(self, out: SchedulerOutput) -> np.ndarray:
+        return self.kv.block_tables([s.request.request_id for s in out.scheduled])
+
+    @staticmethod
+    def _reads_history(out: SchedulerOutput) -> bool:
+        """Whether the step after `out` samples from counts or tokens `out` changes."""
+        return any(s.samples and (s.request.sampling_params.has_penalties
+                                  or s.request.num_output_tokens < s.request.sampling_params.min_tokens)
+                   for s in out.scheduled)
+
+    def _finish_step(self, step: tuple[SchedulerOutput, LaunchedStep]) -> StepOutput:
+        out, launched = step
+        sampled = launched.result()
         sampling = [s.request for s in out.scheduled if s.samples]
         for request, logprobs in zip(sampling, sampled.logprobs):
-            if logprobs is not None:
+            if logprobs is not None and not request.status.finished:
                 request.output_logprobs.append(logprobs)
         tokens = {r.request_id: t for r, t in zip(sampling, sampled.token_ids)}
         advanced, finished = self.scheduler.update(out, tokens)

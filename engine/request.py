@@ -40,6 +40,12 @@ class Request:
 
     Invariant: num_computed_tokens <= num_tokens; a step that computes the last token
     samples the next one, so a running request always has >= 1 token to compute.
+
+    Between schedule() and update() a step is in flight: its tokens count in
+    `num_scheduled_tokens`, and a token it samples counts in `num_output_placeholders`
+    until its id reaches the host. Synchronous steps clear both before the next
+    schedule(); with async scheduling the next step is scheduled while one is in flight,
+    so its first token may be a placeholder the runner fills in on the device.
     """
 
     request_id: str
@@ -52,6 +58,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
     num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0  # in steps scheduled but not yet updated
+    num_output_placeholders: int = 0  # sampled by those steps, ids not yet on the host
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first schedule
     num_preemptions: int = 0
     num_remote_tokens: int = 0  # prompt tokens whose KV a prefill worker wrote (decode side)
@@ -66,6 +74,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def num_started_tokens(self) -> int:
+        """Tokens whose KV is written or being written: where the next step starts."""
+        return self.num_computed_tokens + self.num_scheduled_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

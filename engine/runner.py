@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -12,7 +13,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, attention_context
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from engine.sampling import Sampler, SamplerOutput
+from engine.sampling import PendingSample, Sampler, SamplerOutput
 from engine.scheduler import ScheduledRequest
 from engine.staging import Uploader
 
@@ -38,7 +39,7 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype:
 class StepInputs:
     """One step's flattened batch on the host, before upload."""
 
-    input_ids: np.ndarray  # [T] int64
+    input_ids: np.ndarray  # [T] int64; 0 at placeholders
     positions: np.ndarray  # [T] int64
     slot_mapping: np.ndarray  # [T] int64, cache slot of each token's K/V
     query_start_loc: np.ndarray  # [S + 1] int32
@@ -46,10 +47,26 @@ class StepInputs:
     block_tables: np.ndarray  # [S, max_blocks] int32
     logits_indices: np.ndarray  # [R] int64, tokens whose logits are sampled
     query_lens: list[int]
+    # Tokens sampled by the step in flight, whose ids are not on the host yet (async
+    # scheduling): their index in input_ids, and the request each belongs to.
+    placeholder_index: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    placeholder_requests: list[str] = field(default_factory=list)
 
     @property
     def is_pure_decode(self) -> bool:
         return len(self.input_ids) == len(self.query_lens)
+
+
+class DeviceInputs(NamedTuple):
+    """StepInputs' arrays on the device, after the step's one upload."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
 
 
 def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.ndarray,
@@ -62,12 +79,18 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
     """
     num_seqs = len(scheduled)
     starts, query_lens, samples, token_ids = [], [], [], []
+    placeholder_index, placeholder_requests = [], []
     for s in scheduled:
-        start, n = s.request.num_computed_tokens, s.num_new_tokens
+        start, n = s.start, s.num_new_tokens
         starts.append(start)
         query_lens.append(n)
         samples.append(s.samples)
-        token_ids += s.request.all_token_ids[start:start + n]
+        known = s.request.all_token_ids[start:start + n]
+        token_ids += known
+        if len(known) < n:  # the last token was sampled by the step in flight: one at most
+            placeholder_index.append(len(token_ids))
+            placeholder_requests.append(s.request.request_id)
+            token_ids.append(0)
     start_arr = np.array(starts, dtype=np.int64)
     len_arr = np.array(query_lens, dtype=np.int64)
     ends = np.cumsum(len_arr)  # exclusive end of each sequence's tokens in the batch
@@ -85,7 +108,21 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
         slot_mapping=blocks * block_size + positions % block_size,
         query_start_loc=query_start_loc, seq_lens=(start_arr + len_arr).astype(np.int32),
         block_tables=block_tables, logits_indices=(ends - 1)[np.array(samples, dtype=bool)],
-        query_lens=query_lens)
+        query_lens=query_lens, placeholder_index=np.array(placeholder_index, dtype=np.int64),
+        placeholder_requests=placeholder_requests)
+
+
+class LaunchedStep:
+    """A step queued on the device: its sampled tokens (if any) on their way back."""
+
+    def __init__(self, scheduled: Sequence[ScheduledRequest], sample: PendingSample | None) -> None:
+        self.sample = sample
+        sampling = [s.request.request_id for s in scheduled if s.samples]
+        self.sample_row = {request_id: i for i, request_id in enumerate(sampling)}
+
+    def result(self) -> SamplerOutput:
+        """Wait for this step (not for any step queued after it) and return its tokens."""
+        return self.sample.result() if self.sample is not None else SamplerOutput([], [])
 
 
 class ModelRunner:
@@ -107,30 +144,50 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner, set by the engine core after capture
         model.bind_kv_cache(kv_cache)
 
-    @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [R, vocab] float32 for inputs.logits_indices, eagerly."""
-        ids, pos, slots, qsl, seq_lens, tables, logits_idx = self.uploader.upload(
+    def upload(self, inputs: StepInputs, in_flight: LaunchedStep | None = None) -> DeviceInputs:
+        """The step's arrays on the device in one copy; placeholder input ids are then
+        filled from the tokens `in_flight` sampled, on the device."""
+        src = np.empty(0, dtype=np.int64)
+        if inputs.placeholder_requests:
+            assert in_flight is not None and in_flight.sample is not None, "placeholders without a step in flight"
+            src = np.array([in_flight.sample_row[r] for r in inputs.placeholder_requests], dtype=np.int64)
+        *arrays, dst_t, src_t = self.uploader.upload(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
-            inputs.seq_lens, inputs.block_tables, inputs.logits_indices)
-        md = AttentionMetadata(slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens,
-                               block_tables=tables, query_lens_cpu=inputs.query_lens,
-                               seq_lens_cpu=inputs.seq_lens.tolist())
-        self.attention_backend.prepare(md, self.block_size)
-        with attention_context(md):
-            return self.model(ids, pos, logits_idx)
+            inputs.seq_lens, inputs.block_tables, inputs.logits_indices, inputs.placeholder_index, src)
+        dev = DeviceInputs(*arrays)
+        if len(src):
+            dev.input_ids.index_copy_(0, dst_t, in_flight.sample.token_ids.index_select(0, src_t))
+        return dev
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledRequest], block_tables: np.ndarray) -> SamplerOutput:
-        """Run one forward over all scheduled tokens; sample one token for each request
-        whose step reaches its last token (in `scheduled` order). block_tables: [S,
-        max_blocks] int32 (KVCacheManager.block_tables)."""
+    def forward(self, inputs: StepInputs, dev: DeviceInputs | None = None) -> torch.Tensor:
+        """Logits [R, vocab] float32 for inputs.logits_indices, eagerly (uploading the
+        inputs unless `dev` has them)."""
+        dev = self.upload(inputs) if dev is None else dev
+        md = AttentionMetadata(slot_mapping=dev.slot_mapping, query_start_loc=dev.query_start_loc,
+                               seq_lens=dev.seq_lens, block_tables=dev.block_tables,
+                               query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens.tolist())
+        self.attention_backend.prepare(md, self.block_size)
+        with attention_context(md):
+            return self.model(dev.input_ids, dev.positions, dev.logits_indices)
+
+    @torch.inference_mode()
+    def launch(self, scheduled: Sequence[ScheduledRequest], block_tables: np.ndarray,
+               in_flight: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one forward over all scheduled tokens and the sampling of one token for
+        each request whose step reaches its last token (in `scheduled` order); nothing
+        waits for the device. block_tables: [S, max_blocks] int32
+        (KVCacheManager.block_tables). `in_flight`: the step still running, whose
+        sampled tokens are this step's placeholder input ids."""
         inputs = build_step_inputs(scheduled, block_tables, self.block_size)
+        dev = self.upload(inputs, in_flight)
         if self.graphs is not None and self.graphs.can_run(inputs):
-            logits = self.graphs.run(inputs)
+            logits = self.graphs.run(inputs, dev)
         else:
-            logits = self.forward(inputs)
+            logits = self.forward(inputs, dev)
         rows = [s.request.sampling_row for s in scheduled if s.samples]
-        if not rows:
-            return SamplerOutput([], [])
-        return self.sampler(logits, rows)
+        return LaunchedStep(scheduled, self.sampler.sample(logits, rows) if rows else None)
+
+    def execute(self, scheduled: Sequence[ScheduledRequest], block_tables: np.ndarray) -> SamplerOutput:
+        """launch() and wait for its tokens."""
+        return self.launch(scheduled, block_tables).result()

@@ -23,11 +23,12 @@ from engine.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    start: int  # first token computed this step (request.num_started_tokens when scheduled)
+    num_new_tokens: int  # tokens computed this step
     samples: bool = field(init=False)  # the step reaches the sequence's end: sample its logits
 
     def __post_init__(self) -> None:
-        self.samples = (self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        self.samples = (self.start + self.num_new_tokens == self.request.num_tokens_with_placeholders
                         and not self.request.prefill_only)
 
 
@@ -60,6 +61,7 @@ class Scheduler:
         # Prefill worker: requests whose prompt KV is computed; their blocks stay held
         # until the KV is written to the decode worker (release_prefilled).
         self.prefilled: dict[str, Request] = {}
+        self._free_after_step: dict[str, Request] = {}  # finished while a step was in flight
 
     # --- admission -----------------------------------------------------------------
 
@@ -114,11 +116,31 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
+        if request.num_scheduled_tokens:
+            # A step in flight still writes its KV: free the blocks once that step is
+            # updated, so no other request (nor a remote KV write) gets them before.
+            self._free_after_step[request.request_id] = request
+        else:
+            self.kv.free(request)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        scheduled = ScheduledRequest(request, request.num_started_tokens, num_new)
+        request.num_scheduled_tokens += num_new
+        request.num_output_placeholders += scheduled.samples
+        out.scheduled.append(scheduled)
+
+    def _last_token_in_flight(self, request: Request) -> bool:
+        """A step in flight samples the request's last token (by count: max_tokens or
+        the context length); scheduling another step for it would run past both."""
+        if not request.num_output_placeholders:
+            return False
+        outputs = request.num_output_tokens + request.num_output_placeholders
+        return (outputs >= request.sampling_params.max_tokens
+                or request.num_tokens_with_placeholders >= self.max_model_len)
 
     # --- one step ------------------------------------------------------------------
 
@@ -132,7 +154,9 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens_with_placeholders - request.num_started_tokens, budget)
+            if num_new == 0 or self._last_token_in_flight(request):
+                continue  # its last step is in flight (a prompt done on a prefill worker, or its last token)
             while not self.kv.allocate_slots(request, num_new):
                 # Never evict a request already scheduled this step: its blocks are in use.
                 victim = max((r for r in self.running if r not in scheduled_running),
@@ -143,7 +167,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            self._schedule(out, request, num_new)
             scheduled_running.append(request)
             budget -= num_new
 
@@ -170,7 +194,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            self._schedule(out, request, num_new)
             budget -= num_new
         return out
 
@@ -224,43 +248,67 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is {request.status.value}, not {status.value}")
 
     def _preempt(self, request: Request) -> None:
+        # Its blocks are freed even if a step in flight writes them: every later use of
+        # them is queued behind that step, and they are no longer free once this step runs.
         self.running.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_scheduled_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(request)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> tuple[list[Request], list[Request]]:
-        """Advance scheduled requests and append their sampled tokens.
+        """Advance the requests of a step that has run and append their sampled tokens.
 
         `sampled` maps request id -> token for every ScheduledRequest with `samples`.
-        Returns (requests that got a new token, requests that finished this step).
+        With async scheduling, the next step has been scheduled already: a request may
+        have been preempted since (its token still counts), finished or aborted (its
+        token is dropped). Returns (requests that got a new token, requests that
+        finished in this update).
         """
         advanced, finished = [], []
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_computed_blocks(request)
-            if request.prefill_only and request.num_computed_tokens == request.num_tokens:
-                self.running.remove(request)
-                request.status = RequestStatus.PREFILLED
-                self.prefilled[request.request_id] = request
-                finished.append(request)
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens += s.num_new_tokens
+                request.num_scheduled_tokens -= s.num_new_tokens
+                self.kv.cache_computed_blocks(request)
+                if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+                    self.running.remove(request)
+                    request.status = RequestStatus.PREFILLED
+                    self.prefilled[request.request_id] = request
+                    finished.append(request)
+                    continue
+            elif request.status.finished:
+                request.num_scheduled_tokens -= s.num_new_tokens
+                if not request.num_scheduled_tokens and self._free_after_step.pop(request.request_id, None):
+                    self.kv.free(request)
                 continue
-            token = sampled.get(request.request_id)
-            if token is None:
+            # else preempted after this step was scheduled: it recomputes, but its token stands
+            if not s.samples:
                 continue  # a prompt chunk: nothing to sample yet
-            request.append_output_token(token)
+            request.num_output_placeholders -= 1
+            request.append_output_token(sampled[request.request_id])
             advanced.append(request)
             status = self._stop_status(request)
             if status is not None:
-                self.requests.pop(request.request_id)
-                self.running.remove(request)
-                self._finish(request, status)
+                self.finish_requests([request.request_id], status)
                 finished.append(request)
         return advanced, finished
+
+    def discard(self, out: SchedulerOutput) -> None:
+        """Forget a scheduled step that failed before update(): its requests stand as if
+        it had never been scheduled, and compute those tokens again. Once per step."""
+        for s in out.scheduled:
+            request = s.request
+            request.num_output_placeholders -= s.samples
+            if request.status == RequestStatus.PREEMPTED:
+                continue  # its counters were reset when it was preempted
+            request.num_scheduled_tokens -= s.num_new_tokens
+            if not request.num_scheduled_tokens and self._free_after_step.pop(request.request_id, None):
+                self.kv.free(request)
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

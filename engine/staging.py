@@ -12,14 +12,19 @@ class Uploader:
     """Packs numpy arrays into one pinned host buffer and copies it to the device with
     a single non-blocking copy, returning typed views of the device copy.
 
-    The pinned buffer is reused by the next upload. That is safe because each engine
-    step ends by reading its sampled tokens back to the host, which waits for every
-    copy queued on the stream before it. On CPU the arrays are wrapped, not copied.
+    Pinned buffers are used in rotation, each with an event recorded after its copy: a
+    buffer is refilled only once its last copy has run. With async scheduling the next
+    step's inputs are packed while this step's copy may still be queued behind the
+    step before. On CPU the arrays are wrapped, not copied.
     """
+
+    _NUM_BUFFERS = 2  # at most one step is queued behind the one running
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        self._host: torch.Tensor | None = None
+        self._hosts: list[torch.Tensor | None] = [None] * self._NUM_BUFFERS
+        self._copied: list[torch.cuda.Event | None] = [None] * self._NUM_BUFFERS
+        self._next = 0
 
     def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         if self.device.type != "cuda":
@@ -28,11 +33,17 @@ class Uploader:
         for a in arrays:
             offsets.append(total)
             total += -(-a.nbytes // _ALIGN) * _ALIGN
-        if self._host is None or self._host.numel() < total:
-            self._host = torch.empty(max(total, 4096) * 2, dtype=torch.uint8, pin_memory=True)
-        host = self._host.numpy()
+        i, self._next = self._next, (self._next + 1) % self._NUM_BUFFERS
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()
+        if self._hosts[i] is None or self._hosts[i].numel() < total:
+            self._hosts[i] = torch.empty(max(total, 4096) * 2, dtype=torch.uint8, pin_memory=True)
+        buffer = self._hosts[i]
+        host = buffer.numpy()
         for a, off in zip(arrays, offsets):
             host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-        packed = self._host[:max(total, 1)].to(self.device, non_blocking=True)
+        packed = buffer[:max(total, 1)].to(self.device, non_blocking=True)
+        self._copied[i] = torch.cuda.Event()
+        self._copied[i].record()
         return [packed[off:off + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
                 for a, off in zip(arrays, offsets)]

@@ -67,7 +67,7 @@ class KVCacheManager:
                           new_computed_blocks: list[KVBlock] = ()) -> int:
         """Blocks that allocate_slots would take off the free queue."""
         held = len(self.req_blocks.get(request.request_id, ())) + len(new_computed_blocks)
-        total = cdiv(request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = cdiv(request.num_started_tokens + len(new_computed_blocks) * self.block_size
                      + num_new_tokens, self.block_size)
         # Reviving a free cached hit also consumes a free-queue entry.
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -82,7 +82,7 @@ class KVCacheManager:
         """
         blocks = self.req_blocks.get(request.request_id)
         if (blocks and not new_computed_blocks
-                and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size):
+                and request.num_started_tokens + num_new_tokens <= len(blocks) * self.block_size):
             return True  # most decode steps: the new token's slot is in a block already held
         if self.num_blocks_needed(request, num_new_tokens, new_computed_blocks) > self.num_free_blocks:
             return False
@@ -93,7 +93,7 @@ class KVCacheManager:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             self._num_cached_blocks[request.request_id] = len(new_computed_blocks)
-        total = cdiv(request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = cdiv(request.num_started_tokens + len(new_computed_blocks) * self.block_size
                      + num_new_tokens, self.block_size)
         if total > len(blocks):
             blocks.extend(self.pool.allocate(total - len(blocks)))

@@ -1,6 +1,7 @@
 """Token sampling: the batched Sampler and its per-row inputs/outputs."""
 
 from engine.sampling.sampler import (
+    PendingSample,
     Sampler,
     SamplerOutput,
     SamplingRow,
@@ -8,4 +9,4 @@ from engine.sampling.sampler import (
     make_generator,
 )
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs", "make_generator"]
+__all__ = ["PendingSample", "Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs", "make_generator"]

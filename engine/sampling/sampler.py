@@ -56,20 +56,10 @@ def _unusable(x: torch.Tensor) -> torch.Tensor:
     return ~x.amax(-1).isfinite()
 
 
-def _check_logits(x: torch.Tensor, bad: torch.Tensor | None = None) -> None:
-    bad = _unusable(x) if bad is None else bad
-    if bool(bad.any()):
-        rows = bad.nonzero().flatten().tolist()
-        raise RuntimeError(
-            f"sampler got unusable logits in batch rows {rows}: NaN, +inf, or every token "
-            "-inf (after penalties and min_tokens masking); nothing can be sampled")
-
-
 def _padded(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[n, max_len] int64 ids; padding and out-of-vocab ids point at a spare column `vocab`."""
     width = max(1, max(len(s) for s in seqs))
-    ids = torch.tensor([list(s) + [vocab] * (width - len(s)) for s in seqs],
-                       dtype=torch.long, device=device)
+    ids = _on(device, [list(s) + [vocab] * (width - len(s)) for s in seqs])
     return torch.where((ids >= 0) & (ids < vocab), ids, vocab)
 
 
@@ -84,6 +74,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] float32 (any device). One sampled token per row."""
+        return self.sample(logits, rows).result()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """Queue the sampling of one token per row on the logits' device and their copy
+        to the host; nothing here waits for the device. PendingSample.result() does."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
                              f"got {tuple(logits.shape)}")
@@ -91,13 +86,7 @@ class Sampler:
         if all(r.params.temperature < _GREEDY_EPS and not r.params.has_penalties
                and len(r.output_token_ids) >= r.params.min_tokens for r in rows):
             # Fast path: nothing alters the logits, so one batched argmax decides every row.
-            # The check rides along with the tokens' readback: one host sync per step.
-            token_ids = raw.argmax(dim=-1)
-            bad = _unusable(raw)
-            token_list, bad_list = torch.stack((token_ids, bad.to(token_ids.dtype))).tolist()
-            if any(bad_list):
-                _check_logits(raw, bad)
-            return SamplerOutput(token_list, self._logprobs(raw, rows, token_ids, token_list))
+            return PendingSample(raw.argmax(dim=-1), _unusable(raw), self._logprobs(raw, rows))
 
         greedy = [r.params.temperature < _GREEDY_EPS for r in rows]
         pen_rows = [i for i, r in enumerate(rows) if r.params.has_penalties]
@@ -108,22 +97,21 @@ class Sampler:
             self._apply_penalties(x, rows, pen_rows)
         if mask_rows:
             self._mask_stops(x, rows, mask_rows)
-        _check_logits(x)
+        bad = _unusable(x)  # reported by result(): what is drawn from such a row is moot
         token_ids = x.argmax(dim=-1)
         sample_rows = [i for i, g in enumerate(greedy) if not g]
         if sample_rows:
-            idx = torch.tensor(sample_rows, device=x.device)
+            idx = _on(x.device, sample_rows)
             sampled = self._sample(x.index_select(0, idx), [rows[i] for i in sample_rows])
             token_ids.index_copy_(0, idx, sampled)
-        token_list = token_ids.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, rows, token_ids, token_list))
+        return PendingSample(token_ids, bad, self._logprobs(raw, rows))
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow],
                          which: list[int]) -> None:
         """In place on x [batch, vocab]; only the rows in `which` are touched."""
         vocab, dev = x.shape[1], x.device
         sub = [rows[i].params for i in which]
-        idx = torch.tensor(which, device=dev)
+        idx = _on(dev, which)
         n = len(which)
 
         out_ids = _padded([rows[i].output_token_ids for i in which], vocab, dev)
@@ -134,7 +122,7 @@ class Sampler:
             1, prompt_ids, True)[:, :vocab] | (counts > 0)
 
         def col(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=dev).unsqueeze(1)
+            return _on(dev, values, torch.float32).unsqueeze(1)
 
         rep = col([p.repetition_penalty for p in sub])
         freq = col([p.frequency_penalty for p in sub])
@@ -157,8 +145,7 @@ class Sampler:
                     r_idx.append(i)
                     c_idx.append(t)
         if r_idx:
-            x[torch.tensor(r_idx, device=x.device),
-              torch.tensor(c_idx, device=x.device)] = float("-inf")
+            x[_on(x.device, r_idx), _on(x.device, c_idx)] = float("-inf")
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """x: [n, vocab] processed logits of non-greedy rows -> [n] int64 sampled ids."""
@@ -167,7 +154,7 @@ class Sampler:
         ps = [r.params for r in rows]
 
         def col(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev).unsqueeze(1)
+            return _on(dev, values, dtype).unsqueeze(1)
 
         x = x / col([p.temperature for p in ps])
         if any(p.min_p > 0 for p in ps):
@@ -204,7 +191,7 @@ class Sampler:
         else:
             noise = torch.empty(n, vocab, device=dev)
             if unseeded:
-                idx = torch.tensor(unseeded, device=dev)
+                idx = _on(dev, unseeded)
                 draw = torch.empty(len(unseeded), vocab, device=dev)
                 noise.index_copy_(0, idx, draw.exponential_(generator=self._shared_gen(dev)))
             for i, r in enumerate(rows):
@@ -220,24 +207,79 @@ class Sampler:
             self._shared[key] = make_generator(self.seed, dev)
         return self._shared[key]
 
-    def _logprobs(self, raw: torch.Tensor, rows: list[SamplingRow], token_ids: torch.Tensor,
-                  token_list: list[int]) -> list[TokenLogprobs | None]:
-        """Raw-distribution logprobs for rows that asked; one device->host copy per tensor."""
-        out: list[TokenLogprobs | None] = [None] * len(rows)
+    def _logprobs(self, raw: torch.Tensor, rows: list[SamplingRow]) -> _LogprobsQuery | None:
+        """Raw-distribution log-softmax of the rows that asked for logprobs (the chosen
+        tokens' entries are gathered once they are drawn: PendingSample)."""
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not want:
-            return out
-        idx = torch.tensor(want, device=raw.device)
-        lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
-        chosen = lp.gather(1, token_ids.index_select(0, idx).unsqueeze(1)).squeeze(1).tolist()
+            return None
+        lp = torch.log_softmax(raw.index_select(0, _on(raw.device, want)), dim=-1)
         k = min(max(rows[i].params.logprobs or 0 for i in want), raw.shape[1])
-        top_v: list[list[float]] = [[] for _ in want]
-        top_i: list[list[int]] = [[] for _ in want]
-        if k > 0:
-            v, t = lp.topk(k, dim=-1)  # sorted descending
-            top_v, top_i = v.tolist(), t.tolist()
-        for j, i in enumerate(want):
-            n = rows[i].params.logprobs or 0
-            out[i] = TokenLogprobs(token_list[i], chosen[j],
-                                   list(zip(top_i[j][:n], top_v[j][:n])))
-        return out
+        return _LogprobsQuery(want, [rows[i].params.logprobs or 0 for i in want], lp, k)
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list as a device tensor, without waiting for the device: a plain
+    torch.tensor(..., device="cuda") waits for every kernel queued before it."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class _LogprobsQuery:
+    rows: list[int]  # batch rows that asked
+    counts: list[int]  # top-n each asked for
+    logprobs: torch.Tensor  # [len(rows), vocab] on the device
+    k: int  # the largest count
+
+
+class PendingSample:
+    """The sampled tokens of one step, on their way to the host.
+
+    `token_ids` stay on the device (a next step scheduled before this one finished reads
+    its input ids from them). Their host copies are queued behind the sampling kernels
+    into pinned memory, with an event after them, so `result()` waits for this step
+    only, even when later steps are already queued on the same stream.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, bad: torch.Tensor, query: _LogprobsQuery | None) -> None:
+        self.token_ids = token_ids
+        device = token_ids.device
+        parts = [torch.stack((token_ids, bad.to(token_ids.dtype)))]
+        self._query = query
+        if query is not None:
+            chosen_ids = token_ids.index_select(0, _on(device, query.rows))
+            parts.append(query.logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1))
+            if query.k > 0:
+                parts.extend(query.logprobs.topk(query.k, dim=-1))  # sorted descending
+        self._event = None
+        if device.type == "cuda":
+            self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
+                          for p in parts]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = parts
+
+    def result(self) -> SamplerOutput:
+        """Wait for this step's tokens and return them; raises RuntimeError for a row
+        whose logits could not be sampled (NaN, +inf, or every token -inf)."""
+        if self._event is not None:
+            self._event.synchronize()
+        token_list, bad_list = self._host[0].tolist()
+        if any(bad_list):
+            rows = [i for i, b in enumerate(bad_list) if b]
+            raise RuntimeError(
+                f"sampler got unusable logits in batch rows {rows}: NaN, +inf, or every token "
+                "-inf (after penalties and min_tokens masking); nothing can be sampled")
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
+        query = self._query
+        if query is not None:
+            chosen = self._host[1].tolist()
+            top_v, top_i = ((self._host[2].tolist(), self._host[3].tolist()) if query.k > 0
+                            else ([[]] * len(query.rows), [[]] * len(query.rows)))
+            for j, (i, n) in enumerate(zip(query.rows, query.counts)):
+                logprobs[i] = TokenLogprobs(token_list[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
+        return SamplerOutput(token_list, logprobs)

@@ -25,13 +25,15 @@ SHARED = random_prompts([40], seed=7)[0]
 PROMPTS = random_prompts([2, 17, 33, 64, 90], seed=8) + [SHARED + [5, 6, 7], SHARED + list(range(9, 30))]
 
 
-def worker_pair(model_dir: Path, transport: str, deadline_s: float = 30.0, grace_s: float = 5.0):
+def worker_pair(model_dir: Path, transport: str, deadline_s: float = 30.0, grace_s: float = 5.0,
+                async_scheduling: bool = False):
     config = TransportConfig(timeout_s=5.0, cancel_grace_s=grace_s)
     t_dec, t_pre = create_transport(transport, "decode", config), create_transport(transport, "prefill", config)
-    dec = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=80), t_dec.allocate_kv_cache)
+    dec = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=80, async_scheduling=async_scheduling),
+                     t_dec.allocate_kv_cache)
     # A small token budget: prompts arrive in chunks, so blocks are pushed as they fill.
-    pre = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=80, max_num_batched_tokens=24),
-                     t_pre.allocate_kv_cache)
+    pre = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=80, max_num_batched_tokens=24,
+                                  async_scheduling=async_scheduling), t_pre.allocate_kv_cache)
     for t, core in ((t_dec, dec), (t_pre, pre)):
         t.register_kv_cache(core.kv_cache, "tiny-llama")
     t_pre.add_peer(t_dec.metadata())
@@ -70,9 +72,10 @@ def reference(llama_dir: Path) -> dict[str, list[int]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_pushed_kv_gives_colocated_tokens(llama_dir: Path, reference, transport: str) -> None:
-    decode, prefill = worker_pair(llama_dir, transport)
+@pytest.mark.parametrize("transport,async_scheduling", [("shm", False), ("tcp", False), ("shm", True)])
+def test_pushed_kv_gives_colocated_tokens(llama_dir: Path, reference, transport: str,
+                                          async_scheduling: bool) -> None:
+    decode, prefill = worker_pair(llama_dir, transport, async_scheduling=async_scheduling)
     try:
         done = run(decode, prefill, PROMPTS)
         assert tokens(done) == reference

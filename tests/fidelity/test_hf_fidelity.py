@@ -65,10 +65,11 @@ def test_prefix_caching_hits_and_matches_hf(tiny_models: dict[str, Path], arch: 
     assert llm.core.kv.pool.num_cache_hits >= 11
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_chunked_prefill_matches_hf(tiny_models: dict[str, Path], arch: str) -> None:
+@pytest.mark.parametrize("arch,async_scheduling", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_chunked_prefill_matches_hf(tiny_models: dict[str, Path], arch: str, async_scheduling: bool) -> None:
     prompts = random_prompts([150, 97, 5], seed=4)
-    llm = LLM(str(tiny_models[arch]), max_num_batched_tokens=8, enable_prefix_caching=False)
+    llm = LLM(str(tiny_models[arch]), max_num_batched_tokens=8, enable_prefix_caching=False,
+              async_scheduling=async_scheduling)
     steps = []
     original = llm.core.scheduler.schedule
 
@@ -83,11 +84,11 @@ def test_chunked_prefill_matches_hf(tiny_models: dict[str, Path], arch: str) -> 
     assert max(steps) <= 8  # the budget really chunked the 150-token prompt
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_preemption_matches_hf(tiny_models: dict[str, Path], arch: str) -> None:
+@pytest.mark.parametrize("arch,async_scheduling", [("llama", False), ("qwen3", False), ("qwen3", True)])
+def test_preemption_matches_hf(tiny_models: dict[str, Path], arch: str, async_scheduling: bool) -> None:
     prompts = random_prompts([40, 35, 50, 45, 30, 38], seed=5)
     # 12 blocks x 16 tokens = 192 slots for ~6 x 60 tokens: requests must be preempted.
-    llm = LLM(str(tiny_models[arch]), num_kv_blocks=12, block_size=16)
+    llm = LLM(str(tiny_models[arch]), num_kv_blocks=12, block_size=16, async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.core.scheduler.num_preemptions > 0
@@ -95,11 +96,13 @@ def test_preemption_matches_hf(tiny_models: dict[str, Path], arch: str) -> None:
     assert llm.core.kv.num_free_blocks == 12
 
 
-def test_eos_stops_like_hf(tiny_models: dict[str, Path]) -> None:
-    """Without ignore_eos, the engine stops exactly where HF's generate stops."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_eos_stops_like_hf(tiny_models: dict[str, Path], async_scheduling: bool) -> None:
+    """Without ignore_eos, the engine stops exactly where HF's generate stops (with async
+    scheduling, a step later on the host, with nothing of that step kept)."""
     model_dir = tiny_models["qwen3"]
     prompts = random_prompts([2, 12, 30], seed=0)  # the first one reaches EOS after 5 tokens
-    llm = LLM(str(model_dir))
+    llm = LLM(str(model_dir), async_scheduling=async_scheduling)
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0), use_tqdm=False)
     model = hf_model(str(model_dir))
     for p, o in zip(prompts, outs):
