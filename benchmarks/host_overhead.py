@@ -54,6 +54,7 @@ import engine.runner as runner_module  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine_core import EngineCore  # noqa: E402
 from engine.output_processor import OutputProcessor  # noqa: E402
+from engine.sampling import PendingSample  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB = 512
@@ -91,7 +92,8 @@ def instrument(core: EngineCore, timers: Timers) -> None:
     runner = core.runner
     runner.model = timers.wrap("forward", runner.model)
     runner.attention_backend.prepare = timers.wrap("attn prepare", runner.attention_backend.prepare)
-    runner.sampler.sample = timers.wrap("sample", runner.sampler.sample)
+    runner.sampler.sample = timers.wrap("sample", runner.sampler.sample)  # queues the sampling
+    PendingSample.result = timers.wrap("sample", PendingSample.result)  # waits for its tokens
     core.scheduler.schedule = timers.wrap("schedule", core.scheduler.schedule)
     core.scheduler.update = timers.wrap("update", core.scheduler.update)
     runner_module.build_step_inputs = timers.wrap("inputs", runner_module.build_step_inputs)

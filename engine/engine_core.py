@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepOutput:
     advanced: list[Request] = field(default_factory=list)  # got a new token this step
-    finished: list[Request] = field(default_factory=list)  # finished this step (blocks freed)
+    finished: list[Request] = field(default_factory=list)  # finished this step (blocks freed, or once no queued step writes them)
     num_tokens: int = 0  # tokens computed this step
 
 
@@ -182,20 +182,22 @@ class EngineCore:
         queued = [in_flight[0]] if in_flight else []
         try:
             if in_flight and self._reads_history(in_flight[0]):
-                return self._finish_step(in_flight)  # the next call schedules with every token on the host
+                return self._finish_step(in_flight, queued)  # the next call schedules with every token on the host
             out = self.scheduler.schedule()
             if out.scheduled:
                 queued.append(out)
                 launched = self.runner.launch(out.scheduled, self._block_tables(out),
                                               in_flight[1] if in_flight else None)
                 if not self.config.async_scheduling:
-                    return self._finish_step((out, launched))
+                    return self._finish_step((out, launched), queued)
                 self._in_flight = (out, launched)
-            return self._finish_step(in_flight) if in_flight else StepOutput()
+            return self._finish_step(in_flight, queued) if in_flight else StepOutput()
         except BaseException:
             # Whatever was queued is void: its requests compute those tokens again, and
-            # the caller may abort them (their blocks are freed at once).
+            # the caller may abort them. Their blocks are freed at once then, so first
+            # let the device finish (or fail) what is queued.
             self._in_flight = None
+            self.runner.wait_idle()
             for out in queued:
                 self.scheduler.discard(out)
             raise
@@ -206,13 +208,17 @@ class EngineCore:
     @staticmethod
     def _reads_history(out: SchedulerOutput) -> bool:
         """Whether the step after `out` samples from counts or tokens `out` changes."""
-        return any(s.samples and (s.request.sampling_params.has_penalties
-                                  or s.request.num_output_tokens < s.request.sampling_params.min_tokens)
+        return any(s.samples and not s.request.status.finished
+                   and (s.request.sampling_params.has_penalties
+                        or s.request.num_output_tokens < s.request.sampling_params.min_tokens)
                    for s in out.scheduled)
 
-    def _finish_step(self, step: tuple[SchedulerOutput, LaunchedStep]) -> StepOutput:
+    def _finish_step(self, step: tuple[SchedulerOutput, LaunchedStep], queued: list[SchedulerOutput]) -> StepOutput:
+        """Wait for a step and update the scheduler with its tokens; from then on a
+        failure no longer voids it (`queued`: the steps step() would discard)."""
         out, launched = step
         sampled = launched.result()
+        queued.remove(out)
         sampling = [s.request for s in out.scheduled if s.samples]
         for request, logprobs in zip(sampling, sampled.logprobs):
             if logprobs is not None and not request.status.finished:

@@ -113,15 +113,24 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
 
 
 class LaunchedStep:
-    """A step queued on the device: its sampled tokens (if any) on their way back."""
+    """A step queued on the device: its sampled tokens (if any) on their way back, and
+    an event after its last kernel (a step that samples nothing, such as a prompt chunk
+    on a prefill worker, still has KV to finish writing)."""
 
-    def __init__(self, scheduled: Sequence[ScheduledRequest], sample: PendingSample | None) -> None:
+    def __init__(self, scheduled: Sequence[ScheduledRequest], sample: PendingSample | None,
+                 device: torch.device) -> None:
         self.sample = sample
         sampling = [s.request.request_id for s in scheduled if s.samples]
         self.sample_row = {request_id: i for i, request_id in enumerate(sampling)}
+        self._done = None
+        if device.type == "cuda":
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(device))
 
     def result(self) -> SamplerOutput:
         """Wait for this step (not for any step queued after it) and return its tokens."""
+        if self._done is not None:
+            self._done.synchronize()
         return self.sample.result() if self.sample is not None else SamplerOutput([], [])
 
 
@@ -186,7 +195,15 @@ class ModelRunner:
         else:
             logits = self.forward(inputs, dev)
         rows = [s.request.sampling_row for s in scheduled if s.samples]
-        return LaunchedStep(scheduled, self.sampler.sample(logits, rows) if rows else None)
+        return LaunchedStep(scheduled, self.sampler.sample(logits, rows) if rows else None, self.device)
+
+    def wait_idle(self) -> None:
+        """Wait until the device has run (or failed) everything queued so far."""
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:
+                pass  # the device failed; the caller is already handling an error
 
     def execute(self, scheduled: Sequence[ScheduledRequest], block_tables: np.ndarray) -> SamplerOutput:
         """launch() and wait for its tokens."""

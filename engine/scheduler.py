@@ -16,6 +16,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 
@@ -61,7 +62,7 @@ class Scheduler:
         # Prefill worker: requests whose prompt KV is computed; their blocks stay held
         # until the KV is written to the decode worker (release_prefilled).
         self.prefilled: dict[str, Request] = {}
-        self._free_after_step: dict[str, Request] = {}  # finished while a step was in flight
+        self._free_after_step: dict[Request, list[KVBlock]] = {}  # finished while a step was in flight
 
     # --- admission -----------------------------------------------------------------
 
@@ -118,10 +119,18 @@ class Scheduler:
         request.status = status
         if request.num_scheduled_tokens:
             # A step in flight still writes its KV: free the blocks once that step is
-            # updated, so no other request (nor a remote KV write) gets them before.
-            self._free_after_step[request.request_id] = request
+            # done, so no other request (nor a remote KV write) gets them before. They
+            # leave its id now, which a new request may take at once.
+            self._free_after_step[request] = self.kv.detach(request)
         else:
             self.kv.free(request)
+
+    def _unschedule(self, request: Request, num_tokens: int) -> None:
+        """A step of the request is done (or void); free its blocks if it finished while
+        that was the last step in flight."""
+        request.num_scheduled_tokens -= num_tokens
+        if not request.num_scheduled_tokens and request in self._free_after_step:
+            self.kv.free_blocks(self._free_after_step.pop(request))
 
     @property
     def has_unfinished(self) -> bool:
@@ -133,9 +142,12 @@ class Scheduler:
         request.num_output_placeholders += scheduled.samples
         out.scheduled.append(scheduled)
 
-    def _last_token_in_flight(self, request: Request) -> bool:
-        """A step in flight samples the request's last token (by count: max_tokens or
-        the context length); scheduling another step for it would run past both."""
+    def _last_step_in_flight(self, request: Request) -> bool:
+        """A running request has nothing left to schedule: a step in flight computes the
+        rest of its prompt on a prefill worker, or samples its last token by count
+        (max_tokens, context length); another step would run past both."""
+        if request.num_started_tokens == request.num_tokens_with_placeholders:
+            return True
         if not request.num_output_placeholders:
             return False
         outputs = request.num_output_tokens + request.num_output_placeholders
@@ -154,12 +166,14 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self._last_step_in_flight(request):
+                continue
             num_new = min(request.num_tokens_with_placeholders - request.num_started_tokens, budget)
-            if num_new == 0 or self._last_token_in_flight(request):
-                continue  # its last step is in flight (a prompt done on a prefill worker, or its last token)
             while not self.kv.allocate_slots(request, num_new):
-                # Never evict a request already scheduled this step: its blocks are in use.
-                victim = max((r for r in self.running if r not in scheduled_running),
+                # Never evict a request scheduled this step (its blocks are in use), nor
+                # one whose last step is in flight (that step would be wasted).
+                victim = max((r for r in self.running
+                              if r not in scheduled_running and not self._last_step_in_flight(r)),
                              key=lambda r: r.sort_key)
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -282,9 +296,7 @@ class Scheduler:
                     finished.append(request)
                     continue
             elif request.status.finished:
-                request.num_scheduled_tokens -= s.num_new_tokens
-                if not request.num_scheduled_tokens and self._free_after_step.pop(request.request_id, None):
-                    self.kv.free(request)
+                self._unschedule(request, s.num_new_tokens)
                 continue
             # else preempted after this step was scheduled: it recomputes, but its token stands
             if not s.samples:
@@ -304,11 +316,8 @@ class Scheduler:
         for s in out.scheduled:
             request = s.request
             request.num_output_placeholders -= s.samples
-            if request.status == RequestStatus.PREEMPTED:
-                continue  # its counters were reset when it was preempted
-            request.num_scheduled_tokens -= s.num_new_tokens
-            if not request.num_scheduled_tokens and self._free_after_step.pop(request.request_id, None):
-                self.kv.free(request)
+            if request.status != RequestStatus.PREEMPTED:  # else reset when it was preempted
+                self._unschedule(request, s.num_new_tokens)
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

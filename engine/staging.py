@@ -44,6 +44,6 @@ class Uploader:
             host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         packed = buffer[:max(total, 1)].to(self.device, non_blocking=True)
         self._copied[i] = torch.cuda.Event()
-        self._copied[i].record()
+        self._copied[i].record(torch.cuda.current_stream(self.device))  # the engine's device, not the current one
         return [packed[off:off + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
                 for a, off in zip(arrays, offsets)]

@@ -123,9 +123,17 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first (see BlockPool.free)."""
+        self.free_blocks(self.detach(request))
+
+    def detach(self, request: Request) -> list[KVBlock]:
+        """Take the request's blocks off its id without freeing them (free_blocks later):
+        its id may be reused at once while a queued step still writes those blocks."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.block_table.remove(request.request_id)
+        return blocks
+
+    def free_blocks(self, blocks: list[KVBlock]) -> None:
         self.pool.free(reversed(blocks))
 
     def usage(self) -> float:

@@ -1,12 +1,7 @@
-"""Token sampling: the batched Sampler and its per-row inputs/outputs."""
+"""Token sampling: the batched Sampler, its per-row inputs, and its outputs on their way
+back to the host."""
 
-from engine.sampling.sampler import (
-    PendingSample,
-    Sampler,
-    SamplerOutput,
-    SamplingRow,
-    TokenLogprobs,
-    make_generator,
-)
+from engine.sampling.pending import PendingSample, SamplerOutput, TokenLogprobs
+from engine.sampling.sampler import Sampler, SamplingRow, make_generator
 
 __all__ = ["PendingSample", "Sampler", "SamplerOutput", "SamplingRow", "TokenLogprobs", "make_generator"]

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from engine.sampling.pending import LogprobsQuery, PendingSample, SamplerOutput, small_tensor
 from engine.sampling_params import SamplingParams
 
 # Dividing by a temperature this small can overflow float32, so such rows go greedy (as vLLM).
@@ -33,19 +34,6 @@ class SamplingRow:
     generator: torch.Generator | None  # None = the sampler's shared generator
 
 
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # top-`params.logprobs` (token_id, logprob), descending
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
-
-
 def _unusable(x: torch.Tensor) -> torch.Tensor:
     """[batch] bool: rows that would make softmax produce NaN (an upstream bug, not a
     sampling choice): any NaN, any +inf, or every token -inf.
@@ -59,7 +47,7 @@ def _unusable(x: torch.Tensor) -> torch.Tensor:
 def _padded(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[n, max_len] int64 ids; padding and out-of-vocab ids point at a spare column `vocab`."""
     width = max(1, max(len(s) for s in seqs))
-    ids = _on(device, [list(s) + [vocab] * (width - len(s)) for s in seqs])
+    ids = small_tensor(device, [list(s) + [vocab] * (width - len(s)) for s in seqs])
     return torch.where((ids >= 0) & (ids < vocab), ids, vocab)
 
 
@@ -101,7 +89,7 @@ class Sampler:
         token_ids = x.argmax(dim=-1)
         sample_rows = [i for i, g in enumerate(greedy) if not g]
         if sample_rows:
-            idx = _on(x.device, sample_rows)
+            idx = small_tensor(x.device, sample_rows)
             sampled = self._sample(x.index_select(0, idx), [rows[i] for i in sample_rows])
             token_ids.index_copy_(0, idx, sampled)
         return PendingSample(token_ids, bad, self._logprobs(raw, rows))
@@ -111,7 +99,7 @@ class Sampler:
         """In place on x [batch, vocab]; only the rows in `which` are touched."""
         vocab, dev = x.shape[1], x.device
         sub = [rows[i].params for i in which]
-        idx = _on(dev, which)
+        idx = small_tensor(dev, which)
         n = len(which)
 
         out_ids = _padded([rows[i].output_token_ids for i in which], vocab, dev)
@@ -122,7 +110,7 @@ class Sampler:
             1, prompt_ids, True)[:, :vocab] | (counts > 0)
 
         def col(values: list[float]) -> torch.Tensor:
-            return _on(dev, values, torch.float32).unsqueeze(1)
+            return small_tensor(dev, values, torch.float32).unsqueeze(1)
 
         rep = col([p.repetition_penalty for p in sub])
         freq = col([p.frequency_penalty for p in sub])
@@ -145,7 +133,7 @@ class Sampler:
                     r_idx.append(i)
                     c_idx.append(t)
         if r_idx:
-            x[_on(x.device, r_idx), _on(x.device, c_idx)] = float("-inf")
+            x[small_tensor(x.device, r_idx), small_tensor(x.device, c_idx)] = float("-inf")
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """x: [n, vocab] processed logits of non-greedy rows -> [n] int64 sampled ids."""
@@ -154,7 +142,7 @@ class Sampler:
         ps = [r.params for r in rows]
 
         def col(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return _on(dev, values, dtype).unsqueeze(1)
+            return small_tensor(dev, values, dtype).unsqueeze(1)
 
         x = x / col([p.temperature for p in ps])
         if any(p.min_p > 0 for p in ps):
@@ -191,7 +179,7 @@ class Sampler:
         else:
             noise = torch.empty(n, vocab, device=dev)
             if unseeded:
-                idx = _on(dev, unseeded)
+                idx = small_tensor(dev, unseeded)
                 draw = torch.empty(len(unseeded), vocab, device=dev)
                 noise.index_copy_(0, idx, draw.exponential_(generator=self._shared_gen(dev)))
             for i, r in enumerate(rows):
@@ -207,79 +195,12 @@ class Sampler:
             self._shared[key] = make_generator(self.seed, dev)
         return self._shared[key]
 
-    def _logprobs(self, raw: torch.Tensor, rows: list[SamplingRow]) -> _LogprobsQuery | None:
+    def _logprobs(self, raw: torch.Tensor, rows: list[SamplingRow]) -> LogprobsQuery | None:
         """Raw-distribution log-softmax of the rows that asked for logprobs (the chosen
         tokens' entries are gathered once they are drawn: PendingSample)."""
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if not want:
             return None
-        lp = torch.log_softmax(raw.index_select(0, _on(raw.device, want)), dim=-1)
+        lp = torch.log_softmax(raw.index_select(0, small_tensor(raw.device, want)), dim=-1)
         k = min(max(rows[i].params.logprobs or 0 for i in want), raw.shape[1])
-        return _LogprobsQuery(want, [rows[i].params.logprobs or 0 for i in want], lp, k)
-
-
-def _on(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A small host list as a device tensor, without waiting for the device: a plain
-    torch.tensor(..., device="cuda") waits for every kernel queued before it."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-@dataclass
-class _LogprobsQuery:
-    rows: list[int]  # batch rows that asked
-    counts: list[int]  # top-n each asked for
-    logprobs: torch.Tensor  # [len(rows), vocab] on the device
-    k: int  # the largest count
-
-
-class PendingSample:
-    """The sampled tokens of one step, on their way to the host.
-
-    `token_ids` stay on the device (a next step scheduled before this one finished reads
-    its input ids from them). Their host copies are queued behind the sampling kernels
-    into pinned memory, with an event after them, so `result()` waits for this step
-    only, even when later steps are already queued on the same stream.
-    """
-
-    def __init__(self, token_ids: torch.Tensor, bad: torch.Tensor, query: _LogprobsQuery | None) -> None:
-        self.token_ids = token_ids
-        device = token_ids.device
-        parts = [torch.stack((token_ids, bad.to(token_ids.dtype)))]
-        self._query = query
-        if query is not None:
-            chosen_ids = token_ids.index_select(0, _on(device, query.rows))
-            parts.append(query.logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1))
-            if query.k > 0:
-                parts.extend(query.logprobs.topk(query.k, dim=-1))  # sorted descending
-        self._event = None
-        if device.type == "cuda":
-            self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
-                          for p in parts]
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = parts
-
-    def result(self) -> SamplerOutput:
-        """Wait for this step's tokens and return them; raises RuntimeError for a row
-        whose logits could not be sampled (NaN, +inf, or every token -inf)."""
-        if self._event is not None:
-            self._event.synchronize()
-        token_list, bad_list = self._host[0].tolist()
-        if any(bad_list):
-            rows = [i for i, b in enumerate(bad_list) if b]
-            raise RuntimeError(
-                f"sampler got unusable logits in batch rows {rows}: NaN, +inf, or every token "
-                "-inf (after penalties and min_tokens masking); nothing can be sampled")
-        logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
-        query = self._query
-        if query is not None:
-            chosen = self._host[1].tolist()
-            top_v, top_i = ((self._host[2].tolist(), self._host[3].tolist()) if query.k > 0
-                            else ([[]] * len(query.rows), [[]] * len(query.rows)))
-            for j, (i, n) in enumerate(zip(query.rows, query.counts)):
-                logprobs[i] = TokenLogprobs(token_list[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
-        return SamplerOutput(token_list, logprobs)
+        return LogprobsQuery(want, [rows[i].params.logprobs or 0 for i in want], lp, k)

@@ -101,12 +101,14 @@ def test_blocks_stay_held_until_the_step_in_flight_is_updated() -> None:
     second = sched.schedule()  # scheduled while `first` is in flight: one placeholder token
     assert [s.start for s in second.scheduled] == [9] and request.num_output_placeholders == 2
     sched.update(first, {"a": 7})
-    held = sched.kv.block_ids("a")
+    free = sched.kv.num_free_blocks
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    assert sched.kv.block_ids("a") == held  # `second` still writes slot 9
+    # `second` still writes slot 9: its blocks are off the id (which a new request may
+    # take) but not free yet.
+    assert sched.kv.block_ids("a") == [] and sched.kv.num_free_blocks == free
     advanced, finished = sched.update(second, {"a": 8})
     assert advanced == [] and finished == [] and request.output_token_ids == [7]  # its token dropped
-    assert sched.kv.block_ids("a") == [] and sched.kv.num_free_blocks == 16
+    assert sched.kv.num_free_blocks == 16
 
 
 def test_a_failed_step_leaves_the_engine_usable(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,3 +132,43 @@ def test_a_failed_step_leaves_the_engine_usable(llama_dir: Path, monkeypatch: py
     assert not llm.core.has_unfinished() and kv.num_free_blocks == kv.pool.num_blocks
     again = llm.generate(prompts([15, 30], seed=5), params, use_tqdm=False)
     assert [o.token_ids for o in again] == [o.token_ids for o in want]
+
+
+def test_an_id_aborted_in_flight_can_be_reused_at_once(llama_dir: Path) -> None:
+    def engine() -> LLM:
+        return LLM(str(llama_dir), async_scheduling=True, num_kv_blocks=12, block_size=8,
+                   enable_prefix_caching=False)
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first, second = list(range(10, 50)), list(range(200, 237))
+    want = engine().generate([second], params, use_tqdm=False)[0].token_ids
+    core = engine().core
+    core.add_request("x", first, params)
+    for _ in range(3):
+        core.step()
+    core.abort(["x"])  # a step of the old "x" is in flight: its blocks are freed after it
+    reused = core.add_request("x", second, params)
+    core.add_request("y", list(range(300, 330)), params)  # takes whatever is freed
+    while core.has_unfinished():
+        core.step()
+    assert reused.output_token_ids == want
+    assert core.kv.num_free_blocks == core.kv.pool.num_blocks
+
+
+def test_a_request_whose_last_step_is_in_flight_is_not_preempted() -> None:
+    """Prefill worker: a prompt whose last chunk is in flight is done; evicting it to
+    make room would throw that prompt away."""
+    sched = Scheduler(KVCacheManager(num_blocks=5, block_size=4, enable_prefix_caching=False), 10, 8,
+                      max_model_len=64)
+    late = Request("late", list(range(1, 17)), SamplingParams(max_tokens=1), priority=1)  # 4 blocks
+    early = Request("early", list(range(30, 36)), SamplingParams(max_tokens=1), priority=0)  # 2 blocks
+    late.prefill_only = early.prefill_only = True
+    sched.add_request(late)
+    first = sched.schedule()  # late: 10 of 16 tokens
+    sched.add_request(early)
+    second = sched.schedule()  # late: its last 6 tokens; early: 4 of 6
+    sched.update(first, {})
+    third = sched.schedule()  # early needs a 6th block; late's last step is in flight
+    assert [r.request_id for r in third.preempted] == ["early"] and third.scheduled == []
+    _, finished = sched.update(second, {})
+    assert finished == [late] and late.status == RequestStatus.PREFILLED and late.num_preemptions == 0
