@@ -11,12 +11,15 @@ Split-KV: split j covers tokens [j * split_tokens, (j + 1) * split_tokens) (the 
 split also takes any remainder), each writes an unnormalised partial (acc, max, sum)
 and _reduce_kernel merges them, so long contexts with few sequences still fill the
 GPU. Split boundaries are fixed in tokens, not derived from the split count, so the
-result depends only on the context: an extra, empty split adds exact zeros, and a
-single split (written directly, no reduction) equals the reduction over one. Eager
-steps and CUDA graphs (sized for longer contexts) therefore agree bit for bit.
+result depends only on the context: an extra, empty split writes nothing and the
+reduction skips it (it would have added exact zeros), and a single split (written
+directly, no reduction) equals the reduction over one. Eager steps and CUDA graphs
+(sized for longer contexts) therefore agree bit for bit.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -27,6 +30,11 @@ from engine.kernels.common import (LaunchConfig, check_attention_io, check_index
 from engine.kernels.online_softmax import load_kv_tile, online_softmax_step
 
 SPLIT_TOKENS = 512  # context tokens per split
+# Past this many programs per SM, programs loop over several splits (split_programs_for).
+# 16 keeps one program per split in every case gpu_check's bandwidth rows measured
+# (batch 64 at 2k: 2048 programs on 132 SMs), and takes a batch-256 graph from 32768
+# programs to 4096.
+PROGRAMS_PER_SM = 16
 
 # Measured on an H200 (benchmarks/gpu_check.py --only tune): 84% of HBM bandwidth at
 # batch 64, context 2k, head_dim 64 (90% at 128), against 70-77% for 32-token tiles and
@@ -40,40 +48,15 @@ def default_config(device: torch.device) -> LaunchConfig:
 
 
 @triton.jit
-def _decode_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-                   q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, rows_ptr,
-                   stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-                   stride_c_block, stride_c_kv, stride_c_slot, stride_c_head, stride_bt,
-                   scale, num_splits,
-                   GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-                   SPLIT: tl.constexpr, PRECISION: tl.constexpr, NATIVE: tl.constexpr):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    token = tl.load(rows_ptr + seq).to(tl.int64)
-    g = tl.arange(0, GROUPS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUPS + g
-    q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
-                mask=g[:, None] < GROUPS, other=0.0)
-    if not NATIVE:
-        q = q.to(tl.float32)
-
-    num_tiles = tl.cdiv(seq_len, TILE)
-    first = 0
-    last = num_tiles
-    if SPLIT:
-        first = split * TILES_PER_SPLIT
-        if split < num_splits - 1:
-            last = tl.minimum(first + TILES_PER_SPLIT, num_tiles)
-
+def _attend(q, cache_ptr, table, seq_len, kv_head, d, first, last, scale,
+            stride_c_block, stride_c_kv, stride_c_slot, stride_c_head,
+            GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            TILE: tl.constexpr, PRECISION: tl.constexpr, NATIVE: tl.constexpr):
+    """Unnormalised (max, sum, acc) of q over the context tiles [first, last)."""
     m = tl.full([GROUPS_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUPS_PAD], tl.float32)
     acc = tl.zeros([GROUPS_PAD, HEAD_DIM], tl.float32)
     t = tl.arange(0, TILE)
-    table = block_tables_ptr + seq * stride_bt
     for tile in range(first, last):
         pos = tile * TILE + t
         valid = pos < seq_len
@@ -81,32 +64,96 @@ def _decode_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
                             stride_c_slot, stride_c_head, BLOCK_SIZE, NATIVE)
         # Every tile holds a valid position, so each row's max is finite from the first.
         m, l, acc = online_softmax_step(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
+    return m, l, acc
+
+
+@triton.jit
+def _split_partial(q, cache_ptr, table, seq_len, kv_head, g, d, split, num_splits, num_tiles,
+                   part, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+                   stride_c_block, stride_c_kv, stride_c_slot, stride_c_head,
+                   GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+                   PRECISION: tl.constexpr, NATIVE: tl.constexpr, store):
+    """Split `split`'s partial (max, sum, acc) into slot part + split, if `store`."""
+    first = split * TILES_PER_SPLIT
+    last = num_tiles
+    if split < num_splits - 1:
+        last = tl.minimum(first + TILES_PER_SPLIT, num_tiles)
+    m, l, acc = _attend(q, cache_ptr, table, seq_len, kv_head, d, first, last, scale,
+                        stride_c_block, stride_c_kv, stride_c_slot, stride_c_head,
+                        GROUPS_PAD, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, NATIVE)
+    gmask = (g < GROUPS) & store
+    tl.store(part_max_ptr + part + split, m, mask=gmask)
+    tl.store(part_sum_ptr + part + split, l, mask=gmask)
+    tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _decode_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                   q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, rows_ptr,
+                   stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+                   stride_c_block, stride_c_kv, stride_c_slot, stride_c_head, stride_bt,
+                   scale, num_splits,
+                   GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
+                   SPLIT: tl.constexpr, LOOP_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                   NATIVE: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    token = tl.load(rows_ptr + seq).to(tl.int64)
+    num_tiles = tl.cdiv(seq_len, TILE)
+    # Splits this context reaches (the last split takes any remainder). A CUDA graph
+    # launches those of the longest context it serves; the rest read and write nothing.
+    used = tl.minimum(num_splits, tl.cdiv(num_tiles, TILES_PER_SPLIT))
+    g = tl.arange(0, GROUPS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUPS + g
+    q = tl.load(q_ptr + token * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
+                mask=(g[:, None] < GROUPS) & (tl.program_id(2) < used), other=0.0)
+    if not NATIVE:
+        q = q.to(tl.float32)
+    table = block_tables_ptr + seq * stride_bt
 
     if SPLIT:
-        # Partials are [seqs, q_heads, splits(, D)]; a split past the context leaves
-        # max = -inf and sum = 0, which the reduction weighs as zero.
-        part = (seq * (tl.num_programs(1) * GROUPS) + heads) * num_splits + split
-        gmask = g < GROUPS
-        tl.store(part_max_ptr + part, m, mask=gmask)
-        tl.store(part_sum_ptr + part, l, mask=gmask)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+        # Partials are [seqs, q_heads, splits(, D)], one per split whichever program
+        # computes it; the reduction reads only the `used` ones.
+        part = (seq * (tl.num_programs(1) * GROUPS) + heads) * num_splits
+        if LOOP_SPLITS:  # fewer programs than splits: each takes every num_programs(2)-th
+            for split in range(tl.program_id(2), used, tl.num_programs(2)):
+                _split_partial(q, cache_ptr, table, seq_len, kv_head, g, d, split, num_splits, num_tiles,
+                               part, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+                               stride_c_block, stride_c_kv, stride_c_slot, stride_c_head, GROUPS, GROUPS_PAD,
+                               HEAD_DIM, BLOCK_SIZE, TILE, TILES_PER_SPLIT, PRECISION, NATIVE, True)
+        else:  # one split per program; those past the context store nothing
+            split = tl.program_id(2)
+            _split_partial(q, cache_ptr, table, seq_len, kv_head, g, d, split, num_splits, num_tiles,
+                           part, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+                           stride_c_block, stride_c_kv, stride_c_slot, stride_c_head, GROUPS, GROUPS_PAD,
+                           HEAD_DIM, BLOCK_SIZE, TILE, TILES_PER_SPLIT, PRECISION, NATIVE, split < used)
     else:
+        m, l, acc = _attend(q, cache_ptr, table, seq_len, kv_head, d, 0, num_tiles, scale,
+                            stride_c_block, stride_c_kv, stride_c_slot, stride_c_head,
+                            GROUPS_PAD, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, NATIVE)
         out = acc / l[:, None]
         tl.store(out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUPS)
 
 
 @triton.jit
-def _reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, rows_ptr,
-                   stride_o_tok, stride_o_head, num_q_heads, num_splits,
+def _reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, rows_ptr, seq_lens_ptr,
+                   stride_o_tok, stride_o_head, num_q_heads, num_splits, split_tokens,
                    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(rows_ptr + seq).to(tl.int64)
+    # The splits this context reaches; the rest wrote nothing. Masked lanes load the
+    # values an empty split would have had (max -inf, sum 0), so results are unchanged.
+    used = tl.minimum(num_splits, tl.cdiv(tl.load(seq_lens_ptr + seq), split_tokens))
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     part = (seq * num_q_heads + head) * num_splits + s
-    smask = s < num_splits
+    smask = s < used
     m = tl.load(part_max_ptr + part, mask=smask, other=float("-inf"))
     l = tl.load(part_sum_ptr + part, mask=smask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
@@ -121,10 +168,25 @@ def num_splits_for(max_seq_len: int, split_tokens: int = SPLIT_TOKENS) -> int:
     return max(1, -(-max_seq_len // split_tokens))
 
 
+def split_programs_for(num_seqs: int, num_kv_heads: int, num_splits: int, device: torch.device) -> int:
+    """Programs per (sequence, KV head): one per split while the grid stays within
+    PROGRAMS_PER_SM programs per SM, fewer (each looping over several splits) past that.
+    A CUDA graph captured for 256 sequences and 8k contexts would otherwise launch 16
+    splits x 2048 programs, most of them for splits past a shorter context."""
+    return min(num_splits, max(1, -(-PROGRAMS_PER_SM * _num_sms(device) // (num_seqs * num_kv_heads))))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: as on an H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.Tensor,
                      rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, num_splits: int = 1, split_tokens: int = SPLIT_TOKENS,
-                     config: LaunchConfig | None = None) -> None:
+                     config: LaunchConfig | None = None, split_programs: int | None = None) -> None:
     """out[rows[i]] = attention of query[rows[i]] over seq_lens[i] cached tokens in the
     blocks block_tables[i], for each decode sequence i.
 
@@ -134,6 +196,8 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
     num_splits:   num_splits_for(longest context) keeps results independent of it; fewer
                   is still correct (the last split takes the rest) but rounds differently
     config:       tiles and launch options (default_config: tuned for the GPU)
+    split_programs: programs per (sequence, KV head) sharing the splits (default
+                  split_programs_for); results do not depend on it
     """
     block_size, num_kv_heads, head_dim, num_q_heads = check_attention_io(out, query, layer_cache)
     device = layer_cache.device
@@ -154,18 +218,24 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
                   BLOCK_SIZE=block_size, TILE=tile, TILES_PER_SPLIT=split_tokens // tile,
                   PRECISION=dot_precision(layer_cache.dtype), NATIVE=native_dots(layer_cache),
                   num_warps=config.num_warps, num_stages=config.num_stages)
-    grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
-        _decode_kernel[grid](out, out, out, out, query, layer_cache, block_tables, seq_lens, rows,
-                             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-                             *cache_strides, block_tables.stride(0), scale, 1, SPLIT=False, **common)
+        _decode_kernel[(num_seqs, num_kv_heads, 1)](
+            out, out, out, out, query, layer_cache, block_tables, seq_lens, rows, query.stride(0),
+            query.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0), scale, 1,
+            SPLIT=False, LOOP_SPLITS=False, **common)
         return
+    programs = split_programs or split_programs_for(num_seqs, num_kv_heads, num_splits, device)
+    if not 1 <= programs <= num_splits:
+        raise ValueError(f"split_programs must be in [1, num_splits={num_splits}], got {programs}")
+    grid = (num_seqs, num_kv_heads, programs)
     part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     part_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)
     part_sum = torch.empty_like(part_max)
     _decode_kernel[grid](out, part_acc, part_max, part_sum, query, layer_cache, block_tables, seq_lens,
                          rows, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-                         *cache_strides, block_tables.stride(0), scale, num_splits, SPLIT=True, **common)
-    _reduce_kernel[(num_seqs, num_q_heads)](out, part_acc, part_max, part_sum, rows,
+                         *cache_strides, block_tables.stride(0), scale, num_splits, SPLIT=True,
+                         LOOP_SPLITS=programs < num_splits, **common)
+    _reduce_kernel[(num_seqs, num_q_heads)](out, part_acc, part_max, part_sum, rows, seq_lens,
                                             out.stride(0), out.stride(1), num_q_heads, num_splits,
-                                            SPLITS_PAD=next_power_of_2(num_splits), HEAD_DIM=head_dim)
+                                            split_tokens, SPLITS_PAD=next_power_of_2(num_splits),
+                                            HEAD_DIM=head_dim)

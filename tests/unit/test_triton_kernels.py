@@ -15,7 +15,7 @@ from engine.attention import reference
 from engine.kernels import decode_attention as decode_mod
 from engine.kernels import prefill_attention as prefill_mod
 from engine.kernels.common import LaunchConfig
-from engine.kernels.decode_attention import decode_attention, num_splits_for
+from engine.kernels.decode_attention import decode_attention, num_splits_for, split_programs_for
 from engine.kernels.prefill_attention import plan_tiles, prefill_attention
 from engine.kernels.store_kv import store_kv
 
@@ -129,24 +129,39 @@ def test_launchers_name_bad_inputs() -> None:
     with pytest.raises(ValueError, match="multiple of the 64-token tile"):
         decode_attention(out, query, cache, rows, tables, lens, 1.0, 2, split_tokens=32,
                          config=LaunchConfig(block_n=64))
+    with pytest.raises(ValueError, match=r"split_programs must be in \[1, num_splits=2\], got 3"):
+        decode_attention(out, query, cache, rows, tables, lens, 1.0, 2, split_tokens=32, split_programs=3)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
         LaunchConfig(block_n=24)
     with pytest.raises(ValueError, match="num_warps=3"):
         LaunchConfig(block_n=32, num_warps=3)
 
 
-def test_split_count_does_not_change_results() -> None:
-    """Eager steps and CUDA graphs launch different split counts for the same rows."""
+def test_split_count_does_not_change_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager steps and CUDA graphs launch different split counts for the same rows, and
+    at large batches fewer programs than splits, each looping over several."""
     seq_lens = [5, 32, 40, 96]
     cache, tables, _ = scattered_cache(seq_lens, 16, 2, 32, torch.float32)
     query = torch.randn(4, 4, 32)
     rows, lens = torch.arange(4, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32)
+    # Splits past a context write no partials: poison the partial buffers, so reading
+    # one of those would show.
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
     outs = []
-    for splits in (num_splits_for(max(seq_lens), 32), 6):
+    for splits, programs in ((num_splits_for(max(seq_lens), 32), None), (6, None), (6, 2), (6, 1), (3, 1)):
         out = torch.empty_like(query)
-        decode_attention(out, query, cache, rows, tables, lens, 0.2, splits, split_tokens=32)
+        decode_attention(out, query, cache, rows, tables, lens, 0.2, splits, split_tokens=32,
+                         split_programs=programs)
         outs.append(out)
+    monkeypatch.undo()
+    assert not outs[0].isnan().any()
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
     single = torch.empty_like(query[:2])  # contexts within one split: the unsplit path
     decode_attention(single, query[:2], cache, rows[:2], tables[:2], lens[:2], 0.2, 1, split_tokens=32)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(single, outs[0][:2])
+    assert torch.equal(single, outs[0][:2])
     assert num_splits_for(96, 32) == 3 and num_splits_for(97, 32) == 4 and num_splits_for(1) == 1
+    # One program per split up to 16 per SM (132 SMs, as on an H200), fewer past that.
+    cpu = torch.device("cpu")
+    assert [split_programs_for(b, 8, n, cpu) for b, n in ((64, 4), (1, 16), (256, 2), (256, 16))] == [4, 16, 2, 2]
