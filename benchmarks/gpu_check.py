@@ -277,17 +277,21 @@ def check_bandwidth(s: Setup) -> None:
     row(f"decode kernel b{b} ctx{ctx} d{s.hidden // s.heads} (the model's)",
         f"{seconds * 1e6:.0f} us x {s.layers} layers = {seconds * s.layers * 1e3:.2f} ms, "
         f"{100 * nbytes / seconds / HBM_BYTES_PER_S:.0f}%", "(info)")
-    # A CUDA graph launches the splits of the longest context it serves; the unused ones
-    # exit at once, but there are many of them at this batch (engine/cuda_graphs.py).
+    # A CUDA graph launches the splits of the longest context it serves (engine/cuda_graphs.py):
+    # 16 for ~1k contexts here. Timed with the launcher's programs per (sequence, KV head),
+    # which loop over the splits at this batch, and with one program per split.
+    import torch
+
     from engine.cuda_graphs import MAX_CONTEXT
-    from engine.kernels.decode_attention import num_splits_for
+    from engine.kernels.decode_attention import num_splits_for, split_programs_for
 
     graph_splits = num_splits_for(MAX_CONTEXT)
+    programs = split_programs_for(b, s.kv_heads, graph_splits, torch.device(s.device))
     looped, _ = decode_bandwidth(s, s.hidden // s.heads, batch=b, context=ctx, splits=graph_splits)
     one_each, _ = decode_bandwidth(s, s.hidden // s.heads, batch=b, context=ctx, splits=graph_splits,
                                    programs=graph_splits)
-    row(f"decode kernel b{b} ctx{ctx}, {graph_splits} splits (as graphed): programs looping over "
-        "splits / one per split", f"{looped * 1e6:.0f} / {one_each * 1e6:.0f} us "
+    row(f"decode kernel b{b} ctx{ctx}, {graph_splits} splits (as graphed): {programs} / {graph_splits} "
+        "programs per sequence and KV head", f"{looped * 1e6:.0f} / {one_each * 1e6:.0f} us "
         f"({looped / seconds:.2f}x / {one_each / seconds:.2f}x the {num_splits_for(ctx)} splits' time)", "(info)")
     rate = prefill_rate(s)
     row("prefill kernel, 16 x 512 causal, d64", f"{rate:.0f} TFLOP/s", "(info)")
