@@ -27,7 +27,8 @@ Rows:
  5. greedy tokens equal to HF in float32 (exact); in bf16 the fraction that match; CUDA
     graphs vs eager identical
  5b. rows 3 and 4 again with async scheduling (greedy tokens identical to the synchronous
-    engine's), and the offline workload again with all its requests in one batch
+    engine's), and the offline workload again with all its requests in one batch and
+    16k-token steps
  6. KV transfer between two processes on the GPU, 256 MiB in 2 MiB descriptors:
     cuda_ipc, and nixl if its wheel came along (>= 150 GB/s)
 A failing section prints FAIL with its error and the script goes on to the next.
@@ -605,10 +606,13 @@ def check_async_scheduling(s: Setup, model_dir: Path, fidelity_batch: list[list[
     GPU runs step N), and with every request of the offline workload in one batch."""
     from engine import SamplingParams
 
-    for max_seqs in (max(s.step_batches), s.requests):
+    gpu = s.device != "cpu"
+    # The engine rows' setting, then every request in one batch with twice the prefill
+    # chunk: fewer, larger steps for an offline workload.
+    for max_seqs, max_tokens in ((max(s.step_batches), 8192 if gpu else 64), (s.requests, 16384 if gpu else 128)):
         llm = make_llm(model_dir, s, s.dtype, max_num_seqs=max_seqs, async_scheduling=True,
-                       max_num_batched_tokens=8192 if s.device != "cpu" else 64)
-        label = f"async scheduling, max_num_seqs {max_seqs}"
+                       max_num_batched_tokens=max_tokens)
+        label = f"async scheduling, max_num_seqs {max_seqs}, max_num_batched_tokens {max_tokens}"
         if max_seqs == max(s.step_batches):
             greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
             tokens = [o.token_ids for o in llm.generate(fidelity_batch, greedy, use_tqdm=False)]
