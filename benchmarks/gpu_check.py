@@ -227,6 +227,18 @@ def check_kernels(s: Setup) -> None:
             err = ((got - ref).norm() / ref.norm()).item()
             ok = not got.isnan().any().item() and err <= 1e-2
             row(f"{name} attention d{head_dim} ({s.dtype})", f"rel err {err:.1e}", "<= 1e-2", ok)
+        # The decode rows again with the 8k-context splits of a CUDA graph, shared by every
+        # program count: a program looping over splits must give the same bits.
+        decode_rows = starts[decode].to(s.device), md.block_tables[index].contiguous(), md.seq_lens[index].contiguous()
+        splits = num_splits_for(8192)
+        outs = []
+        for programs in (splits, 2, 1):
+            out = torch.full_like(query, float("nan"))
+            decode_attention(out, query, cache, *decode_rows, head_dim ** -0.5, splits, split_programs=programs)
+            outs.append(out[decode_rows[0].long()])
+        same = all(torch.equal(o, outs[0]) for o in outs[1:]) and not outs[0].isnan().any().item()
+        row(f"decode d{head_dim}, {splits} splits: 2 or 1 programs == one per split", "identical" if same
+            else "differ", "identical", same)
     check_norm_rope(s)
 
 
@@ -288,12 +300,15 @@ def check_bandwidth(s: Setup) -> None:
 
     graph_splits = num_splits_for(MAX_CONTEXT)
     programs = split_programs_for(b, s.kv_heads, graph_splits, torch.device(s.device))
-    looped, _ = decode_bandwidth(s, s.hidden // s.heads, batch=b, context=ctx, splits=graph_splits)
-    one_each, _ = decode_bandwidth(s, s.hidden // s.heads, batch=b, context=ctx, splits=graph_splits,
-                                   programs=graph_splits)
-    row(f"decode kernel b{b} ctx{ctx}, {graph_splits} splits (as graphed): {programs} / {graph_splits} "
-        "programs per sequence and KV head", f"{looped * 1e6:.0f} / {one_each * 1e6:.0f} us "
-        f"({looped / seconds:.2f}x / {one_each / seconds:.2f}x the {num_splits_for(ctx)} splits' time)", "(info)")
+    # The engine rows' context (~1k, 3 splits used), and the longest a graph serves.
+    for context in (ctx + 20, MAX_CONTEXT if s.device != "cpu" else 2 * ctx):
+        eager, _ = decode_bandwidth(s, s.hidden // s.heads, batch=b, context=context)
+        looped, _ = decode_bandwidth(s, s.hidden // s.heads, batch=b, context=context, splits=graph_splits)
+        one_each, _ = decode_bandwidth(s, s.hidden // s.heads, batch=b, context=context, splits=graph_splits,
+                                       programs=graph_splits)
+        row(f"decode kernel b{b} ctx{context}, {graph_splits} splits (as graphed): {programs} / {graph_splits} "
+            "programs per sequence and KV head", f"{looped * 1e6:.0f} / {one_each * 1e6:.0f} us "
+            f"({looped / eager:.2f}x / {one_each / eager:.2f}x eager's {num_splits_for(context)} splits)", "(info)")
     rate = prefill_rate(s)
     row("prefill kernel, 16 x 512 causal, d64", f"{rate:.0f} TFLOP/s", "(info)")
 
@@ -488,20 +503,16 @@ def fill_decode_batch(core, s: Setup, b: int, tag: str = "step") -> list[str]:
     return ids
 
 
-def median_step_seconds(core, device: str, steps: int, run: int = 4) -> float:
-    """Median over groups of `run` consecutive steps of their mean time. Nothing waits
-    between the steps of a group, so async scheduling's overlap of one step's host work
-    with the previous step's GPU work is in the figure (a synchronous step waits for its
-    own tokens anyway)."""
-    times = []
-    for _ in range(max(1, steps // run)):
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(run):
-            core.step()
-        sync(device)
-        times.append((time.perf_counter() - start) / run)
-    return statistics.median(times)
+def mean_step_seconds(core, device: str, steps: int) -> float:
+    """Mean time of `steps` consecutive steps, with no sync between them: with async
+    scheduling each step's host work overlaps the previous step on the GPU, and a sync
+    would drain that pipeline (a synchronous step waits for its own tokens anyway)."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    sync(device)
+    return (time.perf_counter() - start) / steps
 
 
 def replay_seconds(graphs, b: int, device: str) -> float:
@@ -517,7 +528,7 @@ def time_decode_steps(llm, s: Setup, b: int, label: str = "") -> float:
     core, cfg = llm.core, llm.core.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
     ids = fill_decode_batch(core, s, b)
-    step = median_step_seconds(core, s.device, 20)
+    step = mean_step_seconds(core, s.device, 20)
     ctx = s.step_context + 20
     kv_bytes = b * ctx * cfg.kv_bytes_per_token(torch.tensor([], dtype=getattr(torch, s.dtype)).element_size())
     floor = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
@@ -689,7 +700,7 @@ def check_profile(s: Setup, work: Path) -> None:
             core.runner.graphs = mode_graphs  # None: every step runs the eager forward
             for _ in range(2):  # settle (and, eagerly, launch every kernel once)
                 core.step()
-            walls[mode] = median_step_seconds(core, s.device, 8)
+            walls[mode] = mean_step_seconds(core, s.device, 8)
         replay = replay_seconds(graphs, b, s.device) if graphs is not None else None
         stats, errors = gpu_profile.profile_modes(
             core.step, [(mode, functools.partial(setattr, core.runner, "graphs", g)) for mode, g in modes],

@@ -178,7 +178,7 @@ def format_profile(profiles: dict[str, StepProfile], unit: str, top: int = 15, w
                      + f"{ref.calls(n):>7.0f}{100 * ref.ms(n) / total:>8.1f}%")
     lines.append(f"{'sum of all ' + unit + 's':<{width}}" + "".join(f"{profiles[m].total_ms():>10.3f}" for m in modes)
                  + f"{ref.total_calls():>7.0f}")
-    lines.append(f"{'wall per step, unprofiled (median)':<{width}}"
+    lines.append(f"{'wall per step, unprofiled (mean)':<{width}}"
                  + "".join(f"{profiles[m].wall_s * 1e3:>10.3f}" for m in modes))
     for m in modes:
         p = profiles[m]

@@ -71,7 +71,7 @@ class EngineCore:
         if config.device.startswith("cuda"):
             return profile_num_kv_blocks(
                 self.model, self.model_config, backend, config.device, dtype, config.block_size,
-                min(config.max_num_batched_tokens, model_len), config.max_num_seqs,
+                config.max_num_batched_tokens, model_len, config.max_num_seqs,
                 config.gpu_memory_utilization)
         block_bytes = self.model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
         num_blocks = int(config.kv_cache_memory_gib * 2**30 // block_bytes)

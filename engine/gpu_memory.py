@@ -16,26 +16,42 @@ from engine.sampling import Sampler
 logger = logging.getLogger(__name__)
 
 
+def profiling_inputs(max_tokens: int, max_seq_len: int, block_size: int, max_logits: int) -> StepInputs:
+    """The largest step the scheduler can build: max_tokens new tokens, as prompts of at
+    most max_seq_len tokens (a step's token budget may exceed the context length, with
+    chunked prefill spreading it over several prompts), sampling max_logits rows. Each
+    prompt has its own blocks, numbered from 0."""
+    lens = [max_seq_len] * (max_tokens // max_seq_len) + ([max_tokens % max_seq_len] if max_tokens % max_seq_len else [])
+    num_blocks = [-(-n // block_size) for n in lens]
+    first_block = np.cumsum([0] + num_blocks[:-1])
+    tables = np.zeros((len(lens), max(num_blocks)), dtype=np.int32)
+    for row, (first, n) in enumerate(zip(first_block, num_blocks)):
+        tables[row, :n] = np.arange(first, first + n)
+    positions = np.concatenate([np.arange(n) for n in lens])
+    seq_of_token = np.repeat(np.arange(len(lens)), lens)
+    slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    rows = min(max_logits, max_tokens)
+    return StepInputs(
+        input_ids=np.zeros(max_tokens, dtype=np.int64), positions=positions, slot_mapping=slots,
+        query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
+        seq_lens=np.array(lens, dtype=np.int32), block_tables=tables,
+        logits_indices=np.arange(max_tokens - rows, max_tokens), query_lens=lens)
+
+
 def profile_num_kv_blocks(model: LlamaForCausalLM, cfg: ModelConfig, backend: AttentionBackend,
                           device: str, dtype: torch.dtype, block_size: int, max_tokens: int,
-                          max_logits: int, gpu_memory_utilization: float) -> int:
+                          max_seq_len: int, max_logits: int, gpu_memory_utilization: float) -> int:
     """KV blocks that fit in gpu_memory_utilization of the device's memory, after the
-    weights, other processes, and the activation peak of the largest step: one
-    sequence of max_tokens new tokens, sampling max_logits rows."""
+    weights, other processes, and the activation peak of the largest step: max_tokens
+    new tokens in prompts of at most max_seq_len, sampling max_logits rows."""
     dev = torch.device(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
     baseline = torch.cuda.memory_allocated(dev)
-    num_blocks = -(-max_tokens // block_size)
-    scratch = allocate_kv_cache(cfg, num_blocks, block_size, dtype, device)
+    inputs = profiling_inputs(max_tokens, max_seq_len, block_size, max_logits)
+    scratch = allocate_kv_cache(cfg, int(inputs.block_tables.max()) + 1, block_size, dtype, device)
     runner = ModelRunner(model, scratch, block_size, Sampler(cfg.eos_token_ids), backend, device)
-    rows = min(max_logits, max_tokens)
-    runner.forward(StepInputs(
-        input_ids=np.zeros(max_tokens, dtype=np.int64), positions=np.arange(max_tokens),
-        slot_mapping=np.arange(max_tokens), query_start_loc=np.array([0, max_tokens], dtype=np.int32),
-        seq_lens=np.array([max_tokens], dtype=np.int32),
-        block_tables=np.arange(num_blocks, dtype=np.int32)[None, :],
-        logits_indices=np.arange(max_tokens - rows, max_tokens), query_lens=[max_tokens]))
+    runner.forward(inputs)
     torch.cuda.synchronize(dev)
     activations = torch.cuda.max_memory_allocated(dev) - baseline - scratch.numel() * scratch.element_size()
     del runner, scratch

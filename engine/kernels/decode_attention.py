@@ -1,9 +1,10 @@
 """Paged decode attention: one query token per sequence over its block table.
 
-Grid (sequence, KV head, split). A program loads the query heads that share its KV
+Grid (sequence, KV head, program). A program loads the query heads that share its KV
 head (GQA) as one [GROUPS_PAD, D] tile, so each K/V tile it reads serves all of
-them, and walks its split's share of the context in tiles of TILE tokens gathered
-through the block table (any block size). The loop is software-pipelined
+them, and walks its split's share of the context (or, at large batches, several
+splits' shares in turn) in tiles of TILE tokens gathered through the block table (any
+block size). The loop is software-pipelined
 (num_stages): the next tiles' loads are in flight while one is being reduced, which
 is what keeps HBM busy.
 
@@ -30,10 +31,10 @@ from engine.kernels.common import (LaunchConfig, check_attention_io, check_index
 from engine.kernels.online_softmax import load_kv_tile, online_softmax_step
 
 SPLIT_TOKENS = 512  # context tokens per split
-# Past this many programs per SM, programs loop over several splits (split_programs_for).
-# 16 keeps one program per split in every case gpu_check's bandwidth rows measured
-# (batch 64 at 2k: 2048 programs on 132 SMs), and takes a batch-256 graph from 32768
-# programs to 4096.
+# Past about this many programs per SM (rounded up to whole splits per sequence and KV
+# head), programs loop over several splits (split_programs_for). 16 keeps one program
+# per split in every case gpu_check's bandwidth rows measured (batch 64 at 2k: 2048
+# programs on 132 SMs), and takes a batch-256 graph from 32768 programs to 4096.
 PROGRAMS_PER_SM = 16
 
 # Measured on an H200 (benchmarks/gpu_check.py --only tune): 84% of HBM bandwidth at
@@ -210,6 +211,8 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
     if num_splits < 1 or split_tokens < tile or split_tokens % tile:
         raise ValueError(f"need num_splits >= 1 and split_tokens a multiple of the {tile}-token "
                          f"tile, got {num_splits} and {split_tokens}")
+    if split_programs is not None and not 1 <= split_programs <= num_splits:
+        raise ValueError(f"split_programs must be in [1, num_splits={num_splits}], got {split_programs}")
     if num_seqs == 0:
         return
     groups = num_q_heads // num_kv_heads
@@ -224,9 +227,8 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
             query.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0), scale, 1,
             SPLIT=False, LOOP_SPLITS=False, **common)
         return
-    programs = split_programs or split_programs_for(num_seqs, num_kv_heads, num_splits, device)
-    if not 1 <= programs <= num_splits:
-        raise ValueError(f"split_programs must be in [1, num_splits={num_splits}], got {programs}")
+    programs = split_programs_for(num_seqs, num_kv_heads, num_splits, device) if split_programs is None \
+        else split_programs
     grid = (num_seqs, num_kv_heads, programs)
     part_acc = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     part_max = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=device)

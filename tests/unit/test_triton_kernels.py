@@ -129,8 +129,11 @@ def test_launchers_name_bad_inputs() -> None:
     with pytest.raises(ValueError, match="multiple of the 64-token tile"):
         decode_attention(out, query, cache, rows, tables, lens, 1.0, 2, split_tokens=32,
                          config=LaunchConfig(block_n=64))
-    with pytest.raises(ValueError, match=r"split_programs must be in \[1, num_splits=2\], got 3"):
-        decode_attention(out, query, cache, rows, tables, lens, 1.0, 2, split_tokens=32, split_programs=3)
+    for programs, splits in ((3, 2), (0, 2), (2, 1)):
+        with pytest.raises(ValueError, match=rf"split_programs must be in \[1, num_splits={splits}\], "
+                                             rf"got {programs}"):
+            decode_attention(out, query, cache, rows, tables, lens, 1.0, splits, split_tokens=32,
+                             split_programs=programs)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
         LaunchConfig(block_n=24)
     with pytest.raises(ValueError, match="num_warps=3"):
@@ -161,6 +164,14 @@ def test_split_count_does_not_change_results(monkeypatch: pytest.MonkeyPatch) ->
     single = torch.empty_like(query[:2])  # contexts within one split: the unsplit path
     decode_attention(single, query[:2], cache, rows[:2], tables[:2], lens[:2], 0.2, 1, split_tokens=32)
     assert torch.equal(single, outs[0][:2])
+    # Two 32-token tiles per split (and an empty third split); too few splits for 96
+    # tokens (the last one takes the rest). Any program count gives the same result.
+    for split_tokens, splits in ((64, 3), (32, 2)):
+        looped = [torch.empty_like(query) for _ in range(splits)]
+        for programs, out in enumerate(looped, 1):
+            decode_attention(out, query, cache, rows, tables, lens, 0.2, splits, split_tokens=split_tokens,
+                             split_programs=programs)
+        assert all(torch.equal(out, looped[0]) for out in looped[1:])
     assert num_splits_for(96, 32) == 3 and num_splits_for(97, 32) == 4 and num_splits_for(1) == 1
     # One program per split up to 16 per SM (132 SMs, as on an H200), fewer past that.
     cpu = torch.device("cpu")

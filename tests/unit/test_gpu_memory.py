@@ -1,0 +1,41 @@
+"""The KV pool's profiling step (engine/gpu_memory.py), run on CPU with torch.cuda's
+memory counters faked: it must be the largest step the scheduler can build, even when
+the token budget exceeds the context length."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM
+from engine.gpu_memory import profile_num_kv_blocks, profiling_inputs
+
+
+def test_profiling_inputs_spread_a_budget_past_the_context_over_prompts() -> None:
+    inputs = profiling_inputs(max_tokens=300, max_seq_len=128, block_size=16, max_logits=64)
+    assert inputs.query_lens == [128, 128, 44] and inputs.seq_lens.tolist() == [128, 128, 44]
+    assert inputs.query_start_loc.tolist() == [0, 128, 256, 300]
+    assert inputs.positions.max() == 127 and len(inputs.input_ids) == 300
+    # Every token has its own slot, in its own prompt's blocks.
+    assert len(np.unique(inputs.slot_mapping)) == 300
+    assert inputs.block_tables[2, :3].tolist() == [16, 17, 18]
+    assert inputs.logits_indices.tolist() == list(range(236, 300))
+
+
+def test_profile_runs_a_step_larger_than_the_context(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(str(llama_dir), max_model_len=128)
+    core = llm.core
+    gib = 2**30
+    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (8 * gib, 10 * gib))
+    blocks = profile_num_kv_blocks(core.model, core.model_config, core.runner.attention_backend, "cpu",
+                                   torch.float32, 16, 300, core.max_model_len, 64, 0.9)
+    block_bytes = core.model_config.kv_bytes_per_token(4) * 16
+    scratch = 19 * block_bytes  # 8 + 8 + 3 blocks
+    assert blocks == int((9 * gib - 2 * gib - (gib - scratch)) // block_bytes)
