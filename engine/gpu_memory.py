@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -10,8 +11,11 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from engine.runner import ModelRunner, StepInputs, allocate_kv_cache
+from engine.request import Request
+from engine.runner import ModelRunner, StepInputs, allocate_kv_cache, build_step_inputs
 from engine.sampling import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -20,22 +24,17 @@ def profiling_inputs(max_tokens: int, max_seq_len: int, block_size: int, max_log
     """The largest step the scheduler can build: max_tokens new tokens, as prompts of at
     most max_seq_len tokens (a step's token budget may exceed the context length, with
     chunked prefill spreading it over several prompts), sampling max_logits rows. Each
-    prompt has its own blocks, numbered from 0."""
+    prompt has its own blocks, numbered from 0; flattened as the runner flattens a step."""
     lens = [max_seq_len] * (max_tokens // max_seq_len) + ([max_tokens % max_seq_len] if max_tokens % max_seq_len else [])
+    scheduled = [ScheduledRequest(Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1)), 0, n)
+                 for i, n in enumerate(lens)]
     num_blocks = [-(-n // block_size) for n in lens]
-    first_block = np.cumsum([0] + num_blocks[:-1])
     tables = np.zeros((len(lens), max(num_blocks)), dtype=np.int32)
-    for row, (first, n) in enumerate(zip(first_block, num_blocks)):
+    for row, (first, n) in enumerate(zip(np.cumsum([0] + num_blocks[:-1]), num_blocks)):
         tables[row, :n] = np.arange(first, first + n)
-    positions = np.concatenate([np.arange(n) for n in lens])
-    seq_of_token = np.repeat(np.arange(len(lens)), lens)
-    slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     rows = min(max_logits, max_tokens)
-    return StepInputs(
-        input_ids=np.zeros(max_tokens, dtype=np.int64), positions=positions, slot_mapping=slots,
-        query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
-        seq_lens=np.array(lens, dtype=np.int32), block_tables=tables,
-        logits_indices=np.arange(max_tokens - rows, max_tokens), query_lens=lens)
+    return dataclasses.replace(build_step_inputs(scheduled, tables, block_size),
+                               logits_indices=np.arange(max_tokens - rows, max_tokens))
 
 
 def profile_num_kv_blocks(model: LlamaForCausalLM, cfg: ModelConfig, backend: AttentionBackend,
