@@ -188,6 +188,8 @@ def main() -> None:
                         help="decode steps under cProfile at the largest batch (0: none)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the forward only)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: CUDA graphs, as served")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="schedule each step while the one before is in flight (EngineConfig.async_scheduling)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +198,7 @@ def main() -> None:
         core = EngineCore(EngineConfig(
             model=str(model_dir), device=args.device, max_num_seqs=max(args.batches),
             max_num_batched_tokens=8192, max_model_len=4096, num_threads=args.threads,
-            num_kv_blocks=max(args.batches) * blocks_per_seq + 64))
+            num_kv_blocks=max(args.batches) * blocks_per_seq + 64, async_scheduling=args.async_scheduling))
     outputs = OutputProcessor(None)
     timers = Timers()
     instrument(core, timers)
@@ -207,7 +209,8 @@ def main() -> None:
         results[b] = measure(core, outputs, timers, b, args.steps, args.prompt_len, profile)
 
     labels = ["step", "forward", "host", "schedule", "inputs", "attn prepare", "sample", "update", "other"]
-    print(f"\nms per pure-decode step on {args.device} (median of {args.steps}), context ~{args.prompt_len}:")
+    mode = "async scheduling" if args.async_scheduling else "synchronous"
+    print(f"\nms per pure-decode step on {args.device}, {mode} (median of {args.steps}), context ~{args.prompt_len}:")
     print("model  batch" + "".join(f"{label:>13}" for label in labels))
     for name in ("real", "stub"):
         for b, r in results.items():

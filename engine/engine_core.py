@@ -181,7 +181,7 @@ class EngineCore:
         in_flight, self._in_flight = self._in_flight, None
         queued = [in_flight[0]] if in_flight else []
         try:
-            if in_flight and self._reads_history(in_flight[0]):
+            if in_flight and in_flight[0].reads_history:
                 return self._finish_step(in_flight, queued)  # the next call schedules with every token on the host
             out = self.scheduler.schedule()
             if out.scheduled:
@@ -205,24 +205,16 @@ class EngineCore:
     def _block_tables(self, out: SchedulerOutput) -> np.ndarray:
         return self.kv.block_tables([s.request.request_id for s in out.scheduled])
 
-    @staticmethod
-    def _reads_history(out: SchedulerOutput) -> bool:
-        """Whether the step after `out` samples from counts or tokens `out` changes."""
-        return any(s.samples and not s.request.status.finished
-                   and (s.request.sampling_params.has_penalties
-                        or s.request.num_output_tokens < s.request.sampling_params.min_tokens)
-                   for s in out.scheduled)
-
     def _finish_step(self, step: tuple[SchedulerOutput, LaunchedStep], queued: list[SchedulerOutput]) -> StepOutput:
         """Wait for a step and update the scheduler with its tokens; from then on a
         failure no longer voids it (`queued`: the steps step() would discard)."""
         out, launched = step
         sampled = launched.result()
         queued.remove(out)
-        sampling = [s.request for s in out.scheduled if s.samples]
-        for request, logprobs in zip(sampling, sampled.logprobs):
-            if logprobs is not None and not request.status.finished:
-                request.output_logprobs.append(logprobs)
-        tokens = {r.request_id: t for r, t in zip(sampling, sampled.token_ids)}
-        advanced, finished = self.scheduler.update(out, tokens)
+        if any(sampled.logprobs):  # a C-speed scan; most steps have none
+            sampling = [s.request for s in out.scheduled if s.samples]
+            for request, logprobs in zip(sampling, sampled.logprobs):
+                if logprobs is not None and not request.status.finished:
+                    request.output_logprobs.append(logprobs)
+        advanced, finished = self.scheduler.update(out, sampled.token_ids)
         return StepOutput(advanced, finished, out.num_tokens)

@@ -26,7 +26,7 @@ def profiling_inputs(max_tokens: int, max_seq_len: int, block_size: int, max_log
     chunked prefill spreading it over several prompts), sampling max_logits rows. Each
     prompt has its own blocks, numbered from 0; flattened as the runner flattens a step."""
     lens = [max_seq_len] * (max_tokens // max_seq_len) + ([max_tokens % max_seq_len] if max_tokens % max_seq_len else [])
-    scheduled = [ScheduledRequest(Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1)), 0, n)
+    scheduled = [ScheduledRequest(Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1)), 0, n, True)
                  for i, n in enumerate(lens)]
     num_blocks = [-(-n // block_size) for n in lens]
     tables = np.zeros((len(lens), max(num_blocks)), dtype=np.int32)

@@ -41,12 +41,14 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
+        self._num_with_stop = 0  # requests with stop strings not yet found: most steps have none
 
     def add(self, request: Request, prompt: str | None) -> None:
         params = request.sampling_params
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
         self._states[request.request_id] = _State(prompt, params.stop, params.include_stop_str_in_output)
+        self._num_with_stop += bool(params.stop)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -55,7 +57,9 @@ class OutputProcessor:
 
     def check_stop_strings(self, advanced: list[Request]) -> list[str]:
         """Ids of requests whose text now contains a stop string (to be finished)."""
-        hits = []
+        hits: list[str] = []
+        if not self._num_with_stop:
+            return hits
         for request in advanced:
             state = self._states[request.request_id]
             if not state.stop or state.stopped:
@@ -67,6 +71,7 @@ class OutputProcessor:
             cut = self._find_stop(state)
             if cut is not None:
                 state.text, state.stopped = state.text[:cut], True
+                self._num_with_stop -= 1
                 hits.append(request.request_id)
         return hits
 
@@ -86,10 +91,18 @@ class OutputProcessor:
         return None if best is None else best[1]
 
     def discard(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> _State | None:
+        state = self._states.pop(request_id, None)
+        if state is not None and state.stop and not state.stopped:
+            self._num_with_stop -= 1
+        return state
 
     def finish(self, request: Request) -> RequestOutput:
-        state = self._states.pop(request.request_id)
+        state = self._forget(request.request_id)
+        if state is None:
+            raise KeyError(f"finish() of a request never added: {request.request_id!r}")
         if state.stopped:
             text, reason = state.text, RequestStatus.FINISHED_STOPPED.value
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -70,6 +71,10 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Sampling reads the tokens so far while fewer than this many are out: always
+        # with penalties, else until min_tokens (eos and stop tokens masked till then).
+        params = self.sampling_params
+        self.reads_history_until: float = math.inf if params.has_penalties else params.min_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -120,12 +121,18 @@ class LaunchedStep:
     def __init__(self, scheduled: Sequence[ScheduledRequest], sample: PendingSample | None,
                  device: torch.device) -> None:
         self.sample = sample
-        sampling = [s.request.request_id for s in scheduled if s.samples]
-        self.sample_row = {request_id: i for i, request_id in enumerate(sampling)}
+        self._scheduled = scheduled
         self._done = None
         if device.type == "cuda":
             self._done = torch.cuda.Event()
             self._done.record(torch.cuda.current_stream(device))
+
+    @cached_property
+    def sample_row(self) -> dict[str, int]:
+        """Row of each sampling request's token in `sample` (read when the next step's
+        placeholders are filled in; most steps have none)."""
+        sampling = [s.request.request_id for s in self._scheduled if s.samples]
+        return {request_id: i for i, request_id in enumerate(sampling)}
 
     def result(self) -> SamplerOutput:
         """Wait for this step (not for any step queued after it) and return its tokens."""

@@ -21,22 +21,22 @@ from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     start: int  # first token computed this step (request.num_started_tokens when scheduled)
     num_new_tokens: int  # tokens computed this step
-    samples: bool = field(init=False)  # the step reaches the sequence's end: sample its logits
-
-    def __post_init__(self) -> None:
-        self.samples = (self.start + self.num_new_tokens == self.request.num_tokens_with_placeholders
-                        and not self.request.prefill_only)
+    samples: bool  # the step reaches the sequence's end: sample its logits
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_samples: int = 0  # scheduled requests that sample a token
+    # Some token sampled here depends on the tokens so far (penalties, min_tokens), so
+    # the next step must not be scheduled before this one's tokens are on the host.
+    reads_history: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -136,23 +136,34 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        scheduled = ScheduledRequest(request, request.num_started_tokens, num_new)
+    @staticmethod
+    def _schedule(out: SchedulerOutput, request: Request, start: int, num_new: int, end: int) -> None:
+        """Hand the request tokens [start, start + num_new) of its `end`
+        (num_tokens_with_placeholders) this step."""
+        samples = start + num_new == end and not request.prefill_only
+        out.scheduled.append(ScheduledRequest(request, start, num_new, samples))
+        out.num_samples += samples
+        # Counted before the step in flight's token lands: errs towards True for a step.
+        out.reads_history |= samples and len(request.output_token_ids) < request.reads_history_until
         request.num_scheduled_tokens += num_new
-        request.num_output_placeholders += scheduled.samples
-        out.scheduled.append(scheduled)
+        request.num_output_placeholders += samples
 
     def _last_step_in_flight(self, request: Request) -> bool:
-        """A running request has nothing left to schedule: a step in flight computes the
-        rest of its prompt on a prefill worker, or samples its last token by count
-        (max_tokens, context length); another step would run past both."""
-        if request.num_started_tokens == request.num_tokens_with_placeholders:
+        return self._nothing_to_schedule(request, request.num_started_tokens,
+                                         request.num_tokens_with_placeholders)
+
+    def _nothing_to_schedule(self, request: Request, start: int, end: int) -> bool:
+        """A running request (next token `start`, `end` tokens with placeholders) has
+        nothing left to schedule: a step in flight computes the rest of its prompt on a
+        prefill worker, or samples its last token by count (max_tokens, context
+        length); another step would run past both."""
+        if start == end:
             return True
-        if not request.num_output_placeholders:
+        placeholders = request.num_output_placeholders
+        if not placeholders:
             return False
-        outputs = request.num_output_tokens + request.num_output_placeholders
-        return (outputs >= request.sampling_params.max_tokens
-                or request.num_tokens_with_placeholders >= self.max_model_len)
+        return (len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
+                or end >= self.max_model_len)
 
     # --- one step ------------------------------------------------------------------
 
@@ -166,9 +177,12 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if self._last_step_in_flight(request):
+            # Read once: this runs for every running request every step.
+            start = request.num_computed_tokens + request.num_scheduled_tokens
+            end = len(request.all_token_ids) + request.num_output_placeholders
+            if self._nothing_to_schedule(request, start, end):
                 continue
-            num_new = min(request.num_tokens_with_placeholders - request.num_started_tokens, budget)
+            num_new = min(end - start, budget)
             while not self.kv.allocate_slots(request, num_new):
                 # Never evict a request scheduled this step (its blocks are in use), nor
                 # one whose last step is in flight (that step would be wasted).
@@ -181,7 +195,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            self._schedule(out, request, num_new)
+            self._schedule(out, request, start, num_new, end)
             scheduled_running.append(request)
             budget -= num_new
 
@@ -208,7 +222,7 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            self._schedule(out, request, num_new)
+            self._schedule(out, request, num_computed, num_new, request.num_tokens)
             budget -= num_new
         return out
 
@@ -273,22 +287,28 @@ class Scheduler:
         self.num_preemptions += 1
         self._push_waiting(request)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> tuple[list[Request], list[Request]]:
+    def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> tuple[list[Request], list[Request]]:
         """Advance the requests of a step that has run and append their sampled tokens.
 
-        `sampled` maps request id -> token for every ScheduledRequest with `samples`.
-        With async scheduling, the next step has been scheduled already: a request may
-        have been preempted since (its token still counts), finished or aborted (its
-        token is dropped). Returns (requests that got a new token, requests that
-        finished in this update).
+        `sampled`: one token per ScheduledRequest with `samples`, in `out.scheduled`
+        order. With async scheduling, the next step has been scheduled already: a
+        request may have been preempted since (its token still counts), finished or
+        aborted (its token is dropped). Returns (requests that got a new token,
+        requests that finished in this update).
         """
+        if len(sampled) != out.num_samples:
+            raise ValueError(f"{len(sampled)} sampled tokens for {out.num_samples} sampling requests")
         advanced, finished = [], []
+        tokens = iter(sampled)
+        running, caching = RequestStatus.RUNNING, self.kv.enable_prefix_caching
         for s in out.scheduled:
             request = s.request
-            if request.status == RequestStatus.RUNNING:
+            token = next(tokens) if s.samples else None
+            if request.status is running:
                 request.num_computed_tokens += s.num_new_tokens
                 request.num_scheduled_tokens -= s.num_new_tokens
-                self.kv.cache_computed_blocks(request)
+                if caching:
+                    self.kv.cache_computed_blocks(request)
                 if request.prefill_only and request.num_computed_tokens == request.num_tokens:
                     self.running.remove(request)
                     request.status = RequestStatus.PREFILLED
@@ -299,12 +319,12 @@ class Scheduler:
                 self._unschedule(request, s.num_new_tokens)
                 continue
             # else preempted after this step was scheduled: it recomputes, but its token stands
-            if not s.samples:
+            if token is None:
                 continue  # a prompt chunk: nothing to sample yet
             request.num_output_placeholders -= 1
-            request.append_output_token(sampled[request.request_id])
+            request.append_output_token(token)
             advanced.append(request)
-            status = self._stop_status(request)
+            status = self._stop_status(request, token)
             if status is not None:
                 self.finish_requests([request.request_id], status)
                 finished.append(request)
@@ -319,10 +339,11 @@ class Scheduler:
             if request.status != RequestStatus.PREEMPTED:  # else reset when it was preempted
                 self._unschedule(request, s.num_new_tokens)
 
-    def _stop_status(self, request: Request) -> RequestStatus | None:
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        """How `token`, just appended, ends the request, if it does (runs for every
+        sampling request every step)."""
         params = request.sampling_params
-        num_output = len(request.output_token_ids)  # runs for every request every step
-        token = request.output_token_ids[-1]
+        num_output = len(request.output_token_ids)
         if num_output >= params.min_tokens:
             if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -7,7 +7,7 @@ Logprobs always describe the raw model distribution, before any of those steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -32,6 +32,11 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far for this request
     generator: torch.Generator | None  # None = the sampler's shared generator
+    # Greedy, and nothing but min_tokens alters the logits (read once per row per step).
+    plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plain_greedy = self.params.temperature < _GREEDY_EPS and not self.params.has_penalties
 
 
 def _unusable(x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +76,7 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
                              f"got {tuple(logits.shape)}")
         raw = logits.float()
-        if all(r.params.temperature < _GREEDY_EPS and not r.params.has_penalties
-               and len(r.output_token_ids) >= r.params.min_tokens for r in rows):
+        if all(r.plain_greedy and len(r.output_token_ids) >= r.params.min_tokens for r in rows):
             # Fast path: nothing alters the logits, so one batched argmax decides every row.
             return PendingSample(raw.argmax(dim=-1), _unusable(raw), self._logprobs(raw, rows))
 

@@ -100,13 +100,13 @@ def test_blocks_stay_held_until_the_step_in_flight_is_updated() -> None:
     first = sched.schedule()
     second = sched.schedule()  # scheduled while `first` is in flight: one placeholder token
     assert [s.start for s in second.scheduled] == [9] and request.num_output_placeholders == 2
-    sched.update(first, {"a": 7})
+    sched.update(first, [7])
     free = sched.kv.num_free_blocks
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     # `second` still writes slot 9: its blocks are off the id (which a new request may
     # take) but not free yet.
     assert sched.kv.block_ids("a") == [] and sched.kv.num_free_blocks == free
-    advanced, finished = sched.update(second, {"a": 8})
+    advanced, finished = sched.update(second, [8])
     assert advanced == [] and finished == [] and request.output_token_ids == [7]  # its token dropped
     assert sched.kv.num_free_blocks == 16
 
@@ -167,8 +167,8 @@ def test_a_request_whose_last_step_is_in_flight_is_not_preempted() -> None:
     first = sched.schedule()  # late: 10 of 16 tokens
     sched.add_request(early)
     second = sched.schedule()  # late: its last 6 tokens; early: 4 of 6
-    sched.update(first, {})
+    sched.update(first, [])
     third = sched.schedule()  # early needs a 6th block; late's last step is in flight
     assert [r.request_id for r in third.preempted] == ["early"] and third.scheduled == []
-    _, finished = sched.update(second, {})
+    _, finished = sched.update(second, [])
     assert finished == [late] and late.status == RequestStatus.PREFILLED and late.num_preemptions == 0

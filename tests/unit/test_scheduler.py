@@ -29,8 +29,7 @@ def add(sched: Scheduler, rid: str, n_prompt: int, max_tokens: int = 4, priority
 
 def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
     out = sched.schedule()
-    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
-    sched.update(out, sampled)
+    sched.update(out, [token] * out.num_samples)
     return out
 
 
@@ -143,3 +142,28 @@ def test_prefix_hits_skip_computation() -> None:
     b = add(sched, "b", 14)  # same first 12 tokens
     out = step(sched)
     assert b.num_cached_tokens == 12 and out.scheduled[0].num_new_tokens == 2
+
+
+def test_update_refuses_a_token_count_that_does_not_match_the_step() -> None:
+    sched = make_scheduler()
+    req = add(sched, "a", 3)
+    out = sched.schedule()
+    with pytest.raises(ValueError, match="2 sampled tokens for 1 sampling requests"):
+        sched.update(out, [7, 7])
+    assert req.output_token_ids == [] and req.num_computed_tokens == 0  # nothing applied
+    sched.update(out, [7])
+    assert req.output_token_ids == [7]
+
+
+def test_a_step_reads_history_while_a_sampling_request_has_penalties_or_min_tokens_unmet() -> None:
+    sched = make_scheduler()
+    plain = add(sched, "plain", 3, max_tokens=8)
+    assert not step(sched).reads_history
+    sched.add_request(Request("min", [5, 6, 7], SamplingParams(max_tokens=8, min_tokens=2, ignore_eos=True)))
+    out = step(sched)  # min's prompt: its first token is sampled with eos masked
+    assert out.reads_history
+    assert step(sched).reads_history  # one token out, min_tokens 2
+    assert not step(sched).reads_history  # two out: the mask is off
+    sched.add_request(Request("pen", [8, 9], SamplingParams(max_tokens=8, presence_penalty=0.5)))
+    assert all(step(sched).reads_history for _ in range(3))  # penalties read every token so far
+    assert plain.status == RequestStatus.RUNNING

@@ -69,7 +69,7 @@ def test_step_inputs_match_reference_through_preemption_and_aborts(seed: int, bl
         out = sched.schedule()
         if out.scheduled:
             check_step(sched, out.scheduled)
-        sched.update(out, {s.request.request_id: rng.randrange(1, 500) for s in out.scheduled if s.samples})
+        sched.update(out, [rng.randrange(1, 500) for _ in range(out.num_samples)])
         if rng.random() < 0.05:
             sched.finish_requests([rng.choice(live).request_id], RequestStatus.FINISHED_ABORTED)
         steps += 1
