@@ -19,7 +19,10 @@ A write is one request's list of blocks and carries one notification (request id
 epoch). It moves as one descriptor per run of consecutive blocks (block-major layout:
 a block of every layer is one region). It is done when D acknowledged it, and failed
 when D refused it or no acknowledgement came within `timeout_s`: a dead peer is an
-error within that deadline, never a hang.
+error within that deadline, never a hang. A write whose bytes are still moving when it
+is cancelled or times out fails once they have landed (or the data plane reports an
+error), never before: until its WriteFailed, P must not reuse its source blocks, and
+P's cancel_ack, which lets D reuse the destination blocks, waits for it too.
 
 D accepts a write only into blocks it reserved for that request and epoch, before
 the reservation's deadline. A late write (aborted, expired or unknown request) is
@@ -57,7 +60,10 @@ HANDSHAKE_VERSION = 1
 @dataclass(frozen=True)
 class TransportConfig:
     timeout_s: float = 10.0  # a write not acknowledged within this fails
-    cancel_grace_s: float = 10.0  # after a reservation's deadline, see the module docstring
+    # After a reservation's deadline, D releases its blocks without waiting for a
+    # cancel_ack once this has passed too (module docstring): it must exceed the time
+    # the bytes of a write started just before the deadline can take to land.
+    cancel_grace_s: float = 10.0
     host: str = "127.0.0.1"  # where this agent's control socket listens
     # nixl: drive UCX from a background thread. Off, progress happens in poll(), which
     # is faster on small CPU hosts (measured: 1.5 -> 2.5-3 GiB/s on 2 cores).
@@ -140,7 +146,9 @@ class _Write:  # P side
     started: float
     handle: Any = None  # the data plane's handle while it moves bytes
     notified: bool = False  # the "written" message went out; waiting for the ack
-    cancelled: bool = False  # cancelled while its bytes were moving: fail once they land
+    # Cancelled or timed out while its bytes were moving: it fails (with this reason)
+    # once they have landed, never before (see _notify_when_landed).
+    failure: str | None = None
 
 
 @dataclass
@@ -293,6 +301,9 @@ class KVTransport(ABC):
         if not isinstance(meta, dict) or meta.get("v") != HANDSHAKE_VERSION:
             raise IncompatiblePeerError(f"handshake version {meta.get('v') if isinstance(meta, dict) else meta!r}, "
                                         f"this agent speaks {HANDSHAKE_VERSION}")
+        missing = [k for k in ("name", "control", "compat", "num_blocks", "data") if k not in meta]
+        if missing:
+            raise IncompatiblePeerError(f"handshake metadata lacks {', '.join(missing)}")
         name = meta["name"]
         if meta.get("transport") != self.name:
             raise IncompatiblePeerError(f"peer {name!r} is incompatible: transport is "
@@ -391,14 +402,18 @@ class KVTransport(ABC):
     def _cancel_write(self, w: _Write) -> None:
         self._cancelled.add((w.req, w.epoch))
         if not w.notified:
-            w.cancelled = True
+            w.failure = w.failure or "cancelled"
             self._notify_when_landed(w)
 
     def _notify_when_landed(self, w: _Write) -> None:
+        """Send the notification of a write whose bytes have landed; or fail it then, if
+        it was cancelled or timed out meanwhile. A write fails only once the data plane
+        is done with it: its source blocks may be reused, and its destination blocks
+        released (cancel_ack), only then."""
         if w.notified or not self._progress(w):
             return
-        if w.cancelled:
-            self._fail(w, "cancelled")
+        if w.failure is not None:
+            self._fail(w, w.failure)
             return
         self._send_notification(self._peers[w.peer], w)
         w.notified = True
@@ -509,8 +524,15 @@ class KVTransport(ABC):
                 except Exception as exc:
                     self._fail(w, f"data plane error: {exc}")
                     continue
-            if now_mono - w.started > self.config.timeout_s:
-                self._fail(w, f"no acknowledgement from {w.peer!r} within {self.config.timeout_s} s")
+            if w.xfer not in self._writes or now_mono - w.started <= self.config.timeout_s:
+                continue
+            reason = f"no acknowledgement from {w.peer!r} within {self.config.timeout_s} s"
+            if w.notified:
+                self._fail(w, reason)
+            elif w.failure is None:
+                # Its bytes are still moving (a slow or stalled data plane): it fails
+                # once they have landed or the data plane reports an error.
+                w.failure = reason
         for req, r in list(self._reservations.items()):
             if now > r.deadline:
                 self.stats["expired"] += 1
@@ -584,8 +606,10 @@ class KVTransport(ABC):
         self._acks_due[(req, epoch)] = peer
 
     def close(self) -> None:
-        self._close()
-        for peer in self._peers.values():
-            peer.socket.close(0)
-        self._router.close(0)
-        self._ctx.term()
+        try:
+            self._close()
+        finally:  # the sockets go even if the data plane's cleanup failed
+            for peer in self._peers.values():
+                peer.socket.close(0)
+            self._router.close(0)
+            self._ctx.term()

@@ -8,6 +8,7 @@ with a MessageError naming what is wrong, so a bad peer cannot crash or confuse 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -19,8 +20,28 @@ class MessageError(ValueError):
     """A message that is not one of ours."""
 
 
+class ListOf:
+    """A field that is a list whose every item passes `accepts` (a bool is no int)."""
+
+    def __init__(self, accepts: Callable[[Any], bool]) -> None:
+        self.accepts = accepts
+
+    def check(self, value: Any) -> bool:
+        return isinstance(value, list) and all(self.accepts(v) for v in value)
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+_INTS = ListOf(_is_int)
+_INT_PAIRS = ListOf(lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_int, v)))
+
+FieldType = type | tuple[type, ...] | ListOf
+
+
 class Schema:
-    def __init__(self, version: int, fields: dict[str, dict[str, type | tuple[type, ...]]]) -> None:
+    def __init__(self, version: int, fields: dict[str, dict[str, FieldType]]) -> None:
         self.version = version
         self.fields = fields
 
@@ -44,15 +65,19 @@ class Schema:
             raise MessageError(f"unknown message kind {kind!r}")
         for name, typ in self.fields[kind].items():
             value = msg.get(name)
-            if not isinstance(value, typ) or (isinstance(value, bool) and typ is not _BOOL):
-                raise MessageError(f"{kind}.{name} has the wrong type: {value!r}")
+            if isinstance(typ, ListOf):
+                ok = typ.check(value)
+            else:
+                ok = isinstance(value, typ) and not (isinstance(value, bool) and typ is not _BOOL)
+            if not ok:
+                raise MessageError(f"{kind}.{name} has the wrong type: {str(value)[:200]}")
         return msg
 
 
 CONTROL = Schema(1, {
     # sender -> receiver: blocks [dst...] of (request, epoch) hold the data now (for
     # one-sided transports), or follow in this message's data frames (two-sided).
-    "written": {"xfer": _INT, "req": _STR, "epoch": _INT, "blocks": _LIST, "runs": _LIST},
+    "written": {"xfer": _INT, "req": _STR, "epoch": _INT, "blocks": _INTS, "runs": _INT_PAIRS},
     # receiver -> sender: the write `xfer` was applied (ok) or refused (reason).
     "ack": {"xfer": _INT, "ok": _BOOL, "reason": _STR},
     # receiver -> sender: stop writing (request, epoch); reply cancel_ack once no write

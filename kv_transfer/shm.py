@@ -108,4 +108,8 @@ class ShmTransport(KVTransport):
             except BufferError:  # a tensor view still exists; the mapping goes with it
                 pass
         if self._path is not None:
-            os.unlink(self._path)
+            path, self._path = self._path, None
+            try:
+                os.unlink(path)
+            except FileNotFoundError:  # already removed by the launcher (unlink_segment)
+                pass

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.engine_core import EngineCore, StepOutput
+from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import cdiv
 from engine.request import RequestStatus
 from kv_transfer import KVTransport, WriteDone, WriteFailed
@@ -63,6 +64,10 @@ class PrefillWorkerCore:
         self.transport = transport
         self.block_size = engine.config.block_size
         self.jobs: dict[str, _Job] = {}
+        # Source blocks of each write in flight, held until it is done or failed (only
+        # then has the data plane stopped reading them): the engine may preempt or
+        # abort their request meanwhile, and must not hand them to another one.
+        self._held: dict[int, list[KVBlock]] = {}
         self.stats = dict(prefills=0, blocks_written=0, failed=0)
 
     def submit(self, rp: RemotePrefill) -> None:
@@ -104,7 +109,12 @@ class PrefillWorkerCore:
             if job.failed is None:
                 self._write_ready_blocks(request_id, job, request_id in prefilled)
         for event in self.transport.poll():
-            job = self.jobs.get(event.req) if isinstance(event, (WriteDone, WriteFailed)) else None
+            if not isinstance(event, (WriteDone, WriteFailed)):
+                continue
+            held = self._held.pop(event.xfer, None)
+            if held is not None:
+                self.engine.kv.free_blocks(held)
+            job = self.jobs.get(event.req)
             if job is None:
                 continue
             job.outstanding.discard(event.xfer)
@@ -126,9 +136,14 @@ class PrefillWorkerCore:
         if self.transport.peer_session(rp.peer) != rp.session:  # gone, or restarted: not its blocks
             self.fail_jobs_for(rp.peer)
             return
-        local = self.engine.kv.block_ids(request_id)
-        xfer = self.transport.write(rp.peer, request_id, rp.epoch, local[job.next_block:ready],
-                                    rp.block_ids[job.next_block:ready], rp.deadline)
+        held = self.engine.kv.hold(request_id, job.next_block, ready)
+        try:
+            xfer = self.transport.write(rp.peer, request_id, rp.epoch, [b.block_id for b in held],
+                                        rp.block_ids[job.next_block:ready], rp.deadline)
+        except BaseException:
+            self.engine.kv.free_blocks(held)
+            raise
+        self._held[xfer] = held
         job.outstanding.add(xfer)
         self.stats["blocks_written"] += ready - job.next_block
         job.next_block = ready

@@ -136,5 +136,16 @@ class KVCacheManager:
     def free_blocks(self, blocks: list[KVBlock]) -> None:
         self.pool.free(reversed(blocks))
 
+    def hold(self, request_id: str, first: int, end: int) -> list[KVBlock]:
+        """One more reference on the request's blocks [first, end), for a reader outside
+        the engine's steps (a KV write still reading them): they are not reused, even
+        once the request lets go of them (preempted, aborted), until free_blocks(them)."""
+        blocks = self.req_blocks[request_id][first:end]
+        if len(blocks) != end - first:
+            raise ValueError(f"request {request_id!r} holds {len(self.req_blocks[request_id])} blocks, "
+                             f"not [{first}, {end})")
+        self.pool.touch(blocks)
+        return blocks
+
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.pool.num_blocks

@@ -5,9 +5,11 @@ identical to the colocated engine's, with fallbacks when the prefill side fails.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from decode_worker.remote_kv import DecodeWorkerCore
 from engine import LLM, SamplingParams
@@ -15,6 +17,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import Request
 from kv_transfer import TransportConfig, create_transport
+from kv_transfer.shm import ShmTransport
 from prefill_worker.remote_prefill import PrefillWorkerCore
 from tests.fidelity.test_hf_fidelity import random_prompts
 
@@ -26,14 +29,15 @@ PROMPTS = random_prompts([2, 17, 33, 64, 90], seed=8) + [SHARED + [5, 6, 7], SHA
 
 
 def worker_pair(model_dir: Path, transport: str, deadline_s: float = 30.0, grace_s: float = 5.0,
-                async_scheduling: bool = False):
+                async_scheduling: bool = False, prefill_blocks: int = 80, prefix_caching: bool = True):
     config = TransportConfig(timeout_s=5.0, cancel_grace_s=grace_s)
     t_dec, t_pre = create_transport(transport, "decode", config), create_transport(transport, "prefill", config)
     dec = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=80, async_scheduling=async_scheduling),
                      t_dec.allocate_kv_cache)
     # A small token budget: prompts arrive in chunks, so blocks are pushed as they fill.
-    pre = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=80, max_num_batched_tokens=24,
-                                  async_scheduling=async_scheduling), t_pre.allocate_kv_cache)
+    pre = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=prefill_blocks, max_num_batched_tokens=24,
+                                  async_scheduling=async_scheduling, enable_prefix_caching=prefix_caching),
+                     t_pre.allocate_kv_cache)
     for t, core in ((t_dec, dec), (t_pre, pre)):
         t.register_kv_cache(core.kv_cache, "tiny-llama")
     t_pre.add_peer(t_dec.metadata())
@@ -115,7 +119,7 @@ def test_a_restarted_decode_worker_never_gets_writes_meant_for_the_one_before(ll
     prefill request from the old one arrives late: neither may write into the new
     worker's blocks (they are not the blocks that were reserved)."""
     old, prefill = worker_pair(llama_dir, "shm")
-    new, _ = worker_pair(llama_dir, "shm")
+    new, new_prefill = worker_pair(llama_dir, "shm")
     try:
         queued = old.add_request("queued", PROMPTS[4], GREEDY, remote=True)
         late = old.add_request("late", PROMPTS[3], GREEDY, remote=True)
@@ -134,5 +138,49 @@ def test_a_restarted_decode_worker_never_gets_writes_meant_for_the_one_before(ll
         assert (new.engine.kv_cache == -7.0).all(), "a write meant for the old worker landed in the new one"
         assert prefill.engine.kv.num_free_blocks == prefill.engine.kv.pool.num_blocks
     finally:
-        for core in (old, new, prefill):
+        for core in (old, new, prefill, new_prefill):
             core.transport.close()
+
+
+def slow_copies(transport: ShmTransport, delay_s: float) -> ThreadPoolExecutor:
+    """Every shm write's copy starts `delay_s` late, all at once: a data plane slower than
+    an engine step (on GPUs, cuda_ipc's and NIXL's copies run beside the compute stream)."""
+    pool = ThreadPoolExecutor(32)
+    copy = torch._foreach_copy_
+
+    def start(peer, write) -> None:
+        dst = transport._peer_bytes[peer.name]
+        runs = ([dst[d:d + n] for _, d, n in write.runs], [transport._blocks_bytes[s:s + n] for s, _, n in write.runs])
+        write.handle = pool.submit(lambda: (time.sleep(delay_s), copy(*runs)))
+
+    transport._start = start
+    return pool
+
+
+@pytest.mark.timeout(120)
+def test_a_preempted_prefill_keeps_its_blocks_until_their_writes_land(llama_dir: Path) -> None:
+    """The prefill engine runs out of blocks and preempts prompts whose full blocks are
+    still being copied out: those blocks must not be given to another prompt (whose KV
+    would then be what the decode worker gets) before the copy has read them."""
+    prompts = random_prompts([90, 90, 90, 90], seed=3)
+    llm = LLM(str(llama_dir), num_kv_blocks=80)
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    # 8 blocks of 16 tokens for four 90-token prompts, and no prefix cache to hide a reuse.
+    decode, prefill = worker_pair(llama_dir, "shm", prefill_blocks=8, prefix_caching=False)
+    pool = slow_copies(prefill.transport, delay_s=0.3)
+    try:
+        for i, prompt in enumerate(prompts):
+            prefill.submit(decode.add_request(f"r{i}", prompt, GREEDY, remote=True))
+        outputs, end = {}, time.monotonic() + 90
+        while len(outputs) < len(prompts):
+            assert time.monotonic() < end, "disaggregated run did not finish"
+            assert all(r.error is None for r in prefill.step())
+            outputs.update((r.request_id, r.output_token_ids) for r in decode.step().finished)
+        assert prefill.engine.scheduler.num_preemptions > 0, "no preemption: the test tests nothing"
+        assert decode.stats["fallbacks"] == 0
+        assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
+        assert prefill.engine.kv.num_free_blocks == prefill.engine.kv.pool.num_blocks
+    finally:
+        pool.shutdown(wait=True)
+        decode.transport.close()
+        prefill.transport.close()

@@ -1,0 +1,70 @@
+"""What a broken or hostile peer sends is refused with an error naming the problem, and
+the receiver keeps working (one process, shm); closing twice is harmless."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from kv_transfer import IncompatiblePeerError, KVTransport, TransportConfig, create_transport
+from kv_transfer.messages import MessageError, decode, encode
+from tests.kv_transfer.agent import cache_shape
+
+
+def agent(name: str) -> KVTransport:
+    t = create_transport("shm", name, TransportConfig(timeout_s=5.0, cancel_grace_s=5.0))
+    t.register_kv_cache(t.allocate_kv_cache(cache_shape(), torch.float32, "cpu"), "test-model")
+    return t
+
+
+@pytest.mark.parametrize("blocks,runs", [([[2], 3], [[2, 2]]), ([2, "3"], [[2, 2]]), ([2, True], [[2, 2]]),
+                                         ([2, 3], [[2]]), ([2, 3], [2, 2]), ([2, 3], [[2, 2.0]])])
+def test_a_written_message_with_malformed_block_ids_is_refused(blocks, runs) -> None:
+    with pytest.raises(MessageError, match=r"written\.(blocks|runs) has the wrong type"):
+        decode(msgpack.packb({"v": 1, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,
+                              "blocks": blocks, "runs": runs}))
+    assert decode(encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]]))["blocks"] == [2, 3]
+
+
+@pytest.mark.timeout(30)
+def test_the_receiver_drops_a_malformed_write_and_keeps_polling() -> None:
+    receiver = agent("decode")
+    sock = receiver._ctx.socket(zmq.DEALER)
+    try:
+        receiver.expect("a", 1, [2, 3], deadline=time.time() + 60)
+        sock.setsockopt(zmq.ROUTING_ID, b"prefill")
+        sock.connect(receiver.control_address)
+        sock.send(msgpack.packb({"v": 1, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,
+                                 "blocks": [[2], 3], "runs": [[2, 2]]}))
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            assert receiver.poll() == []  # dropped with a warning, not raised out of poll()
+    finally:
+        sock.close(0)
+        receiver.close()
+
+
+@pytest.mark.parametrize("field", ["name", "control", "compat", "num_blocks", "data"])
+def test_handshake_metadata_without_a_field_is_refused_naming_it(field: str) -> None:
+    receiver, sender = agent("decode"), agent("prefill")
+    try:
+        meta = msgpack.unpackb(receiver.metadata(), raw=False)
+        del meta[field]
+        with pytest.raises(IncompatiblePeerError, match=f"handshake metadata lacks {field}"):
+            sender.add_peer(msgpack.packb(meta, use_bin_type=True))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_closing_after_the_segment_was_removed_closes_everything() -> None:
+    t = agent("decode")
+    from kv_transfer.shm import unlink_segment
+
+    unlink_segment(t.metadata())  # as the launcher does once a worker is gone
+    t.close()
+    assert t._router.closed and t._ctx.closed
