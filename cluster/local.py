@@ -48,42 +48,55 @@ class LocalWorkers:
                 unlink_segment(w.metadata)
 
 
+def spawn(config: ClusterConfig, role: str, index: int) -> Worker:
+    """Start worker `index` of `role` ("decode" or "prefill") as a process."""
+    from decode_worker.server import serve as serve_decode
+    from prefill_worker.server import serve as serve_prefill
+
+    serve = serve_decode if role == "decode" else serve_prefill
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=serve, args=(config, index, child), name=f"pdserve-{role}-{index}", daemon=True)
+    process.start()
+    return Worker(f"{role}-{index}", process, parent)
+
+
+def await_ready(w: Worker, timeout: float) -> None:
+    """Wait for the worker's "ready" (its ZMQ address and transport metadata)."""
+    if not w.control.poll(timeout):
+        alive = "still starting" if w.process.is_alive() else f"exited with {w.process.exitcode}"
+        raise RuntimeError(f"worker {w.name} did not become ready within {timeout} s ({alive})")
+    ready = decode(w.control.recv_bytes())
+    w.address, w.metadata = ready["address"], ready["metadata"]
+
+
+def await_serving(w: Worker, timeout: float) -> None:
+    """Wait for the worker's "serving": it applied its first peers (handshakes made)."""
+    if not w.control.poll(timeout):
+        raise RuntimeError(f"worker {w.name} did not take its peers within {timeout} s")
+    serving = decode(w.control.recv_bytes())
+    if serving["cold"]:
+        logger.warning("%s has no KV handshake with %s: their prompts are prefilled locally",
+                       w.name, ", ".join(serving["cold"]))
+
+
 def start_workers(config: ClusterConfig, timeout: float = 180.0) -> LocalWorkers:
     """Spawn every worker, wait until each reports ready, then tell each its peers:
     decode workers get the prefill workers' addresses, prefill workers the decode
     workers' transport metadata; wait until each reports serving (its handshakes made).
     Raises (after stopping what started) if any fails."""
-    from decode_worker.server import serve as serve_decode
-    from prefill_worker.server import serve as serve_prefill
-
-    ctx = mp.get_context("spawn")
-    workers = LocalWorkers()
-    for role, serve, count in (("decode", serve_decode, config.decode.replicas),
-                               ("prefill", serve_prefill, config.prefill.replicas)):
-        for i in range(count):
-            parent, child = ctx.Pipe()
-            process = ctx.Process(target=serve, args=(config, i, child), name=f"pdserve-{role}-{i}", daemon=True)
-            process.start()
-            getattr(workers, role).append(Worker(f"{role}-{i}", process, parent))
+    workers = LocalWorkers(decode=[spawn(config, "decode", i) for i in range(config.decode.replicas)],
+                           prefill=[spawn(config, "prefill", i) for i in range(config.prefill.replicas)])
     try:
         for w in workers.all:
-            if not w.control.poll(timeout):
-                alive = "still starting" if w.process.is_alive() else f"exited with {w.process.exitcode}"
-                raise RuntimeError(f"worker {w.name} did not become ready within {timeout} s ({alive})")
-            ready = decode(w.control.recv_bytes())
-            w.address, w.metadata = ready["address"], ready["metadata"]
+            await_ready(w, timeout)
         to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)
         for w in workers.decode:  # first: the prefill workers' handshakes need them polling
             w.control.send_bytes(to_decode)
         for w in workers.prefill:
             w.control.send_bytes(to_prefill)
         for w in workers.all:  # pre-warmed: every KV handshake is made before the router starts
-            if not w.control.poll(timeout):
-                raise RuntimeError(f"worker {w.name} did not take its peers within {timeout} s")
-            serving = decode(w.control.recv_bytes())
-            if serving["cold"]:
-                logger.warning("%s has no KV handshake with %s: their prompts are prefilled locally",
-                               w.name, ", ".join(serving["cold"]))
+            await_serving(w, timeout)
     except BaseException:
         workers.stop()
         raise

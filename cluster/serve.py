@@ -18,6 +18,7 @@ import uvicorn
 
 from cluster.config import ClusterConfig
 from cluster.local import LocalWorkers, start_workers
+from cluster.local_supervisor import LocalSupervisor
 from router.app import Router, create_app
 
 if TYPE_CHECKING:
@@ -100,8 +101,11 @@ def serve(config: ClusterConfig, detach: bool = False) -> None:
         raise ValueError("--detach needs launcher: ray (local workers end with this command)")
     workers, router = build(config)
     http = None
+    # Exited workers are reported, routed around, and started again (as Ray does).
+    supervisor = LocalSupervisor(config, workers, router.worker_down, router.worker_moved)
     try:
         http = HTTPServer(router, config.router.host, config.router.port)
+        supervisor.start()
         print(f"pdserve: serving {config.model} at {http.url}/v1 ({len(workers.prefill)} prefill + "
               f"{len(workers.decode)} decode workers, {config.transport} transport, local launcher); "
               "Ctrl-C stops", flush=True)
@@ -109,5 +113,6 @@ def serve(config: ClusterConfig, detach: bool = False) -> None:
     finally:
         if http is not None:
             http.stop()
+        supervisor.stop()  # first: workers stopped now are not restarted
         workers.stop()
         print("pdserve: stopped", flush=True)

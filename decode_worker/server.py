@@ -20,6 +20,7 @@ from cluster.config import ClusterConfig
 from cluster.control import ControlChannel
 from cluster.worker_loop import WorkerLoop, engine_and_transport
 from decode_worker.remote_kv import DecodeWorkerCore
+from engine.engine_core import RequestsFailed
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from router.protocol import encode
@@ -147,6 +148,13 @@ class DecodeWorker(WorkerLoop):
         self.core.abort(request_id)
         self._forget(request_id)
 
+    def _fail(self, request_id: str, error: str) -> None:
+        """End a request with an error its client is told (as a rejection)."""
+        client = self.clients.get(request_id)
+        self._abort(request_id)
+        if client is not None:
+            self.send(*client, encode("rejected", id=request_id, error=error))
+
     def _forget(self, request_id: str) -> None:
         self.clients.pop(request_id, None)
         self.sent.pop(request_id, None)
@@ -154,7 +162,18 @@ class DecodeWorker(WorkerLoop):
         self.core.kv_ready_at.pop(request_id, None)
 
     def step(self) -> None:
-        out = self.core.step()
+        try:
+            out = self.core.step()
+        except RequestsFailed as exc:
+            # Those requests alone made the step fail (e.g. a penalty that overflowed
+            # their logits): they end with the error, the step is void, and every other
+            # request computes it again next time.
+            logger.warning("%s: %s", self.name, exc)
+            for request_id in exc.request_ids:
+                self._fail(request_id, "nothing could be sampled for this request: its logits were NaN, "
+                                       "+inf, or -inf for every token (after its penalties and min_tokens "
+                                       "masking)")
+            return
         self._bound_kv_events()
         finished = {r.request_id for r in out.finished}
         now = time.monotonic()

@@ -21,11 +21,21 @@ from engine.model.cpu_linear import prepack_linears, prepack_supported
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.request import Request, RequestStatus
 from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache
-from engine.sampling import Sampler, make_generator
+from engine.sampling import Sampler, UnusableLogitsError, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+class RequestsFailed(RuntimeError):
+    """A step failed because of these requests alone (their logits could not be
+    sampled). The step is void, as after any failure (EngineCore.step); the caller
+    should finish them with an error, and the other requests can go on."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -209,7 +219,12 @@ class EngineCore:
         """Wait for a step and update the scheduler with its tokens; from then on a
         failure no longer voids it (`queued`: the steps step() would discard)."""
         out, launched = step
-        sampled = launched.result()
+        try:
+            sampled = launched.result()
+        except UnusableLogitsError as exc:
+            sampling = [s.request.request_id for s in out.scheduled if s.samples]
+            failed = [sampling[row] for row in exc.rows]
+            raise RequestsFailed(f"requests {failed}: {exc}", failed) from exc
         queued.remove(out)
         if any(sampled.logprobs):  # a C-speed scan; most steps have none
             sampling = [s.request for s in out.scheduled if s.samples]

@@ -12,6 +12,14 @@ from dataclasses import dataclass
 import torch
 
 
+class UnusableLogitsError(RuntimeError):
+    """Some rows' logits could not be sampled (NaN, +inf, or every token -inf)."""
+
+    def __init__(self, message: str, rows: list[int]) -> None:
+        super().__init__(message)
+        self.rows = rows  # batch rows, in the sampler's row order
+
+
 @dataclass
 class TokenLogprobs:
     token_id: int
@@ -72,16 +80,16 @@ class PendingSample:
             self._host = parts
 
     def result(self) -> SamplerOutput:
-        """Wait for this step's tokens and return them; raises RuntimeError for a row
-        whose logits could not be sampled (NaN, +inf, or every token -inf)."""
+        """Wait for this step's tokens and return them; raises UnusableLogitsError for
+        rows whose logits could not be sampled (NaN, +inf, or every token -inf)."""
         if self._event is not None:
             self._event.synchronize()
         token_list, bad_list = self._host[0].tolist()
         if any(bad_list):
             rows = [i for i, b in enumerate(bad_list) if b]
-            raise RuntimeError(
+            raise UnusableLogitsError(
                 f"sampler got unusable logits in batch rows {rows}: NaN, +inf, or every token "
-                "-inf (after penalties and min_tokens masking); nothing can be sampled")
+                "-inf (after penalties and min_tokens masking); nothing can be sampled", rows)
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         query = self._query
         if query is not None:

@@ -1,0 +1,113 @@
+"""Supervision of the local launcher's worker processes (cluster/supervisor.py does the
+same on Ray, where Ray restarts the process).
+
+Every `interval_s` the thread looks for a worker process that has exited. For each:
+
+- down: the router is told at once (a decode worker's requests fail over without
+  waiting for its health timeout), its shared-memory segment is removed, and the other
+  pool gets peers without it: decode workers prefill locally the prompts a dead
+  prefill worker was computing (no waiting for the KV deadline), prefill workers end
+  their jobs for a dead decode worker.
+- restarted, up to `max_restarts` times per worker: a new process under the same name
+  gets its peers and starts serving (its handshakes made), then the other pool learns
+  it, and last the router, so no request reaches it before its peers know it. Past
+  `max_restarts`, or if it fails to start, it stays down (the router's /health says
+  so once no decode worker is left).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+from cluster.config import ClusterConfig
+from cluster.control import peers_messages
+from cluster.local import LocalWorkers, Worker, await_ready, await_serving, spawn
+from kv_transfer.shm import unlink_segment
+
+logger = logging.getLogger(__name__)
+
+
+class LocalSupervisor:
+    def __init__(self, config: ClusterConfig, workers: LocalWorkers, down: Callable[[str], None],
+                 moved: Callable[[str, str], None], interval_s: float = 0.5, max_restarts: int = 3,
+                 start_timeout_s: float = 180.0) -> None:
+        """down(name) and moved(name, new ZMQ address): what the router is told
+        (Router.worker_down / worker_moved), from this supervisor's thread."""
+        self.config = config
+        self.workers = workers
+        self.down, self.moved = down, moved
+        self.interval_s = interval_s
+        self.max_restarts = max_restarts
+        self.start_timeout_s = start_timeout_s
+        self.restarts: Counter[str] = Counter()
+        self.gone: set[str] = set()  # down for good
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="local-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Before the workers are stopped: a worker that exits then is not restarted."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for role, pool in (("decode", self.workers.decode), ("prefill", self.workers.prefill)):
+                for index, w in enumerate(pool):
+                    if w.name not in self.gone and not w.process.is_alive() and not self._stop.is_set():
+                        try:
+                            self._replace(role, index, w)
+                        except Exception:  # supervision must outlive any one failure
+                            logger.exception("supervising %s", w.name)
+
+    def _live(self, pool: list[Worker]) -> list[Worker]:
+        return [w for w in pool if w.name not in self.gone and w.process.is_alive()]
+
+    def _tell_peers(self) -> None:
+        """Every live worker gets the live workers of the other pool."""
+        decode, prefill = self._live(self.workers.decode), self._live(self.workers.prefill)
+        to_decode, to_prefill = peers_messages(decode, prefill)
+        for w, message in [(w, to_decode) for w in decode] + [(w, to_prefill) for w in prefill]:
+            try:
+                w.control.send_bytes(message)
+            except (BrokenPipeError, OSError):
+                pass  # it died too: the next pass handles it
+
+    def _replace(self, role: str, index: int, dead: Worker) -> None:
+        logger.warning("worker %s exited with %s; telling its peers and the router", dead.name,
+                       dead.process.exitcode)
+        self.gone.add(dead.name)
+        self.down(dead.name)
+        if dead.metadata:  # a killed worker could not remove its shared memory
+            unlink_segment(dead.metadata)
+        self._tell_peers()
+        if self.restarts[dead.name] >= self.max_restarts:
+            logger.error("worker %s stays down: restarted %d times already", dead.name, self.max_restarts)
+            return
+        self.restarts[dead.name] += 1
+        new = spawn(self.config, role, index)
+        try:
+            await_ready(new, self.start_timeout_s)
+            decode, prefill = self._live(self.workers.decode), self._live(self.workers.prefill)
+            to_decode, to_prefill = peers_messages(decode, prefill)
+            new.control.send_bytes(to_decode if role == "decode" else to_prefill)
+            await_serving(new, self.start_timeout_s)
+        except Exception as exc:
+            logger.error("worker %s did not restart: %s", dead.name, exc)
+            new.process.kill()
+            new.process.join(10)
+            return
+        if self._stop.is_set():  # shutting down meanwhile: the launcher's stop() may not see it
+            LocalWorkers(decode=[new]).stop()
+            return
+        (self.workers.decode if role == "decode" else self.workers.prefill)[index] = new
+        self.gone.discard(new.name)
+        self._tell_peers()  # the other pool learns it (a prefill worker makes its handshake)
+        self.moved(new.name, new.address)
+        logger.warning("worker %s restarted at %s", new.name, new.address)
