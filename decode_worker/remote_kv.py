@@ -10,6 +10,7 @@ land in them). An abort of a request still waiting for its KV waits for the same
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from engine.engine_core import EngineCore, StepOutput
@@ -29,7 +30,9 @@ class DecodeWorkerCore:
         self.block_size = engine.config.block_size
         self.waiting_for_kv: set[str] = set()
         self._on_release: dict[str, str] = {}  # request id -> "fallback" | "abort"
-        self._epochs: dict[str, int] = {}
+        # Unique per reservation, so a late write for an earlier one under a reused
+        # request id is never taken for the new one's.
+        self._epochs = itertools.count(1)
         self.stats = dict(remote=0, local=0, fallbacks=0)
         self.kv_ready_at: dict[str, float] = {}  # request id -> time.monotonic() its pushed KV completed
 
@@ -55,7 +58,7 @@ class DecodeWorkerCore:
             self.engine.remote_kv_arrived(request_id)
             self.stats["local"] += 1
             return None
-        epoch = self._epochs[request_id] = self._epochs.get(request_id, 0) + 1
+        epoch = next(self._epochs)
         deadline = time.time() + self.deadline_s
         self.transport.expect(request_id, epoch, blocks[first:end], deadline, sender)
         self.waiting_for_kv.add(request_id)

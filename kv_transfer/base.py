@@ -144,6 +144,7 @@ class _Write:  # P side
     dst: list[int]
     runs: list[tuple[int, int, int]]
     started: float
+    deadline: float  # the reservation's (time.time())
     handle: Any = None  # the data plane's handle while it moves bytes
     notified: bool = False  # the "written" message went out; waiting for the ack
     # Cancelled or timed out while its bytes were moving: it fails (with this reason)
@@ -198,7 +199,9 @@ class KVTransport(ABC):
         self._reservations: dict[str, _Reservation] = {}  # D: live, by request
         self._quarantine: dict[tuple[str, int], _Reservation] = {}  # D: dead, not yet released
         self._writes: dict[int, _Write] = {}
-        self._cancelled: set[tuple[str, int]] = set()  # P: (req, epoch) never to be written
+        # P: (req, epoch) never to be written -> its reservation's deadline, after which
+        # write() refuses it anyway (so the entry can go).
+        self._cancelled: dict[tuple[str, int], float] = {}
         self._acks_due: dict[tuple[str, int], _Peer] = {}  # P: cancels to confirm once landed
         self._xfer_ids = itertools.count(1)
         self._events: list[Event] = []
@@ -375,7 +378,8 @@ class KVTransport(ABC):
         if not src_blocks:
             raise ValueError("a write needs at least one block")
         xfer = next(self._xfer_ids)
-        w = _Write(xfer, peer, req, epoch, list(dst_blocks), coalesce(src_blocks, dst_blocks), time.monotonic())
+        w = _Write(xfer, peer, req, epoch, list(dst_blocks), coalesce(src_blocks, dst_blocks), time.monotonic(),
+                   deadline)
         self._writes[xfer] = w
         self.stats["writes"] += 1
         if (req, epoch) in self._cancelled:
@@ -400,7 +404,7 @@ class KVTransport(ABC):
                 self._cancel_write(w)
 
     def _cancel_write(self, w: _Write) -> None:
-        self._cancelled.add((w.req, w.epoch))
+        self._cancelled[(w.req, w.epoch)] = w.deadline
         if not w.notified:
             w.failure = w.failure or "cancelled"
             self._notify_when_landed(w)
@@ -458,7 +462,8 @@ class KVTransport(ABC):
             return
         self._quarantine[(req, r.epoch)] = r
         if r.sender is not None:
-            self._router.send_multipart([r.sender.encode(), encode("cancel", req=req, epoch=r.epoch)])
+            self._router.send_multipart([r.sender.encode(), encode("cancel", req=req, epoch=r.epoch,
+                                                                   deadline=r.deadline)])
 
     def _release(self, req: str, epoch: int) -> None:
         r = self._quarantine.pop((req, epoch), None)
@@ -472,7 +477,8 @@ class KVTransport(ABC):
         if (req, epoch) in self._quarantine:
             reason = "the request was aborted or expired"
             # The cancel may not have reached this sender before: repeat it.
-            self._router.send_multipart([sender, encode("cancel", req=req, epoch=epoch)])
+            self._router.send_multipart([sender, encode("cancel", req=req, epoch=epoch,
+                                                        deadline=self._quarantine[(req, epoch)].deadline)])
         elif r is None:
             reason = "no reservation for this request"
         elif r.epoch != epoch:
@@ -542,6 +548,8 @@ class KVTransport(ABC):
         for (req, epoch), r in list(self._quarantine.items()):
             if now > r.deadline + self.config.cancel_grace_s:
                 self._release(req, epoch)  # the sender refuses to start writes this late
+        for key in [k for k, deadline in self._cancelled.items() if now > deadline]:
+            del self._cancelled[key]
         for key, peer in list(self._acks_due.items()):
             if not any((w.req, w.epoch) == key for w in self._writes.values() if not w.notified):
                 del self._acks_due[key]
@@ -594,12 +602,12 @@ class KVTransport(ABC):
                     self._writes[w.xfer] = w
                     self._fail(w, f"refused by {peer.name!r}: {msg['reason']}")
             elif msg["kind"] == "cancel":
-                self._on_cancel(peer, msg["req"], msg["epoch"])
+                self._on_cancel(peer, msg["req"], msg["epoch"], msg["deadline"])
 
-    def _on_cancel(self, peer: _Peer, req: str, epoch: int) -> None:
+    def _on_cancel(self, peer: _Peer, req: str, epoch: int, deadline: float) -> None:
         """Refuse (req, epoch) from now on; confirm once none of its bytes can still land
         (poll sends the cancel_ack when its moving writes have landed)."""
-        self._cancelled.add((req, epoch))
+        self._cancelled[(req, epoch)] = deadline
         for w in list(self._writes.values()):
             if (w.req, w.epoch) == (req, epoch):
                 self._cancel_write(w)

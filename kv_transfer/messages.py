@@ -74,7 +74,8 @@ class Schema:
         return msg
 
 
-CONTROL = Schema(1, {
+# Version 2: cancel carries the reservation's deadline (the sender forgets it then).
+CONTROL = Schema(2, {
     # sender -> receiver: blocks [dst...] of (request, epoch) hold the data now (for
     # one-sided transports), or follow in this message's data frames (two-sided).
     "written": {"xfer": _INT, "req": _STR, "epoch": _INT, "blocks": _INTS, "runs": _INT_PAIRS},
@@ -82,7 +83,7 @@ CONTROL = Schema(1, {
     "ack": {"xfer": _INT, "ok": _BOOL, "reason": _STR},
     # receiver -> sender: stop writing (request, epoch); reply cancel_ack once no write
     # of it can land any more.
-    "cancel": {"req": _STR, "epoch": _INT},
+    "cancel": {"req": _STR, "epoch": _INT, "deadline": _FLOAT},
     "cancel_ack": {"req": _STR, "epoch": _INT},
     # sender -> receiver, once per connection: set up the data plane's pairwise
     # channel (nccl). `session` is new each time the sender connects, so a restarted

@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from kv_transfer import IncompatiblePeerError, KVTransport, TransportConfig, create_transport
-from kv_transfer.messages import MessageError, decode, encode
+from kv_transfer.messages import CONTROL, MessageError, decode, encode
 from tests.kv_transfer.agent import cache_shape
 
 
@@ -25,7 +25,7 @@ def agent(name: str) -> KVTransport:
                                          ([2, 3], [[2]]), ([2, 3], [2, 2]), ([2, 3], [[2, 2.0]])])
 def test_a_written_message_with_malformed_block_ids_is_refused(blocks, runs) -> None:
     with pytest.raises(MessageError, match=r"written\.(blocks|runs) has the wrong type"):
-        decode(msgpack.packb({"v": 1, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,
+        decode(msgpack.packb({"v": CONTROL.version, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,
                               "blocks": blocks, "runs": runs}))
     assert decode(encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]]))["blocks"] == [2, 3]
 
@@ -38,7 +38,7 @@ def test_the_receiver_drops_a_malformed_write_and_keeps_polling() -> None:
         receiver.expect("a", 1, [2, 3], deadline=time.time() + 60)
         sock.setsockopt(zmq.ROUTING_ID, b"prefill")
         sock.connect(receiver.control_address)
-        sock.send(msgpack.packb({"v": 1, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,
+        sock.send(msgpack.packb({"v": CONTROL.version, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,
                                  "blocks": [[2], 3], "runs": [[2, 2]]}))
         end = time.monotonic() + 1.0
         while time.monotonic() < end:
@@ -68,3 +68,33 @@ def test_closing_after_the_segment_was_removed_closes_everything() -> None:
     unlink_segment(t.metadata())  # as the launcher does once a worker is gone
     t.close()
     assert t._router.closed and t._ctx.closed
+
+
+@pytest.mark.timeout(30)
+def test_a_cancelled_request_is_forgotten_once_its_deadline_passes() -> None:
+    """The sender refuses writes of a cancelled (request, epoch) until the reservation's
+    deadline (after which it refuses them anyway), then drops the entry: no state kept
+    per aborted request forever."""
+    receiver, sender = agent("decode"), agent("prefill")
+    try:
+        sender.add_peer(receiver.metadata())
+        end = time.monotonic() + 0.3  # the sender's control connection comes up
+        while time.monotonic() < end:
+            receiver.poll(), sender.poll()
+        deadline = time.time() + 2.0
+        receiver.expect("a", 1, [2, 3], deadline=deadline, sender="prefill")
+        receiver.abort("a")
+        end = time.monotonic() + 1.5
+        while ("a", 1) not in sender._cancelled:
+            assert time.monotonic() < end, "the cancel never reached the sender"
+            receiver.poll(), sender.poll()
+            time.sleep(0.01)
+        xfer = sender.write("decode", "a", 1, [0, 1], [2, 3], deadline=deadline)
+        assert [(e.xfer, e.reason) for e in sender.poll()] == [(xfer, "cancelled")]
+        while time.time() <= deadline:
+            time.sleep(0.05)
+        sender.poll()
+        assert ("a", 1) not in sender._cancelled
+    finally:
+        sender.close()
+        receiver.close()
