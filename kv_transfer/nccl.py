@@ -3,7 +3,13 @@ GPUs, gloo on CPU). Each (sender, receiver) pair gets its own 2-rank process gro
 set up through a TCPStore the receiver hosts; no global world is needed, so pools can
 grow and shrink. The notification goes first over the control channel, then one send
 per run; the receiver posts the matching receives straight into the reserved blocks
-(or into scratch memory, dropped, for a refused write)."""
+(or into scratch memory, dropped, for a refused write).
+
+Known limits: the receiver waits for a write's data inside poll(), up to `timeout_s`
+when the sender stalls between its notification and its data; and a receive that times
+out closes the pair's gloo connection, so that sender's later writes to this receiver
+fail (their prompts are prefilled locally) until one of the two restarts. Receiving
+asynchronously, into scratch memory copied in once complete, would lift both."""
 
 from __future__ import annotations
 
