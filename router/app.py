@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,18 +32,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cluster.config import ClusterConfig
+from engine.engine_core import EngineCore
 from engine.llm import load_tokenizer
+from engine.model.config import ModelConfig
 from engine.sampling_params import SamplingParams
+from router import request_body
+from router.detokenizer import Detokenizer
 from router.worker_client import WORKER_LOST, WorkerClient
 from router.errors import APIError
-from router.logprobs import LogprobFormatter, merge, requested_logprobs
+from router.logprobs import LogprobFormatter, merge
 from router.metrics import RouterMetrics
+from router.request_body import SAMPLING_FIELDS
 from router.routing import RoutingPolicy
 
-# OpenAI request fields passed on to SamplingParams as they are.
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                   "ignore_eos")
+logger = logging.getLogger(__name__)
 # Names the decode worker serving a response (for a stream: the one that began it;
 # otherwise the one that finished it), for operators and the failover test.
 WORKER_HEADER = "x-pdserve-decode-worker"
@@ -68,11 +72,20 @@ class Router:
         self.model_name = config.model
         self.served_names = {config.model, Path(config.model).name}
         self.tokenizer = load_tokenizer(config.model)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # The longest vocabulary entry: its spelling has at least one character per
+        # character of text it stands for (byte-level BPE: one per byte), so this
+        # bounds how many characters max_model_len tokens can hold.
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        engine = config.engine_config("decode")
+        model_config = ModelConfig.from_model_dir(config.model)
+        self.vocab_size = model_config.vocab_size
+        # The decode workers' context length, computed as their engines do.
+        self.max_model_len = EngineCore._max_model_len(engine, model_config)
         self.ctx = zmq.asyncio.Context()
         timeout = config.router.worker_timeout_s
         self.workers = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted(decode_workers.items())]
         self.prefill = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted((prefill_workers or {}).items())]
-        engine = config.engine_config("decode")
         # The router cannot see the pools' sizes; this bounds the history it keeps.
         self.routing = RoutingPolicy(config.router.policy, len(self.workers), engine.block_size,
                                      engine.num_kv_blocks or 65536)
@@ -86,42 +99,61 @@ class Router:
 
     # --- request parsing ----------------------------------------------------------
 
-    def sampling_params(self, body: dict[str, Any], chat: bool) -> SamplingParams:
-        options = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-        if body.get("n", 1) != 1:
-            raise APIError(400, "only n=1 is supported", "n")
-        options["logprobs"] = requested_logprobs(body, chat)
-        try:
-            return SamplingParams(**options)
-        except (TypeError, ValueError) as exc:
-            raise APIError(400, str(exc), next((k for k in options if k in str(exc)), None)) from None
+    def sampling_params(self, body: dict[str, Any], chat: bool, num_prompt_tokens: int,
+                        prompt_field: str) -> SamplingParams:
+        """The request's SamplingParams, checked against the context length here (the
+        decode worker checks again) so the error can name the field. Chat without
+        max_tokens generates until EOS or a full context, as vLLM does; completions
+        keep OpenAI's default of 16."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but the model's context length is "
+                                f"{self.max_model_len} (prompt must leave room for output)", prompt_field)
+        params = request_body.sampling_params(body, chat, room if chat else None)
+        if params.max_tokens > room:
+            alias = body.get("max_tokens") is None and body.get(request_body.MAX_TOKENS_ALIAS) is not None
+            name = request_body.MAX_TOKENS_ALIAS if alias else "max_tokens"
+            raise APIError(400, f"prompt ({num_prompt_tokens} tokens) + {name} ({params.max_tokens}) = "
+                                f"{num_prompt_tokens + params.max_tokens} exceeds the model's context length "
+                                f"{self.max_model_len}", name)
+        return params
 
-    def check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
-        if model is not None and model not in self.served_names:
-            raise APIError(400, f"model {model!r} is not served here; this server serves "
-                                f"{self.model_name!r}", "model", "model_not_found")
-
-    def prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "prompt must not be empty", "prompt")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    async def prompt_ids(self, prompt: Any) -> list[int]:
+        prompt = request_body.prompt_input(prompt, self.vocab_size)
+        if isinstance(prompt, list):
             return prompt
-        raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+        self._check_chars(len(prompt), "prompt")
+        return await self._tokenize(self.tokenizer.encode, prompt)
 
-    def chat_ids(self, messages: Any) -> list[int]:
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages)):
-            raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-        # Rendered to text, then encoded without special tokens: the template already
-        # holds them (as LLM.chat does).
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    async def chat_ids(self, body: dict[str, Any]) -> list[int]:
+        messages = request_body.chat_messages(body.get("messages"))
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        add_generation_prompt = request_body.flag(body, "add_generation_prompt", True)
+
+        def tokenize() -> list[int]:
+            # Rendered to text, then encoded without special tokens: the template
+            # already holds them (as LLM.chat does).
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self._tokenize(tokenize)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, text that cannot fit the context: no token of
+        this vocabulary covers more than max_token_chars characters, so such text has
+        more than max_model_len tokens. Tokenizing megabytes would only take seconds to
+        find that out."""
+        limit = self.max_model_len * self.max_token_chars
+        if num_chars > limit:
+            raise APIError(400, f"{param} has {num_chars} characters: more than the model's context length "
+                                f"({self.max_model_len} tokens) can hold (at most {limit} characters)", param)
+
+    async def _tokenize(self, call: Callable[..., list[int]], *args: Any) -> list[int]:
+        """Run a tokenizer call off the event loop, so that streams, health pings and
+        /health go on meanwhile (the fast tokenizer releases the GIL). One thread:
+        tokenizer calls never run concurrently (HF fast tokenizers are not safe for
+        that), and the character cap bounds how long one call may take."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, call, *args)
 
     # --- one request ----------------------------------------------------------------
 
@@ -142,7 +174,7 @@ class Router:
         m = self.metrics
         self.in_flight += 1
         m.in_flight.set(self.in_flight)
-        detok = Detokenizer(self.tokenizer, params.stop)
+        detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         worker: WorkerClient | None = None
         request_id = ""
         finished = False
@@ -200,8 +232,7 @@ class Router:
         params.max_tokens; the worker, the request's id there, and its message queue."""
         live = [w.alive for w in self.workers]
         if not any(live):
-            raise APIError(503, f"no decode worker is alive (all {len(self.workers)} silent for more than "
-                                f"router.worker_timeout_s); retry later", kind="service_unavailable")
+            raise self.no_live_worker()
         tokens = prompt + generated
         if generated:
             n = len(generated)
@@ -226,6 +257,10 @@ class Router:
         queue: asyncio.Queue = asyncio.Queue()
         worker.queues[request_id] = queue
         return worker, request_id, queue
+
+    def no_live_worker(self) -> APIError:
+        return APIError(503, f"no decode worker is alive (all {len(self.workers)} silent for more than "
+                             f"router.worker_timeout_s); retry later", kind="service_unavailable")
 
     # --- from the Ray supervisor's thread (cluster/supervisor.py) ---------------------
 
@@ -270,50 +305,17 @@ class Router:
             self.publish_live()
 
 
-class Detokenizer:
-    """Incremental text for one request, holding back what may still change: a partial
-    UTF-8 character, or the start of a stop string."""
-
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.sent = 0  # characters of text already returned
-        self.text = ""
-        self.stopped = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.ids)
-
-    def add(self, tokens: list[int]) -> tuple[str, bool]:
-        self.ids += tokens
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for s in self.stop:
-            i = self.text.find(s)
-            if i != -1:
-                self.text, self.stopped = self.text[:i], True
-        if self.stopped:
-            return self.flush(), True
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        end = len(self.text.rstrip("\ufffd")) - hold
-        delta = self.text[self.sent:max(self.sent, end)]
-        self.sent += len(delta)
-        return delta, False
-
-    def flush(self) -> str:
-        delta = self.text[self.sent:]
-        self.sent = len(self.text)
-        return delta
-
-
 def _params_dict(params: SamplingParams) -> dict[str, Any]:
     return {k: getattr(params, k) for k in (*SAMPLING_FIELDS, "logprobs")}
 
 
+def _error_body(exc: APIError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}}
+
+
 def _error(exc: APIError) -> JSONResponse:
     headers = {"Retry-After": "1"} if exc.status == 429 else None
-    return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param,
-                                   "code": exc.status}}, status_code=exc.status, headers=headers)
+    return JSONResponse(_error_body(exc), status_code=exc.status, headers=headers)
 
 
 def create_app(router: Router) -> FastAPI:
@@ -339,19 +341,27 @@ def create_app(router: Router) -> FastAPI:
         router.metrics.rejected.labels(status=str(exc.status)).inc()
         return _error(exc)
 
-    async def body_of(request: Request) -> dict[str, Any]:
+    async def body_of(request: Request, chat: bool) -> dict[str, Any]:
+        """The request's JSON body, with every check that needs no tokenizer done."""
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object")
-        router.check_model(body)
+        request_body.check_model(body, router.served_names, router.model_name)
+        request_body.check_unsupported(body, chat)
+        request_body.flag(body, "stream", False)
+        request_body.include_usage(body)
         return body
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """200 while some decode worker is live; else 503, so that a load balancer or
+        a readiness probe sees that this deployment can serve nothing."""
+        if not any(w.alive for w in router.workers):
+            return _error(router.no_live_worker())
+        return JSONResponse({"status": "ok"})
 
     @app.get("/status")
     async def status() -> dict[str, Any]:
@@ -379,17 +389,20 @@ def create_app(router: Router) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = await body_of(request)
-        prompt = router.prompt_ids(body.get("prompt"))
-        return await respond(body, prompt, chat=False)
+        body = await body_of(request, chat=False)
+        prompt = await router.prompt_ids(body.get("prompt"))
+        params = router.sampling_params(body, False, len(prompt), "prompt")
+        return await respond(request, body, prompt, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        body = await body_of(request)
-        return await respond(body, router.chat_ids(body.get("messages")), chat=True)
+        body = await body_of(request, chat=True)
+        prompt = await router.chat_ids(body)
+        params = router.sampling_params(body, True, len(prompt), "messages")
+        return await respond(request, body, prompt, params, chat=True)
 
-    async def respond(body: dict[str, Any], prompt: list[int], chat: bool) -> Any:
-        params = router.sampling_params(body, chat)
+    async def respond(request: Request, body: dict[str, Any], prompt: list[int], params: SamplingParams,
+                      chat: bool) -> Any:
         stream = router.run(prompt, params)
         formatter = LogprobFormatter(router.tokenizer, chat) if params.logprobs is not None else None
 
@@ -409,9 +422,10 @@ def create_app(router: Router) -> FastAPI:
             return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason,
                     "logprobs": logprobs}
 
-        first = await anext(stream)  # errors (400, 429) surface before any byte is sent
-        if not body.get("stream"):
-            chunks = [first] + [c async for c in stream]
+        if not request_body.flag(body, "stream", False):
+            chunks = await _all_unless_disconnected(request, stream)
+            if chunks is None:  # nobody is left to read an answer (499: nginx's "client closed")
+                return Response(status_code=499)
             parts = [p for p in map(logprobs_of, chunks) if p is not None]
             last = chunks[-1]
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": router.model_name,
@@ -420,7 +434,8 @@ def create_app(router: Router) -> FastAPI:
                                  "usage": usage(last.num_tokens)},
                                 headers={WORKER_HEADER: last.worker})
 
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        first = await anext(stream)  # errors (400, 429) surface before any byte is sent
+        include_usage = request_body.include_usage(body)
 
         async def events() -> AsyncIterator[str]:
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -440,9 +455,11 @@ def create_app(router: Router) -> FastAPI:
                     yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
                                                  "model": router.model_name, "choices": [],
                                                  "usage": usage(n)}) + "\n\n"
-                yield "data: [DONE]\n\n"
+            except Exception as exc:  # noqa: BLE001 - the status line is sent: say it in the stream
+                yield _error_event(router, exc)
             finally:
                 await stream.aclose()  # a client gone mid-stream aborts the request
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={WORKER_HEADER: first.worker})
 
@@ -451,6 +468,42 @@ def create_app(router: Router) -> FastAPI:
 
 async def _none() -> None:
     return None
+
+
+async def _all_unless_disconnected(request: Request, stream: AsyncIterator[Chunk]) -> list[Chunk] | None:
+    """Every chunk of a non-streamed request; None if its client hangs up first. Then
+    the request is aborted (Router.run's cleanup), freeing its KV blocks on the
+    worker, rather than generated to the end for nobody."""
+    async def collect() -> list[Chunk]:
+        return [chunk async for chunk in stream]
+
+    async def disconnected() -> None:
+        # The body has been read, so the next ASGI message is the disconnect (or
+        # comes only once the response is complete, when this is cancelled).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()  # raises CancelledError inside run(): its finally aborts the request
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return None
+    return work.result()  # raises the request's own error (400, 429, 503)
+
+
+def _error_event(router: Router, exc: Exception) -> str:
+    """The SSE event that ends a stream broken after its first chunk (e.g. its decode
+    worker died with no live one to fail over to), as vLLM sends one."""
+    if not isinstance(exc, APIError):
+        logger.exception("a stream failed", exc_info=exc)
+        exc = APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_server_error")
+    router.metrics.rejected.labels(status=str(exc.status)).inc()
+    return "data: " + json.dumps(_error_body(exc)) + "\n\n"
 
 
 def _sse(rid: str, kind: str, created: int, model: str, choice: dict[str, Any]) -> str:
