@@ -98,6 +98,7 @@ USER = {"role": "user", "content": "Hi"}
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
      "messages[0].content[0].text must be a string"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "messages[0] is not valid Unicode"),
+    ({"messages": [{"role": "\ud800", "content": "Hi"}]}, "messages", "messages[0].role is not valid Unicode"),
     ({"messages": [USER], "max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens",
      "max_tokens (4) and max_completion_tokens (5) differ"),
     ({"messages": [USER], "max_completion_tokens": -1}, "max_completion_tokens",
