@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+# Integers cross the router -> worker boundary as msgpack, which holds int64 (and
+# uint64, for seeds); anything larger is refused here rather than failing to encode.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed accepts
+# Logits are divided (positive) or multiplied (negative) by the repetition penalty in
+# float32: within [0.01, 100] a logit of any realistic size (|x| < 1e30) stays finite,
+# and vLLM users use values near 1 (1.0 is off; 1.1-1.3 usual).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+class SamplingParamsError(ValueError):
+    """A bad sampling setting; `param` names the field. The message is
+    f"{param} {problem}", so a caller that received the value under another name (an
+    HTTP alias) can say it with that name."""
+
+    def __init__(self, param: str, problem: str) -> None:
+        super().__init__(f"{param} {problem}")
+        self.param, self.problem = param, problem
 
 
 @dataclass
@@ -12,6 +33,10 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p == 1 and
     min_p == 0 disable those filters. Penalties follow vLLM: presence/frequency apply
     to generated tokens only, repetition to prompt and generated tokens.
+
+    Construction checks every field's type first (bools are not numbers; floats must be
+    finite), then its range, and raises SamplingParamsError (a ValueError) naming the
+    field.
     """
 
     max_tokens: int = 16
@@ -31,38 +56,48 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self._check_types()
+        self._check_ranges()
+
+    def _check_types(self) -> None:
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            _require_int(name, getattr(self, name))
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name), " or null")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            setattr(self, name, _require_float(name, getattr(self, name)))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, f"must be a boolean, got {_show(getattr(self, name))}")
+        self.stop = _require_list("stop", self.stop, str, "a string or a list of strings")
+        self.stop_token_ids = _require_list("stop_token_ids", self.stop_token_ids, int, "a list of integers")
+
+    def _check_ranges(self) -> None:
+        lo, hi = REPETITION_PENALTY_RANGE
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
-            (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
-             f"top_k must be -1 (disabled) or >= 0, got {self.top_k!r}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-             f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"),
-            (-2.0 <= self.presence_penalty <= 2.0,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.repetition_penalty > 0.0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}"),
-            (all(isinstance(s, str) and s for s in self.stop),
-             f"stop must be a list of non-empty strings, got {self.stop!r}"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
-            (self.seed is None or isinstance(self.seed, int),
-             f"seed must be an integer or None, got {self.seed!r}"),
+            ("max_tokens", self.max_tokens >= 1, "must be an integer >= 1"),
+            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("top_k", self.top_k >= -1, "must be -1 (disabled) or >= 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
+             f"must be in [0, max_tokens={self.max_tokens}]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", lo <= self.repetition_penalty <= hi,
+             f"must be in [{lo:g}, {hi:g}] (1 = no penalty)"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
+             "must be None or an integer in [0, 20]"),
+            ("stop", all(s and _encodable(s) for s in self.stop),
+             "must be a list of non-empty strings of valid Unicode (no lone surrogates)"),
+            ("stop_token_ids", all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
+             f"must be integers in [0, {INT64_MAX}]"),
         ]
-        for ok, message in checks:
+        for name, ok, problem in checks:
             if not ok:
-                raise ValueError(message)
+                raise SamplingParamsError(name, f"{problem}, got {_show(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
@@ -72,3 +107,52 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: Any, also: str = "") -> None:
+    if not _is_int(value):
+        raise SamplingParamsError(name, f"must be an integer{also}, got {_show(value)}")
+    lo, hi = (SEED_MIN, SEED_MAX) if name == "seed" else (INT64_MIN, INT64_MAX)
+    if not lo <= value <= hi:
+        raise SamplingParamsError(name, f"must be an integer in [{lo}, {hi}], got {_show(value)}")
+
+
+def _require_float(name: str, value: Any) -> float:
+    if not (isinstance(value, float) or _is_int(value)):
+        raise SamplingParamsError(name, f"must be a number, got {_show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise SamplingParamsError(name, f"must be a finite number, got {_show(value)}")
+    return number
+
+
+def _require_list(name: str, value: Any, item: type, expected: str) -> list:
+    """A list (or tuple; a lone string for stop) whose items are all of type `item`."""
+    if item is str and isinstance(value, str):
+        value = [value]
+    ok = isinstance(value, (list, tuple)) and all(
+        isinstance(v, item) and not isinstance(v, bool) for v in value)
+    if not ok:
+        raise SamplingParamsError(name, f"must be {expected}, got {_show(value)}")
+    return list(value)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """repr of a user's value, cut short (it is echoed in an HTTP error)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

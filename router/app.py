@@ -1,319 +1,48 @@
 """The OpenAI-compatible HTTP front end: /v1/completions, /v1/chat/completions (both
-streamed as server-sent events, or not), /v1/models and /health.
+streamed as server-sent events, or not), /v1/models, /health, /metrics and /status
+(docs/api.md). The request path behind it is router/core.py (Router).
 
-The router tokenizes (and applies the chat template), picks a decode worker, asks it
-to prefill on a prefill worker when the prompt is long enough (conditional
-disaggregation), and detokenizes the worker's per-step token batches incrementally,
-ending a request itself when a stop string appears. Bad input is HTTP 400 with an
-OpenAI-style error naming the problem; a full queue is HTTP 429 with Retry-After.
-A decode worker that falls silent is routed around, and its requests fail over to a
-live one mid-stream (Router.run, router/health.py).
+Bad input is HTTP 400 with an OpenAI-style error naming the field; a full queue is
+HTTP 429 with Retry-After; no live decode worker is 503.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-import threading
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from cluster.config import ClusterConfig
-from engine.llm import load_tokenizer
 from engine.sampling_params import SamplingParams
-from router.worker_client import WORKER_LOST, WorkerClient
+from router import request_body
+from router.core import Chunk, Router
 from router.errors import APIError
-from router.logprobs import LogprobFormatter, merge, requested_logprobs
-from router.metrics import RouterMetrics
-from router.routing import RoutingPolicy
+from router.logprobs import LogprobFormatter, merge
 
-# OpenAI request fields passed on to SamplingParams as they are.
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                   "ignore_eos")
+__all__ = ["Router", "WORKER_HEADER", "create_app"]
+
+logger = logging.getLogger(__name__)
+
 # Names the decode worker serving a response (for a stream: the one that began it;
 # otherwise the one that finished it), for operators and the failover test.
 WORKER_HEADER = "x-pdserve-decode-worker"
 
 
-@dataclass
-class Chunk:
-    """What one worker step added to a request, detokenized."""
-
-    text: str
-    finish_reason: str | None
-    num_tokens: int  # output tokens so far
-    token_ids: list[int] = field(default_factory=list)  # this step's
-    logprobs: list[list] = field(default_factory=list)  # per token of this step, when asked
-    worker: str = ""  # the decode worker that sent it (another after a failover)
-
-
-class Router:
-    def __init__(self, config: ClusterConfig, decode_workers: dict[str, str],
-                 prefill_workers: dict[str, str] | None = None) -> None:
-        """Workers by name -> ZMQ address. The router sends requests to decode workers
-        only; it pings prefill workers too, for their health and /status."""
-        self.config = config
-        self.model_name = config.model
-        self.served_names = {config.model, Path(config.model).name}
-        self.tokenizer = load_tokenizer(config.model)
-        self.ctx = zmq.asyncio.Context()
-        timeout = config.router.worker_timeout_s
-        self.workers = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted(decode_workers.items())]
-        self.prefill = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted((prefill_workers or {}).items())]
-        engine = config.engine_config("decode")
-        # The router cannot see the pools' sizes; this bounds the history it keeps.
-        self.routing = RoutingPolicy(config.router.policy, len(self.workers), engine.block_size,
-                                     engine.num_kv_blocks or 65536)
-        for i, w in enumerate(self.workers):
-            w.on_kv_events = lambda events, reset, i=i: self.routing.kv_events(i, events, reset)
-        self.in_flight = 0
-        self.metrics = RouterMetrics()
-        self.loop: asyncio.AbstractEventLoop | None = None  # set while the app runs
-        self._early_calls: list[Any] = []  # from other threads before it ran
-        self._calls_lock = threading.Lock()
-
-    # --- request parsing ----------------------------------------------------------
-
-    def sampling_params(self, body: dict[str, Any], chat: bool) -> SamplingParams:
-        options = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-        if body.get("n", 1) != 1:
-            raise APIError(400, "only n=1 is supported", "n")
-        options["logprobs"] = requested_logprobs(body, chat)
-        try:
-            return SamplingParams(**options)
-        except (TypeError, ValueError) as exc:
-            raise APIError(400, str(exc), next((k for k in options if k in str(exc)), None)) from None
-
-    def check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
-        if model is not None and model not in self.served_names:
-            raise APIError(400, f"model {model!r} is not served here; this server serves "
-                                f"{self.model_name!r}", "model", "model_not_found")
-
-    def prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "prompt must not be empty", "prompt")
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return prompt
-        raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
-
-    def chat_ids(self, messages: Any) -> list[int]:
-        if not (isinstance(messages, list) and messages and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages)):
-            raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-        # Rendered to text, then encoded without special tokens: the template already
-        # holds them (as LLM.chat does).
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    # --- one request ----------------------------------------------------------------
-
-    async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
-        """The request's new text (and tokens, logprobs) after each worker step.
-
-        Failover: when its decode worker is declared dead (router/health.py), the
-        request is resubmitted to a live one as prompt + the tokens generated so far,
-        with max_tokens and min_tokens reduced by as many and the same sampling
-        params; the stream goes on from where it was. Greedy output continues token for
-        token; seeded sampling and presence/frequency penalties restart their state on
-        the new worker (the generated tokens count as prompt there), so such a request
-        continues validly but not identically. With no live worker left it ends with
-        HTTP 503 (before its first chunk) or a broken stream (after)."""
-        if self.in_flight >= self.config.router.max_queued_requests:
-            raise APIError(429, f"the server has {self.in_flight} requests in flight "
-                                f"(max_queued_requests); retry later", kind="rate_limit_error")
-        m = self.metrics
-        self.in_flight += 1
-        m.in_flight.set(self.in_flight)
-        detok = Detokenizer(self.tokenizer, params.stop)
-        worker: WorkerClient | None = None
-        request_id = ""
-        finished = False
-        start = last = time.monotonic()
-        try:
-            while not finished:
-                if worker is not None:  # its worker died: leave it, resubmit elsewhere
-                    worker.queues.pop(request_id, None)
-                    worker.send("abort", id=request_id)  # in case it was only slow
-                    if params.max_tokens - detok.num_tokens < 1:  # cannot happen: the last batch says finished
-                        finished = True
-                        yield Chunk(detok.flush(), "length", detok.num_tokens, worker=worker.name)
-                        break
-                worker, request_id, queue = self._submit(prompt, detok.ids, params, failover=worker is not None)
-                while not finished:
-                    msg = await queue.get()
-                    if msg is WORKER_LOST:
-                        break
-                    if msg["kind"] == "rejected":
-                        finished = True  # nothing to abort: the worker never queued it
-                        raise APIError(400, msg["error"])
-                    now, new = time.monotonic(), len(msg["tokens"])
-                    if new and detok.num_tokens == 0:
-                        m.ttft.observe(now - start)
-                    elif new:  # a batch of tokens from one step: each waited its share
-                        for _ in range(new):
-                            m.itl.observe((now - last) / new)
-                    if new:
-                        last = now
-                        m.generation_tokens.inc(new)
-                    delta, stopped = detok.add(msg["tokens"])
-                    finished = msg["finished"] or stopped
-                    reason = "stop" if stopped else (msg["reason"] if msg["finished"] else None)
-                    if finished:
-                        delta += detok.flush()
-                        m.e2e.observe(time.monotonic() - start)
-                        m.finished.labels(reason=reason).inc()
-                        m.observe_phases(msg["phases"])
-                        m.prefix_cached_tokens.inc(msg["cached"])
-                    yield Chunk(delta, reason, detok.num_tokens, msg["tokens"], msg["logprobs"], worker.name)
-        finally:
-            self.in_flight -= 1
-            m.in_flight.set(self.in_flight)
-            if worker is not None:
-                worker.queues.pop(request_id, None)
-                if not finished:  # the client went away: free the worker's blocks
-                    m.finished.labels(reason="abort").inc()
-                    worker.send("abort", id=request_id)
-                elif detok.stopped:
-                    worker.send("abort", id=request_id)
-
-    def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams,
-                failover: bool) -> tuple[WorkerClient, str, asyncio.Queue]:
-        """Send prompt + generated to a live decode worker, asking for what remains of
-        params.max_tokens; the worker, the request's id there, and its message queue."""
-        live = [w.alive for w in self.workers]
-        if not any(live):
-            raise APIError(503, f"no decode worker is alive (all {len(self.workers)} silent for more than "
-                                f"router.worker_timeout_s); retry later", kind="service_unavailable")
-        tokens = prompt + generated
-        if generated:
-            n = len(generated)
-            params = dataclasses.replace(params, max_tokens=params.max_tokens - n,
-                                         min_tokens=max(0, params.min_tokens - n))
-        index, cached = self.routing.choose(tokens, [len(w.queues) for w in self.workers], live)
-        worker, request_id = self.workers[index], uuid.uuid4().hex
-        # Conditional disaggregation: only the part the worker must compute counts.
-        remote = (len(tokens) - cached >= self.config.router.remote_prefill_min_tokens
-                  and any(p.alive for p in self.prefill))
-        m = self.metrics
-        if failover:
-            m.failovers.inc()
-        else:
-            m.requests.labels(prefill="remote" if remote else "local").inc()
-            m.prompt_tokens.inc(len(prompt))
-            m.cached_tokens.inc(cached)
-        if not worker.send("generate", id=request_id, prompt=tokens, params=_params_dict(params),
-                           remote=remote, priority=0):
-            raise APIError(503, f"decode worker {worker.name} cannot be reached; retry later",
-                           kind="service_unavailable")
-        queue: asyncio.Queue = asyncio.Queue()
-        worker.queues[request_id] = queue
-        return worker, request_id, queue
-
-    # --- from the Ray supervisor's thread (cluster/supervisor.py) ---------------------
-
-    def worker_down(self, name: str) -> None:
-        """A decode or prefill worker is down; a decode worker's requests fail over."""
-        self._on_loop(lambda: self._client(name).declare_dead("is down (Ray supervisor)"))
-
-    def worker_moved(self, name: str, address: str) -> None:
-        """Restarted at `address`, with an empty cache."""
-        def move() -> None:
-            self._client(name).move(address)
-            for i, w in enumerate(self.workers):
-                if w.name == name:
-                    self.routing.forget(i)
-        self._on_loop(move)
-
-    def _client(self, name: str) -> WorkerClient:
-        return next(w for w in self.workers + self.prefill if w.name == name)
-
-    def _on_loop(self, call: Any) -> None:
-        """Run `call` on the router's event loop (its sockets and queues live there);
-        before the app runs, when it starts."""
-        with self._calls_lock:
-            if self.loop is None:
-                self._early_calls.append(call)
-                return
-            self.loop.call_soon_threadsafe(call)
-
-    def publish_live(self) -> None:
-        """Each worker's health, as the router sees it now, into the metrics."""
-        self.metrics.set_live({w.name: w.alive for w in self.workers}, {w.name: w.alive for w in self.prefill})
-
-    async def monitor(self) -> None:
-        """Supervise the decode workers for the app's lifetime: ping each every
-        router.health_interval_s, declare the silent ones dead (router/health.py)."""
-        while True:
-            for w in self.workers + self.prefill:
-                w.ping()
-            await asyncio.sleep(self.config.router.health_interval_s)
-            for w in self.workers + self.prefill:
-                w.check()
-            self.publish_live()
-
-
-class Detokenizer:
-    """Incremental text for one request, holding back what may still change: a partial
-    UTF-8 character, or the start of a stop string."""
-
-    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self.tokenizer, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.sent = 0  # characters of text already returned
-        self.text = ""
-        self.stopped = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.ids)
-
-    def add(self, tokens: list[int]) -> tuple[str, bool]:
-        self.ids += tokens
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for s in self.stop:
-            i = self.text.find(s)
-            if i != -1:
-                self.text, self.stopped = self.text[:i], True
-        if self.stopped:
-            return self.flush(), True
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        end = len(self.text.rstrip("\ufffd")) - hold
-        delta = self.text[self.sent:max(self.sent, end)]
-        self.sent += len(delta)
-        return delta, False
-
-    def flush(self) -> str:
-        delta = self.text[self.sent:]
-        self.sent = len(self.text)
-        return delta
-
-
-def _params_dict(params: SamplingParams) -> dict[str, Any]:
-    return {k: getattr(params, k) for k in (*SAMPLING_FIELDS, "logprobs")}
+def _error_body(exc: APIError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}}
 
 
 def _error(exc: APIError) -> JSONResponse:
     headers = {"Retry-After": "1"} if exc.status == 429 else None
-    return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param,
-                                   "code": exc.status}}, status_code=exc.status, headers=headers)
+    return JSONResponse(_error_body(exc), status_code=exc.status, headers=headers)
 
 
 def create_app(router: Router) -> FastAPI:
@@ -339,19 +68,27 @@ def create_app(router: Router) -> FastAPI:
         router.metrics.rejected.labels(status=str(exc.status)).inc()
         return _error(exc)
 
-    async def body_of(request: Request) -> dict[str, Any]:
+    async def body_of(request: Request, chat: bool) -> dict[str, Any]:
+        """The request's JSON body, with every check that needs no tokenizer done."""
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object")
-        router.check_model(body)
+        request_body.check_model(body, router.served_names, router.model_name)
+        request_body.check_unsupported(body, chat)
+        request_body.flag(body, "stream", False)
+        request_body.include_usage(body)
         return body
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """200 while some decode worker is live; else 503, so that a load balancer or
+        a readiness probe sees that this deployment can serve nothing."""
+        if not any(w.alive for w in router.workers):
+            return _error(router.no_live_worker())
+        return JSONResponse({"status": "ok"})
 
     @app.get("/status")
     async def status() -> dict[str, Any]:
@@ -379,17 +116,20 @@ def create_app(router: Router) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = await body_of(request)
-        prompt = router.prompt_ids(body.get("prompt"))
-        return await respond(body, prompt, chat=False)
+        body = await body_of(request, chat=False)
+        prompt = await router.prompt_ids(body.get("prompt"))
+        params = router.sampling_params(body, False, len(prompt), "prompt")
+        return await respond(request, body, prompt, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        body = await body_of(request)
-        return await respond(body, router.chat_ids(body.get("messages")), chat=True)
+        body = await body_of(request, chat=True)
+        prompt = await router.chat_ids(body)
+        params = router.sampling_params(body, True, len(prompt), "messages")
+        return await respond(request, body, prompt, params, chat=True)
 
-    async def respond(body: dict[str, Any], prompt: list[int], chat: bool) -> Any:
-        params = router.sampling_params(body, chat)
+    async def respond(request: Request, body: dict[str, Any], prompt: list[int], params: SamplingParams,
+                      chat: bool) -> Any:
         stream = router.run(prompt, params)
         formatter = LogprobFormatter(router.tokenizer, chat) if params.logprobs is not None else None
 
@@ -409,9 +149,10 @@ def create_app(router: Router) -> FastAPI:
             return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason,
                     "logprobs": logprobs}
 
-        first = await anext(stream)  # errors (400, 429) surface before any byte is sent
-        if not body.get("stream"):
-            chunks = [first] + [c async for c in stream]
+        if not request_body.flag(body, "stream", False):
+            chunks = await _all_unless_disconnected(request, stream)
+            if chunks is None:  # nobody is left to read an answer (499: nginx's "client closed")
+                return Response(status_code=499)
             parts = [p for p in map(logprobs_of, chunks) if p is not None]
             last = chunks[-1]
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": router.model_name,
@@ -420,7 +161,8 @@ def create_app(router: Router) -> FastAPI:
                                  "usage": usage(last.num_tokens)},
                                 headers={WORKER_HEADER: last.worker})
 
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        first = await anext(stream)  # errors (400, 429) surface before any byte is sent
+        include_usage = request_body.include_usage(body)
 
         async def events() -> AsyncIterator[str]:
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -440,9 +182,11 @@ def create_app(router: Router) -> FastAPI:
                     yield "data: " + json.dumps({"id": rid, "object": chunk_kind, "created": created,
                                                  "model": router.model_name, "choices": [],
                                                  "usage": usage(n)}) + "\n\n"
-                yield "data: [DONE]\n\n"
+            except Exception as exc:  # noqa: BLE001 - the status line is sent: say it in the stream
+                yield _error_event(router, exc)
             finally:
                 await stream.aclose()  # a client gone mid-stream aborts the request
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={WORKER_HEADER: first.worker})
 
@@ -451,6 +195,42 @@ def create_app(router: Router) -> FastAPI:
 
 async def _none() -> None:
     return None
+
+
+async def _all_unless_disconnected(request: Request, stream: AsyncIterator[Chunk]) -> list[Chunk] | None:
+    """Every chunk of a non-streamed request; None if its client hangs up first. Then
+    the request is aborted (Router.run's cleanup), freeing its KV blocks on the
+    worker, rather than generated to the end for nobody."""
+    async def collect() -> list[Chunk]:
+        return [chunk async for chunk in stream]
+
+    async def disconnected() -> None:
+        # The body has been read, so the next ASGI message is the disconnect (or
+        # comes only once the response is complete, when this is cancelled).
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()  # raises CancelledError inside run(): its finally aborts the request
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return None
+    return work.result()  # raises the request's own error (400, 429, 503)
+
+
+def _error_event(router: Router, exc: Exception) -> str:
+    """The SSE event that ends a stream broken after its first chunk (e.g. its decode
+    worker died with no live one to fail over to), as vLLM sends one."""
+    if not isinstance(exc, APIError):
+        logger.exception("a stream failed", exc_info=exc)
+        exc = APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_server_error")
+    router.metrics.rejected.labels(status=str(exc.status)).inc()
+    return "data: " + json.dumps(_error_body(exc)) + "\n\n"
 
 
 def _sse(rid: str, kind: str, created: int, model: str, choice: dict[str, Any]) -> str:

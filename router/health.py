@@ -4,7 +4,7 @@ The router pings every decode worker with `stats` each `router.health_interval_s
 counts *any* message from a worker (a token batch, a ping reply) as a sign of life: a
 worker busy with a long step cannot answer a ping, but it answered the last one before
 that step began, so only silence for `router.worker_timeout_s` declares it dead. Then
-the router stops routing to it and fails its requests over (router/app.py); the next
+the router stops routing to it and fails its requests over (router/core.py); the next
 message it sends re-admits it (a hung process that resumes; a restarted one, once the
 Ray supervisor has told the router its new address, cluster/supervisor.py). The
 supervisor may also declare a worker dead at once (`kill`), when Ray saw it die.

@@ -3,8 +3,10 @@ decode worker process behind the router (uvicorn on 127.0.0.1)."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import http.client
+import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -155,6 +157,52 @@ def test_client_gone_mid_stream_aborts_the_request(server) -> None:
             time.sleep(0.2)
     finally:
         probe.close()
+
+
+def aborted(port: int) -> float:
+    """The router's count of requests aborted because their client went away."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    line = next((x for x in text.splitlines() if x.startswith('pdserve_requests_finished_total{reason="abort"}')), "")
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+@pytest.mark.timeout(120)
+def test_client_gone_before_a_non_streamed_answer_aborts_the_request(server) -> None:
+    _, config, workers = server
+    before = aborted(config.router.port)
+    conn = http.client.HTTPConnection("127.0.0.1", config.router.port, timeout=1.0)
+    conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
+        {"prompt": "Hello there", "max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}))
+    with pytest.raises(TimeoutError):  # 1000 tokens take several seconds
+        conn.getresponse()
+    conn.close()  # hang up
+    probe = Client(workers.decode[0].address)
+    try:
+        end = time.monotonic() + 30
+        while True:  # aborted (not finished by length), and the decode worker frees everything
+            stats = probe.stats()
+            if (aborted(config.router.port) == before + 1 and stats["free_blocks"] == stats["num_blocks"]
+                    and stats["running"] == 0):
+                break
+            assert time.monotonic() < end, f"the abandoned request was not aborted: {stats}"
+            time.sleep(0.2)
+    finally:
+        probe.close()
+
+
+@pytest.mark.timeout(60)
+def test_stop_token_ids_end_the_output(server, llama_dir: Path) -> None:
+    client, config, _ = server
+    llm = LLM(str(llama_dir), num_kv_blocks=80)
+    ref = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0].token_ids
+    stop = ref[3]
+    out = client.completions.create(model=config.model, prompt=PROMPTS[0], max_tokens=12, temperature=0.0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == ref.index(stop) + 1
 
 
 @pytest.mark.timeout(60)

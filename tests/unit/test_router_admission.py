@@ -1,7 +1,9 @@
-"""Admission and input errors at the router, answered before any worker is involved."""
+"""Admission and input errors at the router, answered before any worker is involved:
+each a 400 in the OpenAI error format whose `param` names the field."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -35,19 +37,125 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
     (b"[1, 2]", "request body must be a JSON object"),
     (b'{"prompt": ""}', "prompt must not be empty"),
     (b'{"prompt": 5}', "prompt must be a non-empty string or a list of token ids"),
-    (b'{"prompt": "hi", "n": 2}', "only n=1 is supported"),
+    (b'{"prompt": "hi", "n": 2}', "n=2 is not supported by pdserve (only n=1 is supported)"),
     (b'{"prompt": "hi", "top_p": 0}', "top_p must be in (0, 1]"),
+    # Were HTTP 500 (plain text): values nothing downstream can encode.
+    (b'{"prompt": "hi", "seed": 1180591620717411303424}', "seed must be an integer in ["),
+    (b'{"prompt": [1, 1180591620717411303424]}', "prompt token ids must be integers in [0, 384)"),
+    (b'{"prompt": "hi", "model": []}', "model must be a string, got []"),
+    (b'{"prompt": "hi", "model": {"a": 1}}', "model must be a string"),
+    (b'{"prompt": "hi", "stream": true, "stream_options": "x"}', "stream_options must be an object, got 'x'"),
+    (b'{"prompt": "hi", "stream": true, "stream_options": [1]}', "stream_options must be an object"),
+    (b'{"prompt": "\\ud800 hi"}', "prompt is not valid Unicode (it has a lone surrogate)"),
+    (b'{"prompt": "hi", "stop": "\\ud800"}', "stop must be a list of non-empty strings of valid Unicode"),
+    (b'{"prompt": "hi", "stop_token_ids": [1180591620717411303424]}', "stop_token_ids must be integers in [0, "),
+    # Were Python internals with param null: the field and the type it must have.
+    (b'{"prompt": "hi", "max_tokens": "10"}', "max_tokens must be an integer, got '10'"),
+    (b'{"prompt": "hi", "max_tokens": true}', "max_tokens must be an integer, got True"),
+    (b'{"prompt": "hi", "temperature": "hot"}', "temperature must be a number, got 'hot'"),
+    (b'{"prompt": "hi", "top_p": "a"}', "top_p must be a number, got 'a'"),
+    (b'{"prompt": "hi", "presence_penalty": "a"}', "presence_penalty must be a number"),
+    (b'{"prompt": "hi", "temperature": 1e309}', "temperature must be a finite number, got inf"),
+    (b'{"prompt": "hi", "stop": 5}', "stop must be a string or a list of strings, got 5"),
+    (b'{"prompt": "hi", "stop": {}}', "stop must be a string or a list of strings, got {}"),
+    (b'{"prompt": "hi", "ignore_eos": "yes"}', "ignore_eos must be a boolean, got 'yes'"),
+    (b'{"prompt": "hi", "stream": "yes"}', "stream must be a boolean, got 'yes'"),
+    (b'{"prompt": "hi", "min_tokens": 50, "max_tokens": 3}', "min_tokens must be in [0, max_tokens=3], got 50"),
+    (b'{"prompt": "hi", "repetition_penalty": 1e-38}', "repetition_penalty must be in [0.01, 100]"),
+    (b'{"prompt": "hi", "repetition_penalty": 1000}', "repetition_penalty must be in [0.01, 100]"),
+    (b'{"prompt": "hi", "max_tokens": 2000}', "exceeds the model's context length 1024"),
+    (b'{"prompt": ' + str([1] * 1029).encode() + b'}', "prompt has 1029 tokens, but the model's"),
+    # Not implemented: refused by name rather than silently ignored.
+    (b'{"prompt": "hi", "logit_bias": {"5": -100}}', "logit_bias={'5': -100} is not supported by pdserve"),
+    (b'{"prompt": "hi", "echo": true}', "echo=True is not supported"),
+    (b'{"prompt": "hi", "best_of": 4}', "best_of=4 is not supported"),
+    (b'{"prompt": "hi", "suffix": "xyz"}', "suffix='xyz' is not supported"),
+    (b'{"prompt": "hi", "skip_special_tokens": false}', "skip_special_tokens=False is not supported"),
+    (b'{"prompt": "hi", "response_format": {"type": "json_object"}}', "response_format={'type': 'json_object'} is"),
+    (b'{"prompt": ["a", "b"]}', "batched prompts (a list of several prompts) are not supported"),
 ])
 def test_malformed_requests_get_400_naming_the_problem(http, body: bytes, message: str) -> None:
     client, _ = http
     r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
-    assert r.status_code == 400 and message in r.json()["error"]["message"]
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    field = message.split()[0].split("=")[0]
+    expected = {"request": None, "batched": "prompt", "exceeds": "max_tokens"}.get(field, field)
+    assert error["param"] == expected
 
 
-def test_chat_messages_are_checked(http) -> None:
+USER = {"role": "user", "content": "Hi"}
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"messages": [{"role": "user"}]}, "messages", "messages[0].content must be a string or a list of text parts"),
+    ({"messages": []}, "messages", "messages must be a non-empty list"),
+    ({"messages": [{"content": "Hi"}]}, "messages", "messages[0] must be a {role, content} object"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages", "messages[0].content must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages",
+     "messages[0].content[0]: content parts of type 'image_url' are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages",
+     "messages[0].content[0].text must be a string"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "messages[0] is not valid Unicode"),
+    ({"messages": [{"role": "\ud800", "content": "Hi"}]}, "messages", "messages[0].role is not valid Unicode"),
+    ({"messages": [USER], "max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens",
+     "max_tokens (4) and max_completion_tokens (5) differ"),
+    ({"messages": [USER], "max_completion_tokens": -1}, "max_completion_tokens",
+     "max_completion_tokens must be an integer >= 1, got -1"),
+    ({"messages": [USER], "max_completion_tokens": 5000}, "max_completion_tokens",
+     "+ max_completion_tokens (5000) ="),
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tools=[{'type': 'function', 'function': {'name': 'f'}}] is not supported"),
+    ({"messages": [USER], "tool_choice": "required"}, "tool_choice", "tool_choice='required' is not supported"),
+    ({"messages": [USER], "response_format": {"type": "json_schema"}}, "response_format", "is not supported"),
+    ({"messages": [USER], "logprobs": 1}, "logprobs", "logprobs must be a boolean"),
+    ({"messages": [USER], "add_generation_prompt": "no"}, "add_generation_prompt",
+     "add_generation_prompt must be a boolean"),
+])
+def test_chat_requests_are_checked(http, body: dict, param: str, message: str) -> None:
     client, _ = http
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
-    assert r.status_code == 400 and "messages must be a non-empty list" in r.json()["error"]["message"]
+    # json.dumps escapes the lone surrogate ("\\ud800"), as a client's JSON would
+    r = client.post("/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(http) -> None:
+    client, router = http
+    tokenizer = router.tokenizer
+
+    class CountingTokenizer:
+        calls = 0
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(tokenizer, name)
+
+        def encode(self, *args: object, **kwargs: object) -> list[int]:
+            CountingTokenizer.calls += 1
+            return tokenizer.encode(*args, **kwargs)
+
+    router.tokenizer = CountingTokenizer()
+    limit = router.max_model_len * router.max_token_chars
+    r = client.post("/v1/completions", json={"prompt": "x" * (limit + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert f"prompt has {limit + 1} characters: more than the model's context length" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * (limit + 1)}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert CountingTokenizer.calls == 0
+    # Within the cap, the tokenizer decides: still too long, but said with its token count.
+    r = client.post("/v1/completions", json={"prompt": "hello " * (router.max_model_len + 10)})
+    assert r.status_code == 400 and "tokens, but the model's context length is 1024" in r.json()["error"]["message"]
+    assert CountingTokenizer.calls == 1
+
+
+def test_health_is_503_while_no_decode_worker_is_live(http) -> None:
+    client, router = http
+    assert client.get("/health").status_code == 200
+    router.workers[0].health.alive = False  # as if it had been silent past worker_timeout_s
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    assert "no decode worker is alive" in r.json()["error"]["message"]
 
 
 def test_no_live_decode_worker_answers_503(http) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.sampling import Sampler, SamplingRow, make_generator
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 EOS = 3
 
@@ -208,3 +208,22 @@ def test_min_tokens_masking_everything_raises():
     logits[0, EOS] = 1.0
     with pytest.raises(RuntimeError):
         Sampler([EOS])(logits, [row(SamplingParams(temperature=0.0, min_tokens=1))])
+
+
+@pytest.mark.parametrize("kwargs,param,message", [
+    (dict(max_tokens="10"), "max_tokens", "max_tokens must be an integer, got '10'"),
+    (dict(max_tokens=True), "max_tokens", "max_tokens must be an integer, got True"),
+    (dict(temperature="hot"), "temperature", "temperature must be a number, got 'hot'"),
+    (dict(temperature=float("nan")), "temperature", "temperature must be a finite number"),
+    (dict(top_p=float("inf")), "top_p", "top_p must be a finite number"),
+    (dict(stop=5), "stop", "stop must be a string or a list of strings, got 5"),
+    (dict(seed=2**70), "seed", "seed must be an integer in ["),
+    (dict(min_tokens=5, max_tokens=3), "min_tokens", "min_tokens must be in [0, max_tokens=3], got 5"),
+    (dict(repetition_penalty=1e-38), "repetition_penalty", "repetition_penalty must be in [0.01, 100]"),
+    (dict(ignore_eos=1), "ignore_eos", "ignore_eos must be a boolean, got 1"),
+])
+def test_sampling_params_check_types_before_ranges_and_name_the_field(kwargs, param, message):
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param and message in str(err.value)
+

@@ -1,0 +1,293 @@
+"""The router's request path: tokenize (the chat template too, off the event loop),
+pick a decode worker, ask it to prefill on a prefill worker when the prompt is long
+enough (conditional disaggregation), and detokenize the worker's per-step token
+batches incrementally, ending a request itself when a stop string appears. A decode
+worker that falls silent is routed around, and its requests fail over to a live one
+mid-stream (Router.run, router/health.py). The HTTP endpoints are router/app.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq.asyncio
+
+from cluster.config import ClusterConfig
+from engine.engine_core import EngineCore
+from engine.llm import load_tokenizer
+from engine.model.config import ModelConfig
+from engine.sampling_params import SamplingParams
+from router import request_body
+from router.detokenizer import Detokenizer
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.request_body import SAMPLING_FIELDS
+from router.routing import RoutingPolicy
+from router.worker_client import WORKER_LOST, WorkerClient
+
+
+@dataclass
+class Chunk:
+    """What one worker step added to a request, detokenized."""
+
+    text: str
+    finish_reason: str | None
+    num_tokens: int  # output tokens so far
+    token_ids: list[int] = field(default_factory=list)  # this step's
+    logprobs: list[list] = field(default_factory=list)  # per token of this step, when asked
+    worker: str = ""  # the decode worker that sent it (another after a failover)
+
+
+class Router:
+    def __init__(self, config: ClusterConfig, decode_workers: dict[str, str],
+                 prefill_workers: dict[str, str] | None = None) -> None:
+        """Workers by name -> ZMQ address. The router sends requests to decode workers
+        only; it pings prefill workers too, for their health and /status."""
+        self.config = config
+        self.model_name = config.model
+        self.served_names = {config.model, Path(config.model).name}
+        self.tokenizer = load_tokenizer(config.model)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # The longest vocabulary entry: its spelling has at least one character per
+        # character of text it stands for (byte-level BPE: one per byte), so this
+        # bounds how many characters max_model_len tokens can hold.
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        engine = config.engine_config("decode")
+        model_config = ModelConfig.from_model_dir(config.model)
+        self.vocab_size = model_config.vocab_size
+        # The decode workers' context length, computed as their engines do.
+        self.max_model_len = EngineCore._max_model_len(engine, model_config)
+        self.ctx = zmq.asyncio.Context()
+        timeout = config.router.worker_timeout_s
+        self.workers = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted(decode_workers.items())]
+        self.prefill = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted((prefill_workers or {}).items())]
+        # The router cannot see the pools' sizes; this bounds the history it keeps.
+        self.routing = RoutingPolicy(config.router.policy, len(self.workers), engine.block_size,
+                                     engine.num_kv_blocks or 65536)
+        for i, w in enumerate(self.workers):
+            w.on_kv_events = lambda events, reset, i=i: self.routing.kv_events(i, events, reset)
+        self.in_flight = 0
+        self.metrics = RouterMetrics()
+        self.loop: asyncio.AbstractEventLoop | None = None  # set while the app runs
+        self._early_calls: list[Any] = []  # from other threads before it ran
+        self._calls_lock = threading.Lock()
+
+    # --- request parsing ----------------------------------------------------------
+
+    def sampling_params(self, body: dict[str, Any], chat: bool, num_prompt_tokens: int,
+                        prompt_field: str) -> SamplingParams:
+        """The request's SamplingParams, checked against the context length here (the
+        decode worker checks again) so the error can name the field. Chat without
+        max_tokens generates until EOS or a full context, as vLLM does; completions
+        keep OpenAI's default of 16."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but the model's context length is "
+                                f"{self.max_model_len} (prompt must leave room for output)", prompt_field)
+        params = request_body.sampling_params(body, chat, room if chat else None)
+        if params.max_tokens > room:
+            alias = body.get("max_tokens") is None and body.get(request_body.MAX_TOKENS_ALIAS) is not None
+            name = request_body.MAX_TOKENS_ALIAS if alias else "max_tokens"
+            raise APIError(400, f"prompt ({num_prompt_tokens} tokens) + {name} ({params.max_tokens}) = "
+                                f"{num_prompt_tokens + params.max_tokens} exceeds the model's context length "
+                                f"{self.max_model_len}", name)
+        return params
+
+    async def prompt_ids(self, prompt: Any) -> list[int]:
+        prompt = request_body.prompt_input(prompt, self.vocab_size)
+        if isinstance(prompt, list):
+            return prompt
+        self._check_chars(len(prompt), "prompt")
+        return await self._tokenize(self.tokenizer.encode, prompt)
+
+    async def chat_ids(self, body: dict[str, Any]) -> list[int]:
+        messages = request_body.chat_messages(body.get("messages"))
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        add_generation_prompt = request_body.flag(body, "add_generation_prompt", True)
+
+        def tokenize() -> list[int]:
+            # Rendered to text, then encoded without special tokens: the template
+            # already holds them (as LLM.chat does).
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self._tokenize(tokenize)
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, text that cannot fit the context: no token of
+        this vocabulary covers more than max_token_chars characters, so such text has
+        more than max_model_len tokens. Tokenizing megabytes would only take seconds to
+        find that out."""
+        limit = self.max_model_len * self.max_token_chars
+        if num_chars > limit:
+            raise APIError(400, f"{param} has {num_chars} characters: more than the model's context length "
+                                f"({self.max_model_len} tokens) can hold (at most {limit} characters)", param)
+
+    async def _tokenize(self, call: Callable[..., list[int]], *args: Any) -> list[int]:
+        """Run a tokenizer call off the event loop, so that streams, health pings and
+        /health go on meanwhile (the fast tokenizer releases the GIL). One thread:
+        tokenizer calls never run concurrently (HF fast tokenizers are not safe for
+        that), and the character cap bounds how long one call may take."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, call, *args)
+
+    # --- one request ----------------------------------------------------------------
+
+    async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+        """The request's new text (and tokens, logprobs) after each worker step.
+
+        Failover: when its decode worker is declared dead (router/health.py), the
+        request is resubmitted to a live one as prompt + the tokens generated so far,
+        with max_tokens and min_tokens reduced by as many and the same sampling
+        params; the stream goes on from where it was. Greedy output continues token for
+        token; seeded sampling and presence/frequency penalties restart their state on
+        the new worker (the generated tokens count as prompt there), so such a request
+        continues validly but not identically. With no live worker left it ends with
+        HTTP 503 (before its first chunk) or a broken stream (after)."""
+        if self.in_flight >= self.config.router.max_queued_requests:
+            raise APIError(429, f"the server has {self.in_flight} requests in flight "
+                                f"(max_queued_requests); retry later", kind="rate_limit_error")
+        m = self.metrics
+        self.in_flight += 1
+        m.in_flight.set(self.in_flight)
+        detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        worker: WorkerClient | None = None
+        request_id = ""
+        finished = False
+        start = last = time.monotonic()
+        try:
+            while not finished:
+                if worker is not None:  # its worker died: leave it, resubmit elsewhere
+                    worker.queues.pop(request_id, None)
+                    worker.send("abort", id=request_id)  # in case it was only slow
+                    if params.max_tokens - detok.num_tokens < 1:  # cannot happen: the last batch says finished
+                        finished = True
+                        yield Chunk(detok.flush(), "length", detok.num_tokens, worker=worker.name)
+                        break
+                worker, request_id, queue = self._submit(prompt, detok.ids, params, failover=worker is not None)
+                while not finished:
+                    msg = await queue.get()
+                    if msg is WORKER_LOST:
+                        break
+                    if msg["kind"] == "rejected":
+                        finished = True  # nothing to abort: the worker never queued it
+                        raise APIError(400, msg["error"])
+                    now, new = time.monotonic(), len(msg["tokens"])
+                    if new and detok.num_tokens == 0:
+                        m.ttft.observe(now - start)
+                    elif new:  # a batch of tokens from one step: each waited its share
+                        for _ in range(new):
+                            m.itl.observe((now - last) / new)
+                    if new:
+                        last = now
+                        m.generation_tokens.inc(new)
+                    delta, stopped = detok.add(msg["tokens"])
+                    finished = msg["finished"] or stopped
+                    reason = "stop" if stopped else (msg["reason"] if msg["finished"] else None)
+                    if finished:
+                        delta += detok.flush()
+                        m.e2e.observe(time.monotonic() - start)
+                        m.finished.labels(reason=reason).inc()
+                        m.observe_phases(msg["phases"])
+                        m.prefix_cached_tokens.inc(msg["cached"])
+                    yield Chunk(delta, reason, detok.num_tokens, msg["tokens"], msg["logprobs"], worker.name)
+        finally:
+            self.in_flight -= 1
+            m.in_flight.set(self.in_flight)
+            if worker is not None:
+                worker.queues.pop(request_id, None)
+                if not finished:  # the client went away: free the worker's blocks
+                    m.finished.labels(reason="abort").inc()
+                    worker.send("abort", id=request_id)
+                elif detok.stopped:
+                    worker.send("abort", id=request_id)
+
+    def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams,
+                failover: bool) -> tuple[WorkerClient, str, asyncio.Queue]:
+        """Send prompt + generated to a live decode worker, asking for what remains of
+        params.max_tokens; the worker, the request's id there, and its message queue."""
+        live = [w.alive for w in self.workers]
+        if not any(live):
+            raise self.no_live_worker()
+        tokens = prompt + generated
+        if generated:
+            n = len(generated)
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - n,
+                                         min_tokens=max(0, params.min_tokens - n))
+        index, cached = self.routing.choose(tokens, [len(w.queues) for w in self.workers], live)
+        worker, request_id = self.workers[index], uuid.uuid4().hex
+        # Conditional disaggregation: only the part the worker must compute counts.
+        remote = (len(tokens) - cached >= self.config.router.remote_prefill_min_tokens
+                  and any(p.alive for p in self.prefill))
+        m = self.metrics
+        if failover:
+            m.failovers.inc()
+        else:
+            m.requests.labels(prefill="remote" if remote else "local").inc()
+            m.prompt_tokens.inc(len(prompt))
+            m.cached_tokens.inc(cached)
+        if not worker.send("generate", id=request_id, prompt=tokens, params=_params_dict(params),
+                           remote=remote, priority=0):
+            raise APIError(503, f"decode worker {worker.name} cannot be reached; retry later",
+                           kind="service_unavailable")
+        queue: asyncio.Queue = asyncio.Queue()
+        worker.queues[request_id] = queue
+        return worker, request_id, queue
+
+    def no_live_worker(self) -> APIError:
+        return APIError(503, f"no decode worker is alive (all {len(self.workers)} silent for more than "
+                             f"router.worker_timeout_s); retry later", kind="service_unavailable")
+
+    # --- from the Ray supervisor's thread (cluster/supervisor.py) ---------------------
+
+    def worker_down(self, name: str) -> None:
+        """A decode or prefill worker is down; a decode worker's requests fail over."""
+        self._on_loop(lambda: self._client(name).declare_dead("is down (Ray supervisor)"))
+
+    def worker_moved(self, name: str, address: str) -> None:
+        """Restarted at `address`, with an empty cache."""
+        def move() -> None:
+            self._client(name).move(address)
+            for i, w in enumerate(self.workers):
+                if w.name == name:
+                    self.routing.forget(i)
+        self._on_loop(move)
+
+    def _client(self, name: str) -> WorkerClient:
+        return next(w for w in self.workers + self.prefill if w.name == name)
+
+    def _on_loop(self, call: Any) -> None:
+        """Run `call` on the router's event loop (its sockets and queues live there);
+        before the app runs, when it starts."""
+        with self._calls_lock:
+            if self.loop is None:
+                self._early_calls.append(call)
+                return
+            self.loop.call_soon_threadsafe(call)
+
+    def publish_live(self) -> None:
+        """Each worker's health, as the router sees it now, into the metrics."""
+        self.metrics.set_live({w.name: w.alive for w in self.workers}, {w.name: w.alive for w in self.prefill})
+
+    async def monitor(self) -> None:
+        """Supervise the decode workers for the app's lifetime: ping each every
+        router.health_interval_s, declare the silent ones dead (router/health.py)."""
+        while True:
+            for w in self.workers + self.prefill:
+                w.ping()
+            await asyncio.sleep(self.config.router.health_interval_s)
+            for w in self.workers + self.prefill:
+                w.check()
+            self.publish_live()
+
+
+def _params_dict(params: SamplingParams) -> dict[str, Any]:
+    return {k: getattr(params, k) for k in (*SAMPLING_FIELDS, "logprobs")}

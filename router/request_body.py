@@ -1,0 +1,207 @@
+"""Reading an OpenAI request body before any token exists: which fields pdserve honours,
+which it refuses, and the shape of the prompt or messages.
+
+Every problem is an APIError(400) naming the field (`param`), in the OpenAI error
+format. A parameter pdserve does not implement is refused, never silently ignored,
+unless its value is the one that means "off" (clients often send defaults
+explicitly). Fields nobody here knows are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from router.errors import APIError
+from router.logprobs import requested_logprobs
+
+# OpenAI / vLLM request fields passed on to SamplingParams as they are.
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "min_tokens", "ignore_eos", "include_stop_str_in_output")
+# Newer OpenAI name of max_tokens (chat); accepted on both endpoints.
+MAX_TOKENS_ALIAS = "max_completion_tokens"
+
+
+def _unset(value: Any) -> bool:
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+def _one(value: Any) -> bool:
+    return value is None or (type(value) is int and value == 1)
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+def _no_tool_use(value: Any) -> bool:
+    return value in (None, "none", "auto")  # with no tools, "auto" calls none
+
+
+def _default_true(value: Any) -> bool:
+    return value is None or value is True
+
+
+# Parameter -> is this value harmless (means "not used")? Any other value: 400.
+_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "n": _one, "best_of": _one, "logit_bias": _unset, "use_beam_search": _unset,
+    "prompt_logprobs": _unset, "response_format": _text_format, "guided_json": _unset,
+    "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
+    "structured_outputs": _unset, "allowed_token_ids": _unset, "bad_words": _unset,
+    "logits_processors": _unset, "truncate_prompt_tokens": _unset,
+    "skip_special_tokens": _default_true, "spaces_between_special_tokens": _default_true,
+}
+_UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"echo": _unset, "suffix": _unset}
+_UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
+    "tools": _unset, "tool_choice": _no_tool_use, "functions": _unset, "function_call": _no_tool_use,
+    "echo": _unset, "continue_final_message": _unset, "chat_template": _unset,
+    "chat_template_kwargs": _unset, "documents": _unset, "audio": _unset, "prediction": _unset,
+    "modalities": lambda v: v is None or v == ["text"],
+}
+
+
+_HINTS = {"n": "only n=1 is supported", "best_of": "only best_of=1 is supported",
+          "response_format": 'only {"type": "text"} is supported', "tool_choice": 'only "none" or "auto"'}
+
+
+def check_unsupported(body: dict[str, Any], chat: bool) -> None:
+    table = _UNSUPPORTED | (_UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS)
+    for name, harmless in table.items():
+        if name in body and not harmless(body[name]):
+            hint = f" ({_HINTS[name]})" if name in _HINTS else ""
+            raise APIError(400, f"{name}={show(body[name])} is not supported by pdserve{hint}", name)
+
+
+def check_model(body: dict[str, Any], served_names: set[str], model_name: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise APIError(400, f"model must be a string, got {show(model)}", "model")
+    if model not in served_names:
+        raise APIError(400, f"model {model!r} is not served here; this server serves {model_name!r}",
+                       "model", "model_not_found")
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    """stream_options.include_usage (streamed responses only)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise APIError(400, f"stream_options must be an object, got {show(options)}", "stream_options")
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise APIError(400, f"stream_options.include_usage must be a boolean, got {show(usage)}",
+                       "stream_options")
+    return bool(usage)
+
+
+def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be a boolean, got {show(value)}", name)
+    return value
+
+
+def sampling_params(body: dict[str, Any], chat: bool, default_max_tokens: int | None) -> SamplingParams:
+    """The request's SamplingParams; max_tokens defaults to default_max_tokens (None:
+    SamplingParams' own default)."""
+    options = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    alias = body.get(MAX_TOKENS_ALIAS)
+    names = {}  # SamplingParams field -> the name the client used, for errors
+    if alias is not None:
+        if "max_tokens" in options and options["max_tokens"] != alias:
+            raise APIError(400, f"max_tokens ({show(options['max_tokens'])}) and {MAX_TOKENS_ALIAS} "
+                                f"({show(alias)}) differ; send one of them", MAX_TOKENS_ALIAS)
+        options["max_tokens"] = alias
+        names["max_tokens"] = MAX_TOKENS_ALIAS
+    if "max_tokens" not in options and default_max_tokens is not None:
+        options["max_tokens"] = default_max_tokens
+    options["logprobs"] = requested_logprobs(body, chat)
+    try:
+        return SamplingParams(**options)
+    except SamplingParamsError as exc:
+        name = names.get(exc.param, exc.param)
+        raise APIError(400, f"{name} {exc.problem}", name) from None
+
+
+def prompt_input(prompt: Any, vocab_size: int) -> str | list[int]:
+    """/v1/completions' prompt: a non-empty string, or token ids of this model's
+    vocabulary; a one-element list of either is that element."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        check_text(prompt, "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be integers in [0, {vocab_size}), got "
+                                f"{show(bad[:5])}", "prompt")
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "batched prompts (a list of several prompts) are not supported by pdserve; "
+                            "send one request per prompt", "prompt")
+    raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """The messages as the chat template wants them: {role, content} with content a
+    string. OpenAI content parts of type "text" are joined with newlines (as vLLM
+    does); an assistant message's content may be null (it then is "")."""
+    if not (isinstance(messages, list) and messages):
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, message: Any) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+        raise APIError(400, f"{where} must be a {{role, content}} object with a string role; messages must "
+                            "be a non-empty list of {role, content} objects", "messages")
+    role, content = message["role"], message.get("content")
+    if message.get("tool_calls"):
+        raise APIError(400, f"{where}.tool_calls is not supported by pdserve", "messages")
+    if content is None and role == "assistant":
+        content = ""
+    elif isinstance(content, list):
+        content = "\n".join(_text_part(f"{where}.content[{j}]", p) for j, p in enumerate(content))
+    elif not isinstance(content, str):
+        raise APIError(400, f"{where}.content must be a string or a list of text parts, got "
+                            f"{show(content)}", "messages")
+    check_text(role, "messages", f"{where}.role")
+    check_text(content, "messages", where)
+    return {"role": role, "content": content}
+
+
+def _text_part(where: str, part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind != "text":
+        what = f"of type {show(kind)}" if isinstance(part, dict) else show(part)
+        raise APIError(400, f"{where}: content parts {what} are not supported by pdserve (only "
+                            "{\"type\": \"text\", \"text\": ...})", "messages")
+    if not isinstance(part.get("text"), str):
+        raise APIError(400, f"{where}.text must be a string, got {show(part.get('text'))}", "messages")
+    return part["text"]
+
+
+def check_text(text: str, param: str, where: str | None = None) -> None:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer or
+    msgpack can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{where or param} is not valid Unicode (it has a lone surrogate)", param) from None
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """repr of a client's value, cut short (it is echoed in an error)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
