@@ -246,11 +246,11 @@ class Router:
         return APIError(503, f"no decode worker is alive (all {len(self.workers)} silent for more than "
                              f"router.worker_timeout_s); retry later", kind="service_unavailable")
 
-    # --- from the Ray supervisor's thread (cluster/supervisor.py) ---------------------
+    # --- from a supervisor's thread (cluster/supervisor.py on Ray, cluster/local_supervisor.py) ---
 
     def worker_down(self, name: str) -> None:
         """A decode or prefill worker is down; a decode worker's requests fail over."""
-        self._on_loop(lambda: self._client(name).declare_dead("is down (Ray supervisor)"))
+        self._on_loop(lambda: self._client(name).declare_dead("is down (its supervisor saw it exit)"))
 
     def worker_moved(self, name: str, address: str) -> None:
         """Restarted at `address`, with an empty cache."""

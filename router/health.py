@@ -5,9 +5,10 @@ counts *any* message from a worker (a token batch, a ping reply) as a sign of li
 worker busy with a long step cannot answer a ping, but it answered the last one before
 that step began, so only silence for `router.worker_timeout_s` declares it dead. Then
 the router stops routing to it and fails its requests over (router/core.py); the next
-message it sends re-admits it (a hung process that resumes; a restarted one, once the
-Ray supervisor has told the router its new address, cluster/supervisor.py). The
-supervisor may also declare a worker dead at once (`kill`), when Ray saw it die.
+message it sends re-admits it (a hung process that resumes; a restarted one, once its
+supervisor has told the router its new address: cluster/supervisor.py on Ray,
+cluster/local_supervisor.py on one machine). The supervisor may also declare a worker
+dead at once (`kill`), when it saw the process go.
 
 Detection is bounded: a worker that dies is declared dead at most
 worker_timeout_s + health_interval_s after its last message.
@@ -36,7 +37,7 @@ class WorkerHealth:
         return revived
 
     def kill(self) -> bool:
-        """Declared dead from outside (the Ray supervisor); True if it was alive."""
+        """Declared dead from outside (a supervisor); True if it was alive."""
         was_alive, self.alive = self.alive, False
         return was_alive
 

@@ -110,7 +110,7 @@ class WorkerClient:
         return True
 
     def declare_dead(self, reason: str) -> None:
-        """Someone who knows (the Ray supervisor) says the worker is down: fail its
+        """Someone who knows (a supervisor) says the worker is down: fail its
         requests over now rather than after the health timeout."""
         if self.health.kill():
             self._lose_requests(reason)
