@@ -28,6 +28,20 @@ from engine.scheduler import Scheduler, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    """The context length an engine with this config serves (the router asks too)."""
+    limit = mc.max_position_embeddings
+    # No sliding-window attention: stay within the window, where it equals full attention.
+    if mc.sliding_window:
+        limit = min(limit, mc.sliding_window)
+    if config.max_model_len is not None:
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"supported context {limit}")
+        limit = config.max_model_len
+    return limit
+
+
 class RequestsFailed(RuntimeError):
     """A step failed because of these requests alone (their logits could not be
     sampled). The step is void, as after any failure (EngineCore.step); the caller
@@ -54,7 +68,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         backend = get_backend(config.attention_backend, config.device)
         self.model_config = ModelConfig.from_model_dir(config.model)
-        self.max_model_len = model_len = self._max_model_len(config, self.model_config)
+        self.max_model_len = model_len = max_model_len(config, self.model_config)
         self.model = load_model(config.model, self.model_config, config.dtype, config.device,
                                 backend, model_len)
         dtype = TORCH_DTYPES[config.dtype]
@@ -100,19 +114,6 @@ class EngineCore:
                                  self.config.block_size, torch.device(self.config.device))
         graphs.capture()
         self.runner.graphs = graphs
-
-    @staticmethod
-    def _max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-        limit = mc.max_position_embeddings
-        # No sliding-window attention: stay within the window, where it equals full attention.
-        if mc.sliding_window:
-            limit = min(limit, mc.sliding_window)
-        if config.max_model_len is not None:
-            if config.max_model_len > limit:
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                                 f"supported context {limit}")
-            limit = config.max_model_len
-        return limit
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      priority: int = 0) -> Request:

@@ -22,7 +22,7 @@ from typing import Any
 import zmq.asyncio
 
 from cluster.config import ClusterConfig
-from engine.engine_core import EngineCore
+from engine.engine_core import max_model_len
 from engine.llm import load_tokenizer
 from engine.model.config import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -65,7 +65,7 @@ class Router:
         model_config = ModelConfig.from_model_dir(config.model)
         self.vocab_size = model_config.vocab_size
         # The decode workers' context length, computed as their engines do.
-        self.max_model_len = EngineCore._max_model_len(engine, model_config)
+        self.max_model_len = max_model_len(engine, model_config)
         self.ctx = zmq.asyncio.Context()
         timeout = config.router.worker_timeout_s
         self.workers = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted(decode_workers.items())]
