@@ -142,18 +142,26 @@ def test_concurrent_requests_complete_and_free_every_block(server, llama_dir: Pa
 @pytest.mark.timeout(120)
 def test_client_gone_mid_stream_aborts_the_request(server) -> None:
     client, config, workers = server
+    before = aborted(config.router.port)
     stream = client.completions.create(model=config.model, prompt="Hello there", max_tokens=500,
                                        temperature=0.0, stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
-    stream.close()  # hang up after the first chunk: 500 tokens would take far longer
+    stream.close()  # hang up after the first chunk
+    wait_until_aborted(config, workers, before)
+
+
+def wait_until_aborted(config: ClusterConfig, workers: LocalWorkers, before: float) -> None:
+    """The router counts one more request aborted (not finished by length) than
+    `before`, and the decode worker has freed everything."""
     probe = Client(workers.decode[0].address)
     try:
         end = time.monotonic() + 30
-        while True:  # the abort reaches the decode worker, which frees everything
+        while True:
             stats = probe.stats()
-            if stats["free_blocks"] == stats["num_blocks"] and stats["running"] == 0:
-                break
-            assert time.monotonic() < end, f"the abandoned request still holds blocks: {stats}"
+            if (aborted(config.router.port) == before + 1 and stats["free_blocks"] == stats["num_blocks"]
+                    and stats["running"] == 0):
+                return
+            assert time.monotonic() < end, f"the abandoned request was not aborted: {stats}"
             time.sleep(0.2)
     finally:
         probe.close()
@@ -178,18 +186,7 @@ def test_client_gone_before_a_non_streamed_answer_aborts_the_request(server) -> 
     with pytest.raises(TimeoutError):  # 1000 tokens take several seconds
         conn.getresponse()
     conn.close()  # hang up
-    probe = Client(workers.decode[0].address)
-    try:
-        end = time.monotonic() + 30
-        while True:  # aborted (not finished by length), and the decode worker frees everything
-            stats = probe.stats()
-            if (aborted(config.router.port) == before + 1 and stats["free_blocks"] == stats["num_blocks"]
-                    and stats["running"] == 0):
-                break
-            assert time.monotonic() < end, f"the abandoned request was not aborted: {stats}"
-            time.sleep(0.2)
-    finally:
-        probe.close()
+    wait_until_aborted(config, workers, before)
 
 
 @pytest.mark.timeout(60)

@@ -33,3 +33,26 @@ def test_the_earliest_stop_string_wins() -> None:
     assert run("one two three", ["three", "two"], True) == ("one two", True)
     assert run("one two three", ["three", "two"], False) == ("one ", True)
     assert run("one two three", ["four"], False) == ("one two three", False)
+
+
+def test_incremental_text_equals_a_decode_of_every_token(llama_dir) -> None:
+    """A byte-level BPE tokenizer (the tiny models'), text with multi-byte characters
+    split across tokens (and random ids: invalid UTF-8 too), tokens arriving 1-3 at a
+    time: the deltas add up to the decode of all of them."""
+    import random
+
+    from engine.llm import load_tokenizer
+
+    tokenizer = load_tokenizer(str(llama_dir))
+    text = "Grüße, 世界! Emoji 🙂🚀 and plain words: the end. " * 3
+    ids = tokenizer.encode(text)
+    rng = random.Random(0)
+    for _ in range(5):
+        ids_mixed = ids + [rng.randrange(tokenizer.vocab_size) for _ in range(40)]
+        detok, out, i = Detokenizer(tokenizer, []), "", 0
+        while i < len(ids_mixed):
+            n = rng.randint(1, 3)
+            delta, _ = detok.add(ids_mixed[i:i + n])
+            out += delta
+            i += n
+        assert out + detok.flush() == tokenizer.decode(ids_mixed, skip_special_tokens=True)
