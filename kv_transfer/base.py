@@ -49,7 +49,7 @@ import torch
 import zmq
 
 from kv_transfer.compat import IncompatiblePeerError, KVCompat
-from kv_transfer.messages import MessageError, decode, encode
+from kv_transfer.messages import CONTROL, MessageError, decode, encode
 from kv_transfer.runs import coalesce
 
 logger = logging.getLogger(__name__)
@@ -288,7 +288,7 @@ class KVTransport(ABC):
         if self.compat is None:
             raise RuntimeError("register_kv_cache() first")
         return msgpack.packb({"v": HANDSHAKE_VERSION, "name": self.agent_name, "transport": self.name,
-                              "session": self.session,
+                              "session": self.session, "control_version": CONTROL.version,
                               "control": self.control_address, "compat": self.compat.to_dict(),
                               "num_blocks": self.kv_cache.shape[0], "data": self._data_meta},
                              use_bin_type=True)
@@ -311,6 +311,9 @@ class KVTransport(ABC):
         if meta.get("transport") != self.name:
             raise IncompatiblePeerError(f"peer {name!r} is incompatible: transport is "
                                         f"{meta.get('transport')!r} there, {self.name!r} here")
+        if meta.get("control_version") != CONTROL.version:  # its messages would all be dropped
+            raise IncompatiblePeerError(f"peer {name!r} is incompatible: control messages are version "
+                                        f"{meta.get('control_version')!r} there, {CONTROL.version} here")
         compat = KVCompat.from_dict(meta["compat"])
         self.compat.check_peer(compat, name)
         if name in self._peers:

@@ -98,3 +98,16 @@ def test_a_cancelled_request_is_forgotten_once_its_deadline_passes() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_peer_speaking_another_control_version_is_refused_naming_it() -> None:
+    receiver, sender = agent("decode"), agent("prefill")
+    try:
+        meta = msgpack.unpackb(receiver.metadata(), raw=False)
+        meta["control_version"] = CONTROL.version - 1
+        with pytest.raises(IncompatiblePeerError, match=f"control messages are version {CONTROL.version - 1} "
+                                                        f"there, {CONTROL.version} here"):
+            sender.add_peer(msgpack.packb(meta, use_bin_type=True))
+    finally:
+        sender.close()
+        receiver.close()
