@@ -8,11 +8,12 @@ Every `interval_s` the thread looks for a worker process that has exited. For ea
   pool gets peers without it: decode workers prefill locally the prompts a dead
   prefill worker was computing (no waiting for the KV deadline), prefill workers end
   their jobs for a dead decode worker.
-- restarted, up to `max_restarts` times per worker: a new process under the same name
-  gets its peers and starts serving (its handshakes made), then the other pool learns
-  it, and last the router, so no request reaches it before its peers know it. Past
-  `max_restarts`, or if it fails to start, it stays down (the router's /health says
-  so once no decode worker is left).
+- restarted, in a thread of its own (other deaths are reported meanwhile), up to
+  `max_restarts` starts per worker: a new process under the same name gets its peers
+  and starts serving (its handshakes made), then the other pool learns it, and last
+  the router, so no request reaches it before its peers know it. A start that fails
+  is stopped (its shared memory removed) and tried again; past `max_restarts` the
+  worker stays down (the router's /health says so once no decode worker is left).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class LocalSupervisor:
                  moved: Callable[[str, str], None], interval_s: float = 0.5, max_restarts: int = 3,
                  start_timeout_s: float = 180.0) -> None:
         """down(name) and moved(name, new ZMQ address): what the router is told
-        (Router.worker_down / worker_moved), from this supervisor's thread."""
+        (Router.worker_down / worker_moved), from this supervisor's threads."""
         self.config = config
         self.workers = workers
         self.down, self.moved = down, moved
@@ -43,7 +44,10 @@ class LocalSupervisor:
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
         self.restarts: Counter[str] = Counter()
-        self.gone: set[str] = set()  # down for good
+        self.gone: set[str] = set()  # down: being restarted, or for good
+        # Peers messages and pool updates come from the watch thread and from restarts.
+        self._lock = threading.Lock()
+        self._starting: dict[str, Worker] = {}  # restarted processes not yet serving
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="local-supervisor", daemon=True)
 
@@ -51,35 +55,45 @@ class LocalSupervisor:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Before the workers are stopped: a worker that exits then is not restarted."""
+        """Before the workers are stopped: a worker that exits then is not restarted,
+        and one still starting is stopped here (the launcher does not know it yet)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        with self._lock:
+            starting = list(self._starting.values())
+        LocalWorkers(decode=starting).stop()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             for role, pool in (("decode", self.workers.decode), ("prefill", self.workers.prefill)):
                 for index, w in enumerate(pool):
-                    if w.name not in self.gone and not w.process.is_alive() and not self._stop.is_set():
-                        try:
-                            self._replace(role, index, w)
-                        except Exception:  # supervision must outlive any one failure
-                            logger.exception("supervising %s", w.name)
+                    if w.name in self.gone or w.process.is_alive() or self._stop.is_set():
+                        continue
+                    try:
+                        self._report_down(w)
+                    except Exception:  # supervision must outlive any one failure
+                        logger.exception("supervising %s", w.name)
+                    # In its own thread: loading a model takes a while, and other
+                    # workers' deaths must be reported meanwhile.
+                    threading.Thread(target=self._restart, args=(role, index, w), daemon=True,
+                                     name=f"restart-{w.name}").start()
 
     def _live(self, pool: list[Worker]) -> list[Worker]:
         return [w for w in pool if w.name not in self.gone and w.process.is_alive()]
 
     def _tell_peers(self) -> None:
         """Every live worker gets the live workers of the other pool."""
-        decode, prefill = self._live(self.workers.decode), self._live(self.workers.prefill)
-        to_decode, to_prefill = peers_messages(decode, prefill)
-        for w, message in [(w, to_decode) for w in decode] + [(w, to_prefill) for w in prefill]:
-            try:
-                w.control.send_bytes(message)
-            except (BrokenPipeError, OSError):
-                pass  # it died too: the next pass handles it
+        with self._lock:
+            decode, prefill = self._live(self.workers.decode), self._live(self.workers.prefill)
+            to_decode, to_prefill = peers_messages(decode, prefill)
+            for w, message in [(w, to_decode) for w in decode] + [(w, to_prefill) for w in prefill]:
+                try:
+                    w.control.send_bytes(message)
+                except (BrokenPipeError, OSError):
+                    pass  # it died too: the watch thread handles it
 
-    def _replace(self, role: str, index: int, dead: Worker) -> None:
+    def _report_down(self, dead: Worker) -> None:
         logger.warning("worker %s exited with %s; telling its peers and the router", dead.name,
                        dead.process.exitcode)
         self.gone.add(dead.name)
@@ -87,27 +101,41 @@ class LocalSupervisor:
         if dead.metadata:  # a killed worker could not remove its shared memory
             unlink_segment(dead.metadata)
         self._tell_peers()
-        if self.restarts[dead.name] >= self.max_restarts:
-            logger.error("worker %s stays down: restarted %d times already", dead.name, self.max_restarts)
-            return
-        self.restarts[dead.name] += 1
+
+    def _restart(self, role: str, index: int, dead: Worker) -> None:
+        """Start it again until one start serves, at most max_restarts starts in all."""
+        while self.restarts[dead.name] < self.max_restarts and not self._stop.is_set():
+            self.restarts[dead.name] += 1
+            if self._start(role, index, dead):
+                return
+        if not self._stop.is_set():
+            logger.error("worker %s stays down: started %d times", dead.name, self.restarts[dead.name])
+
+    def _start(self, role: str, index: int, dead: Worker) -> bool:
         new = spawn(self.config, role, index)
+        with self._lock:
+            self._starting[new.name] = new
         try:
             await_ready(new, self.start_timeout_s)
-            decode, prefill = self._live(self.workers.decode), self._live(self.workers.prefill)
-            to_decode, to_prefill = peers_messages(decode, prefill)
+            with self._lock:
+                to_decode, to_prefill = peers_messages(self._live(self.workers.decode),
+                                                       self._live(self.workers.prefill))
             new.control.send_bytes(to_decode if role == "decode" else to_prefill)
             await_serving(new, self.start_timeout_s)
         except Exception as exc:
             logger.error("worker %s did not restart: %s", dead.name, exc)
-            new.process.kill()
-            new.process.join(10)
-            return
-        if self._stop.is_set():  # shutting down meanwhile: the launcher's stop() may not see it
-            LocalWorkers(decode=[new]).stop()
-            return
-        (self.workers.decode if role == "decode" else self.workers.prefill)[index] = new
-        self.gone.discard(new.name)
+            with self._lock:
+                self._starting.pop(new.name, None)
+            LocalWorkers(decode=[new]).stop()  # also removes its shared memory
+            return False
+        with self._lock:
+            self._starting.pop(new.name, None)
+            if self._stop.is_set():  # shutting down: stop() may already have looked
+                LocalWorkers(decode=[new]).stop()
+                return True
+            (self.workers.decode if role == "decode" else self.workers.prefill)[index] = new
+            self.gone.discard(new.name)
         self._tell_peers()  # the other pool learns it (a prefill worker makes its handshake)
         self.moved(new.name, new.address)
         logger.warning("worker %s restarted at %s", new.name, new.address)
+        return True

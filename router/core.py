@@ -71,6 +71,7 @@ class Router:
         self.workers = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted(decode_workers.items())]
         self.prefill = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted((prefill_workers or {}).items())]
         # The router cannot see the pools' sizes; this bounds the history it keeps.
+        self.block_size = engine.block_size
         self.routing = RoutingPolicy(config.router.policy, len(self.workers), engine.block_size,
                                      engine.num_kv_blocks or 65536)
         for i, w in enumerate(self.workers):
@@ -88,12 +89,17 @@ class Router:
         """The request's SamplingParams, checked against the context length here (the
         decode worker checks again) so the error can name the field. Chat without
         max_tokens generates until EOS or a full context, as vLLM does; completions
-        keep OpenAI's default of 16."""
+        keep OpenAI's default of 16. That default is also capped by the smallest KV pool a
+        decode worker reported, since a request that cannot fit in one is refused."""
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but the model's context length is "
                                 f"{self.max_model_len} (prompt must leave room for output)", prompt_field)
-        params = request_body.sampling_params(body, chat, room if chat else None)
+        default = None
+        if chat:  # prompt + max_tokens must fit in a decode worker's KV pool too
+            pools = [w.num_kv_blocks * self.block_size for w in self.workers if w.num_kv_blocks]
+            default = max(1, min([room] + [tokens - num_prompt_tokens for tokens in pools]))
+        params = request_body.sampling_params(body, chat, default)
         if params.max_tokens > room:
             alias = body.get("max_tokens") is None and body.get(request_body.MAX_TOKENS_ALIAS) is not None
             name = request_body.MAX_TOKENS_ALIAS if alias else "max_tokens"

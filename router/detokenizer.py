@@ -36,10 +36,11 @@ class Detokenizer:
 
     def add(self, tokens: list[int]) -> tuple[str, bool]:
         self.ids += tokens
-        self._decode_new(final=False)
-        cut = self._stop_at()
+        pending = self._decode_new(final=False)
+        # A stop string may be in text held back behind a partial character.
+        cut = self._stop_at(self.text + pending)
         if cut is not None:
-            self.text, self.stopped = self.text[:cut], True
+            self.text, self.stopped = (self.text + pending)[:cut], True
             return self.flush(), True
         hold = max((len(s) - 1 for s in self.stop), default=0)
         end = len(self.text.rstrip("\ufffd")) - hold
@@ -50,23 +51,26 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _decode_new(self, final: bool) -> None:
+    def _decode_new(self, final: bool) -> str:
         """Extend self.text by the new tokens' text once it ends on a whole character
-        (or, `final`, whatever it is)."""
+        (or, `final`, whatever it is); returns the new text held back, if any."""
         if self._whole:
             self.text = self._decode(self.ids)
-            return
+            return ""
         if self._read == len(self.ids):
-            return
+            return ""
         before = self._decode(self.ids[self._context:self._read])
         after = self._decode(self.ids[self._context:])
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.text += after[len(before):]
-            self._context, self._read = self._read, len(self.ids)
+        new = after[len(before):]
+        if not new or (after.endswith("\ufffd") and not final):
+            return new
+        self.text += new
+        self._context, self._read = self._read, len(self.ids)
+        return ""
 
-    def _stop_at(self) -> int | None:
-        """Where the text ends if it holds a stop string: the earliest one wins."""
-        found = [(i, s) for s in self.stop if (i := self.text.find(s)) != -1]
+    def _stop_at(self, text: str) -> int | None:
+        """Where `text` ends if it holds a stop string: the earliest one wins."""
+        found = [(i, s) for s in self.stop if (i := text.find(s)) != -1]
         if not found:
             return None
         i, s = min(found)

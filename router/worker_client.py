@@ -42,6 +42,7 @@ class WorkerClient:
         self._stats_waiters: dict[int, asyncio.Future] = {}  # ping seq -> its reply
         # (events, reset): the worker's prefix-cache events, from every stats reply
         self.on_kv_events: Callable[[list, bool], None] | None = None
+        self.num_kv_blocks: int | None = None  # its KV pool, once a stats reply said
         self._seq = 0
 
     @property
@@ -58,6 +59,8 @@ class WorkerClient:
             if self.health.heard(time.monotonic()):
                 logger.warning("worker %s answers again: in service again", self.name)
             if msg["kind"] == "stats_reply":
+                if isinstance(msg["stats"].get("num_blocks"), int):
+                    self.num_kv_blocks = msg["stats"]["num_blocks"]
                 if (msg["kv_events"] or msg["kv_reset"]) and self.on_kv_events is not None:
                     self.on_kv_events(msg["kv_events"], msg["kv_reset"])
                 waiter = self._stats_waiters.pop(msg["seq"], None)

@@ -56,3 +56,20 @@ def test_incremental_text_equals_a_decode_of_every_token(llama_dir) -> None:
             out += delta
             i += n
         assert out + detok.flush() == tokenizer.decode(ids_mixed, skip_special_tokens=True)
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte, decoded as a byte-level BPE decodes (replacement
+    characters for incomplete sequences)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_stop_string_before_a_partial_character_is_found_in_the_same_step() -> None:
+    detok = Detokenizer(ByteTokenizer(), ["."])
+    assert detok.add(list("Paris".encode())) == ("Paris", False)
+    # "." and the first byte of a two-byte character arrive together: the stop is found now,
+    # not once the character completes (the request might end here).
+    assert detok.add(list(".".encode()) + [0xC3]) == ("", True)
+    assert detok.text == "Paris" and detok.flush() == ""

@@ -37,6 +37,7 @@ class FakeDecodeWorker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.received: list[dict[str, Any]] = []
+        self.stats: dict[str, Any] = {}  # what its stats replies say
         self.silent = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -62,7 +63,7 @@ class FakeDecodeWorker:
                 if self.silent.is_set():
                     continue
                 if msg["kind"] == "stats":
-                    self.sock.send_multipart([sender, encode("stats_reply", seq=msg["seq"], stats={},
+                    self.sock.send_multipart([sender, encode("stats_reply", seq=msg["seq"], stats=self.stats,
                                                              kv_events=[], kv_reset=False)])
                 elif msg["kind"] == "generate":
                     active[msg["id"]] = [sender, msg["params"]["max_tokens"]]
@@ -205,3 +206,17 @@ def test_chat_without_max_tokens_may_fill_the_context_and_takes_text_parts(serve
         [{"role": "user", "content": "Hi\nthere"}, {"role": "assistant", "content": ""},
          {"role": "user", "content": "Go on"}], add_generation_prompt=True, tokenize=False)
     assert sent["prompt"] == router.tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.timeout(60)
+def test_chat_without_max_tokens_fits_the_smallest_kv_pool(served) -> None:
+    """A decode worker whose KV pool holds fewer tokens than the context refuses a
+    request that would not fit it: the default stops at what the pool holds."""
+    base, router, fake = served
+    fake.per_step = 200
+    fake.stats = {"num_blocks": 10}  # 160 tokens of 16-token blocks
+    wait_for(lambda: router.workers[0].num_kv_blocks == 10, 10, "the router reads the pool size from a stats reply")
+    status, out = request(base, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200, out
+    sent = fake.messages("generate")[-1]
+    assert sent["params"]["max_tokens"] == 10 * router.block_size - len(sent["prompt"]) < router.max_model_len

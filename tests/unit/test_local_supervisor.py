@@ -1,0 +1,114 @@
+"""LocalSupervisor's bookkeeping with fake processes (no model loads): deaths are
+reported while a restart is still loading, failed starts are stopped and retried up to
+max_restarts, and a shutdown stops a worker still starting. The real restarts run in
+tests/disagg/test_local_supervision.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import cluster.local as local
+import cluster.local_supervisor as supervision
+from cluster.local import LocalWorkers, Worker
+
+
+class Process:
+    def __init__(self, alive: bool = True) -> None:
+        self.alive, self.exitcode = alive, None
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def kill(self) -> None:
+        self.alive = False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class Control:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+class Harness:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, serving: threading.Event, ok: bool) -> None:
+        """Starts block until `serving` is set, then succeed (ok) or fail."""
+        self.events: list[tuple[str, str]] = []
+        self.unlinked: list[bytes] = []
+        self.spawned: list[Worker] = []
+        self.starting = threading.Event()  # a restarted process waits for its peers
+
+        def spawn(config, role: str, index: int) -> Worker:
+            w = Worker(f"{role}-{index}", Process(), Control())
+            self.spawned.append(w)
+            return w
+
+        def await_ready(w: Worker, timeout: float) -> None:
+            w.address, w.metadata = f"tcp://new-{len(self.spawned)}", f"segment-{len(self.spawned)}".encode()
+
+        def await_serving(w: Worker, timeout: float) -> None:
+            self.starting.set()
+            serving.wait(10)
+            if not ok:
+                raise RuntimeError(f"worker {w.name} did not take its peers")
+
+        monkeypatch.setattr(supervision, "spawn", spawn)
+        monkeypatch.setattr(supervision, "await_ready", await_ready)
+        monkeypatch.setattr(supervision, "await_serving", await_serving)
+        monkeypatch.setattr(supervision, "peers_messages", lambda decode, prefill: (b"to-decode", b"to-prefill"))
+        for module in (supervision, local):
+            monkeypatch.setattr(module, "unlink_segment", self.unlinked.append)
+        self.workers = LocalWorkers(decode=[Worker("decode-0", Process(False), Control(), "tcp://a", b"old-0"),
+                                            Worker("decode-1", Process(), Control(), "tcp://b", b"old-1")])
+        self.supervisor = supervision.LocalSupervisor(
+            None, self.workers, lambda name: self.events.append(("down", name)),
+            lambda name, address: self.events.append(("moved", name)), interval_s=0.02, max_restarts=2)
+
+    def wait(self, condition, what: str, timeout: float = 5.0) -> None:
+        end = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < end, f"not within {timeout} s: {what}; events {self.events}"
+            time.sleep(0.01)
+
+
+@pytest.mark.timeout(30)
+def test_deaths_are_reported_during_a_restart_and_failed_starts_are_retried_then_given_up(monkeypatch) -> None:
+    serving = threading.Event()
+    h = Harness(monkeypatch, serving, ok=False)
+    h.supervisor.start()
+    try:
+        h.wait(h.starting.is_set, "decode-0's restart is loading")
+        h.workers.decode[1].process.alive = False  # decode-1 dies meanwhile
+        h.wait(lambda: ("down", "decode-1") in h.events, "decode-1 reported down while decode-0 still starts")
+        assert not serving.is_set()
+        serving.set()  # every start fails from now on
+        h.wait(lambda: len(h.spawned) == 4 and not any(t.name.startswith("restart-") for t in threading.enumerate()),
+               "two starts each, then no more")
+        time.sleep(0.2)
+        assert len(h.spawned) == 4 and not any(e[0] == "moved" for e in h.events)
+        assert sorted(h.unlinked) == [b"old-0", b"old-1", b"segment-1", b"segment-2", b"segment-3", b"segment-4"]
+        assert all(not w.process.alive for w in h.spawned)
+    finally:
+        serving.set()
+        h.supervisor.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_restart_completes_then_a_shutdown_stops_a_worker_still_starting(monkeypatch) -> None:
+    serving = threading.Event()
+    h = Harness(monkeypatch, serving, ok=True)
+    h.workers.decode[1].process.alive = False
+    h.supervisor.start()
+    h.wait(lambda: len(h.spawned) == 2 and h.starting.is_set(), "both restarts loading")
+    h.supervisor.stop()  # while they are still starting
+    assert all(not w.process.alive for w in h.spawned)  # not left to run unseen by the launcher
+    serving.set()
+    time.sleep(0.1)
+    assert not any(e[0] == "moved" for e in h.events)
