@@ -94,8 +94,9 @@ class Sampler:
         sample_rows = [i for i, g in enumerate(greedy) if not g]
         if sample_rows:
             idx = small_tensor(x.device, sample_rows)
-            sampled = self._sample(x.index_select(0, idx), [rows[i] for i in sample_rows])
+            sampled, unusable = self._sample(x.index_select(0, idx), [rows[i] for i in sample_rows])
             token_ids.index_copy_(0, idx, sampled)
+            bad.index_copy_(0, idx, bad.index_select(0, idx) | unusable)
         return PendingSample(token_ids, bad, self._logprobs(raw, rows))
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow],
@@ -139,8 +140,10 @@ class Sampler:
         if r_idx:
             x[small_tensor(x.device, r_idx), small_tensor(x.device, c_idx)] = float("-inf")
 
-    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """x: [n, vocab] processed logits of non-greedy rows -> [n] int64 sampled ids."""
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [n, vocab] processed logits of non-greedy rows -> [n] int64 sampled ids,
+        and [n] bool: rows whose distribution came out unusable (NaN), reported like
+        unusable logits rather than drawn from (argmax over NaN would pick a token)."""
         n, vocab = x.shape
         dev = x.device
         ps = [r.params for r in rows]
@@ -166,12 +169,14 @@ class Sampler:
                 sp = sx.softmax(-1)
                 before = sp.cumsum(-1) - sp  # mass strictly ahead of each token; 0 for the top
                 top_p = col([p.top_p for p in ps])
-                sx = sx.masked_fill((before >= top_p) & (top_p < 1.0), float("-inf"))
+                drop = (before >= top_p) & (top_p < 1.0)
+                drop[:, 0] = False  # the top token always stays (top_p may round to 0 in float32)
+                sx = sx.masked_fill(drop, float("-inf"))
             x = torch.empty_like(x).scatter_(1, order, sx)
         probs = x.softmax(-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i.
         noise = self._noise(rows, n, vocab, dev)
-        return (probs / noise).argmax(-1)
+        return (probs / noise).argmax(-1), probs.isnan().any(-1)
 
     def _noise(self, rows: list[SamplingRow], n: int, vocab: int,
                dev: torch.device) -> torch.Tensor:

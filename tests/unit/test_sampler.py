@@ -227,3 +227,17 @@ def test_sampling_params_check_types_before_ranges_and_name_the_field(kwargs, pa
         SamplingParams(**kwargs)
     assert err.value.param == param and message in str(err.value)
 
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    out = Sampler([])(logits, [row(SamplingParams(temperature=1.0, top_p=1e-50, seed=1))])
+    assert out.token_ids == [1]  # nothing else survives top_p; the top token is never dropped
+
+
+def test_a_distribution_that_turns_nan_is_reported_not_drawn_from() -> None:
+    """A temperature beyond float32 turns masked (-inf) logits into NaN: the row is
+    unusable, as NaN logits are, instead of silently yielding token 0."""
+    logits = torch.tensor([[0.0, 3.0, float("-inf"), 2.0]])
+    with pytest.raises(RuntimeError, match="unusable logits in batch rows \\[0\\]"):
+        Sampler([])(logits, [row(SamplingParams(temperature=1e39, seed=1))])
