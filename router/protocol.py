@@ -5,8 +5,9 @@ routing id is its own name. A worker answers on the socket a message came in on.
 
     router  -> decode   generate, abort, stats
     decode  -> router   tokens (one per request per step; logprobs of those tokens when
-                        asked; the request's phase times with the last), rejected,
-                        stats_reply
+                        asked; the request's phase times with the last), rejected
+                        (bad input; or, after tokens, a request whose logits could not
+                        be sampled: it ends there), stats_reply
     decode  -> prefill  prefill (decode-first push: D's blocks and deadline), abort
     prefill -> decode   prefill_done (error "" when every block was written; compute and
                         transfer seconds, bytes written)
