@@ -82,11 +82,16 @@ class LocalSupervisor:
     def _live(self, pool: list[Worker]) -> list[Worker]:
         return [w for w in pool if w.name not in self.gone and w.process.is_alive()]
 
+    def _peers_messages(self) -> tuple[list[Worker], list[Worker], bytes, bytes]:
+        """The live workers of each pool, and the "peers" message for each pool (call
+        with the lock held)."""
+        decode, prefill = self._live(self.workers.decode), self._live(self.workers.prefill)
+        return decode, prefill, *peers_messages(decode, prefill)
+
     def _tell_peers(self) -> None:
         """Every live worker gets the live workers of the other pool."""
         with self._lock:
-            decode, prefill = self._live(self.workers.decode), self._live(self.workers.prefill)
-            to_decode, to_prefill = peers_messages(decode, prefill)
+            decode, prefill, to_decode, to_prefill = self._peers_messages()
             for w, message in [(w, to_decode) for w in decode] + [(w, to_prefill) for w in prefill]:
                 try:
                     w.control.send_bytes(message)
@@ -118,8 +123,7 @@ class LocalSupervisor:
         try:
             await_ready(new, self.start_timeout_s)
             with self._lock:
-                to_decode, to_prefill = peers_messages(self._live(self.workers.decode),
-                                                       self._live(self.workers.prefill))
+                _, _, to_decode, to_prefill = self._peers_messages()
             new.control.send_bytes(to_decode if role == "decode" else to_prefill)
             await_serving(new, self.start_timeout_s)
         except Exception as exc:

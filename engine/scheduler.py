@@ -300,15 +300,13 @@ class Scheduler:
             raise ValueError(f"{len(sampled)} sampled tokens for {out.num_samples} sampling requests")
         advanced, finished = [], []
         tokens = iter(sampled)
-        running, caching = RequestStatus.RUNNING, self.kv.enable_prefix_caching
         for s in out.scheduled:
             request = s.request
             token = next(tokens) if s.samples else None
-            if request.status is running:
+            if request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens += s.num_new_tokens
                 request.num_scheduled_tokens -= s.num_new_tokens
-                if caching:
-                    self.kv.cache_computed_blocks(request)
+                self.kv.cache_computed_blocks(request)  # returns at once without prefix caching
                 if request.prefill_only and request.num_computed_tokens == request.num_tokens:
                     self.running.remove(request)
                     request.status = RequestStatus.PREFILLED
