@@ -14,6 +14,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend, get_backend
 from engine.config import EngineConfig
+from engine.errors import EngineStateError, RequestsFailed
 from engine.gpu_memory import profile_num_kv_blocks
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.config import ModelConfig
@@ -40,16 +41,6 @@ def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
                              f"supported context {limit}")
         limit = config.max_model_len
     return limit
-
-
-class RequestsFailed(RuntimeError):
-    """A step failed because of these requests alone (their logits could not be
-    sampled). The step is void, as after any failure (EngineCore.step); the caller
-    should finish them with an error, and the other requests can go on."""
-
-    def __init__(self, message: str, request_ids: list[str]) -> None:
-        super().__init__(message)
-        self.request_ids = request_ids
 
 
 @dataclass
@@ -197,21 +188,40 @@ class EngineCore:
             out = self.scheduler.schedule()
             if out.scheduled:
                 queued.append(out)
-                launched = self.runner.launch(out.scheduled, self._block_tables(out),
-                                              in_flight[1] if in_flight else None)
+                launched = self._run(self.runner.launch, queued, out.scheduled, self._block_tables(out),
+                                     in_flight[1] if in_flight else None)
                 if not self.config.async_scheduling:
                     return self._finish_step((out, launched), queued)
                 self._in_flight = (out, launched)
             return self._finish_step(in_flight, queued) if in_flight else StepOutput()
-        except BaseException:
+        except BaseException as exc:
             # Whatever was queued is void: its requests compute those tokens again, and
             # the caller may abort them. Their blocks are freed at once then, so first
             # let the device finish (or fail) what is queued.
             self._in_flight = None
             self.runner.wait_idle()
+            if isinstance(exc, EngineStateError):
+                raise
+            if isinstance(exc, Exception) and not isinstance(exc, RequestsFailed):
+                # The scheduler's own bookkeeping failed part-way: nothing it holds
+                # can be trusted, and discarding could only make it worse.
+                raise EngineStateError(f"the scheduler failed: {type(exc).__name__}: {exc}") from exc
             for out in queued:
                 self.scheduler.discard(out)
             raise
+
+    @staticmethod
+    def _run(call, queued: list[SchedulerOutput], *args):
+        """Run the model side of a step (`call`: launch, or wait for the result). A
+        failure there leaves the scheduler consistent: it is reported as the void
+        steps' requests failing (RequestsFailed), so a worker ends just those."""
+        try:
+            return call(*args)
+        except (RequestsFailed, UnusableLogitsError):
+            raise
+        except Exception as exc:
+            ids = list(dict.fromkeys(s.request.request_id for out in queued for s in out.scheduled))
+            raise RequestsFailed(f"the model step failed ({type(exc).__name__}: {exc})", ids) from exc
 
     def _block_tables(self, out: SchedulerOutput) -> np.ndarray:
         return self.kv.block_tables([s.request.request_id for s in out.scheduled])
@@ -221,7 +231,7 @@ class EngineCore:
         failure no longer voids it (`queued`: the steps step() would discard)."""
         out, launched = step
         try:
-            sampled = launched.result()
+            sampled = self._run(launched.result, queued)
         except UnusableLogitsError as exc:
             sampling = [s.request.request_id for s in out.scheduled if s.samples]
             failed = [sampling[row] for row in exc.rows]

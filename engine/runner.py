@@ -12,6 +12,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, attention_context
+from engine.errors import EngineStateError
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.sampling import PendingSample, Sampler, SamplerOutput
@@ -165,7 +166,8 @@ class ModelRunner:
         filled from the tokens `in_flight` sampled, on the device."""
         src = np.empty(0, dtype=np.int64)
         if inputs.placeholder_requests:
-            assert in_flight is not None and in_flight.sample is not None, "placeholders without a step in flight"
+            if in_flight is None or in_flight.sample is None:  # their input ids would be garbage
+                raise EngineStateError("placeholder tokens without a step in flight to fill them")
             src = np.array([in_flight.sample_row[r] for r in inputs.placeholder_requests], dtype=np.int64)
         *arrays, dst_t, src_t = self.uploader.upload(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,

@@ -7,6 +7,18 @@ out of the same arithmetic. Running requests go first (decodes stay steady), the
 waiting ones in (priority, arrival) order. When blocks run out, the lowest-priority,
 latest-arriving running request is preempted: its blocks are freed and it recomputes
 later (its tokens so far are kept, and its freed blocks are usually prefix-cache hits).
+
+Progress. Every block is held by one of: a running request (preemptible), a request
+whose KV a prefill worker is writing (released by its deadline at the latest), a
+prefill worker's computed prompt (released once written out), a queued request that
+holds its blocks (`ready`: its KV arrived, or it prefills locally in them), or a step
+or KV write in flight (both end). Ready requests need no new block for their prompt
+and are admitted ahead of the waiting queue, whose requests hold no blocks; a remote
+reservation never takes the blocks the head of that queue needs; and a request that
+holds no blocks fits alone in an empty pool, chunked when its recompute is longer than
+a step (check_fits). So whenever nothing runs, blocks keep coming free until the head
+fits: the engine never stops while requests are queued. A schedule that admits
+nothing with every block free breaks that argument, and raises EngineStateError.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from engine.errors import EngineStateError
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
@@ -55,7 +68,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
+        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key; hold no blocks
+        # Queued requests that hold their prompt's blocks (decode worker: the remote KV
+        # arrived, or the prompt is prefilled locally in them); admitted first.
+        self.ready: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -108,6 +124,9 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status in (RequestStatus.WAITING_FOR_REMOTE_KV, RequestStatus.PREFILLED):
                 self.prefilled.pop(request_id, None)
+            elif any(r is request for _, r in self.ready):
+                self.ready = [(k, r) for k, r in self.ready if r is not request]
+                heapq.heapify(self.ready)
             else:
                 self.waiting = [(k, r) for k, r in self.waiting if r is not request]
                 heapq.heapify(self.waiting)
@@ -131,6 +150,11 @@ class Scheduler:
         request.num_scheduled_tokens -= num_tokens
         if not request.num_scheduled_tokens and request in self._free_after_step:
             self.kv.free_blocks(self._free_after_step.pop(request))
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests, holding blocks or not."""
+        return len(self.waiting) + len(self.ready)
 
     @property
     def has_unfinished(self) -> bool:
@@ -199,32 +223,69 @@ class Scheduler:
             scheduled_running.append(request)
             budget -= num_new
 
+        # Ready requests first: they hold their blocks, and running them frees them.
+        while self.ready and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.ready[0][1]
+            num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
+            if num_new is None or not self.kv.allocate_slots(request, num_new):
+                break
+            heapq.heappop(self.ready)
+            self._admit(out, request, request.num_computed_tokens, num_new)
+            budget -= num_new
+
         # Admitting new work while evicting running work would thrash.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][1]
-            if request.num_computed_tokens == 0:
-                hits = self.kv.get_computed_blocks(request)
-                num_computed = len(hits) * self.kv.block_size
-            else:  # KV already in its blocks (written by a prefill worker)
-                hits, num_computed = [], request.num_computed_tokens
-            num_new = request.num_tokens - num_computed
-            if num_new > budget:
-                if not self.enable_chunked_prefill:
-                    break
-                num_new = budget
+            admission = self._admission(request, budget)
+            if admission is None:
+                break
+            hits, num_computed, num_new = admission
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             heapq.heappop(self.waiting)
-            if request.num_preemptions == 0 and request.num_remote_tokens == 0:
+            if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
-            request.num_computed_tokens = num_computed
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
-            self._schedule(out, request, num_computed, num_new, request.num_tokens)
+            self._admit(out, request, num_computed, num_new)
             budget -= num_new
+
+        if not out.scheduled and not self.running and (self.waiting or self.ready) \
+                and self.kv.num_free_blocks == self.kv.pool.num_blocks:
+            head = (self.ready or self.waiting)[0][1]
+            raise EngineStateError(f"no progress: request {head.request_id!r} ({head.num_tokens} tokens, "
+                                   f"{head.num_computed_tokens} computed) cannot be scheduled although "
+                                   "nothing runs and every KV block is free")
         return out
+
+    def _chunk(self, request: Request, num_new: int, budget: int) -> int | None:
+        """Tokens of a queued request's `num_new` to compute this step within `budget`;
+        None: wait for a step with more room. With chunked prefill off a prompt runs
+        whole (check_fits made it fit a step), but a recompute after preemption, prompt
+        plus outputs, may not fit any step: that is chunked anyway, or it could never
+        come back."""
+        if num_new <= budget:
+            return num_new
+        if not self.enable_chunked_prefill and num_new <= self.max_num_batched_tokens:
+            return None
+        return budget
+
+    def _admission(self, request: Request, budget: int) -> tuple[list[KVBlock], int, int] | None:
+        """(prefix hits, tokens they cover, tokens to compute now) for a waiting request,
+        which holds no blocks; None if it must wait for a step with more room."""
+        if request.num_computed_tokens or self.kv.num_held_blocks(request.request_id):
+            raise EngineStateError(f"waiting request {request.request_id!r} holds blocks or computed tokens "
+                                   "(it belongs in `ready`)")
+        hits = self.kv.get_computed_blocks(request)
+        num_computed = len(hits) * self.kv.block_size
+        num_new = self._chunk(request, request.num_tokens - num_computed, budget)
+        return None if num_new is None else (hits, num_computed, num_new)
+
+    def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int) -> None:
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+        self._schedule(out, request, num_computed, num_new, request.num_tokens)
 
     # --- disaggregation ----------------------------------------------------------------
 
@@ -236,12 +297,28 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
         hits = self.kv.get_computed_blocks(request)
-        if not self.kv.allocate_slots(request, request.num_tokens - len(hits) * self.kv.block_size, hits):
+        num_new = request.num_tokens - len(hits) * self.kv.block_size
+        # Never take the blocks the head of the queue waits for (it would starve behind
+        # every reservation that comes along).
+        if self.kv.num_blocks_needed(request, num_new, hits) + self._head_needs() > self.kv.num_free_blocks:
+            return False
+        if not self.kv.allocate_slots(request, num_new, hits):
             return False
         request.num_cached_tokens = len(hits) * self.kv.block_size
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         return True
+
+    def _head_needs(self) -> int:
+        """Free blocks the head of the waiting queue needs to be admitted."""
+        if not self.waiting:
+            return 0
+        head = self.waiting[0][1]
+        admission = self._admission(head, self.max_num_batched_tokens)
+        if admission is None:
+            return 0
+        hits, _, num_new = admission
+        return self.kv.num_blocks_needed(head, num_new, hits)
 
     def remote_kv_arrived(self, request: Request) -> None:
         """Every prompt token but the last now has its KV: queue it to run; its first
@@ -250,16 +327,19 @@ class Scheduler:
         request.num_computed_tokens = request.num_tokens - 1
         request.num_remote_tokens = request.num_computed_tokens - request.num_cached_tokens
         self.kv.cache_computed_blocks(request)
-        request.status = RequestStatus.WAITING
-        self._push_waiting(request)
+        self._push_ready(request)
 
     def remote_kv_failed(self, request: Request) -> None:
-        """Prefill locally after all: from the local prefix hits, in the blocks it holds.
-        Call only once no remote write can land in them any more."""
+        """Prefill locally after all, in the blocks it holds, from the local prefix hits
+        it took at reservation (their KV is known good; no new lookup: the request holds
+        blocks). Call only once no remote write can land in them any more."""
         self._expect_status(request, RequestStatus.WAITING_FOR_REMOTE_KV)
         request.num_computed_tokens = request.num_cached_tokens
+        self._push_ready(request)
+
+    def _push_ready(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self._push_waiting(request)
+        heapq.heappush(self.ready, (request.sort_key, request))
 
     def release_prefilled(self, request_id: str) -> Request:
         """Prefill worker: the KV has been written out; free the blocks."""

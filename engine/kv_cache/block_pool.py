@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from engine.errors import EngineStateError
+
 
 @dataclass
 class KVBlock:
@@ -57,7 +59,8 @@ class BlockPool:
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
-            assert block.ref_cnt == 0, f"free block {block_id} has ref_cnt {block.ref_cnt}"
+            if block.ref_cnt != 0:
+                raise EngineStateError(f"free block {block_id} has ref_cnt {block.ref_cnt}")
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
@@ -86,7 +89,8 @@ class BlockPool:
         to be shared, are evicted before its prefix.
         """
         for block in blocks:
-            assert block.ref_cnt > 0, f"double free of block {block.block_id}"
+            if block.ref_cnt <= 0:
+                raise EngineStateError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None

@@ -6,6 +6,7 @@ import numpy as np
 
 from engine.kv_cache.block_hash import NONE_HASH, hash_full_blocks
 from engine.kv_cache.block_pool import BlockPool, KVBlock
+from engine.errors import EngineStateError
 from engine.kv_cache.block_table import BlockTable
 from engine.request import Request
 
@@ -29,6 +30,9 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
@@ -81,6 +85,11 @@ class KVCacheManager:
         fresh blocks; on failure nothing changes.
         """
         blocks = self.req_blocks.get(request.request_id)
+        if new_computed_blocks and (blocks or request.num_started_tokens):
+            # Its own blocks' KV would be shadowed, or tokens counted twice.
+            raise EngineStateError(f"request {request.request_id!r} holds {len(blocks or ())} blocks and "
+                                   f"{request.num_started_tokens} computed tokens; prefix hits only "
+                                   "apply to a request holding neither")
         if (blocks and not new_computed_blocks
                 and request.num_started_tokens + num_new_tokens <= len(blocks) * self.block_size):
             return True  # most decode steps: the new token's slot is in a block already held
@@ -89,7 +98,6 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, [])
         held = len(blocks)
         if new_computed_blocks:
-            assert not blocks, "prefix hits only apply to a request holding no blocks"
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
             self._num_cached_blocks[request.request_id] = len(new_computed_blocks)

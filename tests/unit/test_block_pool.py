@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.errors import EngineStateError
 from engine.kv_cache.block_hash import NONE_HASH, hash_block, hash_full_blocks
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
@@ -62,7 +63,7 @@ def test_touch_revives_free_cached_block_and_refcounts() -> None:
     assert block.ref_cnt == 2 and pool.num_free_blocks == 2
     pool.free([block, block])
     assert block.ref_cnt == 0 and pool.num_free_blocks == 3
-    with pytest.raises(AssertionError, match="double free"):
+    with pytest.raises(EngineStateError, match="double free"):
         pool.free([block])
 
 

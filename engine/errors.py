@@ -1,0 +1,29 @@
+"""How an engine step fails, and what its caller may trust afterwards.
+
+Two kinds, because a worker must answer them differently:
+
+- `RequestsFailed`: the step is void and these requests were in it (or caused it). The
+  engine's bookkeeping is consistent: finish those requests with the error and go on.
+- `EngineStateError`: an invariant of the bookkeeping (block ownership, reference
+  counts, which tokens' KV is written) is broken. Nothing the engine says can be
+  trusted any more: fail every request and restart the process.
+
+These are real checks, not asserts: they stay on under `python -O`, where a skipped
+assert would let a request decode from blocks it does not own.
+"""
+
+from __future__ import annotations
+
+
+class EngineStateError(RuntimeError):
+    """The engine's bookkeeping broke an invariant; its state cannot be trusted."""
+
+
+class RequestsFailed(RuntimeError):
+    """A step failed and is void; `request_ids` were in it. The caller should finish
+    them with this error; every other request computes the step again next time."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
