@@ -146,6 +146,12 @@ class EngineCore:
         """Prefill locally instead; only once no remote write can land any more."""
         self.scheduler.remote_kv_failed(self.scheduler.requests[request_id])
 
+    def invalidate_blocks(self, block_ids: list[int]) -> list[str]:
+        """The contents of these KV blocks are unknown (a late remote write landed in
+        them after their release): they leave the prefix cache. Returns the requests
+        holding them, whose KV cannot be trusted: the caller fails them."""
+        return self.kv.invalidate(block_ids)
+
     # --- disaggregation: prefill worker side ------------------------------------------
 
     def add_prefill_request(self, request_id: str, prompt_token_ids: list[int]) -> Request:

@@ -107,6 +107,10 @@ class BlockPool:
         if self.events is not None:
             self.events.append([block_hash, True])
 
+    def uncache(self, block: KVBlock) -> None:
+        """Forget the block's hash: its contents are no longer what the hash says."""
+        self._evict(block)
+
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
             self._evict(block)

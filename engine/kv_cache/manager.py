@@ -155,5 +155,13 @@ class KVCacheManager:
         self.pool.touch(blocks)
         return blocks
 
+    def invalidate(self, block_ids: list[int]) -> list[str]:
+        """These blocks' contents are unknown: they leave the prefix cache. Returns the
+        requests holding any of them."""
+        ids = set(block_ids)
+        for block_id in ids:
+            self.pool.uncache(self.pool.blocks[block_id])
+        return [rid for rid, blocks in self.req_blocks.items() if any(b.block_id in ids for b in blocks)]
+
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.pool.num_blocks

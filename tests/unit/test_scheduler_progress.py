@@ -129,3 +129,15 @@ def test_no_progress_with_every_block_free_raises() -> None:
     sched._chunk = lambda request, num_new, budget: None  # break admission
     with pytest.raises(EngineStateError, match="no progress: request 'a'"):
         sched.schedule()
+
+
+def test_invalidated_blocks_leave_the_prefix_cache_and_name_their_holders() -> None:
+    sched = make(16)
+    a = request("a", range(1, 14))
+    sched.add_request(a)
+    step(sched)
+    held = sched.kv.block_ids("a")
+    assert sched.kv.get_computed_blocks(request("probe", range(1, 14)))  # a's full blocks are cached
+    assert sched.kv.invalidate([held[1], 15]) == ["a"]
+    hits = sched.kv.get_computed_blocks(request("probe", range(1, 14)))
+    assert [b.block_id for b in hits] == held[:1]  # the chain stops at the invalidated block
