@@ -84,6 +84,12 @@ class RouterConfig:
     # move, and it is re-admitted at its next reply).
     health_interval_s: float = 1.0
     worker_timeout_s: float = 10.0
+    # A worker (either pool) with work in its engine's queues whose steps compute no
+    # token for this long is stalled: its stats replies say so (the router fails its
+    # requests over), and it exits to be restarted (cluster/worker_loop.py). So does one
+    # whose loop does not come round for this long (a step that never returns). Must
+    # exceed the longest engine step, and worker_timeout_s. None or 0: off.
+    stall_timeout_s: float | None = 60.0
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "router") -> "RouterConfig":
@@ -100,7 +106,14 @@ class RouterConfig:
         _check(timeout > interval, f"{path}.worker_timeout_s",
                f"must be > health_interval_s ({interval:g}), or a live worker between pings is taken "
                f"for dead; got {timeout:g}")
-        return dataclasses.replace(out, health_interval_s=interval, worker_timeout_s=timeout)
+        stall = out.stall_timeout_s
+        if stall is not None:
+            stall = _number(stall, f"{path}.stall_timeout_s", 0)
+            _check(stall == 0 or stall > timeout, f"{path}.stall_timeout_s",
+                   f"must be > worker_timeout_s ({timeout:g}), which is sized to exceed the longest engine step "
+                   f"(a worker in a long step would be taken for hung), or 0 (off); got {stall:g}")
+        return dataclasses.replace(out, health_interval_s=interval, worker_timeout_s=timeout,
+                                   stall_timeout_s=stall or None)
 
 
 @dataclass(frozen=True)

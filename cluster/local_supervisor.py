@@ -1,7 +1,9 @@
 """Supervision of the local launcher's worker processes (cluster/supervisor.py does the
 same on Ray, where Ray restarts the process).
 
-Every `interval_s` the thread looks for a worker process that has exited. For each:
+Every `interval_s` the thread looks for a worker process that has exited: killed, or
+given up on its own (an error it cannot recover from, a stall, a hung step: it exits
+with status 1 after telling its clients, cluster/worker_loop.py). For each:
 
 - down: the router is told at once (a decode worker's requests fail over without
   waiting for its health timeout), its shared-memory segment is removed, and the other

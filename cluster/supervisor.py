@@ -3,7 +3,10 @@ Ray has restarted it, wire it back in.
 
 Ray restarts a crashed worker actor in its placement-group bundle (up to
 `ray.max_restarts` times) by running its constructor again in a new process: a new
-ZMQ address, a new KV cache and new transport metadata. Nobody else would know. This
+ZMQ address, a new KV cache and new transport metadata. A worker that gives up on its
+own (an error it cannot recover from, a stall, a hung step: cluster/worker_loop.py)
+ends its actor's process too (cluster/ray_actor.py), so it is restarted the same way.
+Nobody else would know. This
 thread asks every worker for its incarnation each `ray.probe_interval_s`; each pass
 first classifies every worker, then acts:
 

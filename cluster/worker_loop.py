@@ -1,21 +1,59 @@
-"""The event loop every worker process runs: ZMQ messages in, one engine step, repeat."""
+"""The event loop every worker process runs: ZMQ messages in, one engine step, repeat.
+
+How a worker fails (engine/errors.py says what the engine raises):
+
+- `RequestsFailed` from a step: the step is void and names its requests; the worker
+  ends just those (decode: an error to each client; prefill: `prefill_done` with the
+  error, so the decode worker prefills locally) and goes on serving. Several steps in
+  a row failing that way (MAX_FAILED_STEPS_IN_A_ROW, with no step in between that
+  worked) means the device or model is broken, not the requests: that is fatal.
+- Anything else escaping a step or the handling of a message (`EngineStateError`, a
+  bug): fatal. The worker logs the traceback at ERROR, tells the client of every
+  request it holds that it failed, closes its sockets (flushing those messages), and
+  raises `WorkerFailed` out of `run()`: the process exits non-zero (under Ray the
+  actor ends its process, cluster/ray_actor.py), and its supervisor reports it down
+  and restarts it (cluster/local_supervisor.py, cluster/supervisor.py).
+- No progress (`router.stall_timeout_s`, StallWatchdog): the worker has work in its
+  engine's queues and no step has computed a token for that long. It says so in its
+  stats replies (`stalled`, `no_progress_s`: the router then stops routing to it and
+  fails its requests over), logs why at ERROR, and after `stall_grace_s` more exits
+  non-zero the same way, without failing its decode requests (they fail over). A loop
+  that does not come round at all (a step that never returns: a hung kernel, a
+  deadlock) is ended by a thread (HangWatchdog) once it has not come round for
+  stall_timeout_s + stall_grace_s.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
+import time
+import traceback
+from collections.abc import Callable
 
 import zmq
 
 from cluster.config import ClusterConfig
 from cluster.control import STOP, ControlChannel
 from engine.engine_core import EngineCore
+from cluster.fault_injection import TEST_FAULTS_ENV, inject_test_faults
+from cluster.watchdog import HangWatchdog, StallWatchdog
+from engine.errors import RequestsFailed
 from kv_transfer import KVTransport, TransportConfig, create_transport
 from kv_transfer.messages import MessageError
 from router.protocol import decode, encode
 
 logger = logging.getLogger(__name__)
+
+# RequestsFailed from this many steps in a row (no good step between them) is fatal: a
+# broken device (a CUDA error is sticky) would otherwise fail every request forever.
+MAX_FAILED_STEPS_IN_A_ROW = 3
+# How long a failing worker's last messages (errors to its clients) may take to leave.
+FAREWELL_LINGER_MS = 2000
+
 
 def engine_and_transport(config: ClusterConfig, role: str, index: int,
                          host: str = "127.0.0.1") -> tuple[str, EngineCore, KVTransport]:
@@ -25,16 +63,53 @@ def engine_and_transport(config: ClusterConfig, role: str, index: int,
     transport = create_transport(config.transport, name, TransportConfig(host=host))
     engine = EngineCore(config.engine_config(role), transport.allocate_kv_cache)
     transport.register_kv_cache(engine.kv_cache, config.model)
+    if os.environ.get(TEST_FAULTS_ENV):
+        inject_test_faults(name, engine, os.environ[TEST_FAULTS_ENV])
     return name, engine, transport
+
+
+def stall_grace_s(config: ClusterConfig) -> float:
+    """How long a stalled worker still answers (stalled) before it exits: two of the
+    router's health pings, so that the router reads it and fails its requests over."""
+    return max(1.0, 2 * config.router.health_interval_s)
+
+
+def run_worker(worker: "WorkerLoop", control: ControlChannel, transport: KVTransport) -> None:
+    """A worker process's life (its `serve` entry point): WorkerLoop.serve; a worker
+    that gave up (already logged, its clients told) ends the process with status 1, so
+    that its supervisor restarts it. (Under Ray the loop runs in an actor's thread; the
+    actor ends its process when serve raises: cluster/ray_actor.py.)"""
+    try:
+        worker.serve(control, transport)
+    except WorkerFailed as exc:
+        if threading.current_thread() is not threading.main_thread():
+            raise
+        logger.error("%s exits with status 1: %s", worker.name, exc)
+        _flush_logs()
+        raise SystemExit(1) from None
+
+
+class WorkerFailed(RuntimeError):
+    """The worker gave up (its cause chained): its process must exit non-zero, so that
+    its supervisor restarts it."""
+
+
+class WorkerStalled(WorkerFailed):
+    """The worker made no progress for stall_timeout_s (and stall_grace_s more)."""
 
 
 IDLE_POLL_MS = 10  # how long an idle worker waits for a message before looking again
 
 
 class WorkerLoop:
-    """Subclasses implement set_peers(), handle() and step(), and say when they have work."""
+    """Subclasses implement set_peers(), handle() and step(), say when they have work
+    (busy) and work a step could advance (pending), call progressed() when a step
+    advances, and fail_all() their requests when the worker gives up."""
 
-    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, name: str, host: str = "127.0.0.1", stall_timeout_s: float | None = None,
+                 stall_grace_s: float = 2.0) -> None:
+        """stall_timeout_s: router.stall_timeout_s (None or 0: no stall detection);
+        stall_grace_s: how long a stalled worker still answers (stalled) before it exits."""
         self.name = name
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -45,6 +120,13 @@ class WorkerLoop:
         self.dealers: dict[str, zmq.Socket] = {}  # peer name -> our socket to it
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
+        self.clock: Callable[[], float] = time.monotonic
+        self.stall_timeout_s = stall_timeout_s or None
+        self.stall_grace_s = stall_grace_s
+        self.watchdog = StallWatchdog(self.stall_timeout_s, stall_grace_s, self.clock())
+        self._progressed = False
+        self._iterations = 0  # loop iterations completed (HangWatchdog's heartbeat)
+        self._failed_steps = 0  # steps in a row that raised RequestsFailed
 
     def connect(self, peer: str, address: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -71,7 +153,8 @@ class WorkerLoop:
     def serve(self, control: ControlChannel, transport: KVTransport) -> None:
         """The worker's life on its control channel (cluster/control.py): report ready,
         take the first peers and make every handshake, report serving, run until told
-        to stop; then close the transport."""
+        to stop; then close the transport. Raises WorkerFailed when the worker gave up
+        (the process must then exit non-zero)."""
         try:
             control.send_bytes(encode("ready", name=self.name, address=self.address, metadata=transport.metadata()))
             first = control.recv_bytes()
@@ -93,27 +176,120 @@ class WorkerLoop:
     def busy(self) -> bool:
         raise NotImplementedError
 
+    def pending(self) -> bool:
+        """Work a step could advance now (StallWatchdog); False: none, or only work
+        waiting on something with its own deadline (pushed KV)."""
+        return False
+
+    def fail_all(self, error: str, stalled: bool) -> None:
+        """The worker gives up: tell whoever waits on each of its requests (no engine
+        call: its state may be broken). `stalled`: it gives up for lack of progress,
+        and the router fails its decode requests over instead."""
+
+    # --- progress and failure bookkeeping, for subclasses ---
+
+    def progressed(self) -> None:
+        """A step computed tokens or finished requests, or KV was written."""
+        self._progressed = True
+
+    def step_failed(self, exc: RequestsFailed) -> None:
+        """A step raised RequestsFailed (after its requests were ended): fatal when
+        MAX_FAILED_STEPS_IN_A_ROW did with no good step between them."""
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS_IN_A_ROW:
+            raise WorkerFailed(f"{self._failed_steps} engine steps in a row failed, the last with: {exc}; "
+                               "the device or the model is broken, not the requests") from exc
+
+    def step_succeeded(self) -> None:
+        self._failed_steps = 0
+
+    def health(self) -> dict:
+        """For stats replies: stalled (for good: it exits soon), and the seconds its
+        pending work has gone without progress."""
+        now = self.clock()
+        return {"stalled": self.watchdog.stalled, "no_progress_s": round(self.watchdog.no_progress_s(now), 3)}
+
     def run(self, control: ControlChannel) -> None:
         """Until the launcher says stop (or closes the control channel); a "peers"
-        message on it meanwhile goes to set_peers()."""
+        message on it meanwhile goes to set_peers(). Raises WorkerFailed when the worker
+        gives up (module docstring), after telling its clients."""
         # Ctrl-C reaches the whole process group; the launcher decides when we stop.
         # Under Ray the loop runs in an actor's thread, where signals cannot be set (and
         # Ray, not a terminal, owns the actor process's signals).
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        while True:
-            if control.poll():
-                try:
-                    message = control.recv_bytes()
-                except EOFError:  # the launcher is gone
-                    break
-                if message == STOP:
-                    break
-                self.set_peers(decode(message))
-            for sock, _ in self.poller.poll(0 if self.busy() else IDLE_POLL_MS):
-                self._drain(sock)
-            self.step()
+        hang = None
+        if self.stall_timeout_s is not None:
+            loop_thread = threading.get_ident()
+            hang = HangWatchdog(self.stall_timeout_s + self.stall_grace_s,
+                                lambda stuck_s: self._hung(stuck_s, loop_thread), lambda: self._iterations)
+            hang.start()
+        try:
+            while True:
+                if control.poll():
+                    try:
+                        message = control.recv_bytes()
+                    except EOFError:  # the launcher is gone
+                        break
+                    if message == STOP:
+                        break
+                    self.set_peers(decode(message))
+                for sock, _ in self.poller.poll(0 if self.busy() else IDLE_POLL_MS):
+                    self._drain(sock)
+                self.step()
+                self._iterations += 1
+                self._watch()
+        except Exception as exc:
+            self._give_up(exc)
+        finally:
+            if hang is not None:
+                hang.stop()
         self.close()
+
+    def _watch(self) -> None:
+        now = self.clock()
+        if self.watchdog.observe(now, self.pending(), self._progressed):
+            logger.error("%s is stalled: it has had work for %.1f s and no step has computed a token "
+                         "(router.stall_timeout_s = %g); it reports stalled and exits in %g s to be restarted",
+                         self.name, self.watchdog.no_progress_s(now), self.stall_timeout_s, self.stall_grace_s)
+        self._progressed = False
+        if self.watchdog.must_exit(now):
+            raise WorkerStalled(f"no progress for {self.watchdog.no_progress_s(now):.1f} s with work to do "
+                                f"(router.stall_timeout_s = {self.stall_timeout_s:g})")
+
+    def _give_up(self, exc: Exception) -> None:
+        """Fatal: log, tell every client, flush, raise WorkerFailed (never returns)."""
+        stalled = isinstance(exc, WorkerStalled)
+        if stalled:
+            logger.error("%s gives up: %s; exiting so that its supervisor restarts it", self.name, exc)
+        else:
+            logger.error("%s failed; failing every request it holds and exiting so that its supervisor "
+                         "restarts it", self.name, exc_info=exc)
+        reason = str(exc) if isinstance(exc, WorkerFailed) else f"{type(exc).__name__}: {exc}"
+        try:
+            self.fail_all(f"worker {self.name} failed ({reason}) and is being restarted", stalled)
+        except Exception:
+            logger.exception("%s: telling its clients failed too", self.name)
+        try:
+            self.close(FAREWELL_LINGER_MS)
+        except Exception:
+            logger.exception("%s: closing its sockets failed", self.name)
+        _flush_logs()
+        if isinstance(exc, WorkerFailed):
+            raise exc
+        raise WorkerFailed(f"worker {self.name} failed: {reason}") from exc
+
+    def _hung(self, stuck_s: float, loop_thread: int) -> None:
+        """From the HangWatchdog's thread: the loop is stuck (in a step, most likely).
+        Its sockets belong to that thread, so no client can be told: the process ends,
+        and the router fails its requests over when the supervisor reports it down."""
+        frame = sys._current_frames().get(loop_thread)
+        where = "".join(traceback.format_stack(frame)) if frame is not None else "(unknown)\n"
+        logger.error("%s is hung: its loop has not come round for %.1f s (router.stall_timeout_s = %g, "
+                     "+ %g s grace); exiting so that its supervisor restarts it. The loop is at:\n%s",
+                     self.name, stuck_s, self.stall_timeout_s, self.stall_grace_s, where)
+        _flush_logs()
+        os._exit(1)
 
     def _drain(self, sock: zmq.Socket) -> None:
         while True:
@@ -140,8 +316,27 @@ class WorkerLoop:
         else:
             sock.send(body)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket; with linger_ms, messages already sent may take that long
+        to leave (a failing worker's errors to its clients). Closing twice is harmless."""
+        if self.ctx.closed:
+            return
         for sock in self.dealers.values():
-            sock.close(0)
-        self.sock.close(0)
+            sock.close(linger_ms)
+        self.dealers = {}
+        self.sock.close(linger_ms)
         self.ctx.term()
+
+
+def _flush_logs() -> None:
+    """Before the process ends: whatever the handlers (or stderr) still buffer."""
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:
+            pass
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except Exception:
+            pass

@@ -6,18 +6,29 @@ reservation makes the request runnable (its first step computes the last prompt 
 and samples); an Expired one, or prefill_failed(), falls back to prefilling locally,
 but only once the transport has Released the blocks (a one-sided write can no longer
 land in them). An abort of a request still waiting for its KV waits for the same.
+
+Should a one-sided write land after all in blocks already released (Overwritten: a
+data plane slower than the transport's bounds), their contents are unknown: step()
+tells the engine (EngineCore.invalidate_blocks: they leave the prefix cache), aborts
+every request holding one (reported among the step's finished requests, status abort),
+and lists those in `corrupted`, which the caller drains to tell each request's client
+it failed.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 from engine.engine_core import EngineCore, StepOutput
 from engine.kv_cache.manager import cdiv
+from engine.request import Request
 from engine.sampling_params import SamplingParams
-from kv_transfer import Completed, Expired, KVTransport, Released
+from kv_transfer import Completed, Expired, KVTransport, Overwritten, Released
 from prefill_worker.remote_prefill import RemotePrefill
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeWorkerCore:
@@ -35,6 +46,10 @@ class DecodeWorkerCore:
         self._epochs = itertools.count(1)
         self.stats = dict(remote=0, local=0, fallbacks=0)
         self.kv_ready_at: dict[str, float] = {}  # request id -> time.monotonic() its pushed KV completed
+        # Requests aborted because a late KV write overwrote blocks they hold (their KV is
+        # corrupt): the caller takes them from here (and clears it) and fails each one
+        # with an error to its client. Already aborted here: nothing more of them runs.
+        self.corrupted: list[str] = []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     remote: bool, priority: int = 0, sender: str | None = None) -> RemotePrefill | None:
@@ -72,15 +87,21 @@ class DecodeWorkerCore:
             self._on_release.setdefault(request_id, "fallback")
             self.transport.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> list[Request]:
+        """End a request; returns it if it ended now (one waiting for its KV ends once
+        its blocks are Released)."""
         if request_id in self.waiting_for_kv:
             self._on_release[request_id] = "abort"
             self.transport.abort(request_id)
-        else:
-            self.engine.abort([request_id])
+            return []
+        return self.engine.abort([request_id])
 
     def step(self) -> StepOutput:
+        ended = []  # aborted here for an overwritten block: reported as finished (aborted)
         for event in self.transport.poll():
+            if isinstance(event, Overwritten):
+                ended += self._overwritten(event)
+                continue
             if event.req not in self.waiting_for_kv:
                 continue
             if isinstance(event, Completed):
@@ -96,4 +117,19 @@ class DecodeWorkerCore:
                 else:
                     self.stats["fallbacks"] += 1
                     self.engine.remote_kv_failed(event.req)
-        return self.engine.step() if self.engine.has_unfinished() else StepOutput()
+        out = self.engine.step() if self.engine.has_unfinished() else StepOutput()
+        out.finished += ended
+        return out
+
+    def _overwritten(self, event: Overwritten) -> list[Request]:
+        """A late write of released reservation (event.req, event.epoch) landed in
+        event.blocks: whatever they hold now is unknown."""
+        holders = self.engine.invalidate_blocks(list(event.blocks))
+        logger.error("a late KV write for %s overwrote blocks %s after their release; failing the requests "
+                     "holding them: %s", event.req, list(event.blocks)[:16], holders)
+        ended = []
+        for request_id in holders:
+            if request_id not in self.corrupted:
+                ended += self.abort(request_id)
+                self.corrupted.append(request_id)
+        return ended

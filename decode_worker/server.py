@@ -5,6 +5,12 @@ request's new tokens after each step.
 Remote prefills go to the prefill worker with the fewest of this worker's requests in
 flight; when every one has router.prefill_max_outstanding (the pool is saturated),
 the prompt is prefilled here instead.
+
+Failures (cluster/worker_loop.py): a request refused as bad input gets `rejected` with
+status 400. A step that fails (RequestsFailed) ends the requests it names with
+`rejected`, status 500 (a stream that had begun ends with an error event), and the
+worker goes on. Anything worse ends every request with `rejected`, status 500, and
+the process, for a restart.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ import zmq
 
 from cluster.config import ClusterConfig
 from cluster.control import ControlChannel
-from cluster.worker_loop import WorkerLoop, engine_and_transport
+from cluster.worker_loop import WorkerLoop, engine_and_transport, run_worker, stall_grace_s
 from decode_worker.remote_kv import DecodeWorkerCore
 from engine.engine_core import RequestsFailed
 from engine.request import Request
+from engine.sampling import UnusableLogitsError
 from engine.sampling_params import SamplingParams
 from router.protocol import encode
 
@@ -44,14 +51,15 @@ class _Timing:
 
 class DecodeWorker(WorkerLoop):
     def __init__(self, name: str, core: DecodeWorkerCore, prefill_max_outstanding: int = 16,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", stall_timeout_s: float | None = None, stall_grace_s: float = 2.0) -> None:
         core.engine.kv.pool.events = []  # collected for the router (stats replies); before any socket exists
-        super().__init__(name, host)
+        super().__init__(name, host, stall_timeout_s, stall_grace_s)
         self.core = core
         self.prefill_max_outstanding = prefill_max_outstanding
         self.clients: dict[str, tuple[zmq.Socket, bytes]] = {}  # request id -> who asked
         self.sent: dict[str, int] = {}  # request id -> output tokens already sent
         self.prefill_of: dict[str, str] = {}  # request id -> prefill worker doing it
+        self.kv_deadline: dict[str, float] = {}  # request id -> its KV reservation's deadline (time.time())
         self.timing: dict[str, _Timing] = {}
         self.prefill_workers: list[str] = []
         self.prefill_addresses: dict[str, str] = {}
@@ -130,13 +138,14 @@ class DecodeWorker(WorkerLoop):
             rp = self.core.add_request(request_id, msg["prompt"], params, prefill is not None, msg["priority"],
                                        sender=prefill)
         except (TypeError, ValueError) as exc:  # bad input: say so, keep serving
-            self.send(sock, sender, encode("rejected", id=request_id, error=str(exc)))
+            self.send(sock, sender, encode("rejected", id=request_id, error=str(exc), status=400))
             return
         self.clients[request_id] = (sock, sender)
         self.sent[request_id] = 0
         self.timing[request_id] = _Timing(time.monotonic())
         if rp is not None:
             self.prefill_of[request_id] = prefill
+            self.kv_deadline[request_id] = rp.deadline
             self.dealers[prefill].send(encode(
                 "prefill", id=request_id, prompt=rp.prompt_token_ids, peer=rp.peer, blocks=rp.block_ids,
                 first=rp.first_block, epoch=rp.epoch, deadline=rp.deadline, session=rp.session))
@@ -149,31 +158,66 @@ class DecodeWorker(WorkerLoop):
         self._forget(request_id)
 
     def _fail(self, request_id: str, error: str) -> None:
-        """End a request with an error its client is told (as a rejection)."""
+        """End a request that failed here (not its client's fault) with an error its
+        client is told: a rejection with status 500."""
         client = self.clients.get(request_id)
         self._abort(request_id)
         if client is not None:
-            self.send(*client, encode("rejected", id=request_id, error=error))
+            self.send(*client, encode("rejected", id=request_id, error=error, status=500))
 
     def _forget(self, request_id: str) -> None:
         self.clients.pop(request_id, None)
         self.sent.pop(request_id, None)
         self.timing.pop(request_id, None)
+        self.kv_deadline.pop(request_id, None)
         self.core.kv_ready_at.pop(request_id, None)
+
+    def pending(self) -> bool:
+        """Work a step can advance (the stall watchdog's question): requests running,
+        or queued. Not requests waiting for pushed KV (their deadline bounds that), nor
+        a queue that, with nothing running, waits for blocks while KV reservations are
+        open: those blocks come back by the reservation's deadline plus the transport's
+        cancel grace at the latest."""
+        scheduler = self.core.engine.scheduler
+        if scheduler.running:
+            return True
+        if not scheduler.num_waiting:
+            return False
+        now, grace = time.time(), self.core.transport.config.cancel_grace_s
+        return not any(self.kv_deadline.get(r, 0.0) + grace > now for r in self.core.waiting_for_kv)
+
+    def fail_all(self, error: str, stalled: bool) -> None:
+        """The worker gives up. Its prefill workers stop writing into its blocks; its
+        clients are told each request failed (status 500), unless it stalled: then the
+        router fails them over to another decode worker."""
+        for request_id, prefill in self.prefill_of.items():
+            sock = self.dealers.get(prefill)
+            if sock is not None:
+                _send_now(sock, encode("abort", id=request_id))
+        if stalled:
+            return
+        for request_id, (sock, sender) in self.clients.items():
+            body = encode("rejected", id=request_id, error=error, status=500)
+            _send_now(sock, [sender, body] if sock is self.sock else [body])
 
     def step(self) -> None:
         try:
             out = self.core.step()
         except RequestsFailed as exc:
-            # Those requests alone made the step fail (e.g. a penalty that overflowed
-            # their logits): they end with the error, the step is void, and every other
-            # request computes it again next time.
+            # The step is void and names its requests (e.g. a penalty that overflowed
+            # their logits, or a model step that raised): they end with the error, and
+            # every other request computes the step again next time.
             logger.warning("%s: %s", self.name, exc)
+            error = _step_error(exc)
             for request_id in exc.request_ids:
-                self._fail(request_id, "nothing could be sampled for this request: its logits were NaN, "
-                                       "+inf, or -inf for every token (after its penalties and min_tokens "
-                                       "masking)")
+                self._fail(request_id, error)
+            self._fail_corrupted()
+            self.step_failed(exc)  # several in a row: the device is broken (fatal)
             return
+        if out.num_tokens or out.finished:
+            self.progressed()
+            self.step_succeeded()
+        self._fail_corrupted()
         self._bound_kv_events()
         finished = {r.request_id for r in out.finished}
         now = time.monotonic()
@@ -198,6 +242,14 @@ class DecodeWorker(WorkerLoop):
                                       phases=self._phases(request, now) if done else {}))
             if done:
                 self._forget(rid)
+
+    def _fail_corrupted(self) -> None:
+        """Requests the core aborted because a late KV write overwrote their blocks
+        (decode_worker/remote_kv.py): their clients are told."""
+        corrupted, self.core.corrupted = self.core.corrupted, []
+        for request_id in corrupted:
+            self._fail(request_id, "its KV cache blocks were overwritten by a late KV write, so its "
+                                   "output could not be trusted")
 
     def _phases(self, request: Request, now: float) -> dict[str, float]:
         """Seconds per phase, router/metrics.py defines them. A request whose remote
@@ -232,9 +284,28 @@ class DecodeWorker(WorkerLoop):
         kv = self.core.engine.kv
         return {"name": self.name, "num_blocks": kv.pool.num_blocks, "free_blocks": kv.num_free_blocks,
                 "running": len(self.core.engine.scheduler.running),
-                "waiting": len(self.core.engine.scheduler.waiting),
+                "waiting": self.core.engine.scheduler.num_waiting,
                 "waiting_for_kv": len(self.core.waiting_for_kv), **self.core.stats, **self.transfer,
-                "late_writes_dropped": self.core.transport.stats["late_writes_dropped"]}
+                "late_writes_dropped": self.core.transport.stats["late_writes_dropped"], **self.health()}
+
+
+def _step_error(exc: RequestsFailed) -> str:
+    """What a request's client is told when the step it was in failed."""
+    if isinstance(exc.__cause__, UnusableLogitsError):
+        return ("nothing could be sampled for this request: its logits were NaN, +inf, or -inf for every "
+                "token (after its penalties and min_tokens masking)")
+    return f"the engine step this request was in failed: {exc}"
+
+
+def _send_now(sock: zmq.Socket, frames: bytes | list[bytes]) -> None:
+    """Send without ever blocking (a dying worker must not wait on a peer)."""
+    try:
+        if isinstance(frames, bytes):
+            sock.send(frames, zmq.NOBLOCK)
+        else:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.ZMQError as exc:
+        logger.warning("could not send a last message: %s", exc)
 
 
 def serve(config: ClusterConfig, index: int, control: ControlChannel, host: str = "127.0.0.1") -> None:
@@ -242,5 +313,6 @@ def serve(config: ClusterConfig, index: int, control: ControlChannel, host: str 
     peers, run (cluster/control.py)."""
     name, engine, transport = engine_and_transport(config, "decode", index, host)
     worker = DecodeWorker(name, DecodeWorkerCore(engine, transport, config.prefill_deadline_s),
-                          config.router.prefill_max_outstanding, host)
-    worker.serve(control, transport)
+                          config.router.prefill_max_outstanding, host, config.router.stall_timeout_s,
+                          stall_grace_s(config))
+    run_worker(worker, control, transport)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import import_module
 
-from kv_transfer.base import (Completed, Event, Expired, KVTransport, Received, Released,
+from kv_transfer.base import (Completed, Event, Expired, KVTransport, Overwritten, Received, Released,
                               TransportConfig, WriteDone, WriteFailed)
 from kv_transfer.compat import IncompatiblePeerError, KVCompat
 
@@ -36,4 +36,4 @@ def create_transport(name: str, agent_name: str, config: TransportConfig | None 
 
 __all__ = ["TRANSPORTS", "GPU_ONLY", "CPU_ONLY", "create_transport", "KVTransport", "TransportConfig", "KVCompat",
            "IncompatiblePeerError", "Event", "WriteDone", "WriteFailed", "Received", "Completed",
-           "Expired", "Released"]
+           "Expired", "Released", "Overwritten"]

@@ -12,6 +12,7 @@ Who calls what, and when (P = prefill worker, the sender; D = decode worker, the
                      # the source blocks must stay unchanged until the write is done or failed
             t.cancel(req)                           # stop writing it (e.g. the request died)
     both    events = t.poll()                       # never blocks; call every step
+                     # D: Overwritten means blocks it reused hold a late write's bytes
     D       t.abort(req)                            # the request died or fell back to local
     both    t.close()
 
@@ -22,15 +23,29 @@ when D refused it or no acknowledgement came within `timeout_s`: a dead peer is 
 error within that deadline, never a hang. A write whose bytes are still moving when it
 is cancelled or times out fails once they have landed (or the data plane reports an
 error), never before: until its WriteFailed, P must not reuse its source blocks, and
-P's cancel_ack, which lets D reuse the destination blocks, waits for it too.
+P's cancel_ack, which lets D reuse the destination blocks, waits for it too. Likewise
+no write is reported done or failed while its data plane still reads its source
+blocks (`_source_in_use`): tcp sends them zero-copy, so a write whose frames ZMQ still
+holds (queued for a peer that does not read, or is dead: ZMQ keeps them for a
+reconnection) ends only once ZMQ lets go of them. When such a write times out, or
+peer_gone() is called, the control socket to that peer is closed (linger 0, and
+replaced unless the peer is gone), which drops them: ZMQ lets go within a millisecond
+(measured), and the write fails at a later poll.
 
 D accepts a write only into blocks it reserved for that request and epoch, before
 the reservation's deadline. A late write (aborted, expired or unknown request) is
-dropped and counted. One-sided transports (shm, nixl) land bytes before D can look
-at them, so D keeps the blocks of an aborted or expired reservation out of use until
-P confirms it will write no more (cancel_ack), or until deadline + cancel_grace_s,
-after which P refuses to start any write for it (P checks the deadline before every
-write). `Released` tells D when the blocks are safe to reuse.
+dropped and counted. One-sided transports (shm, nixl, cuda_ipc) land bytes before D
+can look at them, so D keeps the blocks of an aborted or expired reservation out of
+use until P confirms it will write no more (cancel_ack), or until deadline +
+cancel_grace_s, after which P refuses to start any write for it (P checks the deadline
+before every write, and shm again when its copy actually starts; shm also stops a copy
+still running at deadline + cancel_grace_s / 2, between two chunks of at most 64 MiB).
+`Released` tells D when the blocks are safe to reuse. Should the bytes of a one-sided
+write land after all once its blocks were released (a data plane slower than those
+bounds, or a sender declared gone that was not), its notification says so: D reports
+`Overwritten` with the blocks whose contents are then unknown, for a while after the
+release (until deadline + 2 * cancel_grace_s + timeout_s, at most MAX_RELEASED
+reservations); their user must treat them as corrupt.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +71,9 @@ from kv_transfer.runs import coalesce
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_VERSION = 1
+# D remembers at most this many released one-sided reservations (their blocks), to name
+# the blocks a write landing after all overwrote (Overwritten); the oldest go first.
+MAX_RELEASED = 4096
 
 
 @dataclass(frozen=True)
@@ -62,7 +81,9 @@ class TransportConfig:
     timeout_s: float = 10.0  # a write not acknowledged within this fails
     # After a reservation's deadline, D releases its blocks without waiting for a
     # cancel_ack once this has passed too (module docstring): it must exceed the time
-    # the bytes of a write started just before the deadline can take to land.
+    # the bytes of a write started just before the deadline can take to land. shm
+    # enforces it (a copy still running at deadline + cancel_grace_s / 2 stops); where
+    # it is not met, D reports the blocks overwritten after their release (Overwritten).
     cancel_grace_s: float = 10.0
     host: str = "127.0.0.1"  # where this agent's control socket listens
     # nixl: drive UCX from a background thread. Off, progress happens in poll(), which
@@ -121,7 +142,14 @@ class Released:  # D: blocks of an aborted or expired reservation may be reused
     blocks: tuple[int, ...]
 
 
-Event = WriteDone | WriteFailed | Received | Completed | Expired | Released
+@dataclass(frozen=True)
+class Overwritten:  # D: a one-sided write of a released reservation landed after all
+    req: str  # the released reservation's request and epoch
+    epoch: int
+    blocks: tuple[int, ...]  # the blocks it landed in: their contents are unknown now
+
+
+Event = WriteDone | WriteFailed | Received | Completed | Expired | Released | Overwritten
 
 
 # ------------------------------------------------------------------------------ state
@@ -145,7 +173,7 @@ class _Write:  # P side
     runs: list[tuple[int, int, int]]
     started: float
     deadline: float  # the reservation's (time.time())
-    handle: Any = None  # the data plane's handle while it moves bytes
+    handle: Any = None  # the data plane's handle while it moves bytes (tcp: its frames' ZMQ tracker)
     notified: bool = False  # the "written" message went out; waiting for the ack
     # Cancelled or timed out while its bytes were moving: it fails (with this reason)
     # once they have landed, never before (see _notify_when_landed).
@@ -160,6 +188,7 @@ class _Peer:
     data: dict[str, Any]
     metadata: bytes  # as add_peer() got it: new bytes under the same name = a restart
     session: str  # the peer's KVTransport.session
+    control: str = ""  # the address of its control socket
 
 
 def _covered(runs: Any) -> set[int] | None:
@@ -203,10 +232,16 @@ class KVTransport(ABC):
         # write() refuses it anyway (so the entry can go).
         self._cancelled: dict[tuple[str, int], float] = {}
         self._acks_due: dict[tuple[str, int], _Peer] = {}  # P: cancels to confirm once landed
+        # P: writes that ended (the event to report) while the data plane still reads their
+        # source blocks (_source_in_use): reported once it no longer does.
+        self._ending: dict[int, tuple[_Write, Event]] = {}
+        # D, one-sided: released (req, epoch) -> (its blocks, its deadline, until when a
+        # write landing for it is reported as Overwritten), oldest first, MAX_RELEASED at most.
+        self._released: OrderedDict[tuple[str, int], tuple[tuple[int, ...], float, float]] = OrderedDict()
         self._xfer_ids = itertools.count(1)
         self._events: list[Event] = []
         self.stats: dict[str, int] = dict(writes=0, writes_done=0, writes_failed=0, bytes_written=0,
-                                          descriptors=0, late_writes_dropped=0, expired=0)
+                                          descriptors=0, late_writes_dropped=0, expired=0, overwritten=0)
 
     # ------------------------------------------------------------------ subclass hooks
 
@@ -232,6 +267,13 @@ class KVTransport(ABC):
     def _progress(self, write: _Write) -> bool:
         """One-sided: True once the bytes have landed (raise on a data-plane error)."""
         return True
+
+    def _source_in_use(self, write: _Write) -> bool:
+        """True while the data plane may still read the write's source blocks after its
+        outcome is known (tcp: its frames, sent zero-copy, are still queued in ZMQ; shm: its
+        copy still runs when the peer is declared gone). Its WriteDone / WriteFailed, on
+        which the caller reuses those blocks, waits until this is False. Must not block."""
+        return False
 
     def _data_frames(self, write: _Write) -> list[Any]:
         """Two-sided: the data sent with the notification, one frame per run."""
@@ -322,15 +364,30 @@ class KVTransport(ABC):
             # Same agent name, new metadata: the peer was restarted (new process, new
             # cache and control socket). The old one is dead.
             self.peer_gone(name)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, self.agent_name.encode())
-        sock.connect(meta["control"])
-        peer = _Peer(name, compat, sock, dict(meta["data"], num_blocks=meta["num_blocks"]), bytes(metadata),
-                     str(meta.get("session", "")))
+        peer = _Peer(name, compat, self._dealer(meta["control"]), dict(meta["data"], num_blocks=meta["num_blocks"]),
+                     bytes(metadata), str(meta.get("session", "")), meta["control"])
         self._connect(peer)
         self._peers[name] = peer
         return name
+
+    def _dealer(self, address: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.agent_name.encode())
+        sock.connect(address)
+        return sock
+
+    def _reconnect(self, peer: _Peer) -> None:
+        """Replace the control socket to `peer`, dropping whatever is still queued on it
+        (linger 0): the frames of writes that timed out, which ZMQ would otherwise keep,
+        reading their source blocks, for as long as the peer does not read (forever if
+        it is dead). Also lost: later writes' frames (they time out), cancel_acks (the
+        peer releases after cancel_grace_s), and messages from it in flight. Its
+        ROUTER takes the new connection over (ROUTER_HANDOVER)."""
+        logger.warning("dropping the messages still queued for %r: writes to it timed out with their "
+                       "data unsent", peer.name)
+        peer.socket.close(0)
+        peer.socket = self._dealer(peer.control)
 
     def warm_up(self, name: str) -> None:
         """Finish the handshake with peer `name` now rather than on the first write (the
@@ -345,18 +402,23 @@ class KVTransport(ABC):
 
     def peer_gone(self, name: str) -> None:
         """The process of agent `name` is gone (its supervisor says so). As sender: our
-        writes to it fail now, and it is forgotten (add_peer it again once restarted). As
-        receiver: the reservations it was writing are released at once, since a dead
-        sender can land nothing more (no cancel_ack will come from it)."""
+        writes to it fail now (reported once the data plane no longer reads their source
+        blocks: at once, or at a later poll), and it is forgotten (add_peer it again once
+        restarted). As receiver: the reservations it was writing are released at once,
+        since a dead sender can land nothing more (no cancel_ack will come from it)."""
         peer = self._peers.pop(name, None)
         if peer is not None:
+            # First: linger 0 drops the frames still queued for it (tcp sends them from
+            # the cache, zero-copy), so that ZMQ lets go of our source blocks at once and
+            # the writes below can fail (they do once it has: _source_in_use).
+            peer.socket.close(0)
             for w in [w for w in self._writes.values() if w.peer == name]:
                 self._fail(w, f"peer {name!r} is gone")
             self._acks_due = {k: p for k, p in self._acks_due.items() if p is not peer}
-            peer.socket.close(0)
         self._disconnect(name)
         for req, r in [(q, r) for q, r in self._reservations.items() if r.sender == name]:
             del self._reservations[req]
+            self._remember_released(req, r)
             self._events.append(Released(req, r.epoch, tuple(sorted(r.blocks))))
         for (req, epoch), r in list(self._quarantine.items()):
             if r.sender == name:
@@ -396,7 +458,10 @@ class KVTransport(ABC):
                 self._fail(w, f"data plane error: {exc}")
                 return xfer
             self.stats["descriptors"] += len(w.runs)
-            self._notify_when_landed(w)
+            try:
+                self._notify_when_landed(w)
+            except Exception as exc:  # e.g. a copy that already failed (shm: started too late)
+                self._fail(w, f"data plane error: {exc}")
         return xfer
 
     def cancel(self, req: str) -> None:
@@ -420,6 +485,13 @@ class KVTransport(ABC):
         if w.notified or not self._progress(w):
             return
         if w.failure is not None:
+            peer = self._peers.get(w.peer)
+            if self.one_sided and peer is not None:
+                # Its bytes did land: D must hear of them, or it could not tell whether
+                # they landed in blocks it has released since (Overwritten). D refuses
+                # the write (or accepts it, if its reservation still stands: the bytes
+                # are good); either way its ack finds no write here any more.
+                peer.socket.send(self._header(w))
             self._fail(w, w.failure)
             return
         self._send_notification(self._peers[w.peer], w)
@@ -432,12 +504,25 @@ class KVTransport(ABC):
 
     def _fail(self, w: _Write, reason: str) -> None:
         self._writes.pop(w.xfer, None)
-        try:
-            self._abandon(w)
-        except Exception as exc:  # cleanup must not hide the failure being reported
-            logger.warning("could not release write %d's data-plane resources: %s", w.xfer, exc)
-        self.stats["writes_failed"] += 1
-        self._events.append(WriteFailed(w.xfer, w.peer, w.req, w.epoch, reason))
+        self._end(w, WriteFailed(w.xfer, w.peer, w.req, w.epoch, reason))
+
+    def _end(self, w: _Write, event: WriteDone | WriteFailed) -> None:
+        """Report the outcome of a write that left self._writes, once the data plane no
+        longer reads its source blocks (the caller reuses them on this event)."""
+        if self._source_in_use(w):
+            self._ending[w.xfer] = (w, event)
+            return
+        self._ending.pop(w.xfer, None)
+        if isinstance(event, WriteDone):
+            self.stats["writes_done"] += 1
+            self.stats["bytes_written"] += sum(n for *_, n in w.runs) * self.compat.block_bytes
+        else:
+            try:
+                self._abandon(w)
+            except Exception as exc:  # cleanup must not hide the failure being reported
+                logger.warning("could not release write %d's data-plane resources: %s", w.xfer, exc)
+            self.stats["writes_failed"] += 1
+        self._events.append(event)
 
     # ------------------------------------------------------------------ receiver (D)
 
@@ -471,7 +556,19 @@ class KVTransport(ABC):
     def _release(self, req: str, epoch: int) -> None:
         r = self._quarantine.pop((req, epoch), None)
         if r is not None:
+            self._remember_released(req, r)
             self._events.append(Released(req, epoch, tuple(sorted(r.blocks))))
+
+    def _remember_released(self, req: str, r: _Reservation) -> None:
+        """One-sided: keep the blocks of a released reservation for a while, so that a
+        write for it whose bytes land after all is reported (Overwritten) naming them."""
+        if not self.one_sided:
+            return
+        until = r.deadline + 2 * self.config.cancel_grace_s + self.config.timeout_s
+        self._released[(req, r.epoch)] = (tuple(sorted(r.blocks)), r.deadline, until)
+        self._released.move_to_end((req, r.epoch))
+        while len(self._released) > MAX_RELEASED:
+            self._released.popitem(last=False)
 
     def _on_written(self, sender: bytes, msg: dict[str, Any], frames: list[Any]) -> None:
         req, epoch, blocks = msg["req"], msg["epoch"], msg["blocks"]
@@ -482,6 +579,17 @@ class KVTransport(ABC):
             # The cancel may not have reached this sender before: repeat it.
             self._router.send_multipart([sender, encode("cancel", req=req, epoch=epoch,
                                                         deadline=self._quarantine[(req, epoch)].deadline)])
+        elif self.one_sided and (req, epoch) in self._released:
+            # Its bytes landed in blocks that may be in use again: say which, loudly.
+            released, deadline, _ = self._released[(req, epoch)]
+            landed = set(released) & (set(blocks) | (_covered(msg["runs"]) or set()))
+            reason = "the request's blocks were already released"
+            if landed:
+                self.stats["overwritten"] += 1
+                logger.error("a write from %s for %s/%d landed in blocks %s after they were released: "
+                             "their contents are unknown", sender.decode(), req, epoch, sorted(landed)[:16])
+                self._events.append(Overwritten(req, epoch, tuple(sorted(landed))))
+            self._router.send_multipart([sender, encode("cancel", req=req, epoch=epoch, deadline=deadline)])
         elif r is None:
             reason = "no reservation for this request"
         elif r.epoch != epoch:
@@ -526,6 +634,7 @@ class KVTransport(ABC):
         for peer in self._peers.values():
             self._drain_dealer(peer)
         now_mono, now = time.monotonic(), time.time()
+        stalled: set[str] = set()  # peers still holding the data of writes that timed out
         for w in list(self._writes.values()):
             if not w.notified:
                 try:
@@ -538,10 +647,14 @@ class KVTransport(ABC):
             reason = f"no acknowledgement from {w.peer!r} within {self.config.timeout_s} s"
             if w.notified:
                 self._fail(w, reason)
+                if w.xfer in self._ending and w.peer in self._peers:  # its data is still queued
+                    stalled.add(w.peer)
             elif w.failure is None:
                 # Its bytes are still moving (a slow or stalled data plane): it fails
                 # once they have landed or the data plane reports an error.
                 w.failure = reason
+        for name in stalled:
+            self._reconnect(self._peers[name])
         for req, r in list(self._reservations.items()):
             if now > r.deadline:
                 self.stats["expired"] += 1
@@ -553,6 +666,10 @@ class KVTransport(ABC):
                 self._release(req, epoch)  # the sender refuses to start writes this late
         for key in [k for k, deadline in self._cancelled.items() if now > deadline]:
             del self._cancelled[key]
+        for key in [k for k, (*_, until) in self._released.items() if now > until]:
+            del self._released[key]
+        for w, event in list(self._ending.values()):
+            self._end(w, event)  # reported now if the data plane let go of its source
         for key, peer in list(self._acks_due.items()):
             if not any((w.req, w.epoch) == key for w in self._writes.values() if not w.notified):
                 del self._acks_due[key]
@@ -598,9 +715,7 @@ class KVTransport(ABC):
                 if w is None:
                     continue
                 if msg["ok"]:
-                    self.stats["writes_done"] += 1
-                    self.stats["bytes_written"] += sum(n for *_, n in w.runs) * self.compat.block_bytes
-                    self._events.append(WriteDone(w.xfer, w.peer, w.req, w.epoch))
+                    self._end(w, WriteDone(w.xfer, w.peer, w.req, w.epoch))
                 else:
                     self._writes[w.xfer] = w
                     self._fail(w, f"refused by {peer.name!r}: {msg['reason']}")

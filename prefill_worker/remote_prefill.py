@@ -68,7 +68,7 @@ class PrefillWorkerCore:
         # then has the data plane stopped reading them): the engine may preempt or
         # abort their request meanwhile, and must not hand them to another one.
         self._held: dict[int, list[KVBlock]] = {}
-        self.stats = dict(prefills=0, blocks_written=0, failed=0)
+        self.stats = dict(prefills=0, blocks_written=0, failed=0, tokens_computed=0)
 
     def submit(self, rp: RemotePrefill) -> None:
         end = cdiv(len(rp.prompt_token_ids) - 1, self.block_size)
@@ -97,10 +97,23 @@ class PrefillWorkerCore:
             job.failed = "aborted by the decode worker"
             self.transport.cancel(request_id)
 
+    def fail(self, request_id: str, reason: str) -> None:
+        """Its step failed: it writes no more and leaves the engine now (no later step
+        computes it again; blocks with writes in flight stay held until those settle).
+        step() reports it, with `reason`, once its writes have settled."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            return
+        if job.failed is None:
+            job.failed = reason
+            self.transport.cancel(request_id)
+        self.engine.abort([request_id])
+
     def step(self) -> list[PrefillResult]:
         """One engine step plus transfer progress. Returns every job that ended: its KV
         written (error None), or failed."""
         out = self.engine.step() if self.engine.has_unfinished() else StepOutput()
+        self.stats["tokens_computed"] += out.num_tokens
         prefilled = {r.request_id for r in out.finished if r.status == RequestStatus.PREFILLED}
         now = time.monotonic()
         for request_id in prefilled & self.jobs.keys():

@@ -1,6 +1,12 @@
 """A prefill worker process: takes remote-prefill requests from decode workers over
 ZMQ, computes prompt KV with chunked prefill, pushes it through the KV transport,
-and reports each request's end to the decode worker that asked."""
+and reports each request's end to the decode worker that asked.
+
+Failures (cluster/worker_loop.py): a step that fails (RequestsFailed) ends the jobs it
+names with `prefill_done` carrying the error (their decode workers prefill those
+prompts themselves), and the worker goes on. Anything worse ends every job that way,
+and the process, for a restart.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,8 @@ import zmq
 
 from cluster.config import ClusterConfig
 from cluster.control import ControlChannel
-from cluster.worker_loop import WorkerLoop, engine_and_transport
+from cluster.worker_loop import WorkerLoop, engine_and_transport, run_worker, stall_grace_s
+from engine.errors import RequestsFailed
 from prefill_worker.remote_prefill import PrefillWorkerCore, RemotePrefill
 from router.protocol import encode
 
@@ -18,8 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillWorker(WorkerLoop):
-    def __init__(self, name: str, core: PrefillWorkerCore, host: str = "127.0.0.1") -> None:
-        super().__init__(name, host)
+    def __init__(self, name: str, core: PrefillWorkerCore, host: str = "127.0.0.1",
+                 stall_timeout_s: float | None = None, stall_grace_s: float = 2.0) -> None:
+        super().__init__(name, host, stall_timeout_s, stall_grace_s)
         self.core = core
         self.origin: dict[str, tuple[zmq.Socket, bytes]] = {}  # request id -> decode worker
         self.decode_workers: set[str] = set()  # KV destinations, by transport agent name
@@ -54,6 +62,13 @@ class PrefillWorker(WorkerLoop):
     def busy(self) -> bool:
         return bool(self.core.jobs)
 
+    def pending(self) -> bool:
+        """Prompts running or queued in the engine (the stall watchdog's question);
+        not jobs only waiting for their writes to be acknowledged (the transport's
+        timeout bounds those)."""
+        scheduler = self.core.engine.scheduler
+        return bool(scheduler.running) or scheduler.num_waiting > 0
+
     def handle(self, sender: bytes, msg: dict, sock: zmq.Socket) -> None:
         if msg["kind"] == "prefill":
             rp = RemotePrefill(msg["id"], msg["prompt"], msg["peer"], msg["blocks"], msg["first"],
@@ -71,20 +86,50 @@ class PrefillWorker(WorkerLoop):
             kv = self.core.engine.kv
             self.send(sock, sender, encode("stats_reply", seq=msg["seq"], stats={
                 "name": self.name, "num_blocks": kv.pool.num_blocks, "free_blocks": kv.num_free_blocks,
-                "jobs": len(self.core.jobs), **self.core.stats}, kv_events=[], kv_reset=False))
+                "jobs": len(self.core.jobs), **self.core.stats, **self.health()}, kv_events=[], kv_reset=False))
 
     def step(self) -> None:
-        for r in self.core.step():
+        stats = self.core.stats
+        written, computed = stats["blocks_written"], stats["tokens_computed"]
+        try:
+            results = self.core.step()
+        except RequestsFailed as exc:
+            # The step is void: its prompts end with the error (their decode workers
+            # prefill them locally); the others compute it again next time.
+            logger.warning("%s: %s", self.name, exc)
+            for request_id in exc.request_ids:
+                self.core.fail(request_id, f"the prefill step failed: {exc}")
+            self.step_failed(exc)  # several in a row: the device is broken (fatal)
+            return
+        if stats["tokens_computed"] != computed:
+            self.step_succeeded()
+        if stats["tokens_computed"] != computed or stats["blocks_written"] != written or results:
+            self.progressed()
+        for r in results:
             origin = self.origin.pop(r.request_id, None)
             if origin is not None:
                 self.send(*origin, encode("prefill_done", id=r.request_id, error=r.error or "",
                                           compute_s=r.compute_s, transfer_s=r.transfer_s,
                                           bytes=r.bytes_written))
 
+    def fail_all(self, error: str, stalled: bool) -> None:
+        """The worker gives up: every decode worker waiting on one of its jobs hears
+        that it failed, and prefills the prompt itself."""
+        for request_id, (sock, sender) in self.origin.items():
+            body = encode("prefill_done", id=request_id, error=error, compute_s=0.0, transfer_s=0.0, bytes=0)
+            try:
+                if sock is self.sock:
+                    sock.send_multipart([sender, body], zmq.NOBLOCK)
+                else:
+                    sock.send(body, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                logger.warning("%s: could not tell %s: %s", self.name, sender, exc)
+
 
 def serve(config: ClusterConfig, index: int, control: ControlChannel, host: str = "127.0.0.1") -> None:
     """Worker entry point: start (sockets on `host`), report ready on `control`, get
     peers, run (cluster/control.py)."""
     name, engine, transport = engine_and_transport(config, "prefill", index, host)
-    worker = PrefillWorker(name, PrefillWorkerCore(engine, transport), host)
-    worker.serve(control, transport)
+    worker = PrefillWorker(name, PrefillWorkerCore(engine, transport), host, config.router.stall_timeout_s,
+                           stall_grace_s(config))
+    run_worker(worker, control, transport)

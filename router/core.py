@@ -157,7 +157,9 @@ class Router:
         token; seeded sampling and presence/frequency penalties restart their state on
         the new worker (the generated tokens count as prompt there), so such a request
         continues validly but not identically. With no live worker left it ends with
-        HTTP 503 (before its first chunk) or a broken stream (after)."""
+        HTTP 503 (before its first chunk) or a broken stream (after). A request the
+        worker failed (its engine step failed, or the worker gave up) ends with HTTP
+        500 or, after its first chunk, an error event; bad input with 400."""
         if self.in_flight >= self.config.router.max_queued_requests:
             raise APIError(429, f"the server has {self.in_flight} requests in flight "
                                 f"(max_queued_requests); retry later", kind="rate_limit_error")
@@ -184,8 +186,8 @@ class Router:
                     if msg is WORKER_LOST:
                         break
                     if msg["kind"] == "rejected":
-                        finished = True  # nothing to abort: the worker never queued it
-                        raise APIError(400, msg["error"])
+                        finished = True  # nothing to abort: the worker ended it (or never queued it)
+                        raise _rejection(msg)
                     now, new = time.monotonic(), len(msg["tokens"])
                     if new and detok.num_tokens == 0:
                         m.ttft.observe(now - start)
@@ -293,6 +295,15 @@ class Router:
             for w in self.workers + self.prefill:
                 w.check()
             self.publish_live()
+
+
+def _rejection(msg: dict[str, Any]) -> APIError:
+    """A decode worker's "rejected": 400, bad input; 500, the request failed on the
+    worker (its engine step failed, or the worker itself did)."""
+    status = msg["status"] if 400 <= msg["status"] <= 599 else 500
+    if status >= 500:
+        return APIError(status, f"the request failed on the server: {msg['error']}", kind="internal_server_error")
+    return APIError(status, msg["error"])
 
 
 def _params_dict(params: SamplingParams) -> dict[str, Any]:

@@ -6,8 +6,10 @@ routing id is its own name. A worker answers on the socket a message came in on.
     router  -> decode   generate, abort, stats
     decode  -> router   tokens (one per request per step; logprobs of those tokens when
                         asked; the request's phase times with the last), rejected
-                        (bad input; or, after tokens, a request whose logits could not
-                        be sampled: it ends there), stats_reply
+                        (the request ends there, maybe after tokens; status 400: bad
+                        input; 500: it failed on the worker: its engine step failed,
+                        or the worker did), stats_reply (the worker's figures, with
+                        `stalled` and `no_progress_s`: cluster/worker_loop.py)
     decode  -> prefill  prefill (decode-first push: D's blocks and deadline), abort
     prefill -> decode   prefill_done (error "" when every block was written; compute and
                         transfer seconds, bytes written)
@@ -21,6 +23,8 @@ for the router's kv_aware index.
 Version 5: prefill carries the decode worker's transport session: a prefill worker
 writes only into the blocks of the process that reserved them, never into those of
 one restarted under the same name.
+Version 6: rejected carries an HTTP status: 400 for bad input, 500 for a request that
+failed on the worker (the router answers with that status).
     launcher <-> worker  over the control channel (cluster/control.py): ready (address,
                          transport metadata), peers, serving (the first peers applied and
                          every KV handshake made: pre-warmed; `cold` names peers whose
@@ -31,13 +35,13 @@ from __future__ import annotations
 
 from kv_transfer.messages import _BOOL, _BYTES, _DICT, _FLOAT, _INT, _LIST, _STR, Schema
 
-WORKER = Schema(5, {
+WORKER = Schema(6, {
     "generate": {"id": _STR, "prompt": _LIST, "params": _DICT, "remote": _BOOL, "priority": _INT},
     "abort": {"id": _STR},
     "stats": {"seq": _INT},
     "tokens": {"id": _STR, "tokens": _LIST, "finished": _BOOL, "reason": _STR, "cached": _INT,
                "logprobs": _LIST, "phases": _DICT},
-    "rejected": {"id": _STR, "error": _STR},
+    "rejected": {"id": _STR, "error": _STR, "status": _INT},
     "stats_reply": {"seq": _INT, "stats": _DICT, "kv_events": _LIST, "kv_reset": _BOOL},
     "prefill": {"id": _STR, "prompt": _LIST, "peer": _STR, "blocks": _LIST, "first": _INT,
                 "epoch": _INT, "deadline": _FLOAT, "session": _STR},

@@ -2,6 +2,10 @@
 (router/health.py) and, for a decode worker, the queues of the requests it serves.
 Prefill workers are only pinged, for their health and figures.
 
+A worker whose stats reply says `stalled` (it has work and has made no progress for
+router.stall_timeout_s; it exits soon, cluster/worker_loop.py) is declared dead at once,
+as a silent one would be after router.worker_timeout_s; its replies do not re-admit it.
+
 Who calls what: the router starts `read_forever()` and one shared monitor task
 (router/app.py) for the app's lifetime; the monitor calls `ping()` and `check()` every
 router.health_interval_s; request handlers call `send()`, and /metrics `stats()`.
@@ -56,7 +60,11 @@ class WorkerClient:
             except MessageError as exc:  # e.g. a worker of another protocol version
                 logger.warning("dropped a message from %s: %s", self.name, exc)
                 continue
-            if self.health.heard(time.monotonic()):
+            stalled = msg["kind"] == "stats_reply" and msg["stats"].get("stalled") is True
+            if stalled:  # it answers, but makes no progress: as good as dead (and exits soon)
+                self.declare_dead(f"is stalled: no progress for {msg['stats'].get('no_progress_s', 0):.0f} s "
+                                  "with work to do (router.stall_timeout_s)")
+            elif self.health.heard(time.monotonic()):
                 logger.warning("worker %s answers again: in service again", self.name)
             if msg["kind"] == "stats_reply":
                 if isinstance(msg["stats"].get("num_blocks"), int):
