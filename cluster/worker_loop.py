@@ -194,7 +194,11 @@ class WorkerLoop:
 
     def step_failed(self, exc: RequestsFailed) -> None:
         """A step raised RequestsFailed (after its requests were ended): fatal when
-        MAX_FAILED_STEPS_IN_A_ROW did with no good step between them."""
+        MAX_FAILED_STEPS_IN_A_ROW did with no good step between them. Failures the
+        requests caused themselves (exc.at_fault) say nothing about the device and do
+        not count: else any client could bring a healthy worker down."""
+        if exc.at_fault:
+            return
         self._failed_steps += 1
         if self._failed_steps >= MAX_FAILED_STEPS_IN_A_ROW:
             raise WorkerFailed(f"{self._failed_steps} engine steps in a row failed, the last with: {exc}; "

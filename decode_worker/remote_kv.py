@@ -124,6 +124,9 @@ class DecodeWorkerCore:
     def _overwritten(self, event: Overwritten) -> list[Request]:
         """A late write of released reservation (event.req, event.epoch) landed in
         event.blocks: whatever they hold now is unknown."""
+        # Its own request too, if it prefills locally in them now: the write's last,
+        # partial block carries whatever P's block held past the prompt, over the slots
+        # of the tokens generated here since.
         holders = self.engine.invalidate_blocks(list(event.blocks))
         logger.error("a late KV write for %s overwrote blocks %s after their release; failing the requests "
                      "holding them: %s", event.req, list(event.blocks)[:16], holders)

@@ -28,7 +28,6 @@ from cluster.worker_loop import WorkerLoop, engine_and_transport, run_worker, st
 from decode_worker.remote_kv import DecodeWorkerCore
 from engine.engine_core import RequestsFailed
 from engine.request import Request
-from engine.sampling import UnusableLogitsError
 from engine.sampling_params import SamplingParams
 from router.protocol import encode
 
@@ -59,7 +58,6 @@ class DecodeWorker(WorkerLoop):
         self.clients: dict[str, tuple[zmq.Socket, bytes]] = {}  # request id -> who asked
         self.sent: dict[str, int] = {}  # request id -> output tokens already sent
         self.prefill_of: dict[str, str] = {}  # request id -> prefill worker doing it
-        self.kv_deadline: dict[str, float] = {}  # request id -> its KV reservation's deadline (time.time())
         self.timing: dict[str, _Timing] = {}
         self.prefill_workers: list[str] = []
         self.prefill_addresses: dict[str, str] = {}
@@ -145,7 +143,6 @@ class DecodeWorker(WorkerLoop):
         self.timing[request_id] = _Timing(time.monotonic())
         if rp is not None:
             self.prefill_of[request_id] = prefill
-            self.kv_deadline[request_id] = rp.deadline
             self.dealers[prefill].send(encode(
                 "prefill", id=request_id, prompt=rp.prompt_token_ids, peer=rp.peer, blocks=rp.block_ids,
                 first=rp.first_block, epoch=rp.epoch, deadline=rp.deadline, session=rp.session))
@@ -157,19 +154,18 @@ class DecodeWorker(WorkerLoop):
         self.core.abort(request_id)
         self._forget(request_id)
 
-    def _fail(self, request_id: str, error: str) -> None:
-        """End a request that failed here (not its client's fault) with an error its
-        client is told: a rejection with status 500."""
+    def _fail(self, request_id: str, error: str, status: int = 500) -> None:
+        """End a request with an error its client is told: a rejection with `status`
+        (500: it failed here; 400: its own parameters made it fail)."""
         client = self.clients.get(request_id)
         self._abort(request_id)
         if client is not None:
-            self.send(*client, encode("rejected", id=request_id, error=error, status=500))
+            self.send(*client, encode("rejected", id=request_id, error=error, status=status))
 
     def _forget(self, request_id: str) -> None:
         self.clients.pop(request_id, None)
         self.sent.pop(request_id, None)
         self.timing.pop(request_id, None)
-        self.kv_deadline.pop(request_id, None)
         self.core.kv_ready_at.pop(request_id, None)
 
     def pending(self) -> bool:
@@ -181,10 +177,7 @@ class DecodeWorker(WorkerLoop):
         scheduler = self.core.engine.scheduler
         if scheduler.running:
             return True
-        if not scheduler.num_waiting:
-            return False
-        now, grace = time.time(), self.core.transport.config.cancel_grace_s
-        return not any(self.kv_deadline.get(r, 0.0) + grace > now for r in self.core.waiting_for_kv)
+        return bool(scheduler.num_waiting) and not self.core.transport.holds_reservations()
 
     def fail_all(self, error: str, stalled: bool) -> None:
         """The worker gives up. Its prefill workers stop writing into its blocks; its
@@ -210,7 +203,7 @@ class DecodeWorker(WorkerLoop):
             logger.warning("%s: %s", self.name, exc)
             error = _step_error(exc)
             for request_id in exc.request_ids:
-                self._fail(request_id, error)
+                self._fail(request_id, error, 400 if exc.at_fault else 500)
             self._fail_corrupted()
             self.step_failed(exc)  # several in a row: the device is broken (fatal)
             return
@@ -291,7 +284,7 @@ class DecodeWorker(WorkerLoop):
 
 def _step_error(exc: RequestsFailed) -> str:
     """What a request's client is told when the step it was in failed."""
-    if isinstance(exc.__cause__, UnusableLogitsError):
+    if exc.at_fault:
         return ("nothing could be sampled for this request: its logits were NaN, +inf, or -inf for every "
                 "token (after its penalties and min_tokens masking)")
     return f"the engine step this request was in failed: {exc}"

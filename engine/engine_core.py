@@ -223,7 +223,7 @@ class EngineCore:
         steps' requests failing (RequestsFailed), so a worker ends just those."""
         try:
             return call(*args)
-        except (RequestsFailed, UnusableLogitsError):
+        except (RequestsFailed, UnusableLogitsError, EngineStateError):
             raise
         except Exception as exc:
             ids = list(dict.fromkeys(s.request.request_id for out in queued for s in out.scheduled))
@@ -241,7 +241,7 @@ class EngineCore:
         except UnusableLogitsError as exc:
             sampling = [s.request.request_id for s in out.scheduled if s.samples]
             failed = [sampling[row] for row in exc.rows]
-            raise RequestsFailed(f"requests {failed}: {exc}", failed) from exc
+            raise RequestsFailed(f"requests {failed}: {exc}", failed, at_fault=True) from exc
         queued.remove(out)
         if any(sampled.logprobs):  # a C-speed scan; most steps have none
             sampling = [s.request for s in out.scheduled if s.samples]

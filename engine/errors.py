@@ -21,9 +21,14 @@ class EngineStateError(RuntimeError):
 
 class RequestsFailed(RuntimeError):
     """A step failed and is void; `request_ids` were in it. The caller should finish
-    them with this error; every other request computes the step again next time."""
+    them with this error; every other request computes the step again next time.
 
-    def __init__(self, message: str, request_ids: list[str]) -> None:
+    `at_fault`: the requests themselves made it fail (their parameters left nothing to
+    sample), which says nothing about the device; else the model side failed with them
+    in the step (which may say something about the device, if it keeps happening)."""
+
+    def __init__(self, message: str, request_ids: list[str], at_fault: bool = False) -> None:
         super().__init__(message)
         self.request_ids = request_ids
+        self.at_fault = at_fault
 

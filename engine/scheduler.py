@@ -233,8 +233,11 @@ class Scheduler:
             self._admit(out, request, request.num_computed_tokens, num_new)
             budget -= num_new
 
-        # Admitting new work while evicting running work would thrash.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+        # Admitting new work while evicting running work would thrash; and while a ready
+        # request waits for a step with room (chunked prefill off), later requests
+        # admitted ahead of it would keep that room from ever coming.
+        while self.waiting and not self.ready and budget > 0 and not out.preempted \
+                and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][1]
             admission = self._admission(request, budget)
             if admission is None:

@@ -538,6 +538,11 @@ class KVTransport(ABC):
             raise ValueError(f"reserved block ids must be in [0, {self.kv_cache.shape[0]}), got {list(blocks)[:5]}")
         self._reservations[req] = _Reservation(epoch, set(blocks), deadline, sender, set(blocks))
 
+    def holds_reservations(self) -> bool:
+        """D: some reserved blocks are not back yet: live reservations, or dead ones
+        waiting for Released (by deadline + cancel_grace_s at the latest)."""
+        return bool(self._reservations or self._quarantine)
+
     def abort(self, req: str) -> None:
         """Drop the reservation; Released follows once its blocks are safe to reuse."""
         r = self._reservations.pop(req, None)

@@ -4,9 +4,11 @@ GIL-free call per chunk of at most CHUNK_BYTES, then the notification.
 
 The copy is bounded in time where it runs (_copy): one that starts after the
 reservation's deadline (the pool was busy, the host overloaded) does not start, and
-one still running at deadline + cancel_grace_s / 2 stops before its next chunk, so no
-byte lands once the receiver may have released the blocks (deadline + cancel_grace_s);
-the write fails then."""
+one still running at deadline + cancel_grace_s / 2 stops before its next chunk, so,
+unless one chunk takes longer than cancel_grace_s / 2, no byte lands once the receiver
+may have released the blocks (deadline + cancel_grace_s); the write fails then. Its
+notification still goes out, so a receiver that did release them hears of the landing
+(Overwritten)."""
 
 from __future__ import annotations
 
@@ -67,17 +69,21 @@ def _chunks(runs: list[tuple[int, int, int]], dst: torch.Tensor, src: torch.Tens
     return chunks
 
 
-def _copy(chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]], deadline: float, stop_at: float) -> None:
+def _copy(chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]], deadline: float,
+          stop_at: float) -> str | None:
     """A write's copy, on a pool thread. It does not start after the reservation's
-    `deadline`, and stops before a chunk once past `stop_at` (time.time()): the bytes of
-    the chunks already copied landed before then; the write fails."""
+    `deadline` (raises: no byte landed), and stops before a chunk once past `stop_at`
+    (time.time()). Returns why it stopped, if it did: the chunks copied have landed
+    (maybe late: a chunk started in time may take any time), so the receiver must still
+    hear of them (the write's notification), and the write fails."""
     if time.time() > deadline:
         raise RuntimeError("deadline passed before the copy started")
     for i, (to, frm) in enumerate(chunks):
         if i and time.time() > stop_at:
-            raise RuntimeError(f"copy stopped after {i} of {len(chunks)} chunks: still running at the "
-                               "reservation's deadline + cancel_grace_s / 2")
+            return (f"copy stopped after {i} of {len(chunks)} chunks: still running at the reservation's "
+                    "deadline + cancel_grace_s / 2")
         _copy_chunk(to, frm)
+    return None
 
 
 def unlink_segment(metadata: bytes) -> None:
@@ -143,7 +149,9 @@ class ShmTransport(KVTransport):
         handle: Future | None = write.handle
         if handle is None or not handle.done():
             return handle is None
-        handle.result()  # re-raises a copy error
+        stopped = handle.result()  # re-raises a copy error (nothing landed)
+        if isinstance(stopped, str):  # part landed: notified, then failed (_notify_when_landed)
+            write.failure = write.failure or stopped
         return True
 
     def _source_in_use(self, write: _Write) -> bool:

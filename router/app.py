@@ -72,7 +72,9 @@ def create_app(router: Router) -> FastAPI:
         """The request's JSON body, with every check that needs no tokenizer done."""
         try:
             body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except RecursionError:
+            raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
             raise APIError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object")

@@ -198,12 +198,49 @@ def test_a_copy_still_running_at_deadline_plus_half_the_grace_stops_between_chun
             sent, _ = poll_both(prefill, decode, 0.01)
             assert not [e for e in sent if isinstance(e, WriteDone)]
             failed += [e for e in sent if isinstance(e, WriteFailed)]
-        assert failed[0].reason.startswith("data plane error: copy stopped after ")
+        assert failed[0].reason.startswith("copy stopped after ")
         copied = len(landed)
         assert 1 <= copied < 16
         assert max(landed) < deadline + 0.2 + 0.15  # stop_at, plus the one chunk then under way
         assert bool((decode.kv_cache[:copied] == PAYLOAD).all())
         assert bool((decode.kv_cache[copied:16] == SENTINEL).all())
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_copy_whose_first_chunk_landed_late_is_reported_overwritten(monkeypatch) -> None:
+    """The first chunk starts before the deadline but lands after the receiver released
+    its blocks; the copy then stops before the next chunk. The receiver must still hear
+    of the bytes that landed (the write failed without its notification, silently)."""
+    decode, prefill = agent("shm", "decode", grace_s=0.2), agent("shm", "prefill", grace_s=0.4)
+    real = torch._foreach_copy_
+    calls = []
+
+    def first_chunk_slow(to, frm) -> None:
+        calls.append(time.time())
+        if len(calls) == 1:
+            time.sleep(0.8)  # lands after deadline + the receiver's grace (0.3 s)
+        real(to, frm)
+
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 1, raising=False)  # one block per chunk
+    monkeypatch.setattr(shm, "_copy_chunk", first_chunk_slow, raising=False)
+    try:
+        prefill.kv_cache[:4].fill_(PAYLOAD)
+        prefill.add_peer(decode.metadata())
+        deadline = time.time() + 0.1
+        decode.expect("a", 1, [0, 1, 2, 3], deadline=deadline)
+        prefill.write("decode", "a", 1, [0, 1, 2, 3], [0, 1, 2, 3], deadline=deadline)
+        sent, received, end = [], [], time.monotonic() + 10
+        while not sent or not [e for e in received if isinstance(e, Overwritten)]:
+            assert time.monotonic() < end, f"no Overwritten: sent {sent}, received {received}"
+            more_sent, more_received = poll_both(prefill, decode, 0.01)
+            sent += more_sent
+            received += more_received
+        assert [type(e) for e in sent] == [WriteFailed] and sent[0].reason.startswith("copy stopped after 1 of 4")
+        assert Released("a", 1, (0, 1, 2, 3)) in received
+        assert [e for e in received if isinstance(e, Overwritten)] == [Overwritten("a", 1, (0, 1, 2, 3))]
     finally:
         prefill.close()
         decode.close()
@@ -311,7 +348,7 @@ def test_a_one_sided_write_landing_in_released_blocks_is_reported_overwritten(ca
         received += poll_both(prefill, decode, 0.05)[1]
         assert [e for e in received if isinstance(e, Overwritten)] == [Overwritten("a", 1, (2, 3))]
         assert [type(e) for e in sent] == [WriteFailed]
-        assert sent[0].reason == "cancelled" if cancelled else "already released" in sent[0].reason
+        assert sent[0].reason == "cancelled" if cancelled else "already released" in sent[0].reason, sent[0].reason
         assert decode.stats["overwritten"] == 1
     finally:
         gate.set()

@@ -74,3 +74,12 @@ def test_a_scheduler_failure_is_an_engine_state_error(llama_dir: Path) -> None:
     fail_once(core.scheduler, "update", KeyError("a"))
     with pytest.raises(EngineStateError, match="the scheduler failed: KeyError"):
         core.step()
+
+
+@pytest.mark.timeout(120)
+def test_a_broken_invariant_in_the_runner_stays_an_engine_state_error(llama_dir: Path) -> None:
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=64))
+    core.add_request("a", PROMPTS[0], GREEDY)
+    fail_once(core.runner, "launch", EngineStateError("placeholder tokens without a step in flight"))
+    with pytest.raises(EngineStateError, match="placeholder tokens"):
+        core.step()

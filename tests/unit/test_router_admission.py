@@ -40,6 +40,8 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
     (b'{"prompt": "hi", "n": 2}', "n=2 is not supported by pdserve (only n=1 is supported)"),
     (b'{"prompt": "hi", "top_p": 0}', "top_p must be in (0, 1]"),
     # Were HTTP 500 (plain text): values nothing downstream can encode.
+    (b"[" * 100000 + b"]" * 100000, "request body is not valid JSON: nested too deeply"),
+    (b'{"prompt": "hi", "user": ' + b"1" * 5000 + b"}", "request body is not valid JSON: Exceeds the limit"),
     (b'{"prompt": "hi", "seed": 1180591620717411303424}', "seed must be an integer in ["),
     (b'{"prompt": [1, 1180591620717411303424]}', "prompt token ids must be integers in [0, 384)"),
     (b'{"prompt": "hi", "model": []}', "model must be a string, got []"),

@@ -141,3 +141,22 @@ def test_invalidated_blocks_leave_the_prefix_cache_and_name_their_holders() -> N
     assert sched.kv.invalidate([held[1], 15]) == ["a"]
     hits = sched.kv.get_computed_blocks(request("probe", range(1, 14)))
     assert [b.block_id for b in hits] == held[:1]  # the chain stops at the invalidated block
+
+
+def test_a_ready_request_waiting_for_room_is_not_overtaken_with_chunking_off() -> None:
+    """A local fallback with chunked prefill off needs its whole prompt in one step; the
+    waiting queue must not keep overtaking it (each admission keeps the step short of
+    room, so it starved for good while holding its blocks)."""
+    budget = 32
+    sched = Scheduler(KVCacheManager(256, 4), budget, 8, max_model_len=512, enable_chunked_prefill=False)
+    sched.add_request(request("long", range(1000, 1008), max_tokens=40))
+    step(sched)
+    fallback = request("fallback", range(2000, 2000 + budget))  # fits a step only alone
+    assert sched.reserve_for_remote_prefill(fallback)
+    sched.remote_kv_failed(fallback)
+    for i in range(100):
+        if i % 3 == 0:  # a steady trickle of short requests
+            sched.add_request(request(f"c{i}", range(10000 * (i + 1), 10000 * (i + 1) + 4), max_tokens=6))
+        if any(s.request is fallback for s in step(sched).scheduled):
+            return
+    raise AssertionError("the ready request starved while later requests ran")

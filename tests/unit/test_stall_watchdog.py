@@ -118,8 +118,8 @@ class FakeClock:
 class Rig:
     """A decode worker (real engine, tcp transport) driven in-process over its socket."""
 
-    def __init__(self, llama_dir: Path, stall_timeout_s: float | None = 10.0) -> None:
-        self.transport = create_transport("tcp", "decode-0", TransportConfig())
+    def __init__(self, llama_dir: Path, stall_timeout_s: float | None = 10.0, transport: str = "tcp") -> None:
+        self.transport = create_transport(transport, "decode-0", TransportConfig())
         self.engine = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=64),
                                  self.transport.allocate_kv_cache)
         self.transport.register_kv_cache(self.engine.kv_cache, "tiny-llama")
@@ -228,10 +228,29 @@ def test_requests_waiting_for_pushed_kv_are_not_pending_work(llama_dir: Path) ->
         assert not w.pending()
         w.step()
         assert "local" in [r.request_id for r in w.core.engine.scheduler.running] and w.pending()
-        w.kv_deadline["remote"] -= 3600  # as if its reservation had run out an hour ago
+        w.core.transport.abort("remote")  # its blocks are back (tcp: released at once)
         w.core.engine.abort(["local"])
         rig.send("generate", id="local2", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0)
         assert w.pending()
+    finally:
+        rig.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_queue_waiting_on_an_aborted_reservations_blocks_is_not_pending_work(llama_dir: Path) -> None:
+    """A one-sided reservation whose client aborted keeps its blocks until the sender's
+    cancel_ack or deadline + grace: a queue waiting for them is not stalled (it was
+    taken for stalled as soon as the client went, and a healthy worker restarted)."""
+    rig = Rig(llama_dir, transport="shm")
+    w = rig.worker
+    try:
+        w.set_peers({"prefill": {"prefill-0": "tcp://127.0.0.1:9"}})  # nobody there: no cancel_ack
+        rig.send("generate", id="remote", prompt=list(range(10, 50)), params=GREEDY, remote=True, priority=0)
+        rig.send("abort", id="remote")
+        w.step()
+        assert "remote" not in w.clients and w.core.transport.holds_reservations()  # quarantined
+        rig.send("generate", id="local", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0)
+        assert not w.pending()
     finally:
         rig.close()
 
@@ -277,6 +296,25 @@ def test_failed_steps_end_their_requests_and_several_in_a_row_are_fatal(llama_di
         with pytest.raises(WorkerFailed, match="3 engine steps in a row failed"):
             w.core.step = lambda: (_ for _ in ()).throw(RequestsFailed("the model step failed", ["d"]))
             w.step()
+    finally:
+        rig.close()
+
+
+@pytest.mark.timeout(60)
+def test_failures_the_requests_caused_never_count_against_the_worker(llama_dir: Path) -> None:
+    """Requests whose own parameters leave nothing to sample fail alone, with a 400,
+    however many in a row: three such requests brought a healthy worker down."""
+    rig = Rig(llama_dir, stall_timeout_s=None)
+    w = rig.worker
+    try:
+        for rid in ("a", "b", "c", "d"):
+            rig.send("generate", id=rid, prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0)
+        for rid in ("a", "b", "c", "d"):
+            w.core.step = lambda rid=rid: (_ for _ in ()).throw(
+                RequestsFailed("unusable logits", [rid], at_fault=True))
+            w.step()
+        assert [(m["id"], m["status"]) for m in rig.messages() if m["kind"] == "rejected"] == \
+            [("a", 400), ("b", 400), ("c", 400), ("d", 400)]
     finally:
         rig.close()
 
