@@ -482,7 +482,14 @@ class KVTransport(ABC):
         it was cancelled or timed out meanwhile. A write fails only once the data plane
         is done with it: its source blocks may be reused, and its destination blocks
         released (cancel_ack), only then."""
-        if w.notified or not self._progress(w):
+        if w.notified:
+            return
+        try:
+            landed = self._progress(w)
+        except Exception as exc:  # e.g. a copy that never started (shm: too late): nothing landed
+            self._fail(w, f"data plane error: {exc}")
+            return
+        if not landed:
             return
         if w.failure is not None:
             peer = self._peers.get(w.peer)

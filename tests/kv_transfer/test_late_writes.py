@@ -210,6 +210,34 @@ def test_a_copy_still_running_at_deadline_plus_half_the_grace_stops_between_chun
 
 
 @pytest.mark.timeout(60)
+def test_cancelling_a_write_whose_copy_never_started_fails_it_without_raising() -> None:
+    """The copy pool reaches a write only after its deadline, so its copy refuses to
+    start; a cancel of it (the receiver's, or the prefill worker's own) raised the
+    copy's error out of cancel() or poll() and brought the prefill worker down."""
+    decode, prefill = agent("shm", "decode"), agent("shm", "prefill")
+    gate = threading.Event()
+    try:
+        prefill.add_peer(decode.metadata())
+        block_busy_pool(prefill, gate)
+        deadline = time.time() + 0.05
+        decode.expect("a", 1, [2, 3], deadline=deadline)
+        prefill.write("decode", "a", 1, [0, 1], [2, 3], deadline=deadline)
+        time.sleep(0.1)
+        gate.set()  # the copy now starts, past the deadline: it refuses
+        handle = next(iter(prefill._writes.values())).handle
+        handle.exception(timeout=5)
+        prefill.cancel("a")
+        sent, _ = poll_both(prefill, decode, 0.05)
+        assert [(type(e), e.reason) for e in sent] == [(WriteFailed, "data plane error: deadline passed before "
+                                                                     "the copy started")]
+        assert bool((decode.kv_cache[2:4] == SENTINEL).all())
+    finally:
+        gate.set()
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_stopped_copy_whose_first_chunk_landed_late_is_reported_overwritten(monkeypatch) -> None:
     """The first chunk starts before the deadline but lands after the receiver released
     its blocks; the copy then stops before the next chunk. The receiver must still hear

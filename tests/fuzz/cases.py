@@ -1,0 +1,210 @@
+"""The fuzzers' random cases: a pure function of the seed (tests/fuzz/harness.py)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from engine.kv_cache.manager import cdiv
+from tests.fuzz.common import MAX_MODEL_LEN, OfflineCase, PDCase, ReqSpec, VOCAB
+
+
+def _prompt_pool(rng: random.Random, n: int, block_size: int, max_len: int) -> list[list[int]]:
+    """n prompts: fresh ones, prefixes of a few shared bases (often on block boundaries)
+    with or without a tail, and identical copies of earlier ones."""
+    bases = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(8, max_len))] for _ in range(rng.randint(1, 3))]
+    out: list[list[int]] = []
+
+    def length(limit: int) -> int:
+        r = rng.random()
+        if r < 0.35:  # on or next to a block boundary
+            k = rng.randint(0, max(0, limit // block_size))
+            return max(1, min(limit, k * block_size + rng.choice((-1, 0, 0, 1))))
+        if r < 0.45:
+            return rng.choice((1, 2, 3))
+        return rng.randint(1, limit)
+
+    for _ in range(n):
+        r = rng.random()
+        if out and r < 0.2:
+            out.append(list(rng.choice(out)))  # identical
+        elif r < 0.65:
+            base = rng.choice(bases)
+            p = base[:length(len(base))]
+            if rng.random() < 0.5:
+                p = p + [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 12))]
+            out.append(p)
+        else:
+            out.append([rng.randrange(2, VOCAB) for _ in range(length(max_len))])
+    return out
+
+
+def _sampling(rng: random.Random, max_tokens: int) -> dict[str, Any]:
+    """Sampling params besides plain greedy for some requests: penalties (their steps
+    read the tokens so far: synchronous even with async scheduling), min_tokens with
+    stop tokens or EOS, seeded random sampling (batch-invariant by design)."""
+    r = rng.random()
+    if r < 0.75:
+        return {}
+    kind = rng.randrange(5)
+    if kind == 0:
+        return dict(repetition_penalty=rng.choice((0.7, 1.3, 2.0)))
+    if kind == 1:
+        return dict(presence_penalty=rng.choice((-0.5, 0.8)), frequency_penalty=rng.choice((-0.3, 0.0, 0.6)))
+    if kind == 2:  # many stop tokens, so some request does stop early
+        return dict(stop_token_ids=sorted(rng.sample(range(2, VOCAB), rng.randint(1, 150))),
+                    min_tokens=rng.randint(0, max_tokens), ignore_eos=rng.random() < 0.5)
+    if kind == 3:
+        return dict(temperature=rng.choice((0.6, 1.0, 1.5)), seed=rng.randrange(2**31),
+                    top_k=rng.choice((-1, 5, 50)), top_p=rng.choice((1.0, 0.9, 0.5)))
+    return dict(logprobs=rng.choice((0, 3)))  # tokens unchanged
+
+
+STOP_STRINGS = ["e", "a", "o", "s", "th", " t", "in", "er", ".", "qu"]
+
+
+def _max_tokens(rng: random.Random) -> int:
+    r = rng.random()
+    if r < 0.15:
+        return 1
+    if r < 0.8:
+        return rng.randint(2, 12)
+    return rng.randint(13, 32)
+
+
+def _fits(prompt_len: int, max_tokens: int, block_size: int, num_blocks: int, budget: int, chunked: bool,
+          max_model_len: int | None = None) -> bool:
+    """Scheduler.check_fits, restated (the fuzzer checks the engine refuses exactly these)."""
+    limit = max_model_len or MAX_MODEL_LEN
+    if prompt_len < 1 or prompt_len >= limit or prompt_len + max_tokens > limit:
+        return False
+    if not chunked and prompt_len > budget:
+        return False
+    return cdiv(prompt_len + max_tokens, block_size) <= num_blocks
+
+
+def make_offline_case(seed: int) -> OfflineCase:
+    rng = random.Random(f"offline-{seed}")
+    bs = rng.choice((8, 8, 16, 16, 32))
+    # pressure: several requests that grow a lot, at about once, into a pool that holds
+    # about the largest alone -- preemption (and recompute) is all but certain
+    pressure = rng.random() < 0.35
+    n = rng.choice((3, 4, 5, 6, 8)) if pressure else rng.choice((1, 2, 3, 4, 5, 6, 8, 10, 12))
+    max_len = rng.choice((20, 40, 64, 96))
+    prompts = _prompt_pool(rng, n, bs, max_len)
+    mts = [rng.randint(bs // 2, 40) if pressure else _max_tokens(rng) for _ in prompts]
+    need = max(cdiv(len(p) + m, bs) for p, m in zip(prompts, mts))
+    total = sum(cdiv(len(p) + m, bs) for p, m in zip(prompts, mts))
+    r = 0.0 if pressure else rng.random()
+    if r < 0.25:
+        blocks = need + rng.randint(0, 1)  # tiny: preemption galore
+    elif r < 0.6:
+        blocks = need + rng.randint(1, max(1, total // 2))
+    elif r < 0.9:
+        blocks = total + rng.randint(0, 16)  # roomy
+    else:
+        blocks = max(1, need - rng.randint(1, 2))  # some requests can never fit: refused
+    budget = rng.choice((1, 2, 3, 4, 5, 7, 8, 13, 16, 24, 32, 64, 128, 512))
+    chunked = rng.random() < 0.75
+    if not chunked and rng.random() < 0.85:  # else the longer prompts are refused
+        budget = max(len(p) for p in prompts) + rng.choice((0, 0, 1, 4, 16))
+    engine = dict(block_size=bs, num_kv_blocks=blocks, max_num_batched_tokens=budget,
+                  max_num_seqs=rng.choice((1, 2, 3, 4, 8, 64)), enable_chunked_prefill=chunked,
+                  enable_prefix_caching=rng.random() < 0.7, async_scheduling=rng.random() < 0.5)
+    if rng.random() < 0.2:  # a small context: some requests end exactly at it, a few are refused
+        engine["max_model_len"] = max(2, max(len(p) + m for p, m in zip(prompts, mts)) - rng.choice((0, 0, 0, 1, 2)))
+    mode = "llm" if rng.random() < 0.2 else "core"
+    specs: list[ReqSpec] = []
+    arrive = 0
+    burst = pressure or rng.random() < 0.3  # all at about once: the most contention
+    for i, (p, m) in enumerate(zip(prompts, mts)):
+        if mode == "core":
+            arrive += rng.choice((0, 0, 0, 1)) if burst else rng.choice((0, 0, 0, 1, 2, 5, rng.randint(0, 40)))
+        prio = rng.choice((0, 0, 0, 1, -1, 2)) if rng.random() < 0.3 else 0
+        spec = ReqSpec(f"r{i}", p, m, prio, arrive, params=_sampling(rng, m))
+        if mode == "llm" and rng.random() < 0.3:  # stop strings: found by LLM's output processor
+            spec.params["stop"] = rng.sample(STOP_STRINGS, rng.randint(1, 3))
+            spec.params["include_stop_str_in_output"] = rng.random() < 0.5
+        if mode == "core" and rng.random() < 0.3:
+            est = cdiv(len(p), budget) + m + 2
+            spec.abort = arrive + rng.randint(0, est)
+        specs.append(spec)
+    if mode == "core":  # reuse the id of an aborted request at once
+        for spec in list(specs):
+            if spec.abort is not None and rng.random() < 0.3:
+                p = rng.choice(prompts)
+                m = _max_tokens(rng)
+                specs.append(ReqSpec(spec.rid, list(p), m, 0, spec.abort, params=_sampling(rng, m)))
+    specs.sort(key=lambda s: s.arrive)  # stable: order of creation within a step
+    return OfflineCase(seed, engine, mode, specs)
+
+
+def make_pd_case(seed: int, transport: str, bounded_copies: bool = False) -> PDCase:
+    """bounded_copies: a started copy never outlasts cancel_grace_s / 4 (see PDCase)."""
+    rng = random.Random(f"pd-{transport}-{seed}")
+    bs = rng.choice((8, 16, 16))
+    n = rng.choice((1, 2, 3, 4, 5, 6, 8))
+    max_len = rng.choice((20, 40, 64, 90))
+    prompts = _prompt_pool(rng, n, bs, max_len)
+    mts = [_max_tokens(rng) for _ in prompts]
+    need = max(cdiv(len(p) + m, bs) for p, m in zip(prompts, mts))
+    total = sum(cdiv(len(p) + m, bs) for p, m in zip(prompts, mts))
+    r = rng.random()
+    dec_blocks = (need + rng.randint(0, 2) if r < 0.35 else
+                  need + rng.randint(1, max(1, total // 2)) if r < 0.65 else total + rng.randint(2, 16))
+    pneed = max(cdiv(len(p), bs) for p in prompts)
+    r = rng.random()
+    pre_blocks = (max(1, pneed - 1) if r < 0.1 else pneed + rng.randint(0, 2) if r < 0.45 else
+                  pneed * n + rng.randint(0, 8))
+    dec_budget = rng.choice((4, 8, 16, 32, 64, 512))
+    dec_chunked = rng.random() < 0.85
+    if not dec_chunked:
+        dec_budget = max(dec_budget, max(len(p) for p in prompts))
+    async_sched = rng.random() < 0.5
+    dec = dict(block_size=bs, num_kv_blocks=dec_blocks, max_num_batched_tokens=dec_budget,
+               max_num_seqs=rng.choice((1, 2, 4, 64)), enable_chunked_prefill=dec_chunked,
+               enable_prefix_caching=rng.random() < 0.7, async_scheduling=async_sched)
+    pre = dict(block_size=bs, num_kv_blocks=pre_blocks, max_num_batched_tokens=rng.choice((4, 8, 16, 24, 64, 512)),
+               max_num_seqs=rng.choice((1, 2, 64)), enable_chunked_prefill=rng.random() < 0.85,
+               enable_prefix_caching=rng.random() < 0.7,
+               async_scheduling=async_sched if rng.random() < 0.8 else not async_sched)
+    if rng.random() < 0.15:  # a small context on D: some requests end exactly at it
+        dec["max_model_len"] = max(2, max(len(p) + m for p, m in zip(prompts, mts)) - rng.choice((0, 0, 1)))
+    short = rng.random() < 0.5
+    # "long" still ends a seed's lost prefills and unconfirmed aborts within ~2 s
+    deadline_s = rng.choice((0.05, 0.1, 0.2, 0.4)) if short else 1.5
+    grace_s = rng.choice((0.05, 0.1, 0.3)) if short else 0.5
+    timeout_s = rng.choice((0.1, 0.3, 2.0)) if short else 2.0
+    slow = rng.random() < 0.35
+    specs = []
+    tick = 0
+    for i, (p, m) in enumerate(zip(prompts, mts)):
+        tick += rng.choice((0, 0, 1, 2, 5, rng.randint(0, 30)))
+        spec = ReqSpec(f"q{i}", p, m, rng.choice((0, 0, 0, 1, -1)), tick,
+                       remote=rng.random() < 0.8, sender=rng.random() < 0.8, params=_sampling(rng, m))
+        f = rng.random()
+        if short and f < 0.15:
+            spec.fate, spec.fate_at = "lost", rng.choice((-1, rng.randint(0, 20)))
+        elif f < 0.25:
+            spec.fate, spec.fate_at = "lost", rng.randint(0, 20)
+        elif f < 0.35:
+            spec.fate, spec.fate_at = "perror", rng.randint(0, 30)
+        elif f < 0.42:
+            spec.fate, spec.fate_at = "spurious", rng.randint(0, 30)
+        if rng.random() < 0.25:
+            spec.abort = tick + rng.randint(0, 3 * (len(p) // 8 + m + 2))
+        specs.append(spec)
+    for spec in list(specs):  # the id of an aborted request, reused (refused while D still holds it)
+        if spec.abort is not None and rng.random() < 0.3:
+            p = rng.choice(prompts)
+            m = _max_tokens(rng)
+            specs.append(ReqSpec(spec.rid, list(p), m, 0, spec.abort + rng.choice((0, 0, 1, 5, 20)),
+                                 remote=rng.random() < 0.8, sender=rng.random() < 0.8, params=_sampling(rng, m)))
+    return PDCase(seed, transport, dec, pre, deadline_s, grace_s, timeout_s,
+                  slow_copy_p=rng.choice((0.3, 0.7, 1.0)) if slow else 0.0,
+                  slow_copy_max_s=rng.choice((0.01, 0.05, 0.2, 0.6)) if slow else 0.0,
+                  p_skip=rng.choice((0.0, 0.0, 0.3, 0.7)),
+                  jitter_s=rng.choice((0.0, 0.0, 0.002, 0.01)),
+                  msg_delay_max=rng.choice((0, 1, 3, 10)), requests=specs,
+                  d_skip=rng.choice((0.0, 0.0, 0.0, 0.3, 0.8)),
+                  copy_bound_s=grace_s / 4 if bounded_copies else 0.0)
