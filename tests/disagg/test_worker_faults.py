@@ -146,12 +146,17 @@ def test_an_engine_state_error_fails_every_request_and_the_worker_is_restarted(
         assert wait_exit(old.process, 30) == 1
     finally:
         client.close()
+    restarted_serves(supervised, "new", PROMPTS[0], reference[0])
+
+
+def restarted_serves(supervised: Supervised, request_id: str, prompt: list[int], expected: list[int]) -> None:
+    """decode-0 was reported down, is restarted, and serves `prompt` with `expected`."""
     supervised.wait_for(("down", "decode-0"), 10)
     _, _, address = supervised.wait_for(("moved", "decode-0"), 120)
     client = Client(address)
     try:
-        result = outcomes(client, {"new": (PROMPTS[0], PARAMS)}, remote=True)["new"]
-        assert result["tokens"] == reference[0]
+        result = outcomes(client, {request_id: (prompt, PARAMS)}, remote=True)[request_id]
+        assert result["tokens"] == expected
     finally:
         client.close()
 
@@ -170,11 +175,4 @@ def test_a_step_that_never_returns_ends_the_process_and_the_worker_is_restarted(
         assert time.monotonic() - start >= STALL_TIMEOUT_S
     finally:
         client.close()
-    supervised.wait_for(("down", "decode-0"), 10)
-    _, _, address = supervised.wait_for(("moved", "decode-0"), 120)
-    client = Client(address)
-    try:
-        result = outcomes(client, {"again": (PROMPTS[1], PARAMS)}, remote=True)["again"]
-        assert result["tokens"] == reference[1]
-    finally:
-        client.close()
+    restarted_serves(supervised, "again", PROMPTS[1], reference[1])

@@ -31,6 +31,7 @@ from kv_transfer import (KVTransport, Overwritten, Released, TransportConfig, Wr
                          create_transport)
 from prefill_worker.remote_prefill import PrefillWorkerCore
 from tests.kv_transfer.agent import cache_shape
+from tests.kv_transfer.test_slow_data_plane import poll_both
 
 SENTINEL, PAYLOAD = -7.0, 1.0
 PROMPT_A, PROMPT_B = (torch.randint(2, 384, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -46,15 +47,6 @@ def agent(transport: str, name: str, timeout_s: float = 5.0, grace_s: float = 60
     cache.fill_(SENTINEL)
     t.register_kv_cache(cache, "test-model")
     return t
-
-
-def poll_both(sender: KVTransport, receiver: KVTransport, seconds: float) -> tuple[list, list]:
-    sent, received, end = [], [], time.monotonic() + seconds
-    while time.monotonic() < end:
-        sent += sender.poll()
-        received += receiver.poll()
-        time.sleep(0.002)
-    return sent, received
 
 
 def block_busy_pool(transport: KVTransport, gate: threading.Event) -> None:

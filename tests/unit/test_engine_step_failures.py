@@ -68,18 +68,15 @@ def test_a_model_failure_fails_the_step_s_requests_and_the_engine_goes_on(
 
 
 @pytest.mark.timeout(120)
-def test_a_scheduler_failure_is_an_engine_state_error(llama_dir: Path) -> None:
+@pytest.mark.parametrize("where,exc,message", [
+    # The scheduler's own bookkeeping failed part-way.
+    ("update", KeyError("a"), "the scheduler failed: KeyError"),
+    # A broken invariant found on the model side stays what it is.
+    ("launch", EngineStateError("placeholder tokens without a step in flight"), "placeholder tokens"),
+])
+def test_a_broken_state_is_an_engine_state_error(llama_dir: Path, where: str, exc: Exception, message: str) -> None:
     core = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=64))
     core.add_request("a", PROMPTS[0], GREEDY)
-    fail_once(core.scheduler, "update", KeyError("a"))
-    with pytest.raises(EngineStateError, match="the scheduler failed: KeyError"):
-        core.step()
-
-
-@pytest.mark.timeout(120)
-def test_a_broken_invariant_in_the_runner_stays_an_engine_state_error(llama_dir: Path) -> None:
-    core = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=64))
-    core.add_request("a", PROMPTS[0], GREEDY)
-    fail_once(core.runner, "launch", EngineStateError("placeholder tokens without a step in flight"))
-    with pytest.raises(EngineStateError, match="placeholder tokens"):
+    fail_once(core.scheduler if where == "update" else core.runner, where, exc)
+    with pytest.raises(EngineStateError, match=message):
         core.step()
