@@ -38,9 +38,9 @@ import zmq
 
 from cluster.config import ClusterConfig
 from cluster.control import STOP, ControlChannel
-from engine.engine_core import EngineCore
 from cluster.fault_injection import TEST_FAULTS_ENV, inject_test_faults
 from cluster.watchdog import HangWatchdog, StallWatchdog
+from engine.engine_core import EngineCore
 from engine.errors import RequestsFailed
 from kv_transfer import KVTransport, TransportConfig, create_transport
 from kv_transfer.messages import MessageError
@@ -319,6 +319,17 @@ class WorkerLoop:
             sock.send_multipart([sender, body])
         else:
             sock.send(body)
+
+    def send_now(self, sock: zmq.Socket, sender: bytes, body: bytes) -> None:
+        """send() that never blocks (a worker giving up must not wait on a peer): a
+        message that cannot leave now is dropped, with a warning."""
+        try:
+            if sock is self.sock:
+                sock.send_multipart([sender, body], zmq.NOBLOCK)
+            else:
+                sock.send(body, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("%s could not send a last message: %s", self.name, exc)
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every socket; with linger_ms, messages already sent may take that long

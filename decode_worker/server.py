@@ -8,8 +8,8 @@ the prompt is prefilled here instead.
 
 Failures (cluster/worker_loop.py): a request refused as bad input gets `rejected` with
 status 400. A step that fails (RequestsFailed) ends the requests it names with
-`rejected`, status 500 (a stream that had begun ends with an error event), and the
-worker goes on. Anything worse ends every request with `rejected`, status 500, and
+`rejected`, status 500, or 400 when their own parameters made it fail (a stream that
+had begun ends with an error event), and the worker goes on. Anything worse ends every request with `rejected`, status 500, and
 the process, for a restart.
 """
 
@@ -186,12 +186,11 @@ class DecodeWorker(WorkerLoop):
         for request_id, prefill in self.prefill_of.items():
             sock = self.dealers.get(prefill)
             if sock is not None:
-                _send_now(sock, encode("abort", id=request_id))
+                self.send_now(sock, prefill.encode(), encode("abort", id=request_id))
         if stalled:
             return
         for request_id, (sock, sender) in self.clients.items():
-            body = encode("rejected", id=request_id, error=error, status=500)
-            _send_now(sock, [sender, body] if sock is self.sock else [body])
+            self.send_now(sock, sender, encode("rejected", id=request_id, error=error, status=500))
 
     def step(self) -> None:
         try:
@@ -288,17 +287,6 @@ def _step_error(exc: RequestsFailed) -> str:
         return ("nothing could be sampled for this request: its logits were NaN, +inf, or -inf for every "
                 "token (after its penalties and min_tokens masking)")
     return f"the engine step this request was in failed: {exc}"
-
-
-def _send_now(sock: zmq.Socket, frames: bytes | list[bytes]) -> None:
-    """Send without ever blocking (a dying worker must not wait on a peer)."""
-    try:
-        if isinstance(frames, bytes):
-            sock.send(frames, zmq.NOBLOCK)
-        else:
-            sock.send_multipart(frames, zmq.NOBLOCK)
-    except zmq.ZMQError as exc:
-        logger.warning("could not send a last message: %s", exc)
 
 
 def serve(config: ClusterConfig, index: int, control: ControlChannel, host: str = "127.0.0.1") -> None:

@@ -31,4 +31,3 @@ class RequestsFailed(RuntimeError):
         super().__init__(message)
         self.request_ids = request_ids
         self.at_fault = at_fault
-

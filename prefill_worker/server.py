@@ -116,14 +116,8 @@ class PrefillWorker(WorkerLoop):
         """The worker gives up: every decode worker waiting on one of its jobs hears
         that it failed, and prefills the prompt itself."""
         for request_id, (sock, sender) in self.origin.items():
-            body = encode("prefill_done", id=request_id, error=error, compute_s=0.0, transfer_s=0.0, bytes=0)
-            try:
-                if sock is self.sock:
-                    sock.send_multipart([sender, body], zmq.NOBLOCK)
-                else:
-                    sock.send(body, zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                logger.warning("%s: could not tell %s: %s", self.name, sender, exc)
+            self.send_now(sock, sender, encode("prefill_done", id=request_id, error=error, compute_s=0.0,
+                                               transfer_s=0.0, bytes=0))
 
 
 def serve(config: ClusterConfig, index: int, control: ControlChannel, host: str = "127.0.0.1") -> None:

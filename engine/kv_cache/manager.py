@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.errors import EngineStateError
 from engine.kv_cache.block_hash import NONE_HASH, hash_full_blocks
 from engine.kv_cache.block_pool import BlockPool, KVBlock
-from engine.errors import EngineStateError
 from engine.kv_cache.block_table import BlockTable
 from engine.request import Request
 
