@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from cluster.config import ClusterConfig
-from cluster.control import STOP, peers_messages
+from cluster.peers import peers_messages
+from cluster.worker_configs import worker_config
 from kv_transfer.shm import unlink_segment
-from router.protocol import decode
+from protocol import CONTROL_MESSAGES, Ready, Serving, Stop, encode
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class LocalWorkers:
     def stop(self, timeout: float = 10.0) -> None:
         for w in self.all:
             try:
-                w.control.send_bytes(STOP)
+                w.control.send_bytes(encode(Stop()))
             except (BrokenPipeError, OSError):
                 pass
         for w in self.all:
@@ -50,13 +51,15 @@ class LocalWorkers:
 
 def spawn(config: ClusterConfig, role: str, index: int) -> Worker:
     """Start worker `index` of `role` ("decode" or "prefill") as a process."""
+    # The roles' modules load torch and the engine, which only the worker processes need.
     from decode_worker.server import serve as serve_decode
     from prefill_worker.server import serve as serve_prefill
 
     serve = serve_decode if role == "decode" else serve_prefill
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=serve, args=(config, index, child), name=f"pdserve-{role}-{index}", daemon=True)
+    process = ctx.Process(target=serve, args=(worker_config(config, role, index), child),
+                          name=f"pdserve-{role}-{index}", daemon=True)
     process.start()
     return Worker(f"{role}-{index}", process, parent)
 
@@ -66,18 +69,25 @@ def await_ready(w: Worker, timeout: float) -> None:
     if not w.control.poll(timeout):
         alive = "still starting" if w.process.is_alive() else f"exited with {w.process.exitcode}"
         raise RuntimeError(f"worker {w.name} did not become ready within {timeout} s ({alive})")
-    ready = decode(w.control.recv_bytes())
-    w.address, w.metadata = ready["address"], ready["metadata"]
+    ready = _expect(w, Ready)
+    w.address, w.metadata = ready.address, ready.metadata
 
 
 def await_serving(w: Worker, timeout: float) -> None:
     """Wait for the worker's "serving": it applied its first peers (handshakes made)."""
     if not w.control.poll(timeout):
         raise RuntimeError(f"worker {w.name} did not take its peers within {timeout} s")
-    serving = decode(w.control.recv_bytes())
-    if serving["cold"]:
+    serving = _expect(w, Serving)
+    if serving.cold:
         logger.warning("%s has no KV handshake with %s: their prompts are prefilled locally",
-                       w.name, ", ".join(serving["cold"]))
+                       w.name, ", ".join(serving.cold))
+
+
+def _expect(w: Worker, kind: type[Ready] | type[Serving]) -> Ready | Serving:
+    message = CONTROL_MESSAGES.decode(w.control.recv_bytes())
+    if not isinstance(message, kind):
+        raise RuntimeError(f"worker {w.name} sent {type(message).__name__}, expected {kind.__name__}")
+    return message
 
 
 def start_workers(config: ClusterConfig, timeout: float = 180.0) -> LocalWorkers:

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from cluster.config import ClusterConfig
-from cluster.control import peers_messages
+from cluster.peers import peers_messages
 from cluster.local import LocalWorkers, Worker, await_ready, await_serving, spawn
 from kv_transfer.shm import unlink_segment
 

@@ -1,5 +1,5 @@
-"""One pdserve worker inside a Ray actor: the same `serve(config, index, control)` the
-local launcher runs in a process, here in a thread of the actor process.
+"""One pdserve worker inside a Ray actor: the same `serve(config, control)` the local
+launcher runs in a process, here in a thread of the actor process.
 
 The class is plain Python (Ray is imported only to look up the node's address) so it
 runs in tests without Ray; the launcher wraps it with `ray.remote(WorkerActor)` and
@@ -22,12 +22,12 @@ import traceback
 import uuid
 
 from cluster.config import ClusterConfig
-from cluster.control import STOP, QueueControl
-from router.protocol import decode
+from cluster.worker_configs import worker_config
+from protocol import CONTROL_MESSAGES, Serving, Stop, encode
+from workers.config import ROLES, WorkerConfig
+from workers.control import QueueControl
 
 logger = logging.getLogger(__name__)
-
-ROLES = ("decode", "prefill")
 
 
 class WorkerActor:
@@ -43,19 +43,19 @@ class WorkerActor:
         self.control = QueueControl()
         self._serving = False  # the first peers message was taken and answered
         self.error = ""  # the worker thread's traceback, if serve() raised
-        self.thread = threading.Thread(target=self._run, args=(role, config, index, host or _node_address()),
-                                       name=f"pdserve-{self.name}", daemon=True)
+        worker = worker_config(config, role, index, host or _node_address())
+        self.thread = threading.Thread(target=self._run, args=(worker,), name=f"pdserve-{self.name}", daemon=True)
         self.thread.start()
 
-    def _run(self, role: str, config: ClusterConfig, index: int, host: str) -> None:
+    def _run(self, config: WorkerConfig) -> None:
         # Imported here: the entry points load torch and the engine, which only the
         # worker thread needs.
-        if role == "decode":
+        if config.role == "decode":
             from decode_worker.server import serve
         else:
             from prefill_worker.server import serve
         try:
-            serve(config, index, self.control, host)
+            serve(config, self.control)
         except BaseException:  # kept for ready(), and logged: Ray forwards actor logs to the driver
             self.error = traceback.format_exc()
             logger.error("worker %s failed:\n%s", self.name, self.error)
@@ -66,7 +66,7 @@ class WorkerActor:
                 os._exit(1)
 
     def ready(self, timeout: float) -> bytes:
-        """The worker's "ready" message (msgpack, router/protocol.py). Raises if the
+        """The worker's Ready message, encoded (protocol/control.py). Raises if the
         worker failed or took longer than `timeout` seconds."""
         return self._from_worker("become ready", timeout)
 
@@ -91,18 +91,20 @@ class WorkerActor:
         return os.getpid()
 
     def start_serving(self, message: bytes, incarnation: str, wait_s: float = 60.0) -> list[str]:
-        """Hand the worker its first "peers" message, after ready(); returns once it
+        """Hand the worker its first Peers message, after ready(); returns once it
         serves, with every KV handshake made (pre-warmed): the peers whose handshake
         failed. `incarnation` must be this process's: a call meant for the actor
         before a restart must not be taken as this one's start."""
         self._check(incarnation, serving=False)
         self.control.to_worker(message)
-        serving = decode(self._from_worker("take its peers", wait_s))
+        serving = CONTROL_MESSAGES.decode(self._from_worker("take its peers", wait_s))
+        if not isinstance(serving, Serving):
+            raise RuntimeError(f"{self.name} sent {type(serving).__name__} where Serving was due")
         self._serving = True
-        return serving["cold"]
+        return serving.cold
 
     def peers(self, message: bytes, incarnation: str, wait_s: float = 30.0) -> bool:
-        """A later "peers" message (a peer died or came back); True once the worker has
+        """A later Peers message (a peer died or came back); True once the worker has
         acted on it (connected to new peers and made their handshakes, dropped gone
         ones)."""
         self._check(incarnation, serving=True)
@@ -117,7 +119,7 @@ class WorkerActor:
 
     def stop(self, timeout: float) -> bool:
         """Stop the worker loop (it closes its sockets and transport); True once it has."""
-        self.control.to_worker(STOP)
+        self.control.to_worker(encode(Stop()))
         self.thread.join(timeout)
         return not self.thread.is_alive()
 

@@ -23,12 +23,12 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig, RayConfig
-from cluster.control import peers_messages
+from cluster.peers import peers_messages
 from cluster.ray_actor import WorkerActor
 from cluster.ray_resources import PlacementError, missing_resources, pool_bundles
 from cluster.supervisor import RouterHooks, Supervisor
 from kv_transfer.shm import unlink_segment
-from router.protocol import decode
+from protocol import CONTROL_MESSAGES
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +189,8 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise RuntimeError(f"a Ray worker did not start: {exc}") from None
         for w, message, incarnation in zip(workers.all, messages, incarnations):
-            ready = decode(message)
-            w.address, w.metadata, w.incarnation = ready["address"], ready["metadata"], incarnation
+            ready = CONTROL_MESSAGES.decode(message)
+            w.address, w.metadata, w.incarnation = ready.address, ready.metadata, incarnation
         to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)
         cold = ray.get([w.actor.start_serving.remote(to_decode if w.role == "decode" else to_prefill, w.incarnation)
                         for w in workers.all], timeout=90)

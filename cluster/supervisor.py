@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from cluster.control import peers_messages
+from cluster.peers import peers_messages
 from kv_transfer.shm import unlink_segment
-from router.protocol import decode
+from protocol import CONTROL_MESSAGES, Ready
 
 if TYPE_CHECKING:
     from cluster.ray_launcher import RayWorker, RayWorkers
@@ -145,16 +145,16 @@ class Supervisor:
             try:
                 if not done:
                     raise TimeoutError(f"not ready within {self.ready_timeout_s:g} s")
-                self._wire_in(w, incarnation, decode(ray.get(ref)))
+                self._wire_in(w, incarnation, CONTROL_MESSAGES.decode(ray.get(ref)))
             except (ray.exceptions.RayError, TimeoutError, RuntimeError) as exc:
                 logger.warning("restarted worker %s did not start (%s): restarting it again", w.name,
                                _first_line(exc))
                 ray.kill(w.actor, no_restart=False)
 
-    def _wire_in(self, w: "RayWorker", incarnation: str, ready: dict) -> None:
+    def _wire_in(self, w: "RayWorker", incarnation: str, ready: Ready) -> None:
         if w.metadata:  # the dead process could not remove its shared memory
             unlink_segment(w.metadata)
-        w.address, w.metadata, w.incarnation = ready["address"], ready["metadata"], incarnation
+        w.address, w.metadata, w.incarnation = ready.address, ready.metadata, incarnation
         # Itself first (it starts serving and makes its handshakes with peers that are
         # polling), then the other pool, then the router, so no request reaches it
         # before its peers know it.

@@ -20,15 +20,25 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 from engine.engine_core import EngineCore, StepOutput
 from engine.kv_cache.manager import cdiv
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kv_transfer import Completed, Expired, KVTransport, Overwritten, Released
-from prefill_worker.remote_prefill import RemotePrefill
+from protocol import RemotePrefill
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RemoteKV:
+    """A request whose prompt KV was (or is being) pushed here."""
+
+    waiting: bool = True  # for its KV: neither arrived nor Released
+    on_release: str | None = None  # what its Released does: "fallback" (the default) or "abort"
+    ready_at: float | None = None  # time.monotonic() its pushed KV completed
 
 
 class DecodeWorkerCore:
@@ -39,17 +49,36 @@ class DecodeWorkerCore:
         self.transport = transport
         self.deadline_s = deadline_s
         self.block_size = engine.config.block_size
-        self.waiting_for_kv: set[str] = set()
-        self._on_release: dict[str, str] = {}  # request id -> "fallback" | "abort"
+        self._remote: dict[str, _RemoteKV] = {}  # forget() drops a request's
         # Unique per reservation, so a late write for an earlier one under a reused
         # request id is never taken for the new one's.
         self._epochs = itertools.count(1)
         self.stats = dict(remote=0, local=0, fallbacks=0)
-        self.kv_ready_at: dict[str, float] = {}  # request id -> time.monotonic() its pushed KV completed
         # Requests aborted because a late KV write overwrote blocks they hold (their KV is
         # corrupt): the caller takes them from here (and clears it) and fails each one
         # with an error to its client. Already aborted here: nothing more of them runs.
         self.corrupted: list[str] = []
+
+    @property
+    def waiting_for_kv(self) -> set[str]:
+        """The requests whose pushed KV has neither arrived nor been given up on."""
+        return {r for r, kv in self._remote.items() if kv.waiting}
+
+    def is_waiting_for_kv(self, request_id: str) -> bool:
+        kv = self._remote.get(request_id)
+        return kv is not None and kv.waiting
+
+    def kv_ready_at(self, request_id: str) -> float | None:
+        """When the request's pushed KV completed (time.monotonic()); None: it did not
+        (prefilled here)."""
+        kv = self._remote.get(request_id)
+        return None if kv is None else kv.ready_at
+
+    def forget(self, request_id: str) -> None:
+        """The request has ended and been reported: drop what is kept of it (not while
+        it waits for its KV: its blocks come back through the transport)."""
+        if not self.is_waiting_for_kv(request_id):
+            self._remote.pop(request_id, None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     remote: bool, priority: int = 0, sender: str | None = None) -> RemotePrefill | None:
@@ -67,7 +96,7 @@ class DecodeWorkerCore:
 
     def _expect(self, request_id: str, prompt: list[int], num_cached: int,
                 sender: str | None) -> RemotePrefill | None:
-        blocks = self.engine.kv.block_ids(request_id)
+        blocks = self.engine.block_ids(request_id)
         first, end = num_cached // self.block_size, cdiv(len(prompt) - 1, self.block_size)
         if first >= end:  # the local prefix cache already holds it all
             self.engine.remote_kv_arrived(request_id)
@@ -76,22 +105,25 @@ class DecodeWorkerCore:
         epoch = next(self._epochs)
         deadline = time.time() + self.deadline_s
         self.transport.expect(request_id, epoch, blocks[first:end], deadline, sender)
-        self.waiting_for_kv.add(request_id)
+        self._remote[request_id] = _RemoteKV()
         self.stats["remote"] += 1
-        return RemotePrefill(request_id, list(prompt), self.transport.agent_name, blocks, first, epoch, deadline,
-                             self.transport.session)
+        return RemotePrefill(request_id=request_id, prompt_token_ids=list(prompt), peer=self.transport.agent_name,
+                             block_ids=blocks, first_block=first, epoch=epoch, deadline=deadline,
+                             session=self.transport.session)
 
     def prefill_failed(self, request_id: str) -> None:
         """The prefill worker reported failure (or died): prefill locally instead."""
-        if request_id in self.waiting_for_kv:
-            self._on_release.setdefault(request_id, "fallback")
+        kv = self._remote.get(request_id)
+        if kv is not None and kv.waiting:
+            kv.on_release = kv.on_release or "fallback"
             self.transport.abort(request_id)
 
     def abort(self, request_id: str) -> list[Request]:
         """End a request; returns it if it ended now (one waiting for its KV ends once
         its blocks are Released)."""
-        if request_id in self.waiting_for_kv:
-            self._on_release[request_id] = "abort"
+        kv = self._remote.get(request_id)
+        if kv is not None and kv.waiting:
+            kv.on_release = "abort"
             self.transport.abort(request_id)
             return []
         return self.engine.abort([request_id])
@@ -102,17 +134,18 @@ class DecodeWorkerCore:
             if isinstance(event, Overwritten):
                 ended += self._overwritten(event)
                 continue
-            if event.req not in self.waiting_for_kv:
+            kv = self._remote.get(event.req)
+            if kv is None or not kv.waiting:
                 continue
             if isinstance(event, Completed):
-                self.waiting_for_kv.discard(event.req)
-                self.kv_ready_at[event.req] = time.monotonic()
+                kv.waiting, kv.ready_at = False, time.monotonic()
                 self.engine.remote_kv_arrived(event.req)
             elif isinstance(event, Expired):
-                self._on_release.setdefault(event.req, "fallback")
+                kv.on_release = kv.on_release or "fallback"
             elif isinstance(event, Released):
-                self.waiting_for_kv.discard(event.req)
-                if self._on_release.pop(event.req, "fallback") == "abort":
+                kv.waiting = False
+                if kv.on_release == "abort":
+                    del self._remote[event.req]  # ended: nobody reports it
                     self.engine.abort([event.req])
                 else:
                     self.stats["fallbacks"] += 1

@@ -16,6 +16,7 @@ from engine.attention.backend import AttentionBackend, get_backend
 from engine.config import EngineConfig
 from engine.errors import EngineStateError, RequestsFailed
 from engine.gpu_memory import profile_num_kv_blocks
+from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.config import ModelConfig
 from engine.model.cpu_linear import prepack_linears, prepack_supported
@@ -50,6 +51,16 @@ class StepOutput:
     num_tokens: int = 0  # tokens computed this step
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What a worker reports of its engine (its stats replies, /status)."""
+
+    num_blocks: int
+    free_blocks: int
+    running: int  # requests scheduled in the last step or about to be
+    waiting: int  # queued: waiting for blocks or a slot, or ready to resume
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None) -> None:
         """kv_allocator places the KV cache where a KV transport can reach it
@@ -78,6 +89,8 @@ class EngineCore:
         if config.device.startswith("cuda") and not config.enforce_eager:
             self._capture_cuda_graphs(backend, model_len)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
+        self._kv_events_limit = 0  # collect_kv_events(): how many may pile up between two takes
+        self._kv_events_lost = False
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, num_blocks, config.block_size, model_len)
 
@@ -165,6 +178,60 @@ class EngineCore:
     def release_prefilled(self, request_id: str) -> None:
         self.scheduler.release_prefilled(request_id)
 
+    def computed_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens whose KV is computed (the full blocks among them are final);
+        None when the request is not in the engine (finished or aborted)."""
+        request = self.scheduler.requests.get(request_id)
+        return None if request is None else request.num_computed_tokens
+
+    def is_prefilled(self, request_id: str) -> bool:
+        """Every token of an add_prefill_request() is computed, its KV kept."""
+        request = self.scheduler.requests.get(request_id)
+        return request is not None and request.status == RequestStatus.PREFILLED
+
+    def hold_blocks(self, request_id: str, first: int, end: int) -> list[KVBlock]:
+        """One more reference on the request's blocks [first, end), for a reader outside
+        the engine's steps (a KV write reading them): they are not reused, even once the
+        request lets go of them (preempted, aborted), until release_blocks(them)."""
+        return self.kv.hold(request_id, first, end)
+
+    def release_blocks(self, blocks: list[KVBlock]) -> None:
+        self.kv.free_blocks(blocks)
+
+    # --- for either role ----------------------------------------------------------------
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The KV blocks the request holds, in order (block i: tokens [i*bs, (i+1)*bs))."""
+        return self.kv.block_ids(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.kv.pool.num_blocks, self.kv.num_free_blocks, len(self.scheduler.running),
+                           self.scheduler.num_waiting)
+
+    def collect_kv_events(self, max_per_block: int) -> None:
+        """Keep prefix-cache events from now on, for take_kv_events(): at most
+        max_per_block per KV block between two takes; beyond that they are dropped
+        (nobody is taking them) and the next take says so."""
+        self._kv_events_limit = max_per_block * self.kv.pool.num_blocks
+        if self.kv.pool.events is None:
+            self.kv.pool.events = []
+
+    def take_kv_events(self) -> tuple[list[list], bool]:
+        """The events since the last take, in order ([block hash, True = cached / False
+        = evicted]), and whether some were dropped since (start the index over)."""
+        pool = self.kv.pool
+        events, lost = pool.events or [], self._kv_events_lost
+        if pool.events is not None:
+            pool.events = []
+        self._kv_events_lost = False
+        return events, lost
+
+    def _bound_kv_events(self) -> None:
+        events = self.kv.pool.events
+        if events is not None and len(events) > self._kv_events_limit:
+            events.clear()
+            self._kv_events_lost = True
+
     def abort(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
@@ -174,6 +241,11 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or self._in_flight is not None
+
+    def has_runnable(self) -> bool:
+        """Requests a step can advance: running, or queued (waiting for blocks, a slot,
+        or ready to resume); not those only waiting for remote KV."""
+        return bool(self.scheduler.running) or self.scheduler.num_waiting > 0
 
     def step(self) -> StepOutput:
         """Run one step and report the requests it advanced and finished.
@@ -249,4 +321,5 @@ class EngineCore:
                 if logprobs is not None and not request.status.finished:
                     request.output_logprobs.append(logprobs)
         advanced, finished = self.scheduler.update(out, sampled.token_ids)
+        self._bound_kv_events()
         return StepOutput(advanced, finished, out.num_tokens)

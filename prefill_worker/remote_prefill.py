@@ -1,7 +1,7 @@
-"""What a decode worker asks of a prefill worker, and the prefill worker's side of it.
+"""The prefill worker's side of a remote prefill (protocol.RemotePrefill).
 
-Decode-first push (DESIGN.md): the decode worker D reserves blocks for the prompt and
-sends a RemotePrefill; the prefill worker P computes the KV of every prompt token but
+Decode-first push (docs/architecture.md): the decode worker D reserves blocks for the
+prompt and sends a RemotePrefill; the prefill worker P computes the KV of every prompt token but
 the last (D computes that one, and samples), writing each block to D as soon as it is
 full, and the last, partial one at the end. P never samples and frees its blocks
 once every write is acknowledged (or failed).
@@ -18,31 +18,9 @@ from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import cdiv
 from engine.request import RequestStatus
 from kv_transfer import KVTransport, WriteDone, WriteFailed
+from protocol import PrefillDone, RemotePrefill
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RemotePrefill:
-    request_id: str
-    prompt_token_ids: list[int]
-    peer: str  # D's transport agent name
-    block_ids: list[int]  # D's blocks for the prompt; block i holds tokens [i*bs, (i+1)*bs)
-    first_block: int  # D already holds the KV of blocks before this one (its prefix cache)
-    epoch: int
-    deadline: float  # time.time() after which D no longer accepts writes
-    session: str = ""  # D's KVTransport.session: the blocks belong to that process only
-
-
-@dataclass
-class PrefillResult:
-    """How a remote prefill ended, as reported to the decode worker."""
-
-    request_id: str
-    error: str | None  # None: every block was written and acknowledged
-    compute_s: float  # submit -> prompt KV computed (queue and compute on this worker)
-    transfer_s: float  # computed -> last write acknowledged (writes not hidden by compute)
-    bytes_written: int
 
 
 @dataclass
@@ -109,7 +87,7 @@ class PrefillWorkerCore:
             self.transport.cancel(request_id)
         self.engine.abort([request_id])
 
-    def step(self) -> list[PrefillResult]:
+    def step(self) -> list[PrefillDone]:
         """One engine step plus transfer progress. Returns every job that ended: its KV
         written (error None), or failed."""
         out = self.engine.step() if self.engine.has_unfinished() else StepOutput()
@@ -126,7 +104,7 @@ class PrefillWorkerCore:
                 continue
             held = self._held.pop(event.xfer, None)
             if held is not None:
-                self.engine.kv.free_blocks(held)
+                self.engine.release_blocks(held)
             job = self.jobs.get(event.req)
             if job is None:
                 continue
@@ -137,45 +115,44 @@ class PrefillWorkerCore:
         return self._finish_jobs()
 
     def _write_ready_blocks(self, request_id: str, job: _Job, prefilled: bool) -> None:
-        request = self.engine.scheduler.requests.get(request_id)
-        if request is None:
+        computed = self.engine.computed_tokens(request_id)
+        if computed is None:
             return
         # Full blocks are final as soon as computed; the partial last one once prefilled.
-        ready = job.end_block if prefilled else min(request.num_computed_tokens // self.block_size,
-                                                     job.end_block)
+        ready = job.end_block if prefilled else min(computed // self.block_size, job.end_block)
         if ready <= job.next_block:
             return
         rp = job.rp
         if self.transport.peer_session(rp.peer) != rp.session:  # gone, or restarted: not its blocks
             self.fail_jobs_for(rp.peer)
             return
-        held = self.engine.kv.hold(request_id, job.next_block, ready)
+        held = self.engine.hold_blocks(request_id, job.next_block, ready)
         try:
             xfer = self.transport.write(rp.peer, request_id, rp.epoch, [b.block_id for b in held],
                                         rp.block_ids[job.next_block:ready], rp.deadline)
         except BaseException:
-            self.engine.kv.free_blocks(held)
+            self.engine.release_blocks(held)
             raise
         self._held[xfer] = held
         job.outstanding.add(xfer)
         self.stats["blocks_written"] += ready - job.next_block
         job.next_block = ready
 
-    def _finish_jobs(self) -> list[PrefillResult]:
+    def _finish_jobs(self) -> list[PrefillDone]:
         ended, now = [], time.monotonic()
         for request_id, job in list(self.jobs.items()):
-            request = self.engine.scheduler.requests.get(request_id)
-            written = job.next_block == job.end_block and request is not None \
-                and request.status == RequestStatus.PREFILLED
+            prefilled = self.engine.is_prefilled(request_id)
+            written = job.next_block == job.end_block and prefilled
             if job.outstanding or not (written or job.failed):
                 continue
-            if request is not None and request.status == RequestStatus.PREFILLED:
+            if prefilled:
                 self.engine.release_prefilled(request_id)
             else:
                 self.engine.abort([request_id])
             del self.jobs[request_id]
             self.stats["prefills" if job.failed is None else "failed"] += 1
             computed = job.computed if job.computed is not None else now
-            ended.append(PrefillResult(request_id, job.failed, computed - job.submitted, now - computed,
-                                       (job.next_block - job.rp.first_block) * self.transport.compat.block_bytes))
+            ended.append(PrefillDone(request_id=request_id, error=job.failed, compute_s=computed - job.submitted,
+                                     transfer_s=now - computed, bytes_written=(job.next_block - job.rp.first_block)
+                                     * self.transport.compat.block_bytes))
         return ended

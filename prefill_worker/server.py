@@ -2,7 +2,7 @@
 ZMQ, computes prompt KV with chunked prefill, pushes it through the KV transport,
 and reports each request's end to the decode worker that asked.
 
-Failures (cluster/worker_loop.py): a step that fails (RequestsFailed) ends the jobs it
+Failures (workers/loop.py): a step that fails (RequestsFailed) ends the jobs it
 names with `prefill_done` carrying the error (their decode workers prefill those
 prompts themselves), and the worker goes on. Anything worse ends every job that way,
 and the process, for a restart.
@@ -14,12 +14,12 @@ import logging
 
 import zmq
 
-from cluster.config import ClusterConfig
-from cluster.control import ControlChannel
-from cluster.worker_loop import WorkerLoop, engine_and_transport, run_worker, stall_grace_s
 from engine.errors import RequestsFailed
-from prefill_worker.remote_prefill import PrefillWorkerCore, RemotePrefill
-from router.protocol import encode
+from prefill_worker.remote_prefill import PrefillWorkerCore
+from protocol import Abort, Message, Peers, PrefillDone, RemotePrefill, Stats, StatsReply, encode
+from workers.config import WorkerConfig, engine_and_transport
+from workers.control import ControlChannel
+from workers.loop import WorkerLoop, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +32,14 @@ class PrefillWorker(WorkerLoop):
         self.origin: dict[str, tuple[zmq.Socket, bytes]] = {}  # request id -> decode worker
         self.decode_workers: set[str] = set()  # KV destinations, by transport agent name
 
-    def set_peers(self, msg: dict) -> list[str]:
+    def set_peers(self, msg: Peers) -> list[str]:
         """The decode workers' transport metadata. A new blob under a known name is a
         restarted worker (the transport replaces it); a name left out is gone: writes
         to it fail now, and the jobs for it end at their next step. Every handshake is
         made here, not on the first write; returns the peers whose handshake failed
         (their writes will fail, and their requests be prefilled locally)."""
         transport, cold, names = self.core.transport, [], set()
-        for metadata in msg["decode"]:
+        for metadata in msg.decode:
             name = None
             try:  # one bad or unreachable peer must not take this worker down
                 name = transport.add_peer(metadata)
@@ -66,27 +66,23 @@ class PrefillWorker(WorkerLoop):
         """Prompts running or queued in the engine (the stall watchdog's question);
         not jobs only waiting for their writes to be acknowledged (the transport's
         timeout bounds those)."""
-        scheduler = self.core.engine.scheduler
-        return bool(scheduler.running) or scheduler.num_waiting > 0
+        return self.core.engine.has_runnable()
 
-    def handle(self, sender: bytes, msg: dict, sock: zmq.Socket) -> None:
-        if msg["kind"] == "prefill":
-            rp = RemotePrefill(msg["id"], msg["prompt"], msg["peer"], msg["blocks"], msg["first"],
-                               msg["epoch"], msg["deadline"], msg["session"])
+    def handle(self, sender: bytes, msg: Message, sock: zmq.Socket) -> None:
+        if isinstance(msg, RemotePrefill):
             try:
-                self.core.submit(rp)
+                self.core.submit(msg)
             except ValueError as exc:
-                self.send(sock, sender, encode("prefill_done", id=rp.request_id, error=str(exc),
-                                               compute_s=0.0, transfer_s=0.0, bytes=0))
+                self.send(sock, sender, encode(PrefillDone(request_id=msg.request_id, error=str(exc))))
                 return
-            self.origin[rp.request_id] = (sock, sender)
-        elif msg["kind"] == "abort":
-            self.core.abort(msg["id"])
-        elif msg["kind"] == "stats":
-            kv = self.core.engine.kv
-            self.send(sock, sender, encode("stats_reply", seq=msg["seq"], stats={
-                "name": self.name, "num_blocks": kv.pool.num_blocks, "free_blocks": kv.num_free_blocks,
-                "jobs": len(self.core.jobs), **self.core.stats, **self.health()}, kv_events=[], kv_reset=False))
+            self.origin[msg.request_id] = (sock, sender)
+        elif isinstance(msg, Abort):
+            self.core.abort(msg.request_id)
+        elif isinstance(msg, Stats):
+            engine = self.core.engine.stats()
+            self.send(sock, sender, encode(StatsReply(seq=msg.seq, stats={
+                "name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
+                "jobs": len(self.core.jobs), **self.core.stats, **self.health()})))
 
     def step(self) -> None:
         stats = self.core.stats
@@ -108,22 +104,19 @@ class PrefillWorker(WorkerLoop):
         for r in results:
             origin = self.origin.pop(r.request_id, None)
             if origin is not None:
-                self.send(*origin, encode("prefill_done", id=r.request_id, error=r.error or "",
-                                          compute_s=r.compute_s, transfer_s=r.transfer_s,
-                                          bytes=r.bytes_written))
+                self.send(*origin, encode(r))
 
     def fail_all(self, error: str, stalled: bool) -> None:
         """The worker gives up: every decode worker waiting on one of its jobs hears
         that it failed, and prefills the prompt itself."""
         for request_id, (sock, sender) in self.origin.items():
-            self.send_now(sock, sender, encode("prefill_done", id=request_id, error=error, compute_s=0.0,
-                                               transfer_s=0.0, bytes=0))
+            self.send_now(sock, sender, encode(PrefillDone(request_id=request_id, error=error)))
 
 
-def serve(config: ClusterConfig, index: int, control: ControlChannel, host: str = "127.0.0.1") -> None:
-    """Worker entry point: start (sockets on `host`), report ready on `control`, get
-    peers, run (cluster/control.py)."""
-    name, engine, transport = engine_and_transport(config, "prefill", index, host)
-    worker = PrefillWorker(name, PrefillWorkerCore(engine, transport), host, config.router.stall_timeout_s,
-                           stall_grace_s(config))
+def serve(config: WorkerConfig, control: ControlChannel) -> None:
+    """Worker entry point: start (sockets on config.host), report ready on `control`,
+    get peers, run (workers/control.py)."""
+    engine, transport = engine_and_transport(config)
+    worker = PrefillWorker(config.name, PrefillWorkerCore(engine, transport), config.host, config.stall_timeout_s,
+                           config.stall_grace_s)
     run_worker(worker, control, transport)

@@ -28,9 +28,9 @@ from engine.model.config import ModelConfig
 from engine.sampling_params import SamplingParams
 from router import request_body
 from router.detokenizer import Detokenizer
+from protocol import Abort, Generate, Rejected
 from router.errors import APIError
 from router.metrics import RouterMetrics
-from router.request_body import SAMPLING_FIELDS
 from router.routing import RoutingPolicy
 from router.worker_client import WORKER_LOST, WorkerClient
 
@@ -175,7 +175,7 @@ class Router:
             while not finished:
                 if worker is not None:  # its worker died: leave it, resubmit elsewhere
                     worker.queues.pop(request_id, None)
-                    worker.send("abort", id=request_id)  # in case it was only slow
+                    worker.send(Abort(request_id=request_id))  # in case it was only slow
                     if params.max_tokens - detok.num_tokens < 1:  # cannot happen: the last batch says finished
                         finished = True
                         yield Chunk(detok.flush(), "length", detok.num_tokens, worker=worker.name)
@@ -185,10 +185,10 @@ class Router:
                     msg = await queue.get()
                     if msg is WORKER_LOST:
                         break
-                    if msg["kind"] == "rejected":
+                    if isinstance(msg, Rejected):
                         finished = True  # nothing to abort: the worker ended it (or never queued it)
                         raise _rejection(msg)
-                    now, new = time.monotonic(), len(msg["tokens"])
+                    now, new = time.monotonic(), len(msg.tokens)
                     if new and detok.num_tokens == 0:
                         m.ttft.observe(now - start)
                     elif new:  # a batch of tokens from one step: each waited its share
@@ -197,16 +197,16 @@ class Router:
                     if new:
                         last = now
                         m.generation_tokens.inc(new)
-                    delta, stopped = detok.add(msg["tokens"])
-                    finished = msg["finished"] or stopped
-                    reason = "stop" if stopped else (msg["reason"] if msg["finished"] else None)
+                    delta, stopped = detok.add(msg.tokens)
+                    finished = msg.finished or stopped
+                    reason = "stop" if stopped else (msg.reason if msg.finished else None)
                     if finished:
                         delta += detok.flush()
                         m.e2e.observe(time.monotonic() - start)
                         m.finished.labels(reason=reason).inc()
-                        m.observe_phases(msg["phases"])
-                        m.prefix_cached_tokens.inc(msg["cached"])
-                    yield Chunk(delta, reason, detok.num_tokens, msg["tokens"], msg["logprobs"], worker.name)
+                        m.observe_phases(msg.phases)
+                        m.prefix_cached_tokens.inc(msg.cached)
+                    yield Chunk(delta, reason, detok.num_tokens, msg.tokens, msg.logprobs, worker.name)
         finally:
             self.in_flight -= 1
             m.in_flight.set(self.in_flight)
@@ -214,9 +214,9 @@ class Router:
                 worker.queues.pop(request_id, None)
                 if not finished:  # the client went away: free the worker's blocks
                     m.finished.labels(reason="abort").inc()
-                    worker.send("abort", id=request_id)
+                    worker.send(Abort(request_id=request_id))
                 elif detok.stopped:
-                    worker.send("abort", id=request_id)
+                    worker.send(Abort(request_id=request_id))
 
     def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams,
                 failover: bool) -> tuple[WorkerClient, str, asyncio.Queue]:
@@ -242,8 +242,7 @@ class Router:
             m.requests.labels(prefill="remote" if remote else "local").inc()
             m.prompt_tokens.inc(len(prompt))
             m.cached_tokens.inc(cached)
-        if not worker.send("generate", id=request_id, prompt=tokens, params=_params_dict(params),
-                           remote=remote, priority=0):
+        if not worker.send(Generate(request_id=request_id, prompt=tokens, params=params, remote=remote)):
             raise APIError(503, f"decode worker {worker.name} cannot be reached; retry later",
                            kind="service_unavailable")
         queue: asyncio.Queue = asyncio.Queue()
@@ -297,14 +296,10 @@ class Router:
             self.publish_live()
 
 
-def _rejection(msg: dict[str, Any]) -> APIError:
-    """A decode worker's "rejected": 400, bad input; 500, the request failed on the
+def _rejection(msg: Rejected) -> APIError:
+    """A decode worker's Rejected: 400, bad input; 500, the request failed on the
     worker (its engine step failed, or the worker itself did)."""
-    status = msg["status"] if 400 <= msg["status"] <= 599 else 500
+    status = msg.status if 400 <= msg.status <= 599 else 500
     if status >= 500:
-        return APIError(status, f"the request failed on the server: {msg['error']}", kind="internal_server_error")
-    return APIError(status, msg["error"])
-
-
-def _params_dict(params: SamplingParams) -> dict[str, Any]:
-    return {k: getattr(params, k) for k in (*SAMPLING_FIELDS, "logprobs")}
+        return APIError(status, f"the request failed on the server: {msg.error}", kind="internal_server_error")
+    return APIError(status, msg.error)

@@ -8,7 +8,7 @@ lowest cost = prompt tokens it would have to prefill + LOAD_TOKENS per request i
 already serving (in the spirit of Dynamo's KV router). The index learns from two
 sources: routing history (a prompt's blocks are added when it is sent, so the next
 request sees them at once) and the worker's own prefix-cache events (blocks cached and
-evicted, reported with every stats reply, router/protocol.py), which correct it: an
+evicted, reported with every stats reply, protocol/worker.py StatsReply), which correct it: an
 evicted block stops attracting requests. The same overlap decides conditional
 disaggregation: only the uncached part counts toward the threshold.
 """
@@ -89,7 +89,7 @@ class RoutingPolicy:
         self.indexes[index] = PrefixIndex(self.indexes[index].capacity)
 
     def kv_events(self, index: int, events: Sequence[Sequence], reset: bool) -> None:
-        """Prefix-cache events reported by worker `index` (router/protocol.py stats_reply)."""
+        """Prefix-cache events reported by worker `index` (their StatsReply.kv_events)."""
         if reset:
             self.forget(index)
         self.indexes[index].apply(events)

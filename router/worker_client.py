@@ -3,7 +3,7 @@
 Prefill workers are only pinged, for their health and figures.
 
 A worker whose stats reply says `stalled` (it has work and has made no progress for
-router.stall_timeout_s; it exits soon, cluster/worker_loop.py) is declared dead at once,
+router.stall_timeout_s; it exits soon, workers/loop.py) is declared dead at once,
 as a silent one would be after router.worker_timeout_s; its replies do not re-admit it.
 
 Who calls what: the router starts `read_forever()` and one shared monitor task
@@ -23,14 +23,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kv_transfer.messages import MessageError
+from protocol import WORKER_MESSAGES, Message, MessageError, Rejected, Stats, StatsReply, Tokens, encode
 from router.health import WorkerHealth
-from router.protocol import decode, encode
 
 logger = logging.getLogger(__name__)
 
 # Put into a request's queue when its worker is declared dead: the request fails over.
-WORKER_LOST: dict[str, Any] = {"kind": "worker_lost"}
+WORKER_LOST = object()
 
 
 class WorkerClient:
@@ -41,7 +40,7 @@ class WorkerClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTING_ID, f"router-{uuid.uuid4().hex[:8]}".encode())
         self.sock.connect(address)
-        self.queues: dict[str, asyncio.Queue] = {}  # request id -> its messages
+        self.queues: dict[str, asyncio.Queue] = {}  # request id -> its Tokens and Rejected (or WORKER_LOST)
         self.health = WorkerHealth(timeout_s, time.monotonic())
         self._stats_waiters: dict[int, asyncio.Future] = {}  # ping seq -> its reply
         # (events, reset): the worker's prefix-cache events, from every stats reply
@@ -56,35 +55,35 @@ class WorkerClient:
     async def read_forever(self) -> None:
         while True:
             try:
-                msg = decode(await self.sock.recv())
+                msg = WORKER_MESSAGES.decode(await self.sock.recv())
             except MessageError as exc:  # e.g. a worker of another protocol version
                 logger.warning("dropped a message from %s: %s", self.name, exc)
                 continue
-            stalled = msg["kind"] == "stats_reply" and msg["stats"].get("stalled") is True
+            stalled = isinstance(msg, StatsReply) and msg.stats.get("stalled") is True
             if stalled:  # it answers, but makes no progress: as good as dead (and exits soon)
-                self.declare_dead(f"is stalled: no progress for {msg['stats'].get('no_progress_s', 0):.0f} s "
+                self.declare_dead(f"is stalled: no progress for {msg.stats.get('no_progress_s', 0):.0f} s "
                                   "with work to do (router.stall_timeout_s)")
             elif self.health.heard(time.monotonic()):
                 logger.warning("worker %s answers again: in service again", self.name)
-            if msg["kind"] == "stats_reply":
-                if isinstance(msg["stats"].get("num_blocks"), int):
-                    self.num_kv_blocks = msg["stats"]["num_blocks"]
-                if (msg["kv_events"] or msg["kv_reset"]) and self.on_kv_events is not None:
-                    self.on_kv_events(msg["kv_events"], msg["kv_reset"])
-                waiter = self._stats_waiters.pop(msg["seq"], None)
+            if isinstance(msg, StatsReply):
+                if isinstance(msg.stats.get("num_blocks"), int):
+                    self.num_kv_blocks = msg.stats["num_blocks"]
+                if (msg.kv_events or msg.kv_reset) and self.on_kv_events is not None:
+                    self.on_kv_events(msg.kv_events, msg.kv_reset)
+                waiter = self._stats_waiters.pop(msg.seq, None)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(msg["stats"])
-                continue
-            queue = self.queues.get(msg.get("id", ""))
-            if queue is not None:
-                queue.put_nowait(msg)
+                    waiter.set_result(msg.stats)
+            elif isinstance(msg, (Tokens, Rejected)):
+                queue = self.queues.get(msg.request_id)
+                if queue is not None:
+                    queue.put_nowait(msg)
 
-    def send(self, kind: str, **fields: Any) -> bool:
+    def send(self, message: Message) -> bool:
         """Queue a message for the worker; False if it cannot be queued (the socket's
         buffer is full: the worker has been unreachable for a long time). Never blocks,
         so a dead worker cannot stall the router."""
         # With NOBLOCK the async socket sends at once and returns a finished future.
-        sent = self.sock.send(encode(kind, **fields), flags=zmq.NOBLOCK)
+        sent = self.sock.send(encode(message), flags=zmq.NOBLOCK)
         error = sent.exception()
         if isinstance(error, zmq.Again):
             return False
@@ -95,7 +94,7 @@ class WorkerClient:
     def ping(self) -> None:
         """A stats request whose reply only counts as a sign of life."""
         self._seq += 1
-        self.send("stats", seq=self._seq)
+        self.send(Stats(seq=self._seq))
 
     async def stats(self, timeout: float = 2.0) -> dict[str, Any] | None:
         """The worker's own figures, or None if it does not answer in time."""
@@ -104,7 +103,7 @@ class WorkerClient:
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters[seq] = waiter
         try:
-            if not self.send("stats", seq=seq):
+            if not self.send(Stats(seq=seq)):
                 return None
             return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:

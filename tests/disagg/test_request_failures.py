@@ -17,8 +17,10 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore, RequestsFailed
 from engine.sampling_params import SamplingParams
 from kv_transfer import TransportConfig, create_transport
-from router.protocol import decode, encode
+from protocol import WORKER_MESSAGES, Generate, encode
 from tests.fidelity.test_hf_fidelity import random_prompts
+
+decode = WORKER_MESSAGES.decode
 
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 POISONED = 7  # max_tokens that marks the request whose logits turn NaN
@@ -72,7 +74,7 @@ def test_a_request_whose_logits_are_unusable_fails_alone_and_serving_goes_on(lla
         requests = {"a": (prompts[0], GREEDY), "bad": (prompts[1], dict(GREEDY, max_tokens=POISONED)),
                     "b": (prompts[2], GREEDY)}
         for rid, (prompt, params) in requests.items():
-            client.send(encode("generate", id=rid, prompt=prompt, params=params, remote=False, priority=0))
+            client.send(encode(Generate(request_id=rid, prompt=prompt, params=params, remote=False, priority=0)))
         tokens, errors, finished = {rid: [] for rid in requests}, {}, set()
         end = time.monotonic() + 60
         while len(finished) + len(errors) < len(requests):
@@ -81,12 +83,12 @@ def test_a_request_whose_logits_are_unusable_fails_alone_and_serving_goes_on(lla
             worker.step()
             while client.poll(0):
                 msg = decode(client.recv())
-                if msg["kind"] == "rejected":
-                    errors[msg["id"]] = msg["error"]
+                if msg.kind == "rejected":
+                    errors[msg.request_id] = msg.error
                 else:
-                    tokens[msg["id"]] += msg["tokens"]
-                    if msg["finished"]:
-                        finished.add(msg["id"])
+                    tokens[msg.request_id] += msg.tokens
+                    if msg.finished:
+                        finished.add(msg.request_id)
         assert list(errors) == ["bad"] and "logits were NaN" in errors["bad"]
         assert tokens["bad"] != []  # it had streamed tokens before
         assert [tokens["a"], tokens["b"]] == [expected[0], expected[2]]

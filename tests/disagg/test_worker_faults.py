@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.fault_injection import TEST_FAULTS_ENV
 from engine import LLM, SamplingParams
+from protocol import Generate
 from tests.disagg.test_local_supervision import Supervised
 from tests.disagg.test_worker_processes import PARAMS, Client
 from tests.fidelity.test_hf_fidelity import random_prompts
+from workers.fault_injection import TEST_FAULTS_ENV
 
 PROMPTS = random_prompts([40, 70], seed=23)
 STALL_TIMEOUT_S = 4.0
@@ -71,17 +72,17 @@ def outcomes(client: Client, requests: dict[str, tuple[list[int], dict]], remote
              timeout: float = 60.0) -> dict[str, dict]:
     """Send each request; wait until each has finished or been rejected (with status)."""
     for rid, (prompt, params) in requests.items():
-        client.send("generate", id=rid, prompt=prompt, params=params, remote=remote, priority=0)
+        client.send(Generate(request_id=rid, prompt=prompt, params=params, remote=remote, priority=0))
     results = {rid: {"tokens": [], "finished": False, "error": "", "status": 0} for rid in requests}
     end = time.monotonic() + timeout
     while not all(r["finished"] or r["error"] for r in results.values()):
         msg = client.recv(max(0.1, end - time.monotonic()))
-        r = results[msg["id"]]
-        if msg["kind"] == "rejected":
-            r["error"], r["status"] = msg["error"], msg["status"]
+        r = results[msg.request_id]
+        if msg.kind == "rejected":
+            r["error"], r["status"] = msg.error, msg.status
         else:
-            r["tokens"] += msg["tokens"]
-            r["finished"] = msg["finished"]
+            r["tokens"] += msg.tokens
+            r["finished"] = msg.finished
     return results
 
 
@@ -168,7 +169,7 @@ def test_a_step_that_never_returns_ends_the_process_and_the_worker_is_restarted(
     old = supervised.workers.decode[0]
     client = Client(old.address)
     try:
-        client.send("generate", id="d-hang", prompt=PROMPTS[0], params=PARAMS, remote=False, priority=0)
+        client.send(Generate(request_id="d-hang", prompt=PROMPTS[0], params=PARAMS, remote=False, priority=0))
         start = time.monotonic()
         assert wait_exit(old.process, 60) == 1
         # Not before stall_timeout_s + grace (1 s here) without the loop coming round.

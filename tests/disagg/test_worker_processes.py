@@ -14,8 +14,10 @@ import zmq
 from cluster.config import ClusterConfig
 from cluster.local import LocalWorkers, start_workers
 from engine import LLM, SamplingParams
-from router.protocol import decode, encode
+from protocol import WORKER_MESSAGES, Generate, Message, Stats, encode
 from tests.fidelity.test_hf_fidelity import random_prompts
+
+decode = WORKER_MESSAGES.decode
 
 PARAMS = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = random_prompts([3, 20, 45, 70, 33, 90], seed=11)
@@ -31,8 +33,8 @@ class Client:
         self.sock.setsockopt(zmq.ROUTING_ID, b"test-router")
         self.sock.connect(address)
 
-    def send(self, kind: str, **fields) -> None:
-        self.sock.send(encode(kind, **fields))
+    def send(self, message: Message) -> None:
+        self.sock.send(encode(message))
 
     def recv(self, timeout: float) -> dict:
         if not self.sock.poll(int(timeout * 1000)):
@@ -42,22 +44,22 @@ class Client:
     def generate(self, prompts: dict[str, list[int]], remote: bool, params=PARAMS,
                  timeout: float = 60.0) -> dict[str, dict]:
         for rid, prompt in prompts.items():
-            self.send("generate", id=rid, prompt=prompt, params=params, remote=remote, priority=0)
+            self.send(Generate(request_id=rid, prompt=prompt, params=params, remote=remote, priority=0))
         results = {rid: {"tokens": [], "finished": False, "reason": "", "error": ""} for rid in prompts}
         end = time.monotonic() + timeout
         while not all(r["finished"] or r["error"] for r in results.values()):
             msg = self.recv(max(0.1, end - time.monotonic()))
-            r = results[msg["id"]]
-            if msg["kind"] == "rejected":
-                r["error"] = msg["error"]
+            r = results[msg.request_id]
+            if msg.kind == "rejected":
+                r["error"] = msg.error
             else:
-                r["tokens"] += msg["tokens"]
-                r["finished"], r["reason"] = msg["finished"], msg["reason"]
+                r["tokens"] += msg.tokens
+                r["finished"], r["reason"] = msg.finished, msg.reason
         return results
 
     def stats(self) -> dict:
-        self.send("stats", seq=0)
-        return self.recv(10)["stats"]
+        self.send(Stats(seq=0))
+        return self.recv(10).stats
 
     def close(self) -> None:
         self.sock.close(0)
@@ -102,17 +104,17 @@ def test_disaggregated_tokens_match_colocated(client: Client, reference) -> None
 def test_stats_replies_carry_the_prefix_cache_events_for_the_router(client: Client) -> None:
     from engine.kv_cache.block_hash import hash_full_blocks
 
-    client.send("stats", seq=1)
+    client.send(Stats(seq=1))
     client.recv(10)  # events so far: not this test's
     prompt = list(range(300, 340))  # 2 full blocks of 16 (the last token is never cached)
     client.generate({"events": prompt}, remote=False)
-    client.send("stats", seq=2)
+    client.send(Stats(seq=2))
     reply = client.recv(10)
-    assert reply["kv_reset"] is False
-    cached = [h for h, stored in reply["kv_events"] if stored]
+    assert reply.kv_reset is False
+    cached = [h for h, stored in reply.kv_events if stored]
     assert hash_full_blocks(prompt, 16) == cached[:2]  # the prompt's blocks, in order
-    client.send("stats", seq=3)
-    assert client.recv(10)["kv_events"] == []  # each event is reported once
+    client.send(Stats(seq=3))
+    assert client.recv(10).kv_events == []  # each event is reported once
 
 
 @pytest.mark.timeout(60)

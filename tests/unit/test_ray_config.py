@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ClusterConfig, ConfigError, load_cluster_config
-from cluster.control import QueueControl
+from workers.control import QueueControl
 from cluster.ray_actor import WorkerActor
 from cluster.ray_resources import missing_resources, pool_bundles
 

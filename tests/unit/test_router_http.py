@@ -19,8 +19,10 @@ import zmq
 
 from cluster.config import ClusterConfig
 from router.app import Router
-from router.protocol import decode, encode
+from protocol import WORKER_MESSAGES, Message, StatsReply, Tokens, encode
 from tests.http_server import free_port, serving
+
+decode = WORKER_MESSAGES.decode
 
 TOKEN = 70  # any id of the tiny vocabulary: the fake worker "generates" it again and again
 
@@ -43,8 +45,8 @@ class FakeDecodeWorker:
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def messages(self, kind: str) -> list[dict[str, Any]]:
-        return [m for m in list(self.received) if m["kind"] == kind]
+    def messages(self, kind: str) -> list[Message]:
+        return [m for m in list(self.received) if m.kind == kind]
 
     def close(self) -> None:
         self._stop.set()
@@ -62,22 +64,21 @@ class FakeDecodeWorker:
                 self.received.append(msg)
                 if self.silent.is_set():
                     continue
-                if msg["kind"] == "stats":
-                    self.sock.send_multipart([sender, encode("stats_reply", seq=msg["seq"], stats=self.stats,
-                                                             kv_events=[], kv_reset=False)])
-                elif msg["kind"] == "generate":
-                    active[msg["id"]] = [sender, msg["params"]["max_tokens"]]
-                elif msg["kind"] == "abort":
-                    active.pop(msg["id"], None)
+                if msg.kind == "stats":
+                    self.sock.send_multipart([sender, encode(StatsReply(seq=msg.seq, stats=self.stats))])
+                elif msg.kind == "generate":
+                    active[msg.request_id] = [sender, msg.params.max_tokens]
+                elif msg.kind == "abort":
+                    active.pop(msg.request_id, None)
             if time.monotonic() >= next_step and not self.silent.is_set():
                 next_step = time.monotonic() + self.step_s
                 for rid, state in list(active.items()):
                     n = min(self.per_step, state[1])
                     state[1] -= n
                     done = state[1] == 0
-                    self.sock.send_multipart([state[0], encode(
-                        "tokens", id=rid, tokens=[TOKEN] * n, finished=done, reason="length" if done else "",
-                        cached=0, logprobs=[], phases={"queue": 0.0, "prefill": 0.0, "decode": 0.0} if done else {})])
+                    self.sock.send_multipart([state[0], encode(Tokens(
+                        request_id=rid, tokens=[TOKEN] * n, finished=done, reason="length" if done else "",
+                        cached=0, phases={"queue": 0.0, "prefill": 0.0, "decode": 0.0} if done else {}))])
                     if done:
                         del active[rid]
 
@@ -126,8 +127,8 @@ def test_a_non_streamed_request_whose_client_hangs_up_is_aborted(served) -> None
     base, _, fake = served
     with pytest.raises(TimeoutError):  # 1000 tokens take the fake 50 s; give up after 0.5 s
         request(base, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 1000}, timeout=0.5)
-    rid = fake.messages("generate")[0]["id"]
-    wait_for(lambda: any(m["id"] == rid for m in fake.messages("abort")), 5,
+    rid = fake.messages("generate")[0].request_id
+    wait_for(lambda: any(m.request_id == rid for m in fake.messages("abort")), 5,
              "the router aborts the request of a client that went away")
 
 
@@ -182,13 +183,13 @@ def test_settings_reach_the_worker(served) -> None:
         "prompt": "Hello", "max_tokens": 3, "n": None, "stop_token_ids": [5], "include_stop_str_in_output": True,
         "min_tokens": 2, "ignore_eos": True, "best_of": 1, "user": "me", "echo": False})
     assert status == 200 and out["usage"]["completion_tokens"] == 3
-    params = fake.messages("generate")[-1]["params"]
-    assert params["stop_token_ids"] == [5] and params["include_stop_str_in_output"] is True
-    assert params["min_tokens"] == 2 and params["ignore_eos"] is True and params["max_tokens"] == 3
+    params = fake.messages("generate")[-1].params
+    assert params.stop_token_ids == [5] and params.include_stop_str_in_output is True
+    assert params.min_tokens == 2 and params.ignore_eos is True and params.max_tokens == 3
 
     status, _ = request(base, "POST", "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2})
-    assert status == 200 and fake.messages("generate")[-1]["params"]["max_tokens"] == 2
+    assert status == 200 and fake.messages("generate")[-1].params.max_tokens == 2
 
 
 @pytest.mark.timeout(60)
@@ -200,12 +201,12 @@ def test_chat_without_max_tokens_may_fill_the_context_and_takes_text_parts(serve
                      {"role": "assistant", "content": None}, {"role": "user", "content": "Go on"}]})
     assert status == 200, out
     sent = fake.messages("generate")[-1]
-    assert sent["params"]["max_tokens"] == router.max_model_len - len(sent["prompt"])
-    assert out["usage"]["completion_tokens"] == sent["params"]["max_tokens"]
+    assert sent.params.max_tokens == router.max_model_len - len(sent.prompt)
+    assert out["usage"]["completion_tokens"] == sent.params.max_tokens
     text = router.tokenizer.apply_chat_template(  # the parts joined as vLLM joins them
         [{"role": "user", "content": "Hi\nthere"}, {"role": "assistant", "content": ""},
          {"role": "user", "content": "Go on"}], add_generation_prompt=True, tokenize=False)
-    assert sent["prompt"] == router.tokenizer.encode(text, add_special_tokens=False)
+    assert sent.prompt == router.tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.timeout(60)
@@ -219,4 +220,4 @@ def test_chat_without_max_tokens_fits_the_smallest_kv_pool(served) -> None:
     status, out = request(base, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
     assert status == 200, out
     sent = fake.messages("generate")[-1]
-    assert sent["params"]["max_tokens"] == 10 * router.block_size - len(sent["prompt"]) < router.max_model_len
+    assert sent.params.max_tokens == 10 * router.block_size - len(sent.prompt) < router.max_model_len

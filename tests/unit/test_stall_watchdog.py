@@ -12,16 +12,18 @@ import zmq
 import zmq.asyncio
 
 from cluster.config import ClusterConfig, ConfigError, RouterConfig
-from cluster.watchdog import HangWatchdog, StallWatchdog
-from cluster.worker_loop import WorkerFailed, WorkerStalled
 from decode_worker.remote_kv import DecodeWorkerCore
 from decode_worker.server import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, RequestsFailed, StepOutput
 from kv_transfer import TransportConfig, create_transport
+from protocol import WORKER_MESSAGES, Abort, Generate, Message, Peers, Rejected, Stats, StatsReply, encode
 from router.core import _rejection
-from router.protocol import decode, encode
 from router.worker_client import WORKER_LOST, WorkerClient
+from workers.loop import WorkerFailed, WorkerStalled
+from workers.watchdog import HangWatchdog, StallWatchdog
+
+decode = WORKER_MESSAGES.decode
 
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
@@ -133,17 +135,17 @@ class Rig:
         self.client.setsockopt(zmq.ROUTING_ID, b"router")
         self.client.connect(self.worker.address)
 
-    def send(self, kind: str, **fields) -> None:
-        self.client.send(encode(kind, **fields))
+    def send(self, message: Message) -> None:
+        self.client.send(encode(message))
         deadline = time.monotonic() + 5
         while not self.worker.sock.poll(10):
             assert time.monotonic() < deadline
         self.worker._drain(self.worker.sock)
 
     def stats(self) -> dict:
-        self.send("stats", seq=1)
+        self.send(Stats(seq=1))
         assert self.client.poll(5000)
-        return decode(self.client.recv())["stats"]
+        return decode(self.client.recv()).stats
 
     def messages(self) -> list[dict]:
         out = []
@@ -163,10 +165,10 @@ def test_a_worker_whose_steps_advance_nothing_reports_stalled_then_gives_up(llam
     rig = Rig(llama_dir)
     w = rig.worker
     try:
-        rig.send("generate", id="r", prompt=[5, 6, 7, 8, 9], params=GREEDY, remote=False, priority=0)
+        rig.send(Generate(request_id="r", prompt=[5, 6, 7, 8, 9], params=GREEDY, remote=False, priority=0))
         w.step()  # a real step: the prompt is computed, one token comes out
         w._watch()
-        assert rig.messages()[0]["tokens"] and rig.stats()["stalled"] is False
+        assert rig.messages()[0].tokens and rig.stats()["stalled"] is False
         w.core.step = lambda: StepOutput()  # from now on steps run and advance nothing
         start = rig.clock.now
         for t in (1.0, 5.0, 9.5):
@@ -195,7 +197,7 @@ def test_run_gives_up_on_a_stall_without_failing_the_requests(llama_dir: Path) -
     rig = Rig(llama_dir)
     w = rig.worker
     try:
-        rig.send("generate", id="r", prompt=[5, 6, 7, 8, 9], params=GREEDY, remote=False, priority=0)
+        rig.send(Generate(request_id="r", prompt=[5, 6, 7, 8, 9], params=GREEDY, remote=False, priority=0))
         w.core.step = lambda: StepOutput()
 
         class Control:
@@ -216,13 +218,13 @@ def test_requests_waiting_for_pushed_kv_are_not_pending_work(llama_dir: Path) ->
     rig = Rig(llama_dir)
     w = rig.worker
     try:
-        w.set_peers({"prefill": {"prefill-0": "tcp://127.0.0.1:9"}})  # nobody there: the KV never comes
-        rig.send("generate", id="remote", prompt=list(range(10, 50)), params=GREEDY, remote=True, priority=0)
+        w.set_peers(Peers(prefill={"prefill-0": "tcp://127.0.0.1:9"}))  # nobody there: the KV never comes
+        rig.send(Generate(request_id="remote", prompt=list(range(10, 50)), params=GREEDY, remote=True, priority=0))
         assert w.core.waiting_for_kv == {"remote"}
         assert not w.pending()
         w.step()
         assert not w.pending()
-        rig.send("generate", id="local", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0)
+        rig.send(Generate(request_id="local", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0))
         # Queued with nothing running while a reservation is open: it may be waiting for
         # the reserved blocks, which come back by the deadline (+ cancel grace) at the latest.
         assert not w.pending()
@@ -230,7 +232,7 @@ def test_requests_waiting_for_pushed_kv_are_not_pending_work(llama_dir: Path) ->
         assert "local" in [r.request_id for r in w.core.engine.scheduler.running] and w.pending()
         w.core.transport.abort("remote")  # its blocks are back (tcp: released at once)
         w.core.engine.abort(["local"])
-        rig.send("generate", id="local2", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0)
+        rig.send(Generate(request_id="local2", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0))
         assert w.pending()
     finally:
         rig.close()
@@ -244,12 +246,12 @@ def test_a_queue_waiting_on_an_aborted_reservations_blocks_is_not_pending_work(l
     rig = Rig(llama_dir, transport="shm")
     w = rig.worker
     try:
-        w.set_peers({"prefill": {"prefill-0": "tcp://127.0.0.1:9"}})  # nobody there: no cancel_ack
-        rig.send("generate", id="remote", prompt=list(range(10, 50)), params=GREEDY, remote=True, priority=0)
-        rig.send("abort", id="remote")
+        w.set_peers(Peers(prefill={"prefill-0": "tcp://127.0.0.1:9"}))  # nobody there: no cancel_ack
+        rig.send(Generate(request_id="remote", prompt=list(range(10, 50)), params=GREEDY, remote=True, priority=0))
+        rig.send(Abort(request_id="remote"))
         w.step()
-        assert "remote" not in w.clients and w.core.transport.holds_reservations()  # quarantined
-        rig.send("generate", id="local", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0)
+        assert "remote" not in w.requests and w.core.transport.holds_reservations()  # quarantined
+        rig.send(Generate(request_id="local", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0))
         assert not w.pending()
     finally:
         rig.close()
@@ -259,7 +261,7 @@ def test_a_queue_waiting_on_an_aborted_reservations_blocks_is_not_pending_work(l
 def test_without_a_timeout_the_stats_say_not_stalled(llama_dir: Path) -> None:
     rig = Rig(llama_dir, stall_timeout_s=None)
     try:
-        rig.send("generate", id="r", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0)
+        rig.send(Generate(request_id="r", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0))
         rig.worker.core.step = lambda: StepOutput()
         for _ in range(3):
             rig.clock.now += 1000.0
@@ -277,7 +279,7 @@ def test_failed_steps_end_their_requests_and_several_in_a_row_are_fatal(llama_di
     w = rig.worker
     try:
         for rid in ("a", "b", "c", "d"):
-            rig.send("generate", id=rid, prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0)
+            rig.send(Generate(request_id=rid, prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0))
         real_step, doomed = w.core.step, iter([["a"], ["b"], ["c"]])
 
         def failing_step():
@@ -290,9 +292,9 @@ def test_failed_steps_end_their_requests_and_several_in_a_row_are_fatal(llama_di
         w.core.step = failing_step
         w.step()
         w.step()  # "b", "c": two in a row
-        msgs = [m for m in rig.messages() if m["kind"] == "rejected"]
-        assert [(m["id"], m["status"]) for m in msgs] == [("a", 500), ("b", 500), ("c", 500)]
-        assert all("device lost" in m["error"] for m in msgs)
+        msgs = [m for m in rig.messages() if m.kind == "rejected"]
+        assert [(m.request_id, m.status) for m in msgs] == [("a", 500), ("b", 500), ("c", 500)]
+        assert all("device lost" in m.error for m in msgs)
         with pytest.raises(WorkerFailed, match="3 engine steps in a row failed"):
             w.core.step = lambda: (_ for _ in ()).throw(RequestsFailed("the model step failed", ["d"]))
             w.step()
@@ -308,12 +310,12 @@ def test_failures_the_requests_caused_never_count_against_the_worker(llama_dir: 
     w = rig.worker
     try:
         for rid in ("a", "b", "c", "d"):
-            rig.send("generate", id=rid, prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0)
+            rig.send(Generate(request_id=rid, prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0))
         for rid in ("a", "b", "c", "d"):
             w.core.step = lambda rid=rid: (_ for _ in ()).throw(
                 RequestsFailed("unusable logits", [rid], at_fault=True))
             w.step()
-        assert [(m["id"], m["status"]) for m in rig.messages() if m["kind"] == "rejected"] == \
+        assert [(m.request_id, m.status) for m in rig.messages() if m.kind == "rejected"] == \
             [("a", 400), ("b", 400), ("c", 400), ("d", 400)]
     finally:
         rig.close()
@@ -336,8 +338,7 @@ def test_the_router_declares_a_stalled_worker_dead_and_its_replies_do_not_readmi
                 client.ping()
                 sender, body = await asyncio.wait_for(fake.recv_multipart(), 5)
                 stats = {"name": "decode-0", "stalled": stalled, "no_progress_s": 61.0 if stalled else 0.0}
-                await fake.send_multipart([sender, encode("stats_reply", seq=decode(body)["seq"], stats=stats,
-                                                          kv_events=[], kv_reset=False)])
+                await fake.send_multipart([sender, encode(StatsReply(seq=decode(body).seq, stats=stats))])
 
             await reply(stalled=False)
             await asyncio.sleep(0.2)
@@ -361,12 +362,12 @@ def test_the_router_declares_a_stalled_worker_dead_and_its_replies_do_not_readmi
 
 
 def test_a_rejection_maps_to_its_status() -> None:
-    bad = _rejection({"kind": "rejected", "id": "r", "error": "max_tokens must be >= 1", "status": 400})
+    bad = _rejection(Rejected(request_id="r", error="max_tokens must be >= 1", status=400))
     assert (bad.status, bad.kind, bad.message) == (400, "invalid_request_error", "max_tokens must be >= 1")
-    failed = _rejection({"kind": "rejected", "id": "r", "error": "the engine step failed", "status": 500})
+    failed = _rejection(Rejected(request_id="r", error="the engine step failed", status=500))
     assert (failed.status, failed.kind) == (500, "internal_server_error")
     assert "the engine step failed" in failed.message
-    odd = _rejection({"kind": "rejected", "id": "r", "error": "?", "status": 7})
+    odd = _rejection(Rejected(request_id="r", error="?", status=7))
     assert odd.status == 500
 
 

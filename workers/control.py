@@ -1,26 +1,22 @@
 """The control channel between a launcher and one worker it started.
 
-A worker's `serve(config, index, control)` uses three calls on `control`:
-`send_bytes(ready)` once (its ZMQ address and transport metadata, router/protocol.py
-"ready"), `recv_bytes()` once (its peers, "peers"), then `poll()` after every loop
-iteration and, when it is True, `recv_bytes()`: STOP ends the worker; anything else is
-a new "peers" message (the Ray launcher's supervisor sends one when a peer dies or
-comes back restarted). The local launcher passes one end of a multiprocessing Pipe (a
-closed pipe polls True and raises EOFError on reading, so a dead launcher stops its
-workers); the Ray launcher passes a `QueueControl`, whose other end is driven by the
-actor's methods (cluster/ray_actor.py). Messages stay msgpack bytes either way.
+A worker's `serve(config, control)` uses three calls on `control`: `send_bytes(Ready)`
+once (its ZMQ address and transport metadata, protocol/control.py), `recv_bytes()` once
+(its Peers), then `poll()` after every loop iteration and, when it is True,
+`recv_bytes()`: Stop ends the worker; Peers replace its peers (the launchers'
+supervisors send them when a peer dies or comes back restarted).
+
+The local launcher passes one end of a multiprocessing Pipe (a closed pipe polls True
+and raises EOFError on reading, so a dead launcher stops its workers); the Ray launcher passes a `QueueControl`, whose other end is driven by the
+actor's methods (cluster/ray_actor.py). Messages are protocol/ messages, encoded,
+either way.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
 from typing import Protocol
-
-from router.protocol import encode
-
-STOP = b"stop"
 
 
 class ControlChannel(Protocol):
@@ -80,18 +76,3 @@ class QueueControl:
             return self._outbox.get(timeout=timeout)
         except queue.Empty:
             return None
-
-
-class _Started(Protocol):
-    name: str
-    address: str  # its ZMQ address, from its "ready" message
-    metadata: bytes  # its transport metadata, from its "ready" message
-
-
-def peers_messages(decode_workers: Sequence[_Started], prefill_workers: Sequence[_Started]) -> tuple[bytes, bytes]:
-    """The "peers" message for every decode worker and for every prefill worker: decode
-    workers connect to the prefill workers' ZMQ addresses; prefill workers add the
-    decode workers' transports as KV destinations."""
-    prefill = {w.name: w.address for w in prefill_workers}
-    return (encode("peers", prefill=prefill, decode=[]),
-            encode("peers", prefill={}, decode=[w.metadata for w in decode_workers]))

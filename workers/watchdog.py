@@ -1,4 +1,4 @@
-"""Two watchdogs a worker loop keeps (cluster/worker_loop.py): one for a worker that
+"""Two watchdogs a worker loop keeps (workers/loop.py): one for a worker that
 has work and makes no progress, one for a loop that does not come round at all."""
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ How a worker fails (engine/errors.py says what the engine raises):
   bug): fatal. The worker logs the traceback at ERROR, tells the client of every
   request it holds that it failed, closes its sockets (flushing those messages), and
   raises `WorkerFailed` out of `run()`: the process exits non-zero (under Ray the
-  actor ends its process, cluster/ray_actor.py), and its supervisor reports it down
-  and restarts it (cluster/local_supervisor.py, cluster/supervisor.py).
+  actor ends its process), and its launcher's supervisor reports it down and restarts
+  it (cluster/).
 - No progress (`router.stall_timeout_s`, StallWatchdog): the worker has work in its
   engine's queues and no step has computed a token for that long. It says so in its
   stats replies (`stalled`, `no_progress_s`: the router then stops routing to it and
@@ -36,15 +36,11 @@ from collections.abc import Callable
 
 import zmq
 
-from cluster.config import ClusterConfig
-from cluster.control import STOP, ControlChannel
-from cluster.fault_injection import TEST_FAULTS_ENV, inject_test_faults
-from cluster.watchdog import HangWatchdog, StallWatchdog
-from engine.engine_core import EngineCore
 from engine.errors import RequestsFailed
-from kv_transfer import KVTransport, TransportConfig, create_transport
-from kv_transfer.messages import MessageError
-from router.protocol import decode, encode
+from kv_transfer import KVTransport
+from protocol import CONTROL_MESSAGES, WORKER_MESSAGES, Message, MessageError, Peers, Ready, Serving, Stop, encode
+from workers.control import ControlChannel
+from workers.watchdog import HangWatchdog, StallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -55,30 +51,11 @@ MAX_FAILED_STEPS_IN_A_ROW = 3
 FAREWELL_LINGER_MS = 2000
 
 
-def engine_and_transport(config: ClusterConfig, role: str, index: int,
-                         host: str = "127.0.0.1") -> tuple[str, EngineCore, KVTransport]:
-    """A worker's name, its engine (cache placed where the transport reaches it) and its
-    transport (cache registered, control socket on `host`)."""
-    name = f"{role}-{index}"
-    transport = create_transport(config.transport, name, TransportConfig(host=host))
-    engine = EngineCore(config.engine_config(role), transport.allocate_kv_cache)
-    transport.register_kv_cache(engine.kv_cache, config.model)
-    if os.environ.get(TEST_FAULTS_ENV):
-        inject_test_faults(name, engine, os.environ[TEST_FAULTS_ENV])
-    return name, engine, transport
-
-
-def stall_grace_s(config: ClusterConfig) -> float:
-    """How long a stalled worker still answers (stalled) before it exits: two of the
-    router's health pings, so that the router reads it and fails its requests over."""
-    return max(1.0, 2 * config.router.health_interval_s)
-
-
 def run_worker(worker: "WorkerLoop", control: ControlChannel, transport: KVTransport) -> None:
     """A worker process's life (its `serve` entry point): WorkerLoop.serve; a worker
     that gave up (already logged, its clients told) ends the process with status 1, so
-    that its supervisor restarts it. (Under Ray the loop runs in an actor's thread; the
-    actor ends its process when serve raises: cluster/ray_actor.py.)"""
+    that its supervisor restarts it. (Under Ray the loop runs in an actor's thread,
+    where this re-raises; the actor ends its process.)"""
     try:
         worker.serve(control, transport)
     except WorkerFailed as exc:
@@ -143,32 +120,36 @@ class WorkerLoop:
             self.poller.unregister(sock)
             sock.close(0)
 
-    def set_peers(self, msg: dict) -> list[str]:
-        """Apply a "peers" message (router/protocol.py): once before run(), and again
+    def set_peers(self, msg: Peers) -> list[str]:
+        """Apply a Peers message (protocol/control.py): once before run(), and again
         whenever the launcher's supervisor reports a peer dead (left out) or restarted
         (back, with a new address and transport metadata). Makes the KV handshakes;
         returns the peers whose handshake failed."""
         raise NotImplementedError
 
     def serve(self, control: ControlChannel, transport: KVTransport) -> None:
-        """The worker's life on its control channel (cluster/control.py): report ready,
+        """The worker's life on its control channel (workers/control.py): report ready,
         take the first peers and make every handshake, report serving, run until told
         to stop; then close the transport. Raises WorkerFailed when the worker gave up
         (the process must then exit non-zero)."""
         try:
-            control.send_bytes(encode("ready", name=self.name, address=self.address, metadata=transport.metadata()))
-            first = control.recv_bytes()
-            if first == STOP:  # stopped before it served
+            control.send_bytes(encode(Ready(name=self.name, address=self.address, metadata=transport.metadata())))
+            first = CONTROL_MESSAGES.decode(control.recv_bytes())
+            if isinstance(first, Stop):  # stopped before it served
                 self.close()
                 return
-            cold = self.set_peers(decode(first))
-            control.send_bytes(encode("serving", cold=cold))
+            cold = self.set_peers(first)
+            control.send_bytes(encode(Serving(cold=cold)))
             self.run(control)
         finally:
             transport.close()
 
-    def handle(self, sender: bytes, msg: dict, reply: zmq.Socket) -> None:
+    def handle(self, sender: bytes, msg: Message, reply: zmq.Socket) -> None:
         raise NotImplementedError
+
+    def refuse(self, sender: bytes, error: MessageError, reply: zmq.Socket) -> None:
+        """A message that is not one of ours (logged and dropped). A role answers one
+        whose request it can name (error.kind, error.request_id)."""
 
     def step(self) -> None:
         raise NotImplementedError
@@ -235,9 +216,10 @@ class WorkerLoop:
                         message = control.recv_bytes()
                     except EOFError:  # the launcher is gone
                         break
-                    if message == STOP:
+                    message = CONTROL_MESSAGES.decode(message)
+                    if isinstance(message, Stop):
                         break
-                    self.set_peers(decode(message))
+                    self.set_peers(message)
                 for sock, _ in self.poller.poll(0 if self.busy() else IDLE_POLL_MS):
                     self._drain(sock)
                 self.step()
@@ -307,9 +289,10 @@ class WorkerLoop:
                 sender = next(name for name, s in self.dealers.items() if s is sock).encode()
             body = frames[-1]
             try:
-                msg = decode(body)
+                msg = WORKER_MESSAGES.decode(body)
             except MessageError as exc:
                 logger.warning("%s dropped a message: %s", self.name, exc)
+                self.refuse(sender, exc, sock)
                 continue
             self.handle(sender, msg, sock)
 

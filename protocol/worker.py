@@ -1,0 +1,102 @@
+"""The messages the router, decode workers and prefill workers exchange over ZMQ.
+
+Every worker binds one ROUTER socket; whoever talks to it holds a DEALER whose routing
+id is its own name. A worker answers on the socket a message came in on.
+
+    router  -> decode   Generate, Abort, Stats
+    decode  -> router   Tokens (one per request per step), Rejected (the request ends
+                        there, maybe after tokens), StatsReply
+    router  -> prefill  Stats (health and /status only)
+    prefill -> router   StatsReply
+    decode  -> prefill  RemotePrefill (decode-first push: D's blocks and deadline), Abort
+    prefill -> decode   PrefillDone
+
+docs/architecture.md has the catalogue with every field; the field comments below say
+what each one means.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from protocol.wire import Codec, Message
+
+# One token's log-probability and its top alternatives [(token id, logprob)], best first.
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
+class Generate(Message, frozen=True, tag="generate"):
+    request_id: str
+    prompt: list[int]  # token ids
+    params: SamplingParams  # checked again on arrival (SamplingParams.__post_init__)
+    remote: bool  # the router asks for a remote prefill (the prompt is long enough)
+    priority: int = 0  # lower runs first (scheduling_policy: priority)
+
+
+class Abort(Message, frozen=True, tag="abort"):
+    """The client went away (router -> decode), or D gave up on a remote prefill
+    (decode -> prefill: write no more; kv_transfer/ owns what happens to the blocks)."""
+
+    request_id: str
+
+
+class Stats(Message, frozen=True, tag="stats"):
+    # Echoed in the reply: health pings and /metrics scrapes share one connection.
+    seq: int
+
+
+class StatsReply(Message, frozen=True, tag="stats_reply"):
+    seq: int
+    # The worker's figures (docs/api.md, /status), with `stalled` and `no_progress_s`
+    # (workers/loop.py).
+    stats: dict[str, Any]
+    # Prefix-cache events since the last reply, in order: (block hash, cached?), for
+    # the router's kv_aware index. kv_reset: some were dropped; start the index over.
+    kv_events: list[tuple[int, bool]] = []
+    kv_reset: bool = False
+
+
+class Tokens(Message, frozen=True, tag="tokens"):
+    request_id: str
+    tokens: list[int]  # new this step
+    finished: bool
+    reason: str  # why it finished (a RequestStatus value); "" while it runs
+    cached: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked
+    phases: dict[str, float] = {}  # with the last: seconds per phase (router/metrics.py)
+
+
+class Rejected(Message, frozen=True, tag="rejected"):
+    """The request ends here, maybe after some Tokens."""
+
+    request_id: str
+    error: str
+    status: int  # 400: its own input or parameters; 500: it failed on the worker
+
+
+class RemotePrefill(Message, frozen=True, tag="prefill"):
+    """What a decode worker D asks of a prefill worker P: compute the KV of every prompt
+    token but the last and write it into D's reserved blocks before the deadline."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    peer: str  # D's transport agent name
+    block_ids: list[int]  # D's blocks for the prompt; block i holds tokens [i*bs, (i+1)*bs)
+    first_block: int  # D already holds the KV of blocks before this one (its prefix cache)
+    epoch: int  # unique per reservation: a late write for an earlier one is never taken for it
+    deadline: float  # time.time() after which D no longer accepts writes
+    session: str = ""  # D's KVTransport.session: the blocks belong to that process only
+
+
+class PrefillDone(Message, frozen=True, tag="prefill_done"):
+    """How a remote prefill ended (prefill -> decode)."""
+
+    request_id: str
+    error: str | None  # None: every block was written and acknowledged
+    compute_s: float = 0.0  # submit -> prompt KV computed (queue and compute on P)
+    transfer_s: float = 0.0  # computed -> last write acknowledged (writes not hidden by compute)
+    bytes_written: int = 0
+
+
+WORKER_MESSAGES = Codec(Generate, Abort, Stats, StatsReply, Tokens, Rejected, RemotePrefill, PrefillDone)

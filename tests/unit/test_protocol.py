@@ -1,0 +1,80 @@
+"""The typed messages: one wire form each, and a clear refusal of anything else."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from engine.sampling_params import SamplingParams
+from protocol import (CONTROL_MESSAGES, PROTOCOL_VERSION, WORKER_MESSAGES, Abort, Generate, MessageError, Peers,
+                      PrefillDone, Ready, Rejected, RemotePrefill, Serving, Stats, StatsReply, Stop, Tokens, encode)
+
+WORKER = [
+    Generate(request_id="a", prompt=[1, 2, 3], params=SamplingParams(max_tokens=4, stop=["x"], seed=2**64 - 1),
+             remote=True, priority=2),
+    Abort(request_id="a"),
+    Stats(seq=7),
+    StatsReply(seq=7, stats={"name": "decode-0", "stalled": False}, kv_events=[(2**64 - 1, True), (3, False)],
+               kv_reset=True),
+    Tokens(request_id="a", tokens=[5], finished=True, reason="length", cached=16,
+           logprobs=[(-0.5, [(5, -0.5), (6, -1.25)])], phases={"queue": 0.25}),
+    Rejected(request_id="a", error="bad", status=400),
+    RemotePrefill(request_id="a", prompt_token_ids=[1, 2], peer="decode-0", block_ids=[4, 5], first_block=1,
+                  epoch=3, deadline=1.5e9, session="s"),
+    PrefillDone(request_id="a", error=None, compute_s=0.5, transfer_s=0.25, bytes_written=4096),
+]
+CONTROL = [Ready(name="decode-0", address="tcp://127.0.0.1:1", metadata=b"\x00\x01"),
+           Peers(prefill={"prefill-0": "tcp://127.0.0.1:2"}), Peers(decode=[b"meta"]), Serving(cold=["x"]), Stop()]
+
+
+@pytest.mark.parametrize("message", WORKER, ids=lambda m: m.kind)
+def test_every_worker_message_comes_back_as_it_was_sent(message) -> None:
+    assert WORKER_MESSAGES.decode(encode(message)) == message
+
+
+@pytest.mark.parametrize("message", CONTROL, ids=lambda m: m.kind)
+def test_every_control_message_comes_back_as_it_was_sent(message) -> None:
+    assert CONTROL_MESSAGES.decode(encode(message)) == message
+
+
+def raw(kind: str, **fields) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, **fields})
+
+
+def refusal(data: bytes) -> MessageError:
+    with pytest.raises(MessageError) as refused:
+        WORKER_MESSAGES.decode(data)
+    return refused.value
+
+
+def test_a_bool_is_not_an_int_and_the_field_is_named() -> None:
+    error = refusal(raw("stats", seq=True))
+    assert "Expected `int`, got `bool`" in str(error) and "$.seq" in str(error) and error.kind == "stats"
+
+
+def test_unknown_and_missing_fields_are_refused() -> None:
+    assert "unknown field `extra`" in str(refusal(raw("abort", request_id="a", extra=1)))
+    assert "missing required field `request_id`" in str(refusal(raw("abort")))
+
+
+def test_another_version_is_refused_by_its_number_first() -> None:
+    error = refusal(msgpack.packb({"v": 6, "kind": "tokens", "id": "a"}))
+    assert f"protocol version 6, this side speaks {PROTOCOL_VERSION}" in str(error)
+
+
+def test_garbage_and_unknown_kinds_are_refused() -> None:
+    assert refusal(b"\xc1 not msgpack").kind is None
+    assert "Invalid value 'shutdown'" in str(refusal(raw("shutdown")))
+    assert refusal(msgpack.packb([1, 2])).request_id is None
+
+
+def test_bad_sampling_params_name_the_parameter_and_keep_the_request_id() -> None:
+    error = refusal(raw("generate", request_id="r9", prompt=[1], params={"max_tokens": 0}, remote=False,
+                        priority=0))
+    assert "max_tokens must be an integer >= 1, got 0" in str(error)
+    assert (error.kind, error.request_id) == ("generate", "r9")
+
+
+def test_a_control_message_is_not_a_worker_message() -> None:
+    with pytest.raises(MessageError):
+        WORKER_MESSAGES.decode(encode(Stop()))
