@@ -50,8 +50,9 @@ class TransportConfig:
     # it is not met, D reports the blocks overwritten after their release (Overwritten).
     cancel_grace_s: float = 10.0
     host: str = "127.0.0.1"  # where this agent's control socket listens
-    # nixl: drive UCX from a background thread. Off, progress happens in poll(), which
-    # is faster on small CPU hosts (measured: 1.5 -> 2.5-3 GiB/s on 2 cores).
+    # nixl: drive UCX from a background thread. Off, progress happens in poll(): the
+    # thread takes a whole core, which small CPU hosts cannot spare (docs/benchmarks.md,
+    # KV transfer bandwidth).
     progress_thread: bool = False
 
     def __post_init__(self) -> None:

@@ -4,9 +4,9 @@ Both caches are described to NIXL once, block by block, as prepared descriptor l
 (built locally from the peer's base address and block size, never from NIXL's pickled
 descriptor lists). A write is then one NIXL transfer made from two arrays of block
 indices, which NIXL merges into runs; describing the runs afresh for every write cost
-more than moving them (measured on an H200). Its NIXL notification is our "written"
-message, delivered after the data. NIXL has no timeouts of its own: the sender's
-state (sender.py) bounds every write.
+more than moving them (docs/benchmarks.md, GPU check). Its NIXL notification is our
+"written" message, delivered after the data. NIXL has no timeouts of its own: the
+sender's state (sender.py) bounds every write.
 """
 
 from __future__ import annotations

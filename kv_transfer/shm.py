@@ -28,10 +28,10 @@ from kv_transfer.control import Peer
 from kv_transfer.sender import Write
 
 SHM_DIR = "/dev/shm"
-# Bytes copied per GIL-free call, between two checks of the write's time bound: about
-# 15 ms at the 4 GiB/s measured on 2 cores (a block larger than this is one chunk). A
-# write up to this size is one call, as before; a larger one retakes the GIL once per
-# chunk (measured on 1 GiB writes: no cost, or ~10% behind a thread spinning in Python).
+# Bytes copied per GIL-free call, between two checks of the write's time bound (a block
+# larger than this is one chunk): small enough that a copy stops soon after its bound,
+# large enough that retaking the GIL once per chunk costs next to nothing
+# (docs/benchmarks.md, KV transfer bandwidth). A write up to this size is one call.
 CHUNK_BYTES = 64 << 20
 _copy_chunk = torch._foreach_copy_  # what moves one chunk (tests slow it down here)
 
@@ -142,7 +142,7 @@ class ShmTransport(KVTransport):
 
     def _start(self, peer: Peer, write: Write) -> None:
         # One call per chunk of every run: a Python loop of copies per run would retake
-        # the GIL between runs and stall behind the polling thread (measured 0.15 vs 4 GiB/s).
+        # the GIL between runs and stall behind the polling thread (docs/benchmarks.md).
         chunks = _chunks(write.runs, self._peer_bytes[peer.name], self._blocks_bytes, CHUNK_BYTES)
         write.handle = self._pool.submit(_copy, chunks, write.deadline,
                                          write.deadline + self.config.cancel_grace_s / 2)
