@@ -1,7 +1,10 @@
 """KV transfer: moving a request's prompt KV blocks from a prefill worker's cache into
 the blocks a decode worker reserved for it (push, one descriptor per run of blocks).
 
-The interface and its rules are in base.py; transports register here by name.
+The interface is in base.py (who calls what, and the hooks a transport implements),
+composed of control.py (sockets, peers, handshake), sender.py (P's writes) and
+receiver.py (D's reservations, and who owns cancellation); events.py holds what poll()
+reports. Transports register here by name.
 """
 
 from __future__ import annotations
@@ -9,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import import_module
 
-from kv_transfer.base import (Completed, Event, Expired, KVTransport, Overwritten, Received, Released,
-                              TransportConfig, WriteDone, WriteFailed)
+from kv_transfer.base import KVTransport, TransportConfig
 from kv_transfer.compat import IncompatiblePeerError, KVCompat
+from kv_transfer.events import Completed, Event, Expired, Overwritten, Received, Released, WriteDone, WriteFailed
 
 # name -> "module:Class"; imported on first use so a transport's library (nixl, torch
 # distributed) loads only when it is chosen.

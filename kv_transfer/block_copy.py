@@ -1,10 +1,10 @@
 """One-launch copy of KV blocks between two caches on the same GPU (cuda_ipc's data plane).
 
 A write lists block pairs (src[i] -> dst[i]). Copying run by run costs a slice pair
-and a launch record per run in Python, a few microseconds each: at 512 runs that is
-longer than moving the bytes (measured on an H200: 1.57 TB/s for the copy itself).
-Here the pairs go to the GPU as two index arrays and one kernel moves every block,
-one program per (block, chunk), in 8-byte words where the block size allows.
+and a launch record per run in Python, which for a write of hundreds of runs takes
+longer than moving the bytes (docs/benchmarks.md, GPU check: KV transfer). Here the
+pairs go to the GPU as two index arrays and one kernel moves every block, one program
+per (block, chunk), in 8-byte words where the block size allows.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_transfer.base import KVTransport, TransportConfig, _Peer, _Write
+from kv_transfer.base import KVTransport, TransportConfig
 from kv_transfer.block_copy import as_words, copy_blocks
+from kv_transfer.control import Peer
 from kv_transfer.runs import block_pairs
+from kv_transfer.sender import Write
 
 
 class CudaIpcTransport(KVTransport):
@@ -42,7 +44,7 @@ class CudaIpcTransport(KVTransport):
         return {"handle": list(handle), "device": kv_cache.device.index or 0,
                 "bytes": kv_cache.numel() * kv_cache.element_size()}
 
-    def _connect(self, peer: _Peer) -> None:
+    def _connect(self, peer: Peer) -> None:
         storage = torch.UntypedStorage._new_shared_cuda(*peer.data["handle"])
         raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{peer.data['device']}").set_(storage)
         self._peer_words[peer.name] = as_words(raw[:peer.data["bytes"]].view(peer.data["num_blocks"], -1))
@@ -51,7 +53,7 @@ class CudaIpcTransport(KVTransport):
         self._stream.synchronize()  # no queued copy may still target the mapping
         self._peer_words.pop(name, None)
 
-    def _start(self, peer: _Peer, write: _Write) -> None:
+    def _start(self, peer: Peer, write: Write) -> None:
         dst, src = self._peer_words[peer.name], self._words
         # The source blocks were written by the compute stream: order after it.
         self._stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
@@ -63,7 +65,7 @@ class CudaIpcTransport(KVTransport):
             event.record(self._stream)
         write.handle = event
 
-    def _progress(self, write: _Write) -> bool:
+    def _progress(self, write: Write) -> bool:
         return write.handle.query()
 
     def _close(self) -> None:

@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
-from kv_transfer.base import KVTransport, TransportConfig, _Peer, _Write
+from kv_transfer.base import KVTransport, TransportConfig
+from kv_transfer.control import Peer
 from kv_transfer.messages import encode
+from kv_transfer.sender import Write
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ class NcclTransport(KVTransport):
                                timeout=self._timeout())
         return {"store_port": self._store.port}
 
-    def _connect(self, peer: _Peer) -> None:
+    def _connect(self, peer: Peer) -> None:
         store = TCPStore(self.config.host, peer.data["store_port"], is_master=False,
                          timeout=self._timeout())
         session = uuid.uuid4().hex
@@ -94,7 +96,7 @@ class NcclTransport(KVTransport):
         except RuntimeError as exc:  # the sender died while joining: its writes will expire
             logger.warning("transfer group with %r failed: %s", sender, exc)
 
-    def _warm(self, peer: _Peer) -> None:
+    def _warm(self, peer: Peer) -> None:
         self._sender_group(peer.name)  # waits for the pairwise group (the receiver joins in its poll)
 
     def _disconnect(self, name: str) -> None:
@@ -116,13 +118,13 @@ class NcclTransport(KVTransport):
             raise RuntimeError(f"no transfer group with {peer!r}: {self._join_errors.get(peer, 'never joined')}")
         return self._groups[peer]
 
-    def _start(self, peer: _Peer, write: _Write) -> None:
+    def _start(self, peer: Peer, write: Write) -> None:
         group = self._sender_group(peer.name)
         peer.socket.send(self._header(write))  # the receiver posts its receives on this
         write.handle = [group.send([self._blocks_bytes[s:s + n]], RECEIVER, write.xfer)
                         for s, _, n in write.runs]
 
-    def _progress(self, write: _Write) -> bool:
+    def _progress(self, write: Write) -> bool:
         for work in write.handle or []:
             if not work.is_completed():
                 return False
@@ -130,7 +132,7 @@ class NcclTransport(KVTransport):
                 raise RuntimeError(f"send failed: {work.exception()}")
         return True
 
-    def _send_notification(self, peer: _Peer, write: _Write) -> None:
+    def _send_notification(self, peer: Peer, write: Write) -> None:
         pass  # sent ahead of the data by _start
 
     def _receive(self, sender: str, xfer: int, runs: list[list[int]], into_cache: bool) -> None:

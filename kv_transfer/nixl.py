@@ -4,9 +4,9 @@ Both caches are described to NIXL once, block by block, as prepared descriptor l
 (built locally from the peer's base address and block size, never from NIXL's pickled
 descriptor lists). A write is then one NIXL transfer made from two arrays of block
 indices, which NIXL merges into runs; describing the runs afresh for every write cost
-more than moving them (measured on an H200). Its NIXL notification is our "written"
-message, delivered after the data. NIXL has no timeouts of its own: the base class
-bounds every write.
+more than moving them (docs/benchmarks.md, GPU check). Its NIXL notification is our
+"written" message, delivered after the data. NIXL has no timeouts of its own: the
+sender's state (sender.py) bounds every write.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_transfer.base import KVTransport, TransportConfig, _Peer, _Write
+from kv_transfer.base import KVTransport, TransportConfig
+from kv_transfer.control import Peer
 from kv_transfer.runs import block_pairs
+from kv_transfer.sender import Write
 
 
 def _import_nixl():
@@ -55,7 +57,7 @@ class NixlTransport(KVTransport):
         return {"agent": self._agent.get_agent_metadata(), "base": kv_cache.data_ptr(),
                 "device_id": self._device_id(), "mem": self._mem_type()}
 
-    def _connect(self, peer: _Peer) -> None:
+    def _connect(self, peer: Peer) -> None:
         name = self._agent.add_remote_agent(peer.data["agent"])
         name = name.decode() if isinstance(name, bytes) else name  # NIXL returns bytes
         if name != peer.name:
@@ -65,7 +67,7 @@ class NixlTransport(KVTransport):
             peer.name, _block_descs(data["base"], self.compat.block_bytes, data["num_blocks"], data["device_id"]),
             data["mem"])
 
-    def _warm(self, peer: _Peer) -> None:
+    def _warm(self, peer: Peer) -> None:
         self._agent.make_connection(peer.name)  # UCX endpoints, else made by the first write
 
     def _disconnect(self, name: str) -> None:
@@ -74,7 +76,7 @@ class NixlTransport(KVTransport):
             self._agent.release_dlist_handle(dlist)
             self._agent.remove_remote_agent(name)
 
-    def _start(self, peer: _Peer, write: _Write) -> None:
+    def _start(self, peer: Peer, write: Write) -> None:
         src, dst = block_pairs(write.runs)
         handle = self._agent.make_prepped_xfer("WRITE", self._local_blocks, src, self._remote_blocks[peer.name],
                                                dst, self._header(write))
@@ -82,7 +84,7 @@ class NixlTransport(KVTransport):
         if self._agent.transfer(handle) == "ERR":
             raise RuntimeError("NIXL refused to post the transfer")
 
-    def _progress(self, write: _Write) -> bool:
+    def _progress(self, write: Write) -> bool:
         state = self._agent.check_xfer_state(write.handle)
         if state == "ERR":
             raise RuntimeError("NIXL transfer failed")
@@ -92,14 +94,14 @@ class NixlTransport(KVTransport):
         write.handle = None
         return True
 
-    def _send_notification(self, peer: _Peer, write: _Write) -> None:
+    def _send_notification(self, peer: Peer, write: Write) -> None:
         pass  # NIXL delivered _header(write) with the data
 
     def _incoming_notifications(self) -> list[tuple[bytes, bytes]]:
         return [(sender.encode() if isinstance(sender, str) else sender, msg)
                 for sender, msgs in self._agent.get_new_notifs().items() for msg in msgs]
 
-    def _abandon(self, write: _Write) -> None:
+    def _abandon(self, write: Write) -> None:
         if write.handle is not None:
             self._agent.release_xfer_handle(write.handle)
             write.handle = None

@@ -23,13 +23,15 @@ from typing import Any
 import msgpack
 import torch
 
-from kv_transfer.base import KVTransport, TransportConfig, _Peer, _Write
+from kv_transfer.base import KVTransport, TransportConfig
+from kv_transfer.control import Peer
+from kv_transfer.sender import Write
 
 SHM_DIR = "/dev/shm"
-# Bytes copied per GIL-free call, between two checks of the write's time bound: about
-# 15 ms at the 4 GiB/s measured on 2 cores (a block larger than this is one chunk). A
-# write up to this size is one call, as before; a larger one retakes the GIL once per
-# chunk (measured on 1 GiB writes: no cost, or ~10% behind a thread spinning in Python).
+# Bytes copied per GIL-free call, between two checks of the write's time bound (a block
+# larger than this is one chunk): small enough that a copy stops soon after its bound,
+# large enough that retaking the GIL once per chunk costs next to nothing
+# (docs/benchmarks.md, KV transfer bandwidth). A write up to this size is one call.
 CHUNK_BYTES = 64 << 20
 _copy_chunk = torch._foreach_copy_  # what moves one chunk (tests slow it down here)
 
@@ -122,7 +124,7 @@ class ShmTransport(KVTransport):
                              "(allocate_kv_cache)")
         return {"path": self._path, "bytes": kv_cache.numel() * kv_cache.element_size()}
 
-    def _connect(self, peer: _Peer) -> None:
+    def _connect(self, peer: Peer) -> None:
         m, raw = _map(peer.data["path"], peer.data["bytes"], create=False)
         self._peer_maps[peer.name] = m
         self._peer_bytes[peer.name] = raw.view(peer.data["num_blocks"], -1)
@@ -138,14 +140,14 @@ class ShmTransport(KVTransport):
             except BufferError:  # a copy still holds a view
                 self._maps.append(m)
 
-    def _start(self, peer: _Peer, write: _Write) -> None:
+    def _start(self, peer: Peer, write: Write) -> None:
         # One call per chunk of every run: a Python loop of copies per run would retake
-        # the GIL between runs and stall behind the polling thread (measured 0.15 vs 4 GiB/s).
+        # the GIL between runs and stall behind the polling thread (docs/benchmarks.md).
         chunks = _chunks(write.runs, self._peer_bytes[peer.name], self._blocks_bytes, CHUNK_BYTES)
         write.handle = self._pool.submit(_copy, chunks, write.deadline,
                                          write.deadline + self.config.cancel_grace_s / 2)
 
-    def _progress(self, write: _Write) -> bool:
+    def _progress(self, write: Write) -> bool:
         handle: Future | None = write.handle
         if handle is None or not handle.done():
             return handle is None
@@ -154,7 +156,7 @@ class ShmTransport(KVTransport):
             write.failure = write.failure or stopped
         return True
 
-    def _source_in_use(self, write: _Write) -> bool:
+    def _source_in_use(self, write: Write) -> bool:
         handle: Future | None = write.handle
         return handle is not None and not handle.done()  # its copy still runs (peer_gone)
 

@@ -7,7 +7,7 @@ them): each write keeps its frames' MessageTracker, and is reported done or fail
 once ZMQ has let go of them (_source_in_use), since the caller then reuses its source
 blocks. Frames stay queued while the peer does not read, even once it is dead (ZMQ
 keeps them for a reconnection); a write that times out so, or peer_gone(), closes the
-socket (linger 0), which drops them (base.py: KVTransport._reconnect).
+socket (linger 0), which drops them (control.py: ControlPlane.reconnect).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import zmq
 
-from kv_transfer.base import KVTransport, _Peer, _Write
+from kv_transfer.base import KVTransport
+from kv_transfer.control import Peer
+from kv_transfer.sender import Write
 
 
 class TcpTransport(KVTransport):
@@ -27,13 +29,13 @@ class TcpTransport(KVTransport):
     def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         return {}
 
-    def _connect(self, peer: _Peer) -> None:
+    def _connect(self, peer: Peer) -> None:
         pass
 
-    def _start(self, peer: _Peer, write: _Write) -> None:
+    def _start(self, peer: Peer, write: Write) -> None:
         pass  # the data goes with the notification (_data_frames)
 
-    def _data_frames(self, write: _Write) -> list[Any]:
+    def _data_frames(self, write: Write) -> list[Any]:
         frames = []
         for src, _, n in write.runs:
             run = self._blocks_bytes[src:src + n]
@@ -41,7 +43,7 @@ class TcpTransport(KVTransport):
             frames.append(memoryview(run.cpu().numpy() if run.is_cuda else run.numpy()).cast("B"))
         return frames
 
-    def _send_notification(self, peer: _Peer, write: _Write) -> None:
+    def _send_notification(self, peer: Peer, write: Write) -> None:
         frames = [self._header(write), *self._data_frames(write)]
         # Frame by frame (what send_multipart does), to track each: send_multipart
         # returns the tracker of the last frame only.
@@ -49,7 +51,7 @@ class TcpTransport(KVTransport):
                     for i, frame in enumerate(frames)]
         write.handle = zmq.MessageTracker(*trackers)
 
-    def _source_in_use(self, write: _Write) -> bool:
+    def _source_in_use(self, write: Write) -> bool:
         return write.handle is not None and not write.handle.done
 
     def _apply(self, sender: str, xfer: int, runs: list[list[int]], frames: list[Any]) -> None:

@@ -1,9 +1,9 @@
 """Fused RMSNorm (with the residual add) and rotary embedding, for 16-bit models on a GPU.
 
-In a decode step at batch 256 each of these is a handful of elementwise torch ops over
-a megabyte: a dozen launches a layer, each a few microseconds, together as long as the
-step's attention (measured on an H200: ~2.5 ms of a 5.6 ms graph replay outside
-attention and weights). One program per token row here does each in one launch.
+In a decode step at a large batch each of these is a handful of elementwise torch ops
+over a megabyte: a dozen small launches a layer, together about as long as the step's
+attention (docs/benchmarks.md, GPU check: where the b256 step's time goes). One
+program per token row here does each in one launch.
 
 Numerics follow the model's torch path where it rounds: the residual add is rounded to
 the activation dtype before it is normalised, and the norm's weight multiplies the

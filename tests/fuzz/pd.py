@@ -180,7 +180,7 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, t0: float
 
     def state() -> str:
         return (f"D: {_sched_state(dec_engine)} waiting_for_kv={sorted(dec.waiting_for_kv)} "
-                f"quarantine={list(t_dec._quarantine)} | P: jobs={list(pre.jobs)} held={len(pre._held)} "
+                f"quarantine={list(t_dec.receiving.quarantine)} | P: jobs={list(pre.jobs)} held={len(pre._held)} "
                 f"{_sched_state(pre_engine)} | msgs to_p={[(d, k) for d, k, _ in to_p]} "
                 f"to_d={[(d, k) for d, k, _ in to_d]} late_landings={late}")
 
@@ -189,7 +189,7 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, t0: float
         p = pre_engine.scheduler
         return (len(finished), len(aborted), sum(r.num_computed_tokens + len(r.output_token_ids) for r in d.requests.values()),
                 len(d.requests), sum(r.num_computed_tokens for r in p.requests.values()), len(p.requests),
-                len(pre.jobs), len(dec.waiting_for_kv), len(t_dec._quarantine), len(to_p), len(to_d),
+                len(pre.jobs), len(dec.waiting_for_kv), len(t_dec.receiving.quarantine), len(to_p), len(to_d),
                 tuple(sorted(t_pre.stats.items())), tuple(sorted(t_dec.stats.items())), tuple(sorted(dec.stats.items())))
 
     tick = 0
@@ -198,7 +198,7 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, t0: float
 
     def resolved() -> bool:
         return (i >= len(specs) and not dec_engine.has_unfinished() and not pre.jobs
-                and not pre_engine.has_unfinished() and not t_dec._quarantine and not to_p and not to_d)
+                and not pre_engine.has_unfinished() and not t_dec.receiving.quarantine and not to_p and not to_d)
 
     while not resolved():
         # client side: aborts and scheduled fates
@@ -313,7 +313,7 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, t0: float
             last_fp, last_change_tick, last_change_t = fp, tick, now
         else:
             time.sleep(0.0005)  # idle: let copies land and time pass
-        timers = bool(dec.waiting_for_kv or t_dec._quarantine or pre.jobs or t_pre._writes)
+        timers = bool(dec.waiting_for_kv or t_dec.receiving.quarantine or pre.jobs or t_pre.sending.writes)
         stall_s = (case.deadline_s + case.grace_s + case.timeout_s + 1.0 + case.slow_copy_max_s) if timers else 0.5
         stalled = tick - last_change_tick > stall_ticks and now - last_change_t > stall_s
         if stalled or now - t0 > wall_limit:

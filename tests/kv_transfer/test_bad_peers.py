@@ -33,7 +33,7 @@ def test_a_written_message_with_malformed_block_ids_is_refused(blocks, runs) -> 
 @pytest.mark.timeout(30)
 def test_the_receiver_drops_a_malformed_write_and_keeps_polling() -> None:
     receiver = agent("decode")
-    sock = receiver._ctx.socket(zmq.DEALER)
+    sock = receiver.control.ctx.socket(zmq.DEALER)
     try:
         receiver.expect("a", 1, [2, 3], deadline=time.time() + 60)
         sock.setsockopt(zmq.ROUTING_ID, b"prefill")
@@ -67,7 +67,7 @@ def test_closing_after_the_segment_was_removed_closes_everything() -> None:
 
     unlink_segment(t.metadata())  # as the launcher does once a worker is gone
     t.close()
-    assert t._router.closed and t._ctx.closed
+    assert t.control.router.closed and t.control.ctx.closed
 
 
 @pytest.mark.timeout(30)
@@ -85,7 +85,7 @@ def test_a_cancelled_request_is_forgotten_once_its_deadline_passes() -> None:
         receiver.expect("a", 1, [2, 3], deadline=deadline, sender="prefill")
         receiver.abort("a")
         end = time.monotonic() + 1.5
-        while ("a", 1) not in sender._cancelled:
+        while ("a", 1) not in sender.sending.cancelled:
             assert time.monotonic() < end, "the cancel never reached the sender"
             receiver.poll(), sender.poll()
             time.sleep(0.01)
@@ -94,7 +94,7 @@ def test_a_cancelled_request_is_forgotten_once_its_deadline_passes() -> None:
         while time.time() <= deadline:
             time.sleep(0.05)
         sender.poll()
-        assert ("a", 1) not in sender._cancelled
+        assert ("a", 1) not in sender.sending.cancelled
     finally:
         sender.close()
         receiver.close()

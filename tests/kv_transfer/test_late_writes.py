@@ -216,7 +216,7 @@ def test_cancelling_a_write_whose_copy_never_started_fails_it_without_raising() 
         prefill.write("decode", "a", 1, [0, 1], [2, 3], deadline=deadline)
         time.sleep(0.1)
         gate.set()  # the copy now starts, past the deadline: it refuses
-        handle = next(iter(prefill._writes.values())).handle
+        handle = next(iter(prefill.sending.writes.values())).handle
         handle.exception(timeout=5)
         prefill.cancel("a")
         sent, _ = poll_both(prefill, decode, 0.05)
@@ -306,8 +306,8 @@ def test_a_tcp_write_fails_only_once_zmq_let_go_of_its_frames(ending: str) -> No
         meta = msgpack.unpackb(decode.metadata(), raw=False)
         meta["control"] = f"tcp://127.0.0.1:{stuck.getsockname()[1]}"
         prefill.add_peer(msgpack.packb(meta, use_bin_type=True))
-        tracking = TrackingSocket(prefill._peers["decode"].socket)
-        prefill._peers["decode"].socket = tracking
+        tracking = TrackingSocket(prefill.control.peers["decode"].socket)
+        prefill.control.peers["decode"].socket = tracking
         time.sleep(0.1)
         # 16 blocks of 16 KiB in one run: one frame, above ZMQ's copy threshold (64 KiB).
         xfer = prefill.write("decode", "a", 1, list(range(16)), list(range(16)), deadline=time.time() + 60)

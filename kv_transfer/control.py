@@ -1,0 +1,172 @@
+"""The control plane: this agent's ZMQ sockets, its peers, and the handshake.
+
+Every agent binds one ROUTER, where messages to it as receiver arrive (a write's
+notification, cancel_ack, join), and, as sender, connects one DEALER per peer, whose
+routing id is its agent name (acks and cancels come back on it). Messages are
+messages.py's CONTROL schema; one that does not decode is logged and dropped, never
+raised: a bad peer cannot bring this agent down. The control plane knows nothing of
+writes or reservations: sender.py and receiver.py say what the messages mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from kv_transfer.compat import IncompatiblePeerError, KVCompat
+from kv_transfer.messages import CONTROL, MessageError, decode
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_VERSION = 1
+
+
+@dataclass
+class Peer:
+    """A receiver this agent writes to, as add_peer() made it (data-plane hooks get it)."""
+
+    name: str
+    compat: KVCompat
+    socket: zmq.Socket  # our DEALER to its ROUTER (ControlPlane.reconnect replaces it)
+    data: dict[str, Any]  # its data plane's handshake fields, plus num_blocks
+    metadata: bytes  # as add_peer() got it: new bytes under the same name = a restart
+    session: str  # the peer's KVTransport.session
+    control: str = ""  # the address of its control socket
+
+
+class ControlPlane:
+    """The sockets of one transport object, and the peers it writes to (by name)."""
+
+    def __init__(self, agent_name: str, host: str) -> None:
+        self.agent_name = agent_name
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        # A restarted sender reconnects under the same identity: it takes over at once.
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # New for every transport object: tells a restarted agent (same name) from the
+        # one before it, so no write meant for the old one reaches the new one.
+        self.session = uuid.uuid4().hex
+        port = self.router.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.peers: dict[str, Peer] = {}
+
+    # ------------------------------------------------------------------ handshake
+
+    def handshake(self, transport: str, compat: KVCompat, num_blocks: int, data: dict[str, Any]) -> bytes:
+        """The blob peers need to write to us: who we are, where we listen, what we hold."""
+        return msgpack.packb({"v": HANDSHAKE_VERSION, "name": self.agent_name, "transport": transport,
+                              "session": self.session, "control_version": CONTROL.version,
+                              "control": self.address, "compat": compat.to_dict(),
+                              "num_blocks": num_blocks, "data": data}, use_bin_type=True)
+
+    @staticmethod
+    def read_handshake(metadata: bytes, transport: str, compat: KVCompat) -> tuple[str, KVCompat, dict[str, Any]]:
+        """A peer's handshake checked against ours: (its name, its compatibility record,
+        the whole map). Raises IncompatiblePeerError naming what differs or is missing."""
+        try:
+            meta = msgpack.unpackb(metadata, raw=False)
+        except Exception as exc:
+            raise IncompatiblePeerError(f"unreadable handshake metadata: {exc}") from None
+        if not isinstance(meta, dict) or meta.get("v") != HANDSHAKE_VERSION:
+            raise IncompatiblePeerError(f"handshake version {meta.get('v') if isinstance(meta, dict) else meta!r}, "
+                                        f"this agent speaks {HANDSHAKE_VERSION}")
+        missing = [k for k in ("name", "control", "compat", "num_blocks", "data") if k not in meta]
+        if missing:
+            raise IncompatiblePeerError(f"handshake metadata lacks {', '.join(missing)}")
+        name = meta["name"]
+        if meta.get("transport") != transport:
+            raise IncompatiblePeerError(f"peer {name!r} is incompatible: transport is "
+                                        f"{meta.get('transport')!r} there, {transport!r} here")
+        if meta.get("control_version") != CONTROL.version:  # its messages would all be dropped
+            raise IncompatiblePeerError(f"peer {name!r} is incompatible: control messages are version "
+                                        f"{meta.get('control_version')!r} there, {CONTROL.version} here")
+        peer_compat = KVCompat.from_dict(meta["compat"])
+        compat.check_peer(peer_compat, name)
+        return name, peer_compat, meta
+
+    def open(self, name: str, compat: KVCompat, meta: dict[str, Any], metadata: bytes) -> Peer:
+        """A Peer with its control socket connected, from read_handshake()'s answer; the
+        caller adds it to `peers` once its data plane is connected too."""
+        return Peer(name, compat, self._dealer(meta["control"]), dict(meta["data"], num_blocks=meta["num_blocks"]),
+                    bytes(metadata), str(meta.get("session", "")), meta["control"])
+
+    # ------------------------------------------------------------------ sockets
+
+    def _dealer(self, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.agent_name.encode())
+        sock.connect(address)
+        return sock
+
+    def reconnect(self, peer: Peer) -> None:
+        """Replace the control socket to `peer`, dropping whatever is still queued on it
+        (linger 0): the frames of writes that timed out, which ZMQ would otherwise keep,
+        reading their source blocks, for as long as the peer does not read (forever if
+        it is dead). Also lost: later writes' frames (they time out), cancel_acks (the
+        peer releases after cancel_grace_s), and messages from it in flight. Its
+        ROUTER takes the new connection over (ROUTER_HANDOVER)."""
+        logger.warning("dropping the messages still queued for %r: writes to it timed out with their "
+                       "data unsent", peer.name)
+        peer.socket.close(0)
+        peer.socket = self._dealer(peer.control)
+
+    def drop(self, name: str) -> Peer | None:
+        """Forget peer `name` and close its control socket (linger 0: what is still
+        queued for it goes, so ZMQ lets go of any source blocks those frames read)."""
+        peer = self.peers.pop(name, None)
+        if peer is not None:
+            peer.socket.close(0)
+        return peer
+
+    def send(self, to: str | bytes, body: bytes) -> None:
+        """A message to the sender `to` (its agent name), over our ROUTER."""
+        self.router.send_multipart([to.encode() if isinstance(to, str) else to, body])
+
+    # ------------------------------------------------------------------ receiving
+
+    @staticmethod
+    def decode(origin: Any, body: bytes) -> dict[str, Any] | None:
+        """A control message, or None (logged) if it is not one of ours."""
+        try:
+            return decode(body)
+        except MessageError as exc:
+            logger.warning("dropped a control message from %r: %s", origin, exc)
+            return None
+
+    def incoming(self) -> Iterator[tuple[bytes, dict[str, Any], list[Any]]]:
+        """Messages to us as receiver, (sender's agent name, message, the data frames
+        that came with it), until none is waiting. Never blocks."""
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            sender = frames[0].bytes
+            msg = self.decode(sender, frames[1].bytes)
+            if msg is not None:
+                yield sender, msg, frames[2:]
+
+    def replies(self, peer: Peer) -> Iterator[dict[str, Any]]:
+        """Messages to us as sender from `peer` (ack, cancel), until none is waiting."""
+        while True:
+            try:
+                body = peer.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self.decode(peer.name, body)
+            if msg is not None:
+                yield msg
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.socket.close(0)
+        self.router.close(0)
+        self.ctx.term()

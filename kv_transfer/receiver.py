@@ -1,0 +1,238 @@
+"""The receiver's (D's) side of a transport: reservations and their epochs, the
+quarantine of dead ones, and the memory of released ones that catches a late landing.
+
+D accepts a write only into blocks it reserved for that request and epoch, before the
+reservation's deadline. A late write (aborted, expired or unknown request, stale epoch)
+is dropped, counted and refused to P. Two-sided transports (tcp, nccl) apply every
+byte themselves, so a reservation that dies is Released at once. One-sided transports
+(shm, nixl, cuda_ipc) land bytes before D can look at them, so D keeps the blocks of an
+aborted or expired reservation out of use (quarantine) until P confirms it will write
+no more (cancel_ack), until the sender is declared gone (peer_gone), or until deadline
++ cancel_grace_s, after which P refuses to start any write for it (P checks the
+deadline before every write, and shm again when its copy actually starts; shm also
+stops a copy still running at deadline + cancel_grace_s / 2, between two chunks).
+`Released` tells D when the blocks are safe to reuse. Should the bytes of a one-sided
+write land after all once its blocks were released (a data plane slower than those
+bounds, or a sender declared gone that was not), its notification says so: D reports
+`Overwritten` with the blocks whose contents are then unknown, for a while after the
+release (until deadline + 2 * cancel_grace_s + timeout_s, at most MAX_RELEASED
+reservations); their user must treat them as corrupt.
+
+Who owns cancellation. Two messages stop a remote prefill; only the transport's frees
+blocks.
+- The worker channel's `abort` (router/protocol.py; a request id) goes router ->
+  decode worker (client gone, stop string, failover) and decode worker -> the prefill
+  worker it sent the prompt to (it ended that request, or gives up altogether). The
+  prefill worker ends the job: no more compute, no new write, and its transport's
+  cancel(req) (below). It never frees a block by itself, and it is advisory for the
+  transfer: lost, the prefill worker still stops at its next write, which is refused.
+- The transport's `cancel` (messages.py; request, epoch, the reservation's deadline)
+  goes D's transport -> P's transport, one-sided transports only, whenever a
+  reservation dies: abort() here (the decode worker aborting a request that waits for
+  its KV, or falling back after P reported a failure in `prefill_done`), its expiry,
+  and again in reply to every write for a quarantined or released reservation. It
+  goes to the reservation's sender (named at expect(), else its first writer). P then
+  refuses that (request, epoch), fails its writes not yet notified once their bytes
+  have landed, and replies cancel_ack once none can land any more.
+- KVTransport.cancel(req) on P sends nothing: the prefill worker calls it whenever a
+  job ends early (an abort, a failed step or write, a dead or restarted peer).
+Authoritative for freeing blocks: on D, `Released` (after cancel_ack, the sender's
+death, or deadline + cancel_grace_s; at once when two-sided), on which alone the
+decode worker frees or reuses a reserved block; on P, each write's WriteDone /
+WriteFailed, on which the prefill worker drops its hold on the source blocks. So an
+abort travels both ways on purpose: the worker `abort` stops P's compute early (for
+two-sided transports, which send no cancel, it is the only early stop), and the
+transport's `cancel` is what makes D's blocks safe to reuse.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kv_transfer.control import ControlPlane
+from kv_transfer.events import Completed, Event, Expired, Overwritten, Received, Released
+from kv_transfer.messages import encode
+
+logger = logging.getLogger(__name__)
+
+# D remembers at most this many released one-sided reservations (their blocks), to name
+# the blocks a write landing after all overwrote (Overwritten); the oldest go first.
+MAX_RELEASED = 4096
+
+
+@dataclass
+class Reservation:
+    epoch: int
+    blocks: set[int]
+    deadline: float  # time.time()
+    sender: str | None  # agent name of the writer, once known
+    pending: set[int] = field(default_factory=set)  # reserved blocks not written yet
+
+
+def _covered(runs: Any) -> set[int] | None:
+    """Blocks covered by [[dst_start, count], ...], or None if malformed."""
+    try:
+        return {d + i for d, n in runs for i in range(n)
+                if isinstance(d, int) and isinstance(n, int) and 0 < n}
+    except (TypeError, ValueError):
+        return None
+
+
+class ReceiverPlane(Protocol):
+    """What the receiver needs of its transport: the data-plane hooks base.py declares."""
+
+    one_sided: bool
+    kv_cache: torch.Tensor | None
+
+    def _apply(self, sender: str, xfer: int, runs: list[list[int]], frames: list[Any]) -> None: ...
+    def _discard(self, sender: str, xfer: int, runs: list[list[int]]) -> None: ...
+
+
+class ReceiverState:
+    """Every reservation of one transport object, from expect() to Completed or Released."""
+
+    def __init__(self, plane: ReceiverPlane, control: ControlPlane, timeout_s: float, cancel_grace_s: float,
+                 events: list[Event], stats: dict[str, int]) -> None:
+        self._plane = plane
+        self._control = control
+        self._timeout_s = timeout_s
+        self._cancel_grace_s = cancel_grace_s
+        self._events = events  # shared with the transport, which hands them out in poll()
+        self._stats = stats
+        self.reservations: dict[str, Reservation] = {}  # live, by request
+        self.quarantine: dict[tuple[str, int], Reservation] = {}  # dead, not yet released
+        # One-sided: released (req, epoch) -> (its blocks, its deadline, until when a
+        # write landing for it is reported as Overwritten), oldest first, MAX_RELEASED at most.
+        self._released: OrderedDict[tuple[str, int], tuple[tuple[int, ...], float, float]] = OrderedDict()
+
+    def expect(self, req: str, epoch: int, blocks: Sequence[int], deadline: float, sender: str | None) -> None:
+        """KVTransport.expect."""
+        if req in self.reservations:
+            raise ValueError(f"request {req!r} already has a live reservation")
+        num_blocks = self._plane.kv_cache.shape[0]
+        bad = [b for b in blocks if not (isinstance(b, int) and 0 <= b < num_blocks)]
+        if bad or not blocks:
+            raise ValueError(f"reserved block ids must be in [0, {num_blocks}), got {list(blocks)[:5]}")
+        self.reservations[req] = Reservation(epoch, set(blocks), deadline, sender, set(blocks))
+
+    def holds(self) -> bool:
+        return bool(self.reservations or self.quarantine)
+
+    def abort(self, req: str) -> None:
+        r = self.reservations.pop(req, None)
+        if r is not None:
+            self._kill(req, r)
+
+    def _kill(self, req: str, r: Reservation) -> None:
+        if not self._plane.one_sided:  # we apply every byte ourselves: nothing can land any more
+            self._events.append(Released(req, r.epoch, tuple(sorted(r.blocks))))
+            return
+        self.quarantine[(req, r.epoch)] = r
+        if r.sender is not None:
+            self._control.send(r.sender, encode("cancel", req=req, epoch=r.epoch, deadline=r.deadline))
+
+    def release(self, req: str, epoch: int) -> None:
+        """Out of quarantine (cancel_ack, the grace passed, or the sender is gone)."""
+        r = self.quarantine.pop((req, epoch), None)
+        if r is not None:
+            self._remember_released(req, r)
+            self._events.append(Released(req, epoch, tuple(sorted(r.blocks))))
+
+    def _remember_released(self, req: str, r: Reservation) -> None:
+        """One-sided: keep the blocks of a released reservation for a while, so that a
+        write for it whose bytes land after all is reported (Overwritten) naming them."""
+        if not self._plane.one_sided:
+            return
+        until = r.deadline + 2 * self._cancel_grace_s + self._timeout_s
+        self._released[(req, r.epoch)] = (tuple(sorted(r.blocks)), r.deadline, until)
+        self._released.move_to_end((req, r.epoch))
+        while len(self._released) > MAX_RELEASED:
+            self._released.popitem(last=False)
+
+    def peer_gone(self, name: str) -> None:
+        """Sender `name` is dead: it can land nothing more, and no cancel_ack will come."""
+        for req, r in [(q, r) for q, r in self.reservations.items() if r.sender == name]:
+            del self.reservations[req]
+            self._remember_released(req, r)
+            self._events.append(Released(req, r.epoch, tuple(sorted(r.blocks))))
+        for (req, epoch), r in list(self.quarantine.items()):
+            if r.sender == name:
+                self.release(req, epoch)
+
+    def expire(self, now: float) -> None:
+        """Each poll: reservations past their deadline die; quarantined ones past deadline
+        + cancel_grace_s are released (the sender refuses to start writes this late)."""
+        for req, r in list(self.reservations.items()):
+            if now > r.deadline:
+                self._stats["expired"] += 1
+                del self.reservations[req]
+                self._events.append(Expired(req, r.epoch))
+                self._kill(req, r)
+        for (req, epoch), r in list(self.quarantine.items()):
+            if now > r.deadline + self._cancel_grace_s:
+                self.release(req, epoch)
+        for key in [k for k, (*_, until) in self._released.items() if now > until]:
+            del self._released[key]
+
+    def on_written(self, sender: bytes, msg: dict[str, Any], frames: list[Any]) -> None:
+        """A write's notification: accept it (Received, then Completed once every block
+        is in) or refuse it, naming why, to the sender."""
+        req, epoch, blocks = msg["req"], msg["epoch"], msg["blocks"]
+        r = self.reservations.get(req)
+        reason = ""
+        if (req, epoch) in self.quarantine:
+            reason = "the request was aborted or expired"
+            # The cancel may not have reached this sender before: repeat it.
+            self._control.send(sender, encode("cancel", req=req, epoch=epoch,
+                                              deadline=self.quarantine[(req, epoch)].deadline))
+        elif self._plane.one_sided and (req, epoch) in self._released:
+            # Its bytes landed in blocks that may be in use again: say which, loudly.
+            released, deadline, _ = self._released[(req, epoch)]
+            landed = set(released) & (set(blocks) | (_covered(msg["runs"]) or set()))
+            reason = "the request's blocks were already released"
+            if landed:
+                self._stats["overwritten"] += 1
+                logger.error("a write from %s for %s/%d landed in blocks %s after they were released: "
+                             "their contents are unknown", sender.decode(), req, epoch, sorted(landed)[:16])
+                self._events.append(Overwritten(req, epoch, tuple(sorted(landed))))
+            self._control.send(sender, encode("cancel", req=req, epoch=epoch, deadline=deadline))
+        elif r is None:
+            reason = "no reservation for this request"
+        elif r.epoch != epoch:
+            reason = f"epoch {epoch} is stale (reserved: {r.epoch})"
+        elif not set(blocks) <= r.blocks:
+            reason = f"blocks {sorted(set(blocks) - r.blocks)[:5]} were not reserved for it"
+        elif time.time() > r.deadline:
+            reason = "the reservation's deadline passed"
+        elif _covered(msg["runs"]) != set(blocks):
+            reason = "its runs do not cover exactly its blocks"
+        if not reason and not self._plane.one_sided:
+            try:
+                self._plane._apply(sender.decode(), msg["xfer"], msg["runs"], frames)
+            except (ValueError, RuntimeError) as exc:
+                reason = f"unusable data: {exc}"
+        elif reason and not self._plane.one_sided and _covered(msg["runs"]) is not None:
+            try:
+                self._plane._discard(sender.decode(), msg["xfer"], msg["runs"])
+            except (ValueError, RuntimeError) as exc:
+                logger.warning("could not drain a refused write's data: %s", exc)
+        if reason:
+            self._stats["late_writes_dropped"] += 1
+            logger.warning("dropped a write from %s for %s/%d: %s", sender.decode(), req, epoch, reason)
+            self._control.send(sender, encode("ack", xfer=msg["xfer"], ok=False, reason=reason))
+            return
+        if r.sender is None:
+            r.sender = sender.decode()
+        r.pending -= set(blocks)
+        self._events.append(Received(req, epoch, tuple(blocks)))
+        self._control.send(sender, encode("ack", xfer=msg["xfer"], ok=True, reason=""))
+        if not r.pending:
+            del self.reservations[req]
+            self._events.append(Completed(req, epoch))
