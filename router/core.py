@@ -22,13 +22,13 @@ from typing import Any
 import zmq.asyncio
 
 from cluster.config import ClusterConfig
+from engine.detokenizer import Detokenizer
 from engine.engine_core import max_model_len
 from engine.llm import load_tokenizer
 from engine.model.config import ModelConfig
 from engine.sampling_params import SamplingParams
-from router import request_body
-from router.detokenizer import Detokenizer
 from protocol import Abort, Generate, Rejected
+from router import request_body
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.routing import RoutingPolicy
@@ -166,7 +166,7 @@ class Router:
         m = self.metrics
         self.in_flight += 1
         m.in_flight.set(self.in_flight)
-        detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        detok = Detokenizer.for_params(self.tokenizer, params)
         worker: WorkerClient | None = None
         request_id = ""
         finished = False
