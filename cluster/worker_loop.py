@@ -42,7 +42,7 @@ from cluster.fault_injection import TEST_FAULTS_ENV, inject_test_faults
 from cluster.watchdog import HangWatchdog, StallWatchdog
 from engine.engine_core import EngineCore
 from engine.errors import RequestsFailed
-from kv_transfer import KVTransport, TransportConfig, create_transport
+from kv_transfer import KVTransport, create_transport
 from kv_transfer.messages import MessageError
 from router.protocol import decode, encode
 
@@ -60,7 +60,7 @@ def engine_and_transport(config: ClusterConfig, role: str, index: int,
     """A worker's name, its engine (cache placed where the transport reaches it) and its
     transport (cache registered, control socket on `host`)."""
     name = f"{role}-{index}"
-    transport = create_transport(config.transport, name, TransportConfig(host=host))
+    transport = create_transport(config.transport, name, config.transport_config(host))
     engine = EngineCore(config.engine_config(role), transport.allocate_kv_cache)
     transport.register_kv_cache(engine.kv_cache, config.model)
     if os.environ.get(TEST_FAULTS_ENV):
