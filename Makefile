@@ -3,13 +3,24 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-MODEL := models/SmolLM2-135M-Instruct
+# Where `pdserve model prepare` puts the demo model: $PDSERVE_MODELS_DIR, else models/.
+MODELS_DIR := $(or $(PDSERVE_MODELS_DIR),models)
+MODEL := $(MODELS_DIR)/SmolLM2-135M-Instruct
+
+# torch is installed first, pinned, before anything can pull another build. PyPI's
+# Linux torch is the CUDA build (several GB of CUDA libraries), so with no NVIDIA GPU
+# here (no nvidia-smi, no /dev/nvidia0) pip is also given PyTorch's CPU wheel index,
+# whose 2.13.0+cpu it prefers. TORCH_INDEX=<url> names another index (e.g. a CUDA
+# one); TORCH_INDEX= (empty) leaves the choice to pip's own configuration.
+NVIDIA_GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || test -e /dev/nvidia0 && echo yes)
+TORCH_INDEX ?= $(if $(NVIDIA_GPU),,https://download.pytorch.org/whl/cpu)
+TORCH := torch==2.13.0$(if $(TORCH_INDEX), --extra-index-url $(TORCH_INDEX))
 
 .PHONY: install model test serve generate bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
@@ -17,13 +28,13 @@ $(STAMP): requirements.txt pyproject.toml
 install: $(STAMP)
 
 model: $(STAMP)
-	$(VENV)/bin/pdserve model prepare smollm2
+	$(VENV)/bin/pdserve model prepare smollm2 --models-dir $(MODELS_DIR)
 
 test: model
 	$(PY) -m pytest -q tests
 
 serve: model
-	$(VENV)/bin/pdserve serve configs/local.yaml
+	$(VENV)/bin/pdserve serve configs/local.yaml --model $(MODEL)
 
 generate: model
 	$(VENV)/bin/pdserve generate --model $(MODEL) --chat "What is the capital of France?"

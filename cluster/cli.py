@@ -33,7 +33,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from cluster.config import load_cluster_config
+    from cluster.config import check_ray_model_dir, load_cluster_config
     from cluster.serve import serve
 
     config = load_cluster_config(args.config)
@@ -43,6 +43,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, model=args.model)
     if args.ray:
         config = dataclasses.replace(config, launcher="ray")
+    if config.launcher == "ray":  # here, before any actor starts and fails on a missing model
+        check_ray_model_dir(config)
     serve(config, detach=args.detach)
     return 0
 

@@ -1,13 +1,15 @@
 """The cluster config: one YAML file describes model, pools, transport and router.
 
 Everything is validated before anything starts. Each mistake is named with its path
-in the file, e.g. `decode.replicas: must be >= 1, got 0`, and unknown keys are
-refused (a typo never silently falls back to a default).
+in the file, e.g. `decode.replicas: must be >= 1, got 0`, every value is checked
+against its field's type (engine/config_check.py), and unknown keys are refused (a
+typo never silently falls back to a default).
 
     model: models/SmolLM2-135M-Instruct
     dtype: float32
     device: cpu
     transport: shm                  # kv_transfer/ name: nixl | shm | nccl | tcp | cuda_ipc
+    transport_options: {timeout_s: 10.0, cancel_grace_s: 10.0}
     router: {host: 127.0.0.1, port: 8000, policy: kv_aware, remote_prefill_min_tokens: 64}
     prefill: {replicas: 1, engine: {max_num_batched_tokens: 512}}
     decode:  {replicas: 1, engine: {max_num_seqs: 64}}
@@ -26,7 +28,8 @@ from typing import Any
 import yaml
 
 from engine.config import DTYPES, EngineConfig
-from kv_transfer import CPU_ONLY, GPU_ONLY, TRANSPORTS
+from engine.config_check import FieldTypeError, check_field_types
+from kv_transfer import CPU_ONLY, GPU_ONLY, TRANSPORTS, TransportConfig
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 LAUNCHERS = ("local", "ray")
@@ -46,13 +49,18 @@ def _check(ok: bool, path: str, message: str) -> None:
 
 
 def _fields(cls: type, data: Any, path: str) -> dict[str, Any]:
-    """The mapping `data` checked against cls's fields: a mapping, no unknown keys."""
+    """The mapping `data` checked against cls's fields: a mapping, no unknown keys, each
+    value of its field's type (nested sections are checked by their own from_dict)."""
     _check(isinstance(data, dict), path or "config", f"must be a mapping, got {type(data).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - known, key=str)
     prefix = f"{path}." if path else ""
     _check(not unknown, f"{prefix}{unknown[0] if unknown else ''}",
            f"unknown key; known keys here: {sorted(known)}")
+    try:
+        check_field_types(cls, data)
+    except FieldTypeError as exc:
+        raise ConfigError(f"{prefix}{exc}") from None
     return data
 
 
@@ -223,11 +231,29 @@ def _valid_address(address: str) -> bool:
 
 
 @dataclass(frozen=True)
+class TransportOptions:
+    """The KV transport's settings a config file sets (kv_transfer.TransportConfig, whose
+    defaults these are). One section for every worker of both pools: a sender and its
+    receiver must agree on cancel_grace_s (kv_transfer/base.py)."""
+    timeout_s: float = TransportConfig.timeout_s
+    cancel_grace_s: float = TransportConfig.cancel_grace_s
+    progress_thread: bool = TransportConfig.progress_thread
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "transport_options") -> "TransportOptions":
+        data = _fields(cls, data, path)
+        out = cls(**data)
+        return cls(_number(out.timeout_s, f"{path}.timeout_s", 0, strict=True),
+                   _number(out.cancel_grace_s, f"{path}.cancel_grace_s", 0, strict=True), out.progress_thread)
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str
     dtype: str = "float32"
     device: str = "cpu"
     transport: str = "shm"
+    transport_options: TransportOptions = field(default_factory=TransportOptions)
     # A decode worker waits this long for pushed KV before prefilling locally.
     prefill_deadline_s: float = 30.0
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -262,7 +288,8 @@ class ClusterConfig:
         _check(launcher in LAUNCHERS, "launcher", f"must be one of {LAUNCHERS}, got {launcher!r}")
         ray = RayConfig.from_dict(data.get("ray", {}))
         out = cls(model=data["model"], dtype=data.get("dtype", "float32"), device=device,
-                  transport=transport, prefill_deadline_s=float(deadline), router=RouterConfig.from_dict(data.get("router", {})),
+                  transport=transport, transport_options=TransportOptions.from_dict(data.get("transport_options", {})),
+                  prefill_deadline_s=float(deadline), router=RouterConfig.from_dict(data.get("router", {})),
                   prefill=PoolConfig.from_dict(data.get("prefill", {}), "prefill", minimum=0),
                   decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1),
                   launcher=launcher, ray=ray)
@@ -273,6 +300,8 @@ class ClusterConfig:
         for role in ("prefill", "decode"):  # the engine's own checks, named with their path
             try:
                 out.engine_config(role)
+            except FieldTypeError as exc:
+                raise ConfigError(f"{role}.engine.{exc}") from None
             except ValueError as exc:
                 raise ConfigError(f"{role}.engine: {exc}") from None
         return out
@@ -280,6 +309,27 @@ class ClusterConfig:
     def engine_config(self, role: str) -> EngineConfig:
         pool: PoolConfig = getattr(self, role)
         return EngineConfig.from_options(self.model, dtype=self.dtype, device=self.device, **pool.engine)
+
+    def transport_config(self, host: str) -> TransportConfig:
+        """The KV transport's config of a worker whose control socket listens on host."""
+        return TransportConfig(host=host, **dataclasses.asdict(self.transport_options))
+
+
+def check_ray_model_dir(config: ClusterConfig) -> None:
+    """Before a Ray launch starts any actor: the model directory must be readable here,
+    where `pdserve serve` runs, or every worker fails loading it, deep in its traceback.
+    `ray job submit --working-dir .` uploads the code but not models/ (git-ignored), so
+    a relative `models/...` is missing in the job's working directory. Call it after
+    any `--model` override."""
+    path = Path(config.model)
+    if (path / "config.json").is_file():
+        return
+    where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+    what = "has no config.json" if path.is_dir() else "does not exist"
+    raise ConfigError(
+        f"model: {config.model!r}{where} {what} on this node, so no Ray worker could load it. Give an absolute "
+        f"path every node can read, in the config's `model` or as `pdserve serve CONFIG --model /path/to/model` "
+        f"(`ray job submit --working-dir` does not upload models/, which git ignores)")
 
 
 def load_cluster_config(path: str | Path) -> ClusterConfig:

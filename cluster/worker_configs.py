@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from cluster.config import ClusterConfig
-from kv_transfer import TransportConfig
 from workers.config import WorkerConfig
 
 
@@ -15,6 +14,6 @@ def stall_grace_s(config: ClusterConfig) -> float:
 
 def worker_config(config: ClusterConfig, role: str, index: int, host: str = "127.0.0.1") -> WorkerConfig:
     """Worker `index` of pool `role`, its sockets listening on `host`."""
-    return WorkerConfig(role, index, config.engine_config(role), config.transport, TransportConfig(host=host),
+    return WorkerConfig(role, index, config.engine_config(role), config.transport, config.transport_config(host),
                         config.router.stall_timeout_s or None, stall_grace_s(config), config.prefill_deadline_s,
                         config.router.prefill_max_outstanding)

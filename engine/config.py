@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config_check import check_instance_types
+
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "reference", "triton")  # engine/attention/backend.py
 
@@ -21,6 +23,7 @@ class EngineConfig:
     reach the host, so the host's work overlaps the device's (engine_core.py); greedy
     outputs are identical.
     max_model_len None takes the model's max_position_embeddings.
+    Every field is type-checked against its annotation (engine/config_check.py).
     """
 
     model: str
@@ -43,6 +46,8 @@ class EngineConfig:
     prepack_cpu_weights: bool = True  # packed linears on CPU fp32: C panel kernel, else oneDNN (model/cpu_linear.py)
 
     def __post_init__(self) -> None:
+        check_instance_types(self)  # FieldTypeError, naming the field: "512" is no token count
+
         def require(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cluster.config import (ROLE_FIELDS, ClusterConfig, PoolConfig, RayConfig, RayPoolConfig, RouterConfig,
-                            load_cluster_config)
+                            TransportOptions, load_cluster_config)
 from cluster.ray_resources import pool_bundles
 from engine.config import EngineConfig
 
@@ -21,6 +21,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 SECTIONS: list[tuple[type, str]] = [
     (ClusterConfig, ""), (RouterConfig, "router."), (PoolConfig, "prefill."), (PoolConfig, "decode."),
     (EngineConfig, "<pool>.engine."), (RayConfig, "ray."), (RayPoolConfig, "ray.<pool>."),
+    (TransportOptions, "transport_options."),
 ]
 
 
