@@ -2,16 +2,26 @@
 the blocks a decode worker reserved for it (push, one descriptor per run of blocks).
 
 The interface and its rules are in base.py; transports register here by name.
+
+The interface's names load on first use (PEP 562): base.py and compat.py import torch,
+and importing kv_transfer.messages (the router's wire schema) must not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from kv_transfer.base import (Completed, Event, Expired, KVTransport, Overwritten, Received, Released,
-                              TransportConfig, WriteDone, WriteFailed)
-from kv_transfer.compat import IncompatiblePeerError, KVCompat
+if TYPE_CHECKING:
+    from kv_transfer.base import (Completed, Event, Expired, KVTransport, Overwritten, Received, Released,
+                                  TransportConfig, WriteDone, WriteFailed)
+    from kv_transfer.compat import IncompatiblePeerError, KVCompat
+
+# name -> the module it is defined in, imported when the name is first used
+_LAZY = {**dict.fromkeys(("Completed", "Event", "Expired", "KVTransport", "Overwritten", "Received", "Released",
+                          "TransportConfig", "WriteDone", "WriteFailed"), "kv_transfer.base"),
+         **dict.fromkeys(("IncompatiblePeerError", "KVCompat"), "kv_transfer.compat")}
 
 # name -> "module:Class"; imported on first use so a transport's library (nixl, torch
 # distributed) loads only when it is chosen.
@@ -37,3 +47,11 @@ def create_transport(name: str, agent_name: str, config: TransportConfig | None 
 __all__ = ["TRANSPORTS", "GPU_ONLY", "CPU_ONLY", "create_transport", "KVTransport", "TransportConfig", "KVCompat",
            "IncompatiblePeerError", "Event", "WriteDone", "WriteFailed", "Received", "Completed",
            "Expired", "Released", "Overwritten"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
