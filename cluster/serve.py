@@ -20,6 +20,7 @@ from cluster.config import ClusterConfig
 from cluster.local import LocalWorkers, start_workers
 from cluster.local_supervisor import LocalSupervisor
 from router.app import Router, create_app
+from router.config import ModelLimits
 
 if TYPE_CHECKING:
     from cluster.ray_launcher import RayWorkers
@@ -37,13 +38,20 @@ def start(config: ClusterConfig) -> "LocalWorkers | RayWorkers":
     return start_workers(config)
 
 
+def router_for(config: ClusterConfig, decode_workers: dict[str, str],
+               prefill_workers: dict[str, str] | None = None) -> Router:
+    """The router in front of these workers (name -> address): the config's router
+    section, and the limits of the model as the decode workers' engines will have them."""
+    return Router(config.router, ModelLimits.of(config.engine_config("decode")), decode_workers, prefill_workers)
+
+
 def build(config: ClusterConfig) -> tuple["LocalWorkers | RayWorkers", Router]:
     """The workers and the router in front of them; on Ray, supervised (restarted
     workers are wired back in, cluster/supervisor.py)."""
     workers = start(config)
     try:
-        router = Router(config, {w.name: w.address for w in workers.decode},
-                        {w.name: w.address for w in workers.prefill})
+        router = router_for(config, {w.name: w.address for w in workers.decode},
+                            {w.name: w.address for w in workers.prefill})
         if config.launcher == "ray":
             from cluster.supervisor import RouterHooks
 

@@ -18,7 +18,7 @@ from engine.errors import EngineStateError, RequestsFailed
 from engine.gpu_memory import profile_num_kv_blocks
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, max_model_len
 from engine.model.cpu_linear import prepack_linears, prepack_supported
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.request import Request, RequestStatus
@@ -28,20 +28,6 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-    """The context length an engine with this config serves (the router asks too)."""
-    limit = mc.max_position_embeddings
-    # No sliding-window attention: stay within the window, where it equals full attention.
-    if mc.sliding_window:
-        limit = min(limit, mc.sliding_window)
-    if config.max_model_len is not None:
-        if config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"supported context {limit}")
-        limit = config.max_model_len
-    return limit
 
 
 @dataclass

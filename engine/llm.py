@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -13,19 +12,10 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]
-
-
-def load_tokenizer(model_dir: str) -> Any | None:
-    """The directory's Hugging Face tokenizer, or None if it ships none."""
-    path = Path(model_dir)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 class LLM:

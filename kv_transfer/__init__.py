@@ -5,16 +5,28 @@ The interface is in base.py (who calls what, and the hooks a transport implement
 composed of control.py (sockets, peers, handshake), sender.py (P's writes) and
 receiver.py (D's reservations, and who owns cancellation); events.py holds what poll()
 reports. Transports register here by name.
+
+KVTransport, KVCompat and IncompatiblePeerError load on first use (PEP 562): they
+import torch, and the cluster config and the router's process import this package
+without loading torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from kv_transfer.base import KVTransport, TransportConfig
-from kv_transfer.compat import IncompatiblePeerError, KVCompat
+from kv_transfer.config import TransportConfig
 from kv_transfer.events import Completed, Event, Expired, Overwritten, Received, Released, WriteDone, WriteFailed
+
+if TYPE_CHECKING:
+    from kv_transfer.base import KVTransport
+    from kv_transfer.compat import IncompatiblePeerError, KVCompat
+
+# name -> the module it is defined in, imported when the name is first used
+_LAZY = {"KVTransport": "kv_transfer.base", "IncompatiblePeerError": "kv_transfer.compat",
+         "KVCompat": "kv_transfer.compat"}
 
 # name -> "module:Class"; imported on first use so a transport's library (nixl, torch
 # distributed) loads only when it is chosen.
@@ -40,3 +52,11 @@ def create_transport(name: str, agent_name: str, config: TransportConfig | None 
 __all__ = ["TRANSPORTS", "GPU_ONLY", "CPU_ONLY", "create_transport", "KVTransport", "TransportConfig", "KVCompat",
            "IncompatiblePeerError", "Event", "WriteDone", "WriteFailed", "Received", "Completed",
            "Expired", "Released", "Overwritten"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

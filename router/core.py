@@ -1,4 +1,4 @@
-"""The router's request path: tokenize (the chat template too, off the event loop),
+"""The router's request path: take a parsed, tokenized request (router/parsing.py),
 pick a decode worker, ask it to prefill on a prefill worker when the prompt is long
 enough (conditional disaggregation), and detokenize the worker's per-step token
 batches incrementally, ending a request itself when a stop string appears. A decode
@@ -13,24 +13,20 @@ import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import zmq.asyncio
 
-from cluster.config import ClusterConfig
 from engine.detokenizer import Detokenizer
-from engine.engine_core import max_model_len
-from engine.llm import load_tokenizer
-from engine.model.config import ModelConfig
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer
 from protocol import Abort, Generate, Rejected
-from router import request_body
+from router.config import ModelLimits, RouterSettings
 from router.errors import APIError
 from router.metrics import RouterMetrics
+from router.parsing import RequestParser
 from router.routing import RoutingPolicy
 from router.worker_client import WORKER_LOST, WorkerClient
 
@@ -48,32 +44,27 @@ class Chunk:
 
 
 class Router:
-    def __init__(self, config: ClusterConfig, decode_workers: dict[str, str],
+    def __init__(self, config: RouterSettings, limits: ModelLimits, decode_workers: dict[str, str],
                  prefill_workers: dict[str, str] | None = None) -> None:
         """Workers by name -> ZMQ address. The router sends requests to decode workers
-        only; it pings prefill workers too, for their health and /status."""
+        only; it pings prefill workers too, for their health and /status. The launcher
+        gives the router its settings and the decode workers' model limits
+        (router/config.py)."""
         self.config = config
-        self.model_name = config.model
-        self.served_names = {config.model, Path(config.model).name}
-        self.tokenizer = load_tokenizer(config.model)
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        # The longest vocabulary entry: its spelling has at least one character per
-        # character of text it stands for (byte-level BPE: one per byte), so this
-        # bounds how many characters max_model_len tokens can hold.
-        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
-        engine = config.engine_config("decode")
-        model_config = ModelConfig.from_model_dir(config.model)
-        self.vocab_size = model_config.vocab_size
-        # The decode workers' context length, computed as their engines do.
-        self.max_model_len = max_model_len(engine, model_config)
-        self.ctx = zmq.asyncio.Context()
-        timeout = config.router.worker_timeout_s
+        self.model_name = limits.model
+        self.max_model_len = limits.max_model_len
+        self.block_size = limits.block_size
+        self.parser = RequestParser(load_tokenizer(limits.model), limits, self._kv_pool_tokens)
+        # The process's one asyncio context, never collected: a Router's own context,
+        # collected together with its still-open sockets, would hang in its finalizer
+        # (term() waits on sockets the collector has not closed yet).
+        self.ctx = zmq.asyncio.Context.instance()
+        timeout = config.worker_timeout_s
         self.workers = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted(decode_workers.items())]
         self.prefill = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted((prefill_workers or {}).items())]
         # The router cannot see the pools' sizes; this bounds the history it keeps.
-        self.block_size = engine.block_size
-        self.routing = RoutingPolicy(config.router.policy, len(self.workers), engine.block_size,
-                                     engine.num_kv_blocks or 65536)
+        self.routing = RoutingPolicy(config.policy, len(self.workers), limits.block_size,
+                                     limits.num_kv_blocks or 65536)
         for i, w in enumerate(self.workers):
             w.on_kv_events = lambda events, reset, i=i: self.routing.kv_events(i, events, reset)
         self.in_flight = 0
@@ -81,69 +72,46 @@ class Router:
         self.loop: asyncio.AbstractEventLoop | None = None  # set while the app runs
         self._early_calls: list[Any] = []  # from other threads before it ran
         self._calls_lock = threading.Lock()
+        self._tasks: list[asyncio.Task] = []
 
-    # --- request parsing ----------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer: requests are tokenized (self.parser), detokenized and
+        their logprobs spelled with it."""
+        return self.parser.tokenizer
 
-    def sampling_params(self, body: dict[str, Any], chat: bool, num_prompt_tokens: int,
-                        prompt_field: str) -> SamplingParams:
-        """The request's SamplingParams, checked against the context length here (the
-        decode worker checks again) so the error can name the field. Chat without
-        max_tokens generates until EOS or a full context, as vLLM does; completions
-        keep OpenAI's default of 16. That default is also capped by the smallest KV pool a
-        decode worker reported, since a request that cannot fit in one is refused."""
-        room = self.max_model_len - num_prompt_tokens
-        if room < 1:
-            raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but the model's context length is "
-                                f"{self.max_model_len} (prompt must leave room for output)", prompt_field)
-        default = None
-        if chat:  # prompt + max_tokens must fit in a decode worker's KV pool too
-            pools = [w.num_kv_blocks * self.block_size for w in self.workers if w.num_kv_blocks]
-            default = max(1, min([room] + [tokens - num_prompt_tokens for tokens in pools]))
-        params = request_body.sampling_params(body, chat, default)
-        if params.max_tokens > room:
-            alias = body.get("max_tokens") is None and body.get(request_body.MAX_TOKENS_ALIAS) is not None
-            name = request_body.MAX_TOKENS_ALIAS if alias else "max_tokens"
-            raise APIError(400, f"prompt ({num_prompt_tokens} tokens) + {name} ({params.max_tokens}) = "
-                                f"{num_prompt_tokens + params.max_tokens} exceeds the model's context length "
-                                f"{self.max_model_len}", name)
-        return params
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        self.parser.tokenizer = tokenizer
 
-    async def prompt_ids(self, prompt: Any) -> list[int]:
-        prompt = request_body.prompt_input(prompt, self.vocab_size)
-        if isinstance(prompt, list):
-            return prompt
-        self._check_chars(len(prompt), "prompt")
-        return await self._tokenize(self.tokenizer.encode, prompt)
+    @property
+    def max_token_chars(self) -> int:
+        return self.parser.max_token_chars
 
-    async def chat_ids(self, body: dict[str, Any]) -> list[int]:
-        messages = request_body.chat_messages(body.get("messages"))
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-        add_generation_prompt = request_body.flag(body, "add_generation_prompt", True)
+    def _kv_pool_tokens(self) -> list[int]:
+        """Tokens each decode worker's KV pool holds, of those whose stats reply said."""
+        return [w.num_kv_blocks * self.block_size for w in self.workers if w.num_kv_blocks]
 
-        def tokenize() -> list[int]:
-            # Rendered to text, then encoded without special tokens: the template
-            # already holds them (as LLM.chat does).
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return await self._tokenize(tokenize)
+    # --- the app's lifetime (router/app.py) -------------------------------------------
 
-    def _check_chars(self, num_chars: int, param: str) -> None:
-        """Refuse, before tokenizing it, text that cannot fit the context: no token of
-        this vocabulary covers more than max_token_chars characters, so such text has
-        more than max_model_len tokens. Tokenizing megabytes would only take seconds to
-        find that out."""
-        limit = self.max_model_len * self.max_token_chars
-        if num_chars > limit:
-            raise APIError(400, f"{param} has {num_chars} characters: more than the model's context length "
-                                f"({self.max_model_len} tokens) can hold (at most {limit} characters)", param)
+    def start(self) -> None:
+        """On the app's event loop, as it starts: run the calls that came before it, and
+        read from every worker and supervise them until stop()."""
+        with self._calls_lock:
+            self.loop = asyncio.get_running_loop()
+            early, self._early_calls = self._early_calls, []
+        for call in early:
+            call()
+        self._tasks = [asyncio.create_task(w.read_forever()) for w in self.workers + self.prefill]
+        self._tasks.append(asyncio.create_task(self.monitor()))
 
-    async def _tokenize(self, call: Callable[..., list[int]], *args: Any) -> list[int]:
-        """Run a tokenizer call off the event loop, so that streams, health pings and
-        /health go on meanwhile (the fast tokenizer releases the GIL). One thread:
-        tokenizer calls never run concurrently (HF fast tokenizers are not safe for
-        that), and the character cap bounds how long one call may take."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, call, *args)
+    def stop(self) -> None:
+        """As the app shuts down; calls from other threads wait for a next start, if any."""
+        with self._calls_lock:
+            self.loop = None
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
 
     # --- one request ----------------------------------------------------------------
 
@@ -160,7 +128,7 @@ class Router:
         HTTP 503 (before its first chunk) or a broken stream (after). A request the
         worker failed (its engine step failed, or the worker gave up) ends with HTTP
         500 or, after its first chunk, an error event; bad input with 400."""
-        if self.in_flight >= self.config.router.max_queued_requests:
+        if self.in_flight >= self.config.max_queued_requests:
             raise APIError(429, f"the server has {self.in_flight} requests in flight "
                                 f"(max_queued_requests); retry later", kind="rate_limit_error")
         m = self.metrics
@@ -233,7 +201,7 @@ class Router:
         index, cached = self.routing.choose(tokens, [len(w.queues) for w in self.workers], live)
         worker, request_id = self.workers[index], uuid.uuid4().hex
         # Conditional disaggregation: only the part the worker must compute counts.
-        remote = (len(tokens) - cached >= self.config.router.remote_prefill_min_tokens
+        remote = (len(tokens) - cached >= self.config.remote_prefill_min_tokens
                   and any(p.alive for p in self.prefill))
         m = self.metrics
         if failover:
@@ -290,7 +258,7 @@ class Router:
         while True:
             for w in self.workers + self.prefill:
                 w.ping()
-            await asyncio.sleep(self.config.router.health_interval_s)
+            await asyncio.sleep(self.config.health_interval_s)
             for w in self.workers + self.prefill:
                 w.check()
             self.publish_live()

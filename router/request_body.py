@@ -9,6 +9,7 @@ explicitly). Fields nobody here knows are ignored, as vLLM does.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,19 @@ _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
 
 _HINTS = {"n": "only n=1 is supported", "best_of": "only best_of=1 is supported",
           "response_format": 'only {"type": "text"} is supported', "tool_choice": 'only "none" or "auto"'}
+
+
+def read_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body
 
 
 def check_unsupported(body: dict[str, Any], chat: bool) -> None:

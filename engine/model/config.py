@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 # Architecture name -> feature flags of the one Llama-family implementation.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -98,3 +101,18 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+    """The context length an engine with this config serves (the launcher tells the
+    router, router/config.py ModelLimits)."""
+    limit = mc.max_position_embeddings
+    # No sliding-window attention: stay within the window, where it equals full attention.
+    if mc.sliding_window:
+        limit = min(limit, mc.sliding_window)
+    if config.max_model_len is not None:
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"supported context {limit}")
+        limit = config.max_model_len
+    return limit

@@ -22,12 +22,12 @@ import zmq
 import zmq.asyncio
 
 from cluster.config import ClusterConfig
+from cluster.serve import router_for
 from engine.llm import load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from protocol import WORKER_MESSAGES, Generate, Tokens, encode
-from router.core import Router
 
 PROMPT = [5, 6, 7]
 
@@ -113,7 +113,7 @@ def router_paths(llama_dir: Path, cases: list[tuple[list[int], SamplingParams]])
     async def main() -> list[tuple[str, str]]:
         ctx = zmq.asyncio.Context()
         worker = ScriptedWorker(ctx)
-        router = Router(config, {"decode-0": worker.address})
+        router = router_for(config, {"decode-0": worker.address})
         reader = asyncio.create_task(router.workers[0].read_forever())
         results = []
         try:

@@ -10,7 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cluster.config import ClusterConfig
-from router.app import Router, create_app
+from cluster.serve import router_for
+from router.app import create_app
 
 
 @pytest.fixture
@@ -18,7 +19,7 @@ def http(llama_dir: Path):
     config = ClusterConfig.from_dict({"model": str(llama_dir), "router": {"max_queued_requests": 2},
                                       "prefill": {"replicas": 0}})
     # A worker address nobody listens on: these requests never reach a worker.
-    router = Router(config, {"decode-0": "tcp://127.0.0.1:9"})
+    router = router_for(config, {"decode-0": "tcp://127.0.0.1:9"})
     with TestClient(create_app(router)) as client:
         yield client, router
 

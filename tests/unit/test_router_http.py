@@ -18,8 +18,9 @@ import pytest
 import zmq
 
 from cluster.config import ClusterConfig
-from router.app import Router
+from cluster.serve import router_for
 from protocol import WORKER_MESSAGES, Message, StatsReply, Tokens, encode
+from router.app import Router
 from tests.http_server import free_port, serving
 
 decode = WORKER_MESSAGES.decode
@@ -94,7 +95,7 @@ def fake() -> Iterator[FakeDecodeWorker]:
 def served(llama_dir: Path, fake: FakeDecodeWorker) -> Iterator[tuple[str, Router, FakeDecodeWorker]]:
     config = ClusterConfig.from_dict({"model": str(llama_dir), "prefill": {"replicas": 0},
                                       "router": {"health_interval_s": 0.1, "worker_timeout_s": 0.6}})
-    router = Router(config, {"decode-0": fake.address})
+    router = router_for(config, {"decode-0": fake.address})
     with serving(router, free_port()) as base:
         yield base, router, fake
 

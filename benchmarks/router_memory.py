@@ -1,0 +1,72 @@
+"""Resident memory of a router process: import router.app, build a Router and its app
+on a model, and report the process's RSS (VmRSS now, ru_maxrss peak) and whether torch
+was imported. Each run is a fresh Python process; the median of --runs is printed.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/router_memory.py --runs 5
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/router_memory.py --model models/SmolLM2-135M-Instruct --json out.json
+
+The Router is built as the launcher builds it (cluster/serve.py), with one decode
+worker address nobody listens on: no worker and no socket traffic is involved. Run it
+from the root of the tree to measure; on a tree from before the router took a
+RouterConfig and ModelLimits (commit 0e80d69 and earlier), it builds the Router from a
+ClusterConfig as that tree did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+
+CHILD = r"""
+import json, resource, sys, time
+start = time.perf_counter()
+import router.app
+try:
+    from router.config import ModelLimits
+except ImportError:  # a tree where the Router takes the whole ClusterConfig
+    ModelLimits = None
+from engine.config import EngineConfig
+model, address = sys.argv[1], "tcp://127.0.0.1:9"
+if ModelLimits is None:
+    from cluster.config import ClusterConfig
+    config = ClusterConfig.from_dict({"model": model, "prefill": {"replicas": 0}})
+    r = router.app.Router(config, {"decode-0": address})
+else:
+    from cluster.config import RouterConfig  # only its defaults; the Router does not import cluster/
+    r = router.app.Router(RouterConfig(), ModelLimits.of(EngineConfig(model=model)), {"decode-0": address})
+app = router.app.create_app(r)
+seconds = time.perf_counter() - start
+rss_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+print(json.dumps({"rss_mib": rss_kib / 1024, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "seconds": seconds, "torch": "torch" in sys.modules}))
+"""
+
+
+def one_run(model: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, model], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"the router process failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args()
+    runs = [one_run(args.model) for _ in range(args.runs)]
+    summary = {key: statistics.median(r[key] for r in runs) for key in ("rss_mib", "maxrss_mib", "seconds")}
+    summary["torch_loaded"] = any(r["torch"] for r in runs)
+    print(f"median of {args.runs}: VmRSS {summary['rss_mib']:.0f} MiB, ru_maxrss {summary['maxrss_mib']:.0f} MiB, "
+          f"import + build {summary['seconds']:.2f} s, torch loaded: {summary['torch_loaded']}")
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"runs": runs, "median": summary}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""A KV transport's settings (torch-free: the cluster config validates them where no
+torch is loaded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    timeout_s: float = 10.0  # a write not acknowledged within this fails
+    # After a reservation's deadline, D releases its blocks without waiting for a
+    # cancel_ack once this has passed too (receiver.py): it must exceed the time the
+    # bytes of a write started just before the deadline can take to land. shm
+    # enforces it (a copy still running at deadline + cancel_grace_s / 2 stops); where
+    # it is not met, D reports the blocks overwritten after their release (Overwritten).
+    cancel_grace_s: float = 10.0
+    host: str = "127.0.0.1"  # where this agent's control socket listens
+    # nixl: drive UCX from a background thread. Off, progress happens in poll(): the
+    # thread takes a whole core, which small CPU hosts cannot spare (docs/benchmarks.md,
+    # KV transfer bandwidth).
+    progress_thread: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.cancel_grace_s > 0:
+            raise ValueError(f"cancel_grace_s must be > 0, got {self.cancel_grace_s}")

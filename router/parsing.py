@@ -1,0 +1,146 @@
+"""Each HTTP request body parsed once, into a typed request ready to run: checked
+(router/request_body.py, field by field), tokenized (the chat template too, off the event
+loop) and its SamplingParams checked against the context length.
+
+The checks run in one fixed order, and the first problem found is the one answered
+(HTTP 400 naming the field): the JSON itself, model, unsupported parameters, stream and
+stream_options, the prompt or messages (their shape, then their length in characters,
+then, for chat, add_generation_prompt), the prompt's length in tokens, then the sampling
+fields. Tests pin which error wins, so keep the order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from engine.sampling_params import SamplingParams
+from router import request_body
+from router.config import ModelLimits
+from router.errors import APIError
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What either endpoint runs: Router.run(prompt_ids, params), then a response shaped
+    by router/responses.py."""
+
+    prompt_ids: list[int]
+    params: SamplingParams  # max_tokens fits the context; logprobs: alternatives per token (None: no logprobs)
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last streamed event with the usage
+    chat: ClassVar[bool]
+
+
+@dataclass(frozen=True)
+class CompletionRequest(GenerateRequest):
+    prompt: str | list[int]  # as sent: text (tokenized into prompt_ids) or the token ids themselves
+    chat: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class ChatRequest(GenerateRequest):
+    messages: list[dict[str, str]]  # {role, content}, content a string (text parts joined)
+    add_generation_prompt: bool  # prompt_ids end with the template's assistant turn opening
+    chat: ClassVar[bool] = True
+
+
+class RequestParser:
+    """Parses the bodies of /v1/completions and /v1/chat/completions for one model.
+
+    `kv_pool_tokens` gives the tokens each decode worker's KV pool holds, for those that
+    reported it: chat's default max_tokens must fit the smallest."""
+
+    def __init__(self, tokenizer: Any, limits: ModelLimits, kv_pool_tokens: Callable[[], list[int]]) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.model_name = limits.model
+        self.served_names = {limits.model, Path(limits.model).name}
+        self.kv_pool_tokens = kv_pool_tokens
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # The longest vocabulary entry: its spelling has at least one character per
+        # character of text it stands for (byte-level BPE: one per byte), so this
+        # bounds how many characters max_model_len tokens can hold.
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+
+    async def completion(self, raw: bytes) -> CompletionRequest:
+        body, stream, include_usage = self._body(raw, chat=False)
+        prompt = request_body.prompt_input(body.get("prompt"), self.limits.vocab_size)
+        if isinstance(prompt, list):
+            ids = prompt
+        else:
+            self._check_chars(len(prompt), "prompt")
+            ids = await self._tokenize(self.tokenizer.encode, prompt)
+        params = self._sampling_params(body, False, len(ids), "prompt")
+        return CompletionRequest(ids, params, stream, include_usage, prompt)
+
+    async def chat(self, raw: bytes) -> ChatRequest:
+        body, stream, include_usage = self._body(raw, chat=True)
+        messages = request_body.chat_messages(body.get("messages"))
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        add_generation_prompt = request_body.flag(body, "add_generation_prompt", True)
+
+        def tokenize() -> list[int]:
+            # Rendered to text, then encoded without special tokens: the template
+            # already holds them (as LLM.chat does).
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = await self._tokenize(tokenize)
+        params = self._sampling_params(body, True, len(ids), "messages")
+        return ChatRequest(ids, params, stream, include_usage, messages, add_generation_prompt)
+
+    def _body(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], bool, bool]:
+        """The JSON body, with every check that needs no tokenizer done; stream and
+        stream_options.include_usage."""
+        body = request_body.read_json(raw)
+        request_body.check_model(body, self.served_names, self.model_name)
+        request_body.check_unsupported(body, chat)
+        stream = request_body.flag(body, "stream", False)
+        return body, stream, request_body.include_usage(body)
+
+    def _sampling_params(self, body: dict[str, Any], chat: bool, num_prompt_tokens: int,
+                         prompt_field: str) -> SamplingParams:
+        """The request's SamplingParams, checked against the context length here (the
+        decode worker checks again) so the error can name the field. Chat without
+        max_tokens generates until EOS or a full context, as vLLM does; completions
+        keep OpenAI's default of 16. That default is also capped by the smallest KV pool a
+        decode worker reported, since a request that cannot fit in one is refused."""
+        max_model_len = self.limits.max_model_len
+        room = max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but the model's context length is "
+                                f"{max_model_len} (prompt must leave room for output)", prompt_field)
+        default = None
+        if chat:  # prompt + max_tokens must fit in a decode worker's KV pool too
+            default = max(1, min([room] + [tokens - num_prompt_tokens for tokens in self.kv_pool_tokens()]))
+        params = request_body.sampling_params(body, chat, default)
+        if params.max_tokens > room:
+            alias = body.get("max_tokens") is None and body.get(request_body.MAX_TOKENS_ALIAS) is not None
+            name = request_body.MAX_TOKENS_ALIAS if alias else "max_tokens"
+            raise APIError(400, f"prompt ({num_prompt_tokens} tokens) + {name} ({params.max_tokens}) = "
+                                f"{num_prompt_tokens + params.max_tokens} exceeds the model's context length "
+                                f"{max_model_len}", name)
+        return params
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, text that cannot fit the context: no token of
+        this vocabulary covers more than max_token_chars characters, so such text has
+        more than max_model_len tokens. Tokenizing megabytes would only take seconds to
+        find that out."""
+        max_model_len = self.limits.max_model_len
+        limit = max_model_len * self.max_token_chars
+        if num_chars > limit:
+            raise APIError(400, f"{param} has {num_chars} characters: more than the model's context length "
+                                f"({max_model_len} tokens) can hold (at most {limit} characters)", param)
+
+    async def _tokenize(self, call: Callable[..., list[int]], *args: Any) -> list[int]:
+        """Run a tokenizer call off the event loop, so that streams, health pings and
+        /health go on meanwhile (the fast tokenizer releases the GIL). One thread:
+        tokenizer calls never run concurrently (HF fast tokenizers are not safe for
+        that), and the character cap bounds how long one call may take."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, call, *args)

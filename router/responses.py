@@ -1,0 +1,80 @@
+"""OpenAI response bodies and server-sent events, from a request's chunks (Router.run).
+
+Completions answer `text_completion` objects with `choices[i].text`; chat answers
+`chat.completion` objects with `choices[i].message` (streamed: `chat.completion.chunk`
+with `choices[i].delta`). A stream is one `data: {json}` event per chunk, then, with
+stream_options.include_usage, one with empty choices and the usage, then
+`data: [DONE]`; a stream broken after its first event ends with an error event before
+[DONE] (as vLLM does). Errors are OpenAI-shaped: {"error": {message, type, param, code}}.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from router.core import Chunk
+from router.errors import APIError
+from router.logprobs import LogprobFormatter, merge
+
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+def error_body(exc: APIError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}}
+
+
+def error_event(exc: APIError) -> str:
+    return "data: " + json.dumps(error_body(exc)) + "\n\n"
+
+
+class ResponseShaper:
+    """The bodies and events of one request's response; one id and creation time."""
+
+    def __init__(self, chat: bool, model: str, num_prompt_tokens: int,
+                 formatter: LogprobFormatter | None) -> None:
+        self.chat, self.model, self.num_prompt_tokens = chat, model, num_prompt_tokens
+        self.formatter = formatter  # None: the request asked for no logprobs
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def body(self, chunks: list[Chunk]) -> dict[str, Any]:
+        """The non-streamed response: every chunk's text joined."""
+        parts = [p for p in map(self._logprobs, chunks) if p is not None]
+        last = chunks[-1]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model,
+                "choices": [self._choice("".join(c.text for c in chunks), last.finish_reason, False, merge(parts))],
+                "usage": self.usage(last.num_tokens)}
+
+    def event(self, chunk: Chunk) -> str:
+        """One chunk as a streamed event."""
+        choice = self._choice(chunk.text, chunk.finish_reason, True, self._logprobs(chunk))
+        return "data: " + json.dumps({"id": self.id, "object": self._chunk_kind, "created": self.created,
+                                      "model": self.model, "choices": [choice]}) + "\n\n"
+
+    def usage_event(self, num_tokens: int) -> str:
+        """The stream's last event before [DONE], with stream_options.include_usage."""
+        return "data: " + json.dumps({"id": self.id, "object": self._chunk_kind, "created": self.created,
+                                      "model": self.model, "choices": [],
+                                      "usage": self.usage(num_tokens)}) + "\n\n"
+
+    def usage(self, num_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": num_tokens,
+                "total_tokens": self.num_prompt_tokens + num_tokens}
+
+    @property
+    def _chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _logprobs(self, chunk: Chunk) -> dict[str, Any] | None:
+        return self.formatter.format(chunk.token_ids, chunk.logprobs) if self.formatter else None
+
+    def _choice(self, text: str, reason: str | None, delta: bool, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
+        key = "delta" if delta else "message"
+        return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason,
+                "logprobs": logprobs}
