@@ -33,13 +33,13 @@ from engine.kernels.online_softmax import load_kv_tile, online_softmax_step
 SPLIT_TOKENS = 512  # context tokens per split
 # Past about this many programs per SM (rounded up to whole splits per sequence and KV
 # head), programs loop over several splits (split_programs_for). 16 keeps one program
-# per split in every case gpu_check's bandwidth rows measured (batch 64 at 2k: 2048
+# per split in every case gpu_check's bandwidth rows time (batch 64 at 2k: 2048
 # programs on 132 SMs), and takes a batch-256 graph from 32768 programs to 4096.
 PROGRAMS_PER_SM = 16
 
-# Measured on an H200 (benchmarks/gpu_check.py --only tune): 84% of HBM bandwidth at
-# batch 64, context 2k, head_dim 64 (90% at 128), against 70-77% for 32-token tiles and
-# 65-72% for 8 warps. The interpreter on CPU runs small tiles (the unit tests cover both).
+# The GPU tiles are the winner of the tile sweep (benchmarks/gpu_check.py --only tune) on
+# an H200; its figures are in docs/benchmarks.md (GPU check). The interpreter on CPU runs
+# small tiles (the unit tests cover both).
 GPU_CONFIG = LaunchConfig(block_n=64, num_warps=2, num_stages=3)
 CPU_CONFIG = LaunchConfig(block_n=32, num_warps=4, num_stages=1)
 

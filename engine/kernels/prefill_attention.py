@@ -22,9 +22,8 @@ import triton.language as tl
 from engine.kernels.common import LaunchConfig, check_attention_io, check_index, dot_precision, native_dots
 from engine.kernels.online_softmax import load_kv_tile, online_softmax_step
 
-# Measured on an H200 (benchmarks/gpu_check.py --only tune): 145 TFLOP/s for 16 causal
-# 512-token prompts at head_dim 64, the best of 16 configs (88-143 for the rest).
-# Small tiles on CPU.
+# The GPU tiles are the winner of the tile sweep (benchmarks/gpu_check.py --only tune) on
+# an H200; its figures are in docs/benchmarks.md (GPU check). Small tiles on CPU.
 GPU_CONFIG = LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 CPU_CONFIG = LaunchConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 

@@ -1,10 +1,10 @@
 """Every request's block ids as a row of one numpy array, so a step's block table is a gather.
 
 Building a step's [num_seqs, max_blocks] table from each request's list of blocks costs
-one list conversion per request every step: about a millisecond at batch 256, the
-largest single piece of a decode step's host work. Block ids only ever get appended to a
-request (until it frees them all), so the manager writes each id here once, when the
-block is allocated, and a step's table is one fancy-index gather.
+one list conversion per request every step, the largest single piece of a decode step's
+host work at large batches (docs/benchmarks.md, host overhead). Block ids only ever get
+appended to a request (until it frees them all), so the manager writes each id here
+once, when the block is allocated, and a step's table is one fancy-index gather.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Linear layers with weights packed once at load time, for CPU float32 inference.
 
-A plain fp32 F.linear (MKL sgemm) re-lays-out the weight on every call and reaches
-20-55 GFLOP/s at decode batch sizes on these CPUs. Two packed forms replace it:
+A plain fp32 F.linear (MKL sgemm) re-lays-out the weight on every call, which is slow
+at decode batch sizes. Two packed forms replace it (their speeds: docs/benchmarks.md,
+CPU float32 kernels):
 
 - PanelLinear: pdserve's C kernel (csrc/linear_f32.c) on AVX2/FMA CPUs. Decode is
   bound by reading the weights, and the kernel streams them near the memory's speed:
-  1.4-1.6x oneDNN's speed at 1-16 rows, on par at prefill sizes (docs/benchmarks.md).
-- PackedLinear: oneDNN's reordered weight (~2x F.linear at decode sizes), where the C
-  kernel cannot be built.
+  faster than oneDNN at 1-16 rows, on par at prefill sizes.
+- PackedLinear: oneDNN's reordered weight (faster than F.linear at most decode sizes),
+  where the C kernel cannot be built.
 
 Both give the same numbers as nn.Linear up to float32 rounding; the HF fidelity tests
 hold the engine to identical greedy tokens with them.

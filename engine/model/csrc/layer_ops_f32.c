@@ -1,9 +1,9 @@
 /* The elementwise glue of a decoder layer in float32 on CPU, one call each instead of a
  * dozen torch ops: residual add + RMSNorm, rotary embedding in place, SiLU-and-mul.
  *
- * Why: at decode batch sizes each torch op costs microseconds of dispatch for a few
- * hundred floats of work; ~35 of them a layer were ~10 ms of a ~60 ms step of the demo
- * model on one core.
+ * Why: at decode batch sizes each torch op costs its dispatch for a few hundred floats
+ * of work, and the ~35 of them a layer were a sizeable share of the demo model's step
+ * on one core (docs/benchmarks.md, CPU float32 kernels).
  *
  * Numerics follow transformers' float32 ops: every product and sum is rounded on its
  * own (this file is built with -ffp-contract=off, so no FMA merges them), the norm's

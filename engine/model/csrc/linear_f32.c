@@ -1,9 +1,9 @@
 /* y = x W^T (+ bias) in float32 on AVX2/FMA CPUs, for the CPU engine's linear layers.
  *
- * Why not oneDNN/MKL: at decode batch sizes (1-16 rows) they stream the weights at
- * 6-9 GB/s on one core of these machines, against 15 GB/s for a plain read; this
- * kernel reaches ~12 GB/s at 1 row and 1.4-1.6x oneDNN's speed up to 16 rows, and
- * matches it on prefill-sized inputs.
+ * Why not oneDNN/MKL: at decode batch sizes (1-16 rows) they stream the weights well
+ * below the speed of a plain read of them on one core; this kernel comes much closer,
+ * beats oneDNN up to 16 rows and matches it on prefill-sized inputs (figures:
+ * docs/benchmarks.md, CPU float32 kernels).
  *
  * W is packed once at load time into panels of NR = 16 output columns, each K-major:
  * panels[p][k][j] = W[p*16 + j][k] (zero past N). A micro-kernel keeps a block of up to
