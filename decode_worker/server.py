@@ -27,7 +27,8 @@ from engine.errors import RequestsFailed
 from engine.request import Request
 from protocol import (Abort, Generate, Message, MessageError, Peers, PrefillDone, Rejected, Stats, StatsReply,
                       Tokens, encode)
-from workers.config import WorkerConfig, engine_and_transport
+from workers.config import WorkerConfig
+from workers.start import engine_and_transport
 from workers.control import ControlChannel
 from workers.loop import WorkerLoop, run_worker
 

@@ -17,7 +17,8 @@ import zmq
 from engine.errors import RequestsFailed
 from prefill_worker.remote_prefill import PrefillWorkerCore
 from protocol import Abort, Message, Peers, PrefillDone, RemotePrefill, Stats, StatsReply, encode
-from workers.config import WorkerConfig, engine_and_transport
+from workers.config import WorkerConfig
+from workers.start import engine_and_transport
 from workers.control import ControlChannel
 from workers.loop import WorkerLoop, run_worker
 

@@ -1,16 +1,13 @@
-"""What one worker process needs to start: its WorkerConfig (built by the launcher
-from the cluster config, cluster/worker_configs.py), and the engine and KV transport
-made from it."""
+"""What one worker process is started with: its WorkerConfig, built by the launcher
+from the cluster config (cluster/worker_configs.py). Torch-free: the launcher's process
+(where the router runs) builds it without loading the engine."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from kv_transfer import KVTransport, TransportConfig, create_transport
-from workers.fault_injection import TEST_FAULTS_ENV, inject_test_faults
+from kv_transfer import TransportConfig
 
 ROLES = ("decode", "prefill")
 
@@ -42,14 +39,3 @@ class WorkerConfig:
     @property
     def host(self) -> str:
         return self.transport_config.host
-
-
-def engine_and_transport(config: WorkerConfig) -> tuple[EngineCore, KVTransport]:
-    """The worker's engine (its cache placed where the transport reaches it) and its
-    transport (the cache registered, its control socket on config.host)."""
-    transport = create_transport(config.transport, config.name, config.transport_config)
-    engine = EngineCore(config.engine, transport.allocate_kv_cache)
-    transport.register_kv_cache(engine.kv_cache, config.engine.model)
-    if os.environ.get(TEST_FAULTS_ENV):
-        inject_test_faults(config.name, engine, os.environ[TEST_FAULTS_ENV])
-    return engine, transport

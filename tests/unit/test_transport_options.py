@@ -11,7 +11,7 @@ import pytest
 from cluster.config import ClusterConfig, ConfigError, TransportOptions, load_cluster_config
 from cluster.worker_configs import worker_config
 from kv_transfer import TransportConfig
-from workers.config import engine_and_transport
+from workers.start import engine_and_transport
 
 BASE = {"model": "m", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
 
