@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
-    from engine.model.demo import prepare_demo_model
+    from cluster.demo_model import prepare_demo_model
 
     path = prepare_demo_model(args.name, Path(args.models_dir) if args.models_dir else None, args.force)
     print(path)
