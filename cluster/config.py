@@ -185,7 +185,7 @@ class RayConfig:
     placement_timeout_s: float = 15.0
     prefill: RayPoolConfig = field(default_factory=RayPoolConfig)
     decode: RayPoolConfig = field(default_factory=RayPoolConfig)
-    # Supervision (cluster/supervisor.py): Ray restarts a crashed worker up to this many
+    # Supervision (cluster/ray/supervisor.py): Ray restarts a crashed worker up to this many
     # times; every probe_interval_s each worker is asked for its incarnation, and one
     # that does not answer within probe_timeout_s is killed (then restarted): a hung
     # worker must not write KV after its peers stopped expecting it.
