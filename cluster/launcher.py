@@ -4,8 +4,8 @@ A launcher starts a config's workers (local processes, cluster/local/; or Ray ac
 cluster/ray/), supervises them for the router, and serves the whole deployment for
 `pdserve serve`. Who calls what: cluster/serve.py's `build` calls `start`, builds the
 router on the workers' addresses, and (for a launcher whose workers come back on their
-own) `supervise`; `check`, `serve` and `down` are `pdserve serve` and `pdserve down`. Ray is
-imported only when its launcher is picked.
+own) `supervise`; `pdserve serve` calls `check` then `serve`, `pdserve down` calls
+`down`. Ray is imported only when its launcher is picked.
 """
 
 from __future__ import annotations
@@ -81,5 +81,6 @@ class Launcher(Protocol):
 
 
 def launcher_for(config: ClusterConfig) -> Launcher:
+    """A new launcher of the config's kind (its module imported now, if not yet)."""
     module, _, name = LAUNCHER_CLASSES[config.launcher].partition(":")
     return getattr(importlib.import_module(module), name)()
