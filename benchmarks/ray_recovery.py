@@ -37,10 +37,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import httpx2 as httpx  # noqa: E402
 import ray  # noqa: E402
 
+from cluster import demo_model as demo  # noqa: E402
 from cluster.config import load_cluster_config  # noqa: E402
-from cluster.ray_launcher import RayWorker, RayWorkers  # noqa: E402
+from cluster.ray.workers import RayWorker, RayWorkers  # noqa: E402
 from cluster.serve import HTTPServer, build  # noqa: E402
-from engine.model import demo  # noqa: E402
 from tests.disagg.test_worker_processes import Client  # noqa: E402
 from tests.http_server import free_port  # noqa: E402
 

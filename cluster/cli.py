@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
-    from engine.model.demo import prepare_demo_model
+    from cluster.demo_model import prepare_demo_model
 
     path = prepare_demo_model(args.name, Path(args.models_dir) if args.models_dir else None, args.force)
     print(path)
@@ -33,7 +33,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from cluster.config import check_ray_model_dir, load_cluster_config
+    from cluster.config import load_cluster_config
+    from cluster.launcher import launcher_for
     from cluster.serve import serve
 
     config = load_cluster_config(args.config)
@@ -43,22 +44,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, model=args.model)
     if args.ray:
         config = dataclasses.replace(config, launcher="ray")
-    if config.launcher == "ray":  # here, before any actor starts and fails on a missing model
-        check_ray_model_dir(config)
+    launcher_for(config).check(config)  # here, before any worker starts and fails on a missing model
     serve(config, detach=args.detach)
     return 0
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
     from cluster.config import load_cluster_config
-    from cluster.ray_deployment import down
+    from cluster.launcher import launcher_for
 
     config = load_cluster_config(args.config)
-    if config.launcher != "ray":
+    launcher = launcher_for(config)
+    if not launcher.detachable:
         raise ValueError(f"{args.config}: only a Ray deployment (launcher: ray) runs detached; "
                          "a local one stops with its `pdserve serve` (Ctrl-C)")
     try:
-        url = down(config.ray)
+        url = launcher.down(config)
     except LookupError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 1
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.ray_resources import PlacementError
+    from cluster.ray.resources import PlacementError
 
     args = build_parser().parse_args(argv)
     try:

@@ -94,7 +94,7 @@ class RouterConfig:
     worker_timeout_s: float = 10.0
     # A worker (either pool) with work in its engine's queues whose steps compute no
     # token for this long is stalled: its stats replies say so (the router fails its
-    # requests over), and it exits to be restarted (cluster/worker_loop.py). So does one
+    # requests over), and it exits to be restarted (workers/loop.py). So does one
     # whose loop does not come round for this long (a step that never returns). Must
     # exceed the longest engine step, and worker_timeout_s. None or 0: off.
     stall_timeout_s: float | None = 60.0
@@ -185,7 +185,7 @@ class RayConfig:
     placement_timeout_s: float = 15.0
     prefill: RayPoolConfig = field(default_factory=RayPoolConfig)
     decode: RayPoolConfig = field(default_factory=RayPoolConfig)
-    # Supervision (cluster/supervisor.py): Ray restarts a crashed worker up to this many
+    # Supervision (cluster/ray/supervisor.py): Ray restarts a crashed worker up to this many
     # times; every probe_interval_s each worker is asked for its incarnation, and one
     # that does not answer within probe_timeout_s is killed (then restarted): a hung
     # worker must not write KV after its peers stopped expecting it.

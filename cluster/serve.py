@@ -1,8 +1,10 @@
 """`pdserve serve CONFIG`: the workers and the router in front of them.
 
-With `launcher: local` the workers are processes and the router runs here. With
-`launcher: ray` all of it runs in a deployment actor on this node (cluster/ray_deployment.py),
-which this command starts and, unless detached, stops.
+The config's launcher (cluster/launcher.py) starts and supervises the workers and
+serves: with `launcher: local` the workers are processes and the router runs here
+(cluster/local/launcher.py); with `launcher: ray` all of it runs in a deployment actor
+on this node (cluster/ray/deployment.py), which this command starts and, unless
+detached, stops.
 """
 
 from __future__ import annotations
@@ -12,30 +14,15 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import uvicorn
 
 from cluster.config import ClusterConfig
-from cluster.local import LocalWorkers, start_workers
-from cluster.local_supervisor import LocalSupervisor
+from cluster.launcher import RouterHooks, Workers, launcher_for
 from router.app import Router, create_app
 from router.config import ModelLimits
 
-if TYPE_CHECKING:
-    from cluster.ray_launcher import RayWorkers
-
 logger = logging.getLogger(__name__)
-
-
-def start(config: ClusterConfig) -> "LocalWorkers | RayWorkers":
-    """The config's workers, started by its launcher; both kinds have .decode, .prefill
-    (each worker with .name and .address) and .stop()."""
-    if config.launcher == "ray":
-        from cluster.ray_launcher import start_ray_workers  # Ray is imported only when used
-
-        return start_ray_workers(config)
-    return start_workers(config)
 
 
 def router_for(config: ClusterConfig, decode_workers: dict[str, str],
@@ -45,17 +32,18 @@ def router_for(config: ClusterConfig, decode_workers: dict[str, str],
     return Router(config.router, ModelLimits.of(config.engine_config("decode")), decode_workers, prefill_workers)
 
 
-def build(config: ClusterConfig) -> tuple["LocalWorkers | RayWorkers", Router]:
-    """The workers and the router in front of them; on Ray, supervised (restarted
-    workers are wired back in, cluster/supervisor.py)."""
-    workers = start(config)
+def build(config: ClusterConfig) -> tuple[Workers, Router]:
+    """The config's workers, started by its launcher (each with .name and .address),
+    and the router in front of them. Workers that Ray restarts are supervised at once
+    (a restart is wired back in, cluster/ray/supervisor.py); local ones only by
+    `serve`, once it serves."""
+    launcher = launcher_for(config)
+    workers = launcher.start(config)
     try:
         router = router_for(config, {w.name: w.address for w in workers.decode},
                             {w.name: w.address for w in workers.prefill})
-        if config.launcher == "ray":
-            from cluster.supervisor import RouterHooks
-
-            workers.supervise(config.ray, RouterHooks(router.worker_down, router.worker_moved))
+        if launcher.restarts_workers:
+            launcher.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved))
     except BaseException:
         workers.stop()
         raise
@@ -98,29 +86,7 @@ def wait_for_signal(still_running: Callable[[], bool]) -> None:
 
 
 def serve(config: ClusterConfig, detach: bool = False) -> None:
-    """Serve until Ctrl-C (or SIGTERM), then stop the router and every worker. On Ray
-    with detach=True, return once the deployment serves; `pdserve down` stops it."""
-    if config.launcher == "ray":
-        from cluster.ray_deployment import serve_on_ray
-
-        serve_on_ray(config, detach)
-        return
-    if detach:
-        raise ValueError("--detach needs launcher: ray (local workers end with this command)")
-    workers, router = build(config)
-    http = None
-    # Exited workers are reported, routed around, and started again (as Ray does).
-    supervisor = LocalSupervisor(config, workers, router.worker_down, router.worker_moved)
-    try:
-        http = HTTPServer(router, config.router.host, config.router.port)
-        supervisor.start()
-        print(f"pdserve: serving {config.model} at {http.url}/v1 ({len(workers.prefill)} prefill + "
-              f"{len(workers.decode)} decode workers, {config.transport} transport, local launcher); "
-              "Ctrl-C stops", flush=True)
-        wait_for_signal(http.alive)
-    finally:
-        if http is not None:
-            http.stop()
-        supervisor.stop()  # first: workers stopped now are not restarted
-        workers.stop()
-        print("pdserve: stopped", flush=True)
+    """Serve until Ctrl-C (or SIGTERM), then stop the router and every worker. With
+    detach=True (a detachable launcher: Ray), return once the deployment serves;
+    `pdserve down` stops it."""
+    launcher_for(config).serve(config, detach)

@@ -1,5 +1,5 @@
-"""Versioned msgpack messages, never pickle: the transport's control messages, and the
-Schema the worker protocol (router/protocol.py) is built with.
+"""The KV transports' control messages (P <-> D, on their own sockets): versioned
+msgpack, never pickle.
 
 Every message is a map with "v" (the schema's version) and "kind", and exactly the
 fields listed for its kind, with the listed types. decode() refuses anything else

@@ -20,7 +20,7 @@ reservations); their user must treat them as corrupt.
 
 Who owns cancellation. Two messages stop a remote prefill; only the transport's frees
 blocks.
-- The worker channel's `abort` (router/protocol.py; a request id) goes router ->
+- The worker channel's `abort` (protocol.Abort; a request id) goes router ->
   decode worker (client gone, stop string, failover) and decode worker -> the prefill
   worker it sent the prompt to (it ended that request, or gives up altogether). The
   prefill worker ends the job: no more compute, no new write, and its transport's

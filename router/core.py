@@ -221,7 +221,7 @@ class Router:
         return APIError(503, f"no decode worker is alive (all {len(self.workers)} silent for more than "
                              f"router.worker_timeout_s); retry later", kind="service_unavailable")
 
-    # --- from a supervisor's thread (cluster/supervisor.py on Ray, cluster/local_supervisor.py) ---
+    # --- from a supervisor's thread (cluster/ray/supervisor.py on Ray, cluster/local/supervisor.py) ---
 
     def worker_down(self, name: str) -> None:
         """A decode or prefill worker is down; a decode worker's requests fail over."""

@@ -6,8 +6,8 @@ worker busy with a long step cannot answer a ping, but it answered the last one 
 that step began, so only silence for `router.worker_timeout_s` declares it dead. Then
 the router stops routing to it and fails its requests over (router/core.py); the next
 message it sends re-admits it (a hung process that resumes; a restarted one, once its
-supervisor has told the router its new address: cluster/supervisor.py on Ray,
-cluster/local_supervisor.py on one machine). The supervisor may also declare a worker
+supervisor has told the router its new address: cluster/ray/supervisor.py on Ray,
+cluster/local/supervisor.py on one machine). The supervisor may also declare a worker
 dead at once (`kill`), when it saw the process go.
 
 Detection is bounded: a worker that dies is declared dead at most

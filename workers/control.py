@@ -8,7 +8,7 @@ supervisors send them when a peer dies or comes back restarted).
 
 The local launcher passes one end of a multiprocessing Pipe (a closed pipe polls True
 and raises EOFError on reading, so a dead launcher stops its workers); the Ray launcher passes a `QueueControl`, whose other end is driven by the
-actor's methods (cluster/ray_actor.py). Messages are protocol/ messages, encoded,
+actor's methods (cluster/ray/actor.py). Messages are protocol/ messages, encoded,
 either way.
 """
 

@@ -18,7 +18,7 @@ import httpx2 as httpx
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.local import LocalWorkers
+from cluster.local.workers import LocalWorkers
 from cluster.serve import build
 from engine import LLM, SamplingParams
 from router.app import WORKER_HEADER

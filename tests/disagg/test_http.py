@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.local import LocalWorkers
+from cluster.local.workers import LocalWorkers
 from cluster.serve import build
 from engine import LLM, SamplingParams
 from tests.disagg.test_worker_processes import Client

@@ -1,4 +1,4 @@
-"""The local launcher's supervisor (cluster/local_supervisor.py): a worker process that
+"""The local launcher's supervisor (cluster/local/supervisor.py): a worker process that
 dies is reported at once, its peers stop waiting for it, and it is started again and
 wired back in, for either pool."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ClusterConfig
-from cluster.local import LocalWorkers, start_workers
-from cluster.local_supervisor import LocalSupervisor
+from cluster.local.supervisor import LocalSupervisor
+from cluster.local.workers import LocalWorkers, start_workers
 from engine import LLM, SamplingParams
 from tests.disagg.test_worker_processes import PARAMS, Client
 from tests.fidelity.test_hf_fidelity import random_prompts

@@ -1,4 +1,4 @@
-"""A worker that errors does not vanish (cluster/worker_loop.py): real worker processes
+"""A worker that errors does not vanish (workers/loop.py): real worker processes
 under the local supervisor, with faults injected into their engines through
 PDSERVE_TEST_FAULTS (cluster/fault_injection.py), each keyed to one
 request id so it fires only for the request that names it.

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from cluster.config import ClusterConfig
-from cluster.local import LocalWorkers, start_workers
+from cluster.local.workers import LocalWorkers, start_workers
 from engine import LLM, SamplingParams
 from protocol import WORKER_MESSAGES, Generate, Message, Stats, encode
 from tests.fidelity.test_hf_fidelity import random_prompts

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cluster.demo_model import DEMO_MODELS, default_models_dir
 from engine import LLM, SamplingParams
-from engine.model.demo import DEMO_MODELS, default_models_dir
 
 MODEL_DIR = default_models_dir() / DEMO_MODELS["smollm2"].dir_name
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from cluster import demo_model as demo
 from cluster.config import ClusterConfig, load_cluster_config
-from engine.model import demo
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = demo.default_models_dir() / demo.DEMO_MODELS["smollm2"].dir_name

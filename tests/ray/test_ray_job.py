@@ -192,7 +192,7 @@ def head() -> Iterator[Head]:
                RAY_USAGE_STATS_ENABLED="0",
                # `ray job stop` SIGKILLs the entrypoint 3 s after its SIGTERM by default.
                # pdserve's orderly stop (actors, placement groups, shm segments) took
-               # about 2 s here (its bound: cluster/ray_deployment.SHUTDOWN_S), and the interpreter's exit 2-3 s more.
+               # about 2 s here (its bound: cluster/ray/deployment.SHUTDOWN_S), and the interpreter's exit 2-3 s more.
                RAY_JOB_STOP_WAIT_TIME_S="60")
     ports = {name: free_port() for name in ("gcs", "dashboard", "client", "agent_http", "agent_grpc", "metrics",
                                             "runtime_env", "node_manager", "object_manager")}

@@ -17,7 +17,7 @@ from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
 
 from cluster.config import PoolConfig, RayPoolConfig, RouterConfig, load_cluster_config
-from cluster.ray_launcher import RayWorkers
+from cluster.ray.workers import RayWorkers
 from cluster.serve import build
 from engine import LLM, SamplingParams
 from tests.disagg.test_worker_processes import Client

@@ -9,8 +9,8 @@ import pytest
 import ray
 
 from cluster.config import RayPoolConfig
-from cluster.ray_launcher import start_ray_workers
-from cluster.ray_resources import PlacementError
+from cluster.ray.resources import PlacementError
+from cluster.ray.workers import start_ray_workers
 from tests.ray.conftest import descendants, ray_local_config
 
 

@@ -15,8 +15,8 @@ import ray
 from ray.util import placement_group_table
 
 from cluster.config import PoolConfig
-from cluster.ray_launcher import RayWorkers, start_ray_workers
-from cluster.ray_resources import PlacementError
+from cluster.ray.resources import PlacementError
+from cluster.ray.workers import RayWorkers, start_ray_workers
 from cluster.serve import build
 from engine import LLM, SamplingParams
 from tests.http_server import free_port, serving

@@ -1,5 +1,5 @@
 """Supervision on Ray: worker actors are killed (SIGKILL to the actor's process), Ray
-restarts them, and the supervisor wires them back in (cluster/supervisor.py).
+restarts them, and the supervisor wires them back in (cluster/ray/supervisor.py).
 
 - A decode worker killed mid-stream: the streaming client still receives exactly the
   engine's greedy text (the router fails it over to the other decode worker); the
@@ -21,7 +21,7 @@ import pytest
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.ray_launcher import RayWorker, RayWorkers
+from cluster.ray.workers import RayWorker, RayWorkers
 from cluster.serve import build
 from engine import LLM, SamplingParams
 from tests.disagg.test_failover import MAX_TOKENS, PROMPT, metric, served_by, stream

@@ -12,7 +12,7 @@ import pytest
 
 from cluster.config import (ROLE_FIELDS, ClusterConfig, PoolConfig, RayConfig, RayPoolConfig, RouterConfig,
                             TransportOptions, load_cluster_config)
-from cluster.ray_resources import pool_bundles
+from cluster.ray.resources import pool_bundles
 from engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]

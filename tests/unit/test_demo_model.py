@@ -1,4 +1,4 @@
-"""Unit tests for engine.model.demo (no network; the model checks skip if it isn't built)."""
+"""Unit tests for cluster.demo_model (no network; the model checks skip if it isn't built)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from engine.model import demo
+from cluster import demo_model as demo
 
 MODEL_DIR = demo.default_models_dir() / demo.DEMO_MODELS["smollm2"].dir_name
 needs_model = pytest.mark.skipif(
     not (MODEL_DIR / "model.safetensors").is_file(),
-    reason=f"demo model not prepared at {MODEL_DIR} (run python -m engine.model.demo)",
+    reason=f"demo model not prepared at {MODEL_DIR} (run python -m cluster.demo_model)",
 )
 
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-import cluster.local as local
-import cluster.local_supervisor as supervision
-from cluster.local import LocalWorkers, Worker
+import cluster.local.supervisor as supervision
+import cluster.local.workers as local
+from cluster.local.workers import LocalWorkers, Worker
 
 
 class Process:

@@ -9,8 +9,8 @@ import pytest
 
 from cluster.config import ClusterConfig, ConfigError, load_cluster_config
 from workers.control import QueueControl
-from cluster.ray_actor import WorkerActor
-from cluster.ray_resources import missing_resources, pool_bundles
+from cluster.ray.actor import WorkerActor
+from cluster.ray.resources import missing_resources, pool_bundles
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {"model": "m", "launcher": "ray", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
@@ -121,8 +121,8 @@ def test_an_address_where_no_ray_listens_fails_in_seconds() -> None:
     import time
 
     from cluster.config import RayConfig
-    from cluster.ray_launcher import connect
-    from cluster.ray_resources import PlacementError
+    from cluster.ray.resources import PlacementError
+    from cluster.ray.workers import connect
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

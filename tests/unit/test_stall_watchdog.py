@@ -1,4 +1,4 @@
-"""Stall and hang detection (cluster/worker_loop.py) on a fake clock; the `stalled`
+"""Stall and hang detection (workers/loop.py) on a fake clock; the `stalled`
 field of a worker's stats reply and how the router takes it; the config field."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ runs in tests without Ray; the launcher wraps it with `ray.remote(WorkerActor)` 
 creates it with max_concurrency > 1, because `ready()` blocks in one of Ray's threads
 while the worker starts in another. Who calls what: the launcher calls `incarnation()`,
 `ready()`, then `start_serving()` once each, and `stop()` at the end; the supervisor
-(cluster/supervisor.py) calls `incarnation()` every interval, `peers()` when a peer
+(cluster/ray/supervisor.py) calls `incarnation()` every interval, `peers()` when a peer
 dies or comes back, and, after Ray restarted the actor (a new incarnation),
 `ready()` and `start_serving()` as at the start. Nothing else talks to the actor
 (requests and KV go over ZMQ and the transport).

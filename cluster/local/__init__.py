@@ -1,0 +1,1 @@
+"""The local launcher: every worker a process on this machine (cluster/launcher.py)."""

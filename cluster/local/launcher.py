@@ -1,0 +1,53 @@
+"""The local launcher (cluster/launcher.py's interface): worker processes on this
+machine, supervised by a thread of `pdserve serve`, with the router in that process.
+Nothing outlives the command, so it cannot detach."""
+
+from __future__ import annotations
+
+from cluster.config import ClusterConfig
+from cluster.launcher import RouterHooks
+from cluster.local.supervisor import LocalSupervisor
+from cluster.local.workers import LocalWorkers, start_workers
+
+
+class LocalLauncher:
+    restarts_workers = False  # an exited process stays down unless supervised
+    detachable = False
+
+    def check(self, config: ClusterConfig) -> None:
+        """Nothing: the workers start here, beside this command, and one that cannot load
+        the model fails the start."""
+
+    def start(self, config: ClusterConfig) -> LocalWorkers:
+        return start_workers(config)
+
+    def supervise(self, config: ClusterConfig, workers: LocalWorkers, router: RouterHooks) -> None:
+        """Exited workers are reported, routed around, and started again (as Ray does)."""
+        workers.supervisor = LocalSupervisor(config, workers, router.down, router.moved)
+        workers.supervisor.start()
+
+    def serve(self, config: ClusterConfig, detach: bool) -> None:
+        """Serve until Ctrl-C (or SIGTERM), then stop the router and every worker."""
+        # cluster/serve.py sits above the launchers (its build() picks this class), so
+        # its HTTP server and build() are imported when serving, not with this module.
+        from cluster.serve import HTTPServer, build, wait_for_signal
+
+        if detach:
+            raise ValueError("--detach needs launcher: ray (local workers end with this command)")
+        workers, router = build(config)
+        http = None
+        try:
+            http = HTTPServer(router, config.router.host, config.router.port)
+            self.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved))
+            print(f"pdserve: serving {config.model} at {http.url}/v1 ({len(workers.prefill)} prefill + "
+                  f"{len(workers.decode)} decode workers, {config.transport} transport, local launcher); "
+                  "Ctrl-C stops", flush=True)
+            wait_for_signal(http.alive)
+        finally:
+            if http is not None:
+                http.stop()
+            workers.stop()  # its supervisor first: workers stopped now are not restarted
+            print("pdserve: stopped", flush=True)
+
+    def down(self, config: ClusterConfig) -> str:
+        raise ValueError("a local deployment never runs detached: it stops with its `pdserve serve`")
