@@ -20,14 +20,13 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import msgpack
 import torch
 
 from kv_transfer.base import KVTransport, TransportConfig
 from kv_transfer.control import Peer
 from kv_transfer.sender import Write
+from kv_transfer.shm_segments import SHM_DIR
 
-SHM_DIR = "/dev/shm"
 # Bytes copied per GIL-free call, between two checks of the write's time bound (a block
 # larger than this is one chunk): small enough that a copy stops soon after its bound,
 # large enough that retaking the GIL once per chunk costs next to nothing
@@ -86,15 +85,6 @@ def _copy(chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]], deadline:
                     "deadline + cancel_grace_s / 2")
         _copy_chunk(to, frm)
     return None
-
-
-def unlink_segment(metadata: bytes) -> None:
-    """Remove the segment an shm agent announced in `metadata`, if it still exists: a
-    killed process cannot unlink its own (its owner calls this after it is gone)."""
-    meta = msgpack.unpackb(metadata, raw=False)
-    path = meta.get("data", {}).get("path", "") if meta.get("transport") == "shm" else ""
-    if path.startswith(os.path.join(SHM_DIR, "pdserve-kv-")) and os.path.exists(path):
-        os.unlink(path)
 
 
 class ShmTransport(KVTransport):

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from cluster.config import ClusterConfig
 from cluster.local.workers import LocalWorkers, Worker, await_ready, await_serving, spawn
 from cluster.peers import peers_messages
-from kv_transfer.shm import unlink_segment
+from kv_transfer.shm_segments import unlink_segment
 
 logger = logging.getLogger(__name__)
 

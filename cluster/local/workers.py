@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from cluster.config import ClusterConfig
 from cluster.peers import peers_messages
 from cluster.worker_configs import worker_config
-from kv_transfer.shm import unlink_segment
+from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES, Ready, Serving, Stop, encode
 
 if TYPE_CHECKING:

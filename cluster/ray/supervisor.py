@@ -42,7 +42,7 @@ import ray
 
 from cluster.launcher import RouterHooks
 from cluster.peers import peers_messages
-from kv_transfer.shm import unlink_segment
+from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES, Ready
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from cluster.peers import peers_messages
 from cluster.ray.actor import WorkerActor
 from cluster.ray.resources import PlacementError, missing_resources, pool_bundles
 from cluster.ray.supervisor import Supervisor
-from kv_transfer.shm import unlink_segment
+from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from kv_transfer import KVTransport
-from kv_transfer.shm import unlink_segment
+from kv_transfer.shm_segments import unlink_segment
 from tests.kv_transfer.agent import run_agent
 
 

@@ -63,7 +63,7 @@ def test_handshake_metadata_without_a_field_is_refused_naming_it(field: str) -> 
 
 def test_closing_after_the_segment_was_removed_closes_everything() -> None:
     t = agent("decode")
-    from kv_transfer.shm import unlink_segment
+    from kv_transfer.shm_segments import unlink_segment
 
     unlink_segment(t.metadata())  # as the launcher does once a worker is gone
     t.close()

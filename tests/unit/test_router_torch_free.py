@@ -19,6 +19,7 @@ from engine.tokenizer import load_tokenizer, tokenizer_class_name
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "models" / "SmolLM2-135M-Instruct"
 
+
 def python(code: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -31,7 +32,7 @@ def test_importing_the_router_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-@pytest.mark.skipif(not (DEMO / "tokenizer.json").is_file(), reason="the demo model is not downloaded (make demo-model)")
+@pytest.mark.skipif(not (DEMO / "tokenizer.json").is_file(), reason="the demo model is not prepared (make model)")
 def test_a_router_on_the_demo_model_does_not_load_torch() -> None:
     code = """
 import sys
@@ -46,6 +47,29 @@ print(router.tokenizer.encode("Hello") != [], router.max_model_len > 0, "torch" 
     out = python(code, str(DEMO))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True", "False"]
+
+
+@pytest.mark.skipif(not (DEMO / "tokenizer.json").is_file(), reason="the demo model is not prepared (make model)")
+def test_the_launchers_process_where_the_router_runs_does_not_load_torch() -> None:
+    """`pdserve serve` runs the router in the launcher's process: the CLI, the local
+    launcher, the worker configs it hands to the worker processes and the router it
+    builds load no torch there (the workers' roles are imported in their own processes)."""
+    code = """
+import sys
+import cluster.cli, cluster.local.launcher, cluster.local.workers, cluster.local.supervisor
+from cluster.config import ClusterConfig
+from cluster.launcher import launcher_for
+from cluster.serve import router_for
+from cluster.worker_configs import worker_config
+config = ClusterConfig.from_dict({"model": sys.argv[1]})
+launcher_for(config)
+workers = [worker_config(config, role, 0) for role in ("decode", "prefill")]
+router_for(config, {"decode-0": "tcp://127.0.0.1:9"}, {"prefill-0": "tcp://127.0.0.1:10"})
+print(workers[0].name, "torch" in sys.modules)
+"""
+    out = python(code, str(DEMO))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["decode-0", "False"]
 
 
 def test_the_tokenizer_is_the_one_autotokenizer_loads(tiny_models: dict[str, Path], tmp_path: Path) -> None:
