@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import workers.config
+import workers.start
 from engine.config import EngineConfig
 from kv_transfer import create_transport
 from workers.config import WorkerConfig
@@ -22,7 +22,7 @@ def test_a_failed_start_closes_its_transport(tmp_path: Path, monkeypatch: pytest
         opened.append(create_transport(*args, **kwargs))
         return opened[-1]
 
-    monkeypatch.setattr(workers.config, "create_transport", create)
+    monkeypatch.setattr(workers.start, "create_transport", create)
     worker = WorkerConfig("decode", 0, EngineConfig(model=str(tmp_path / "no-model")), "shm")
     with pytest.raises(FileNotFoundError, match="no-model"):
         engine_and_transport(worker)
