@@ -25,7 +25,8 @@ from engine.request import Request, RequestStatus
 from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache
 from engine.sampling import Sampler, UnusableLogitsError, make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

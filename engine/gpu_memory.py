@@ -15,7 +15,7 @@ from engine.request import Request
 from engine.runner import ModelRunner, StepInputs, allocate_kv_cache, build_step_inputs
 from engine.sampling import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from engine.errors import EngineStateError
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.sampling import PendingSample, Sampler, SamplerOutput
-from engine.scheduler import ScheduledRequest
+from engine.scheduler_output import ScheduledRequest
 from engine.staging import Uploader
 
 

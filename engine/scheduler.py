@@ -23,37 +23,15 @@ nothing with every block free breaks that argument, and raises EngineStateError.
 
 from __future__ import annotations
 
-import time
 import heapq
+import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 from engine.errors import EngineStateError
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    start: int  # first token computed this step (request.num_started_tokens when scheduled)
-    num_new_tokens: int  # tokens computed this step
-    samples: bool  # the step reaches the sequence's end: sample its logits
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    num_samples: int = 0  # scheduled requests that sample a token
-    # Some token sampled here depends on the tokens so far (penalties, min_tokens), so
-    # the next step must not be scheduled before this one's tokens are on the host.
-    reads_history: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:

@@ -1,0 +1,29 @@
+"""What the scheduler hands the model runner for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # first token computed this step (request.num_started_tokens when scheduled)
+    num_new_tokens: int  # tokens computed this step
+    samples: bool  # the step reaches the sequence's end: sample its logits
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_samples: int = 0  # scheduled requests that sample a token
+    # Some token sampled here depends on the tokens so far (penalties, min_tokens), so
+    # the next step must not be scheduled before this one's tokens are on the host.
+    reads_history: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
