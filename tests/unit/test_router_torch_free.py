@@ -55,17 +55,26 @@ def test_the_launchers_process_where_the_router_runs_does_not_load_torch() -> No
     launcher, the worker configs it hands to the worker processes and the router it
     builds load no torch there (the workers' roles are imported in their own processes)."""
     code = """
-import sys
-import cluster.cli, cluster.local.launcher, cluster.local.workers, cluster.local.supervisor
+import sys, types
+import cluster.cli, cluster.local.launcher, cluster.local.supervisor
+import cluster.local.workers as local
 from cluster.config import ClusterConfig
 from cluster.launcher import launcher_for
 from cluster.serve import router_for
-from cluster.worker_configs import worker_config
+
+class Process:  # what spawn() hands multiprocessing, kept instead of started
+    def __init__(self, target, args, name, daemon):
+        self.target, self.args = target, args
+    def start(self):
+        pass
+
+local.mp = types.SimpleNamespace(get_context=lambda kind: types.SimpleNamespace(Pipe=lambda: (None, None),
+                                                                                 Process=Process))
 config = ClusterConfig.from_dict({"model": sys.argv[1]})
 launcher_for(config)
-workers = [worker_config(config, role, 0) for role in ("decode", "prefill")]
+workers = [local.spawn(config, role, 0) for role in ("decode", "prefill")]
 router_for(config, {"decode-0": "tcp://127.0.0.1:9"}, {"prefill-0": "tcp://127.0.0.1:10"})
-print(workers[0].name, "torch" in sys.modules)
+print(workers[0].process.args[0].name, "torch" in sys.modules)
 """
     out = python(code, str(DEMO))
     assert out.returncode == 0, out.stderr
