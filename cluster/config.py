@@ -234,7 +234,7 @@ def _valid_address(address: str) -> bool:
 class TransportOptions:
     """The KV transport's settings a config file sets (kv_transfer.TransportConfig, whose
     defaults these are). One section for every worker of both pools: a sender and its
-    receiver must agree on cancel_grace_s (kv_transfer/base.py)."""
+    receiver must agree on cancel_grace_s (kv_transfer/receiver.py)."""
     timeout_s: float = TransportConfig.timeout_s
     cancel_grace_s: float = TransportConfig.cancel_grace_s
     progress_thread: bool = TransportConfig.progress_thread

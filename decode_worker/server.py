@@ -26,7 +26,7 @@ from decode_worker.remote_kv import DecodeWorkerCore
 from engine.errors import RequestsFailed
 from engine.request import Request
 from protocol import (Abort, Generate, Message, MessageError, Peers, PrefillDone, Rejected, Stats, StatsReply,
-                      Tokens, encode)
+                      Tokens, encode, from_wire)
 from workers.config import WorkerConfig
 from workers.start import engine_and_transport
 from workers.control import ControlChannel
@@ -122,8 +122,9 @@ class DecodeWorker(WorkerLoop):
             self._prefill_done(sender.decode(), msg)
 
     def refuse(self, sender: bytes, error: MessageError, sock: zmq.Socket) -> None:
-        """A Generate that is not one (e.g. sampling parameters out of range) is
-        rejected by name, as bad input: the router never sends one."""
+        """A Generate that is not one (a field of the wrong type, an unknown sampling
+        parameter) is rejected by name, as bad input: the router never sends one.
+        (Sampling parameters out of range are rejected by _generate, the same way.)"""
         if error.kind == "generate" and error.request_id is not None:
             self.send(sock, sender, encode(Rejected(request_id=error.request_id, error=str(error), status=400)))
 
@@ -144,8 +145,8 @@ class DecodeWorker(WorkerLoop):
         request_id = msg.request_id
         prefill = self._pick_prefill_worker() if msg.remote else None
         try:
-            rp = self.core.add_request(request_id, msg.prompt, msg.params, prefill is not None, msg.priority,
-                                       sender=prefill)
+            rp = self.core.add_request(request_id, msg.prompt, from_wire(msg.params), prefill is not None,
+                                       msg.priority, sender=prefill)
         except (TypeError, ValueError) as exc:  # bad input: say so, keep serving
             self.send(sock, sender, encode(Rejected(request_id=request_id, error=str(exc), status=400)))
             return

@@ -76,8 +76,6 @@ class EngineCore:
         if config.device.startswith("cuda") and not config.enforce_eager:
             self._capture_cuda_graphs(backend, model_len)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
-        self._kv_events_limit = 0  # collect_kv_events(): how many may pile up between two takes
-        self._kv_events_lost = False
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
                     self.model_config.architecture, num_blocks, config.block_size, model_len)
 
@@ -199,25 +197,20 @@ class EngineCore:
         """Keep prefix-cache events from now on, for take_kv_events(): at most
         max_per_block per KV block between two takes; beyond that they are dropped
         (nobody is taking them) and the next take says so."""
-        self._kv_events_limit = max_per_block * self.kv.pool.num_blocks
-        if self.kv.pool.events is None:
-            self.kv.pool.events = []
+        pool = self.kv.pool
+        pool.events_limit = max_per_block * pool.num_blocks
+        if pool.events is None:
+            pool.events = []
 
     def take_kv_events(self) -> tuple[list[list], bool]:
         """The events since the last take, in order ([block hash, True = cached / False
         = evicted]), and whether some were dropped since (start the index over)."""
         pool = self.kv.pool
-        events, lost = pool.events or [], self._kv_events_lost
+        events, lost = pool.events or [], pool.events_lost
         if pool.events is not None:
             pool.events = []
-        self._kv_events_lost = False
+        pool.events_lost = False
         return events, lost
-
-    def _bound_kv_events(self) -> None:
-        events = self.kv.pool.events
-        if events is not None and len(events) > self._kv_events_limit:
-            events.clear()
-            self._kv_events_lost = True
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -308,5 +301,4 @@ class EngineCore:
                 if logprobs is not None and not request.status.finished:
                     request.output_logprobs.append(logprobs)
         advanced, finished = self.scheduler.update(out, sampled.token_ids)
-        self._bound_kv_events()
         return StepOutput(advanced, finished, out.num_tokens)

@@ -82,6 +82,7 @@ class SenderPlane(Protocol):
     def _progress(self, write: Write) -> bool: ...
     def _source_in_use(self, write: Write) -> bool: ...
     def _send_notification(self, peer: Peer, write: Write) -> None: ...
+    def _header(self, write: Write) -> bytes: ...
     def _abandon(self, write: Write) -> None: ...
 
 
@@ -194,7 +195,7 @@ class SenderState:
                 # they landed in blocks it has released since (Overwritten). D refuses
                 # the write (or accepts it, if its reservation still stands: the bytes
                 # are good); either way its ack finds no write here any more.
-                peer.socket.send(written_message(w))
+                peer.socket.send(self._plane._header(w))
             self.fail(w, w.failure)
             return
         self._plane._send_notification(self._control.peers[w.peer], w)

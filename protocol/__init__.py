@@ -2,14 +2,15 @@
 
 Neutral ground: the router, the worker roles and the launchers all import it, and it
 imports nothing of theirs (only engine.sampling_params, the engine's torch-free record
-of how a request is sampled, which travels inside Generate).
+of how a request is sampled, whose wire form travels inside Generate).
 """
 
 from protocol.control import CONTROL_MESSAGES, Peers, Ready, Serving, Stop
+from protocol.sampling import WireSamplingParams, from_wire, to_wire
 from protocol.wire import PROTOCOL_VERSION, Codec, Message, MessageError, encode
 from protocol.worker import (WORKER_MESSAGES, Abort, Generate, PrefillDone, Rejected, RemotePrefill, Stats,
                              StatsReply, TokenLogprobs, Tokens)
 
 __all__ = ["CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Message",
            "MessageError", "Peers", "PrefillDone", "Ready", "Rejected", "RemotePrefill", "Serving", "Stats",
-           "StatsReply", "Stop", "TokenLogprobs", "Tokens", "encode"]
+           "StatsReply", "Stop", "TokenLogprobs", "Tokens", "WireSamplingParams", "encode", "from_wire", "to_wire"]

@@ -3,9 +3,10 @@
 A message is a frozen msgspec Struct, tagged with its `kind`, and carries the protocol
 version `v`. It goes over ZMQ (and the launchers' control channels) as msgpack, never
 pickle. decode() checks everything a peer sent against the declared types (a bool is
-not an int, no unknown or missing fields, the version is ours) and refuses anything
-else with a MessageError that names the problem, so a bad peer can neither crash nor
-confuse a worker.
+not an int, no unknown field, every field without a default present, the version ours;
+a message without `v` is taken as this version) and refuses anything else with a
+MessageError that names the problem, so a bad peer can neither crash nor confuse a
+worker.
 """
 
 from __future__ import annotations

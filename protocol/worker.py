@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from protocol.sampling import WireSamplingParams
 from protocol.wire import Codec, Message
 
 # One token's log-probability and its top alternatives [(token id, logprob)], best first.
@@ -29,7 +29,7 @@ TokenLogprobs = tuple[float, list[tuple[int, float]]]
 class Generate(Message, frozen=True, tag="generate"):
     request_id: str
     prompt: list[int]  # token ids
-    params: SamplingParams  # checked again on arrival (SamplingParams.__post_init__)
+    params: WireSamplingParams  # protocol/sampling.py: to_wire(), and from_wire() on arrival
     remote: bool  # the router asks for a remote prefill (the prompt is long enough)
     priority: int = 0  # lower runs first (scheduling_policy: priority)
 

@@ -22,7 +22,7 @@ import zmq.asyncio
 from engine.detokenizer import Detokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from protocol import Abort, Generate, Rejected
+from protocol import Abort, Generate, Rejected, to_wire
 from router.config import ModelLimits, RouterSettings
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -210,7 +210,7 @@ class Router:
             m.requests.labels(prefill="remote" if remote else "local").inc()
             m.prompt_tokens.inc(len(prompt))
             m.cached_tokens.inc(cached)
-        if not worker.send(Generate(request_id=request_id, prompt=tokens, params=params, remote=remote)):
+        if not worker.send(Generate(request_id=request_id, prompt=tokens, params=to_wire(params), remote=remote)):
             raise APIError(503, f"decode worker {worker.name} cannot be reached; retry later",
                            kind="service_unavailable")
         queue: asyncio.Queue = asyncio.Queue()

@@ -46,6 +46,10 @@ class BlockPool:
         # Prefix-cache events, when someone collects them (a decode worker, for the
         # router's kv_aware index): [block hash, True = cached / False = evicted], in order.
         self.events: list[list] | None = None
+        # More than this many uncollected events: nobody is taking them; they are dropped
+        # and events_lost says so (the collector starts its index over).
+        self.events_limit: int | None = None
+        self.events_lost = False
 
     @property
     def num_free_blocks(self) -> int:
@@ -105,7 +109,13 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
         self._cached[block_hash] = block
         if self.events is not None:
-            self.events.append([block_hash, True])
+            self._record(block_hash, True)
+
+    def _record(self, block_hash: int, cached: bool) -> None:
+        self.events.append([block_hash, cached])
+        if self.events_limit is not None and len(self.events) > self.events_limit:
+            self.events.clear()
+            self.events_lost = True
 
     def uncache(self, block: KVBlock) -> None:
         """Forget the block's hash: its contents are no longer what the hash says."""
@@ -119,5 +129,5 @@ class BlockPool:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
             if self.events is not None:
-                self.events.append([block.block_hash, False])
+                self._record(block.block_hash, False)
             block.block_hash = block.parent_hash = block.token_ids = None

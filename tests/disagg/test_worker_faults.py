@@ -1,6 +1,6 @@
 """A worker that errors does not vanish (workers/loop.py): real worker processes
 under the local supervisor, with faults injected into their engines through
-PDSERVE_TEST_FAULTS (cluster/fault_injection.py), each keyed to one
+PDSERVE_TEST_FAULTS (workers/fault_injection.py), each keyed to one
 request id so it fires only for the request that names it.
 
 - A decode step whose model launch raises fails the requests in it (status 500) and

@@ -121,6 +121,8 @@ def test_stats_replies_carry_the_prefix_cache_events_for_the_router(client: Clie
 def test_bad_request_is_refused_by_name_and_serving_goes_on(client: Client, reference) -> None:
     results = client.generate({"bad": PROMPTS[0]}, remote=False, params={"max_tokens": 0})
     assert "max_tokens must be an integer >= 1" in results["bad"]["error"]
+    results = client.generate({"bad3": PROMPTS[0]}, remote=False, params={"temprature": 0.5})
+    assert "unknown field `temprature`" in results["bad3"]["error"]
     results = client.generate({"bad2": [10**6]}, remote=False)
     assert "prompt token ids must be integers in [0, 384)" in results["bad2"]["error"]
     assert client.generate({"ok": PROMPTS[1]}, remote=False)["ok"]["tokens"] == reference[1]

@@ -127,3 +127,17 @@ def test_prefix_cache_events_report_caching_and_eviction_in_order() -> None:
     pool.free([b, a])
     pool.allocate(2)  # both evicted, least recently freed first
     assert pool.events == [[22, True], [22, False], [11, False]]
+
+
+def test_uncollected_events_beyond_the_limit_are_dropped_and_that_is_said() -> None:
+    """Bounded wherever an event is made (a remote prefill's reservation, its KV
+    arriving, an abort), not only in an engine step: a decode worker whose router stops
+    asking must not pile them up."""
+    pool = BlockPool(4)
+    pool.events, pool.events_limit = [], 3
+    blocks = pool.allocate(4)
+    for i, block in enumerate(blocks[:3]):
+        pool.cache(block, NONE_HASH, 100 + i, [i])
+    assert len(pool.events) == 3 and not pool.events_lost
+    pool.cache(blocks[3], NONE_HASH, 103, [3])
+    assert pool.events == [] and pool.events_lost

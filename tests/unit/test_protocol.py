@@ -5,12 +5,13 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from protocol import (CONTROL_MESSAGES, PROTOCOL_VERSION, WORKER_MESSAGES, Abort, Generate, MessageError, Peers,
-                      PrefillDone, Ready, Rejected, RemotePrefill, Serving, Stats, StatsReply, Stop, Tokens, encode)
+                      PrefillDone, Ready, Rejected, RemotePrefill, Serving, Stats, StatsReply, Stop, Tokens, encode,
+                      from_wire, to_wire)
 
 WORKER = [
-    Generate(request_id="a", prompt=[1, 2, 3], params=SamplingParams(max_tokens=4, stop=["x"], seed=2**64 - 1),
+    Generate(request_id="a", prompt=[1, 2, 3], params=to_wire(SamplingParams(max_tokens=4, stop=["x"], seed=2**64 - 1)),
              remote=True, priority=2),
     Abort(request_id="a"),
     Stats(seq=7),
@@ -68,10 +69,22 @@ def test_garbage_and_unknown_kinds_are_refused() -> None:
     assert refusal(msgpack.packb([1, 2])).request_id is None
 
 
-def test_bad_sampling_params_name_the_parameter_and_keep_the_request_id() -> None:
-    error = refusal(raw("generate", request_id="r9", prompt=[1], params={"max_tokens": 0}, remote=False,
+def test_sampling_params_travel_whole_and_are_checked_where_they_are_rebuilt() -> None:
+    params = SamplingParams(max_tokens=7, temperature=0.5, stop="x", seed=2**64 - 1, logprobs=3)
+    generate = WORKER_MESSAGES.decode(encode(Generate(request_id="r", prompt=[1], params=to_wire(params),
+                                                      remote=False)))
+    assert from_wire(generate.params) == params
+    # Missing fields take SamplingParams' defaults; a value out of range names its field.
+    sent = WORKER_MESSAGES.decode(raw("generate", request_id="r9", prompt=[1], params={"max_tokens": 0},
+                                      remote=False, priority=0))
+    with pytest.raises(SamplingParamsError, match="max_tokens must be an integer >= 1, got 0"):
+        from_wire(sent.params)
+
+
+def test_an_unknown_sampling_parameter_is_refused_and_the_request_named() -> None:
+    error = refusal(raw("generate", request_id="r9", prompt=[1], params={"temprature": 0.5}, remote=False,
                         priority=0))
-    assert "max_tokens must be an integer >= 1, got 0" in str(error)
+    assert "unknown field `temprature`" in str(error) and "$.params" in str(error)
     assert (error.kind, error.request_id) == ("generate", "r9")
 
 
