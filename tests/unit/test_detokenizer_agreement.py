@@ -127,7 +127,8 @@ def router_paths(llama_dir: Path, cases: list[tuple[list[int], SamplingParams]])
                 player.cancel()  # after a stop string, the rest of the stream is not read
         finally:
             reader.cancel()
-            router.ctx.destroy(linger=0)
+            for client in router.workers:  # the router's context is the process's: not ours to end
+                client.sock.close(0)
             ctx.destroy(linger=0)
         return results
     return asyncio.run(asyncio.wait_for(main(), 60))
