@@ -48,9 +48,10 @@ def _check(ok: bool, path: str, message: str) -> None:
         raise ConfigError(f"{path}: {message}")
 
 
-def _fields(cls: type, data: Any, path: str) -> dict[str, Any]:
+def _fields(cls: type, data: Any, path: str, choices: dict[str, Any] | None = None) -> dict[str, Any]:
     """The mapping `data` checked against cls's fields: a mapping, no unknown keys, each
-    value of its field's type (nested sections are checked by their own from_dict)."""
+    value of its field's type (nested sections are checked by their own from_dict). A
+    field with `choices` of the wrong type is told its choices, not only its type."""
     _check(isinstance(data, dict), path or "config", f"must be a mapping, got {type(data).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known, key=str)
@@ -60,6 +61,9 @@ def _fields(cls: type, data: Any, path: str) -> dict[str, Any]:
     try:
         check_field_types(cls, data)
     except FieldTypeError as exc:
+        name = exc.path.split(".")[0]
+        if choices and name in choices:
+            raise ConfigError(f"{prefix}{name}: must be one of {choices[name]}, got {data[name]!r}") from None
         raise ConfigError(f"{prefix}{exc}") from None
     return data
 
@@ -101,7 +105,7 @@ class RouterConfig:
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "router") -> "RouterConfig":
-        data = _fields(cls, data, path)
+        data = _fields(cls, data, path, {"policy": POLICIES})
         out = cls(**data)
         _check(isinstance(out.host, str) and out.host != "", f"{path}.host", f"must be a host name, got {out.host!r}")
         _int(out.port, f"{path}.port", 0, 65535)
@@ -197,7 +201,7 @@ class RayConfig:
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "ray") -> "RayConfig":
-        data = _fields(cls, data, path)
+        data = _fields(cls, data, path, {"strategy": STRATEGIES})
         address = data.get("address", "local")
         _check(isinstance(address, str) and _valid_address(address), f"{path}.address",
                f"must be 'local', 'auto', 'host:port' or 'ray://host:port', got {address!r}")
@@ -264,7 +268,7 @@ class ClusterConfig:
 
     @classmethod
     def from_dict(cls, data: Any) -> "ClusterConfig":
-        data = _fields(cls, data, "")
+        data = _fields(cls, data, "", {"dtype": DTYPES, "transport": sorted(TRANSPORTS), "launcher": LAUNCHERS})
         _check("model" in data, "model", "is required (a Hugging Face model directory)")
         _check(isinstance(data["model"], str) and data["model"] != "", "model",
                f"must be a model directory path, got {data['model']!r}")

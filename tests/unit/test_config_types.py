@@ -79,6 +79,11 @@ def test_every_field_refuses_a_value_of_another_type(path: str, data: dict, bad:
     ("router: {port: 8000.0}", "router.port: must be an integer, got 8000.0"),
     ("ray: {decode: {resources: {gpu_node: [1]}}}", "ray.decode.resources.gpu_node: must be a number, got [1]"),
     ("transport_options: {cancel_grace_s: 5s}", "transport_options.cancel_grace_s: must be a number, got '5s'"),
+    # A field with a fixed set of values is told them, whatever the wrong value's type.
+    ("dtype: 3", "dtype: must be one of ('float32', 'bfloat16', 'float16'), got 3"),
+    ("launcher: [ray]", "launcher: must be one of ('local', 'ray'), got ['ray']"),
+    ("router: {policy: 1}", "router.policy: must be one of ('round_robin', 'least_loaded', 'kv_aware'), got 1"),
+    ("ray: {strategy: false}", "ray.strategy: must be one of ('PACK', 'SPREAD'), got False"),
 ])
 def test_yaml_type_mistakes_name_their_path(tmp_path: Path, yaml_line: str, message: str) -> None:
     path = tmp_path / "cluster.yaml"
