@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cluster.config import ClusterConfig
 from workers.config import WorkerConfig
+from workers.control import ControlChannel
 
 
 def stall_grace_s(config: ClusterConfig) -> float:
@@ -17,3 +18,14 @@ def worker_config(config: ClusterConfig, role: str, index: int, host: str = "127
     return WorkerConfig(role, index, config.engine_config(role), config.transport, config.transport_config(host),
                         config.router.stall_timeout_s or None, stall_grace_s(config), config.prefill_deadline_s,
                         config.router.prefill_max_outstanding)
+
+
+def serve_worker(config: WorkerConfig, control: ControlChannel) -> None:
+    """A worker's life, in the process (or Ray actor thread) that runs it: its role's
+    serve(). The roles' modules load torch and the engine: imported here, where the
+    worker runs, so the launcher's process (where the router runs) loads neither."""
+    if config.role == "decode":
+        from decode_worker.server import serve
+    else:
+        from prefill_worker.server import serve
+    serve(config, control)

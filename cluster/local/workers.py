@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 
 from cluster.config import ClusterConfig
 from cluster.peers import peers_messages
-from cluster.worker_configs import worker_config
-from workers.config import WorkerConfig
+from cluster.worker_configs import serve_worker, worker_config
 from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES, Ready, Serving, Stop, encode
 
@@ -62,21 +61,10 @@ def spawn(config: ClusterConfig, role: str, index: int) -> Worker:
     """Start worker `index` of `role` ("decode" or "prefill") as a process."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_serve, args=(worker_config(config, role, index), child),
+    process = ctx.Process(target=serve_worker, args=(worker_config(config, role, index), child),
                           name=f"pdserve-{role}-{index}", daemon=True)
     process.start()
     return Worker(f"{role}-{index}", process, parent)
-
-
-def _serve(config: WorkerConfig, control: Connection) -> None:
-    """A worker process's entry point. The roles' modules load torch and the engine:
-    imported here, in the worker's process only, so the launcher's (where the router
-    runs) loads neither."""
-    if config.role == "decode":
-        from decode_worker.server import serve
-    else:
-        from prefill_worker.server import serve
-    serve(config, control)
 
 
 def await_ready(w: Worker, timeout: float) -> None:

@@ -22,7 +22,7 @@ import traceback
 import uuid
 
 from cluster.config import ClusterConfig
-from cluster.worker_configs import worker_config
+from cluster.worker_configs import serve_worker, worker_config
 from protocol import CONTROL_MESSAGES, Serving, Stop, encode
 from workers.config import ROLES, WorkerConfig
 from workers.control import QueueControl
@@ -48,14 +48,8 @@ class WorkerActor:
         self.thread.start()
 
     def _run(self, config: WorkerConfig) -> None:
-        # Imported here: the entry points load torch and the engine, which only the
-        # worker thread needs.
-        if config.role == "decode":
-            from decode_worker.server import serve
-        else:
-            from prefill_worker.server import serve
         try:
-            serve(config, self.control)
+            serve_worker(config, self.control)
         except BaseException:  # kept for ready(), and logged: Ray forwards actor logs to the driver
             self.error = traceback.format_exc()
             logger.error("worker %s failed:\n%s", self.name, self.error)
