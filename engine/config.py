@@ -23,6 +23,9 @@ class EngineConfig:
     reach the host, so the host's work overlaps the device's (engine_core.py); greedy
     outputs are identical.
     max_model_len None takes the model's max_position_embeddings.
+    tensor_parallel_size > 1 shards the model over that many processes, one per rank
+    (on CUDA one device each, from `device` on); num_threads and kv_cache_memory_gib
+    are then per rank.
     Every field is type-checked against its annotation (engine/config_check.py).
     """
 
@@ -44,6 +47,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
     prepack_cpu_weights: bool = True  # packed linears on CPU fp32: C panel kernel, else oneDNN (model/cpu_linear.py)
+    tensor_parallel_size: int = 1  # processes (ranks) the model is sharded over (engine/distributed)
+    distributed_timeout_s: float = 60.0  # a tensor-parallel collective longer than this fails the engine
 
     def __post_init__(self) -> None:
         check_instance_types(self)  # FieldTypeError, naming the field: "512" is no token count
@@ -73,6 +78,10 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         require(self.num_threads is None or self.num_threads >= 1,
                 f"num_threads must be None or >= 1, got {self.num_threads}")
+        require(self.tensor_parallel_size >= 1,
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        require(self.distributed_timeout_s > 0,
+                f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "EngineConfig":

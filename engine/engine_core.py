@@ -7,6 +7,7 @@ offline LLM, a decode worker and a prefill worker.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,6 +15,11 @@ import torch
 
 from engine.attention.backend import AttentionBackend, get_backend
 from engine.config import EngineConfig
+from engine.distributed import shared_cache
+from engine.distributed.driver import TPDriver
+from engine.distributed.group import SINGLE, Group
+from engine.distributed.sharding import Shard
+from engine.distributed.step_codec import StepCodec
 from engine.errors import EngineStateError, RequestsFailed
 from engine.gpu_memory import profile_num_kv_blocks
 from engine.kv_cache.block_pool import KVBlock
@@ -22,7 +28,8 @@ from engine.model.config import ModelConfig, max_model_len
 from engine.model.cpu_linear import prepack_linears, prepack_supported
 from engine.model.loader import TORCH_DTYPES, load_model
 from engine.request import Request, RequestStatus
-from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache
+from engine.model.llama import LlamaForCausalLM
+from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache, kv_cache_shape
 from engine.sampling import Sampler, UnusableLogitsError, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -48,45 +55,121 @@ class EngineStats:
     waiting: int  # queued: waiting for blocks or a slot, or ready to resume
 
 
+def build_rank_model(config: EngineConfig, rank: int = 0, group: Group = SINGLE
+                     ) -> tuple[LlamaForCausalLM, ModelConfig, AttentionBackend, int]:
+    """One rank's model (all of it at tensor_parallel_size 1): (model, its config, the
+    attention backend, max_model_len). The driver and every follower build theirs so."""
+    backend = get_backend(config.attention_backend, config.device)
+    model_config = ModelConfig.from_model_dir(config.model)
+    model_len = max_model_len(config, model_config)
+    shard = Shard.of(model_config, rank, config.tensor_parallel_size)
+    model = load_model(config.model, model_config, config.dtype, config.device, backend, model_len,
+                       shard, group)
+    if config.prepack_cpu_weights and prepack_supported(config.device, TORCH_DTYPES[config.dtype]):
+        prepack_linears(model)
+    return model, model_config, backend, model_len
+
+
+def step_codec(config: EngineConfig, model_len: int) -> StepCodec:
+    """The broadcast layout of a step, the same on every rank."""
+    return StepCodec(config.max_num_batched_tokens, config.max_num_seqs, config.block_size, model_len)
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None,
+                 keep_cache_files: bool = False) -> None:
         """kv_allocator places the KV cache where a KV transport can reach it
-        (KVTransport.allocate_kv_cache); None: ordinary device memory."""
+        (KVTransport.allocate_kv_cache); None: ordinary device memory.
+
+        With tensor_parallel_size > 1 this process is rank 0, the driver: it starts a
+        follower process per other rank (engine/distributed). On CPU every rank's cache
+        is a file the driver maps too (kv_caches, kv_cache_files), in place of
+        kv_allocator's; the files are removed once the followers have mapped them
+        unless keep_cache_files (a transport maps them by name), else at close()."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        backend = get_backend(config.attention_backend, config.device)
         self.model_config = ModelConfig.from_model_dir(config.model)
+        self.shard = Shard.of(self.model_config, 0, config.tensor_parallel_size)  # refuses an unshardable model
         self.max_model_len = model_len = max_model_len(config, self.model_config)
-        self.model = load_model(config.model, self.model_config, config.dtype, config.device,
-                                backend, model_len)
-        dtype = TORCH_DTYPES[config.dtype]
-        if config.prepack_cpu_weights and prepack_supported(config.device, dtype):
-            prepack_linears(self.model)
-        num_blocks = config.num_kv_blocks or self._pool_blocks(backend, dtype, model_len)
-        self.kv_cache = allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype,
-                                          config.device, kv_allocator)
+        self._group = _GroupResources()
+        self._finalizer = weakref.finalize(self, self._group.close)
+        try:
+            if config.tensor_parallel_size > 1:
+                self._group.tp = TPDriver(config, step_codec(config, model_len))
+            self.model, _, backend, _ = build_rank_model(config, 0, self.tp.group if self.tp else SINGLE)
+            num_blocks = config.num_kv_blocks or self._pool_blocks(backend, TORCH_DTYPES[config.dtype], model_len)
+            self.kv_caches = self._allocate_caches(num_blocks, kv_allocator, keep_cache_files)
+        except BaseException:
+            self.close()
+            raise
+        self.kv_cache = self.kv_caches[0]
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    model_len, self.model_config.eos_token_ids,
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size,
                                   Sampler(self.model_config.eos_token_ids, seed=config.seed),
-                                  backend, config.device)
+                                  backend, config.device, self.tp.broadcast_step if self.tp else None)
         if config.device.startswith("cuda") and not config.enforce_eager:
-            self._capture_cuda_graphs(backend, model_len)
+            if self.tp is None:
+                self._capture_cuda_graphs(backend, model_len)
+            else:
+                logger.info("no CUDA graphs at tensor_parallel_size > 1: the ranks run eagerly")
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
-        logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    self.model_config.architecture, num_blocks, config.block_size, model_len)
+        logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, tensor parallel %d",
+                    self.model_config.architecture, num_blocks, config.block_size, model_len,
+                    config.tensor_parallel_size)
+
+    def _allocate_caches(self, num_blocks: int, kv_allocator: KVAllocator | None,
+                         keep_files: bool) -> list[torch.Tensor]:
+        config, dtype = self.config, TORCH_DTYPES[self.config.dtype]
+        if self.tp is None:
+            return [allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype,
+                                      config.device, kv_allocator)]
+        if config.device == "cpu":
+            shape = kv_cache_shape(self.model_config, num_blocks, config.block_size, self.shard.num_kv_heads)
+            self._group.files, caches = shared_cache.create_rank_caches(shape, dtype, self.shard.size)
+            self.tp.attach_caches(self._group.files, num_blocks)
+        else:
+            caches = [allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype,
+                                        config.device, num_kv_heads=self.shard.num_kv_heads)]
+            self.tp.attach_caches(None, num_blocks)
+        self.tp.wait_ready()
+        if not keep_files:
+            shared_cache.unlink(self._group.files)
+            self._group.files = []
+        return caches
+
+    @property
+    def tp(self) -> TPDriver | None:
+        """The tensor-parallel driver (None at tensor_parallel_size 1)."""
+        return self._group.tp
+
+    @property
+    def kv_cache_files(self) -> list[str]:
+        """The rank caches' files, kept for a transport to map (keep_cache_files)."""
+        return list(self._group.files)
+
+    def close(self) -> None:
+        """Stop the follower ranks and remove the cache files (nothing at TP 1). The
+        engine is unusable afterwards; also run at garbage collection and exit."""
+        self._finalizer()
 
     def _pool_blocks(self, backend: AttentionBackend, dtype: torch.dtype, model_len: int) -> int:
         config = self.config
+        if config.device.startswith("cuda") and self.tp is not None:
+            # The profiling forward would need the followers' collectives.
+            raise ValueError("set num_kv_blocks with tensor_parallel_size > 1 on CUDA: the KV pool "
+                             "is not sized by profiling there yet")
         if config.device.startswith("cuda"):
             return profile_num_kv_blocks(
                 self.model, self.model_config, backend, config.device, dtype, config.block_size,
                 config.max_num_batched_tokens, model_len, config.max_num_seqs,
                 config.gpu_memory_utilization)
-        block_bytes = self.model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
+        # A rank holds only its own KV heads.
+        block_bytes = (self.model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
+                       * self.shard.num_kv_heads // self.model_config.num_kv_heads)
         num_blocks = int(config.kv_cache_memory_gib * 2**30 // block_bytes)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_gib={config.kv_cache_memory_gib} is too small for "
@@ -302,3 +385,18 @@ class EngineCore:
                     request.output_logprobs.append(logprobs)
         advanced, finished = self.scheduler.update(out, sampled.token_ids)
         return StepOutput(advanced, finished, out.num_tokens)
+
+
+class _GroupResources:
+    """What close() releases; apart from the engine so its finalizer does not keep the
+    engine alive."""
+
+    def __init__(self) -> None:
+        self.tp: TPDriver | None = None
+        self.files: list[str] = []
+
+    def close(self) -> None:
+        if self.tp is not None:
+            self.tp.close()
+        shared_cache.unlink(self.files)
+        self.files = []

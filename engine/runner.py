@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -23,15 +24,23 @@ from engine.staging import Uploader
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]
 
 
+def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int,
+                   num_kv_heads: int | None = None) -> tuple[int, ...]:
+    """The cache's shape (allocate_kv_cache) for a rank holding num_kv_heads heads (None: all)."""
+    heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return (num_blocks, cfg.num_layers, 2, block_size, heads, cfg.head_dim)
+
+
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: str, allocator: KVAllocator | None = None) -> torch.Tensor:
+                      device: str, allocator: KVAllocator | None = None,
+                      num_kv_heads: int | None = None) -> torch.Tensor:
     """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], block-major.
 
     Block-major means one block of every layer is one contiguous region, so moving a
     run of consecutive blocks between workers is one descriptor. `allocator` (shape,
     dtype, device) places it where a KV transport can reach it (e.g. shared memory).
     """
-    shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = kv_cache_shape(cfg, num_blocks, block_size, num_kv_heads)
     if allocator is None:
         return torch.zeros(shape, dtype=dtype, device=device)
     return allocator(shape, dtype, device)
@@ -114,6 +123,20 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
         placeholder_requests=placeholder_requests)
 
 
+def _fill_placeholders(inputs: StepInputs, in_flight: LaunchedStep | None) -> StepInputs:
+    """The step with the ids of the tokens the step in flight sampled in place of its
+    placeholders, waiting for them (tensor parallel: followers embed the ids too)."""
+    if not inputs.placeholder_requests:
+        return inputs
+    if in_flight is None or in_flight.sample is None:
+        raise EngineStateError("placeholder tokens without a step in flight to fill them")
+    rows = [in_flight.sample_row[r] for r in inputs.placeholder_requests]
+    input_ids = inputs.input_ids.copy()
+    input_ids[inputs.placeholder_index] = in_flight.sample.token_ids[rows].cpu().numpy()
+    return dataclasses.replace(inputs, input_ids=input_ids, placeholder_index=np.empty(0, dtype=np.int64),
+                               placeholder_requests=[])
+
+
 class LaunchedStep:
     """A step queued on the device: its sampled tokens (if any) on their way back, and
     an event after its last kernel (a step that samples nothing, such as a prompt chunk
@@ -150,8 +173,13 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 sampler: Sampler, attention_backend: AttentionBackend, device: str) -> None:
+                 sampler: Sampler | None, attention_backend: AttentionBackend, device: str,
+                 broadcast: Callable[[StepInputs], None] | None = None) -> None:
+        """sampler None: a tensor-parallel follower, which only runs forwards.
+        broadcast: the tensor-parallel driver's, given each step's inputs before its
+        forward (the other ranks run the same forward on them)."""
         self.model = model
+        self.broadcast = broadcast
         self.attention_backend = attention_backend
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -198,6 +226,9 @@ class ModelRunner:
         (KVCacheManager.block_tables). `in_flight`: the step still running, whose
         sampled tokens are this step's placeholder input ids."""
         inputs = build_step_inputs(scheduled, block_tables, self.block_size)
+        if self.broadcast is not None:
+            inputs = _fill_placeholders(inputs, in_flight)  # the other ranks need the token ids
+            self.broadcast(inputs)
         dev = self.upload(inputs, in_flight)
         if self.graphs is not None and self.graphs.can_run(inputs):
             logits = self.graphs.run(inputs, dev)

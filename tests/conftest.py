@@ -32,3 +32,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def mqa_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with one KV head (built only by the tests that use it)."""
+    return build_tiny_model("llama_mqa", tmp_path_factory.mktemp("tiny_mqa") / "llama_mqa")

@@ -37,7 +37,8 @@ def train_tokenizer(out_dir: Path):
 
 def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """arch: llama (GQA 4:2, llama3 RoPE, tied), mistral (sliding-window config),
-    qwen2 (qkv bias), qwen3 (q/k norm, head_dim != hidden/heads, untied)."""
+    qwen2 (qkv bias), qwen3 (q/k norm, head_dim != hidden/heads, untied), llama_mqa
+    (one KV head: replicated across tensor-parallel ranks)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                               Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -51,6 +52,8 @@ def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
         cls = LlamaForCausalLM
+    elif arch == "llama_mqa":
+        config, cls = LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False), LlamaForCausalLM
     elif arch == "mistral":
         config, cls = MistralConfig(**common, sliding_window=4096, tie_word_embeddings=False), MistralForCausalLM
     elif arch == "qwen2":

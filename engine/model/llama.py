@@ -4,6 +4,13 @@ Works on a flattened batch: input_ids and positions are [T] for all new tokens o
 sequences in the step; attention finds its sequences through the attention context.
 q/k/v and gate/up are fused into one matmul each (fewer, larger GEMMs); the loader
 splits checkpoint tensors into them.
+
+Tensor parallel (engine/distributed): each rank builds the model for its Shard. qkv
+and gate_up are column-parallel (the rank's heads, its slice of the intermediate
+dimension), o and down row-parallel with one all-reduce each, the embedding
+vocab-parallel (an all-reduce), and lm_head holds the rank's vocabulary rows, its
+logits gathered on rank 0, where sampling happens. With one rank every collective is
+the identity.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import current_metadata
+from engine.distributed.group import SINGLE, Group
+from engine.distributed.sharding import Shard
 from engine.model.config import ModelConfig
 from engine.model.fused_ops import FusedOps, fused_ops
 from engine.model.rope import RotaryEmbedding, RotaryTables, apply_rotary
@@ -35,11 +44,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, shard: Shard, group: Group) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_q_heads, shard.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.group = group
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -64,32 +74,48 @@ class Attention(nn.Module):
         assert self.layer_cache is not None, "KV cache not bound to the model"
         self.backend.store_kv(self.layer_cache, k, v, md)
         o = self.backend.attention(q, k, v, self.layer_cache, md, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.group.all_reduce_(self.o_proj(o.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, group: Group) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate = shard.intermediate_size
+        self.group = group
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor,
                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if silu_and_mul is not None:
-            return self.down_proj(silu_and_mul(gate_up))
+            return self.group.all_reduce_(self.down_proj(silu_and_mul(gate_up)))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.group.all_reduce_(self.down_proj(F.silu(gate) * up))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The rank's rows [vocab start, end) of the embedding: a token outside them
+    contributes zeros, and the all-reduce sums in the one rank that holds it."""
+
+    def __init__(self, shard: Shard, hidden_size: int, group: Group) -> None:
+        super().__init__(shard.vocab_rows, hidden_size)
+        self.start, self.group = shard.vocab[0], group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.group.all_reduce_(x.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, shard: Shard, group: Group) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, group)
 
     def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(rotary, self.input_layernorm(x))
@@ -108,14 +134,19 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, shard: Shard | None = None, group: Group = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.shard = shard = shard or Shard.of(cfg)
+        self.group = group
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        if shard.size == 1:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(shard, cfg.hidden_size, group)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, group) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -137,9 +168,15 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 x, residual = layer.forward_fused(ops, rotary, x, residual)
             x, _ = ops.add_rms_norm(x[logits_indices], self.norm.weight, self.norm.eps, residual[logits_indices])
-            return self.lm_head(x).float()
+            return self._logits(x)
         rotary = self.rope.lookup(positions, x.dtype)
         for layer in self.layers:
             x = layer(rotary, x)
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        return self._logits(self.norm(x[logits_indices]))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(x).float()
+        if self.shard.size == 1:
+            return logits
+        logits = self.group.gather_last_dim(logits)
+        return None if logits is None else logits[:, :self.config.vocab_size]

@@ -10,6 +10,8 @@ import torch
 from safetensors import safe_open
 
 from engine.attention.backend import AttentionBackend
+from engine.distributed.group import SINGLE, Group
+from engine.distributed.sharding import Shard
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 
@@ -41,14 +43,53 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _shard_sizes(param: str, cfg: ModelConfig) -> list[int]:
-    """Row sizes of the checkpoint tensors fused into `param` ([1 row block] if unfused)."""
+def _shard_sizes(param: str, cfg: ModelConfig, shard: Shard) -> list[int]:
+    """Row sizes (this rank's) of the checkpoint tensors fused into `param` ([1 row
+    block] if unfused)."""
     if ".qkv_proj." in param:
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, kv = shard.num_q_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
         return [q, kv, kv]
     if ".gate_up_proj." in param:
-        return [cfg.intermediate_size] * 2
+        return [shard.intermediate_size] * 2
     return [-1]
+
+
+def _source_range(param: str, index: int, cfg: ModelConfig, shard: Shard) -> tuple[int, int, int, int] | None:
+    """(dim, start, end, the dim's full size) of the checkpoint tensor this rank reads
+    for `param` (shard `index` of a fused one); None: all of it."""
+    if shard.size == 1:
+        return None
+    d, inter = cfg.head_dim, cfg.intermediate_size
+    if ".qkv_proj." in param:
+        heads, total = (shard.q_heads, cfg.num_heads) if index == 0 else (shard.kv_heads, cfg.num_kv_heads)
+        return 0, heads[0] * d, heads[1] * d, total * d
+    if ".gate_up_proj." in param:
+        return 0, *shard.intermediate, inter
+    if param.endswith("o_proj.weight"):
+        return 1, shard.q_heads[0] * d, shard.q_heads[1] * d, cfg.num_heads * d
+    if param.endswith("down_proj.weight"):
+        return 1, *shard.intermediate, inter
+    if param in ("embed_tokens.weight", "lm_head.weight"):
+        return 0, shard.vocab[0], min(shard.vocab[1], shard.vocab_size), cfg.vocab_size
+    return None
+
+
+def _read(f, name: str, dest: torch.Tensor, source: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name`, read alone (never the whole tensor
+    when the rank holds a slice of it), its full shape checked against the config's."""
+    if source is None:
+        tensor = f.get_tensor(name)
+        if tensor.shape != dest.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dest.shape)} from config.json")
+        return tensor
+    dim, start, end, size = source
+    part = f.get_slice(name)
+    full = tuple(part.get_shape())
+    expected = tuple(size if i == dim else n for i, n in enumerate(dest.shape))
+    if full != expected:
+        raise ValueError(f"tensor {name!r} has shape {full}, expected {expected} from config.json")
+    return part[start:end] if dim == 0 else part[:, start:end]
 
 
 def _target(name: str, cfg: ModelConfig) -> tuple[str, int]:
@@ -61,14 +102,17 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
-               backend: AttentionBackend, max_positions: int) -> LlamaForCausalLM:
-    """Build the model for `cfg` and fill every parameter from the directory's safetensors."""
+               backend: AttentionBackend, max_positions: int, shard: Shard | None = None,
+               group: Group = SINGLE) -> LlamaForCausalLM:
+    """Build the model for `cfg` (this rank's part of it, for a tensor-parallel
+    `shard`) and fill every parameter from the directory's safetensors."""
+    shard = shard or Shard.of(cfg)
     path = Path(model_dir)
     files = safetensors_files(path)
     torch_dtype = TORCH_DTYPES[dtype]
     # Build without initialising weights: every parameter is overwritten from the checkpoint.
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions, device)
+        model = LlamaForCausalLM(cfg, backend, max_positions, device, shard, group)
     model.to_empty(device=device)
     model.to(torch_dtype)
     if cfg.tie_word_embeddings:
@@ -80,24 +124,28 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
             for name in f.keys():
                 if _IGNORED.search(name):
                     continue
-                ours, shard = _target(name, cfg)
+                ours, index = _target(name, cfg)
                 if ours not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {file.name}: not part of a "
                                      f"{cfg.architecture} with this config")
                 dest = params[ours].data
-                sizes = _shard_sizes(ours, cfg)
+                sizes = _shard_sizes(ours, cfg, shard)
                 if sizes != [-1]:
-                    start = sum(sizes[:shard])
-                    dest = dest[start:start + sizes[shard]]
-                tensor = f.get_tensor(name)
-                if dest.shape != tensor.shape:
-                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)} from config.json")
-                dest.copy_(tensor)
-                loaded[ours].add(shard)
+                    start = sum(sizes[:index])
+                    dest = dest[start:start + sizes[index]]
+                if ours.endswith("o_proj.bias") and shard.rank > 0:
+                    dest.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
+                else:
+                    source = _source_range(ours, index, cfg, shard)
+                    tensor = _read(f, name, dest, source)
+                    if source is not None and dest.shape[source[0]] != tensor.shape[source[0]]:
+                        dest.zero_()  # the vocabulary's padding rows
+                        dest = dest.narrow(source[0], 0, tensor.shape[source[0]])
+                    dest.copy_(tensor)
+                loaded[ours].add(index)
     if cfg.tie_word_embeddings:
         loaded["lm_head.weight"] = loaded["embed_tokens.weight"]
-    missing = sorted(n for n, shards in loaded.items() if len(shards) < len(_shard_sizes(n, cfg)))
+    missing = sorted(n for n, shards in loaded.items() if len(shards) < len(_shard_sizes(n, cfg, shard)))
     if missing:
         raise ValueError(f"checkpoint in {str(path)!r} is missing tensors for: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")

@@ -1,0 +1,138 @@
+"""Rank 0's side of a tensor-parallel group: start one follower process per other rank,
+wake them for each step and broadcast its inputs, and notice when one is gone.
+
+A follower reads its orders as JSON lines on its stdin: first its start record, then
+where its KV cache is, then one "step" line per step (the broadcast follows) or
+"stop". Its stdin closing means the driver is gone: it exits. So a follower never
+outlives its driver, and it never waits on a collective while the driver is idle
+(a collective's timeout would end an idle group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.distributed.group import RankFailure, TorchGroup
+from engine.distributed.step_codec import StepCodec
+from engine.runner import StepInputs
+
+logger = logging.getLogger(__name__)
+
+# Starting a follower (Python, torch, its shard of the weights) may take long on a busy
+# host; a follower that dies meanwhile is noticed at once.
+START_TIMEOUT_S = 600.0
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: the CPU, or the r-th GPU from the driver's."""
+    if device == "cpu":
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + rank}"
+
+
+class TPDriver:
+    def __init__(self, config: EngineConfig, codec: StepCodec) -> None:
+        """Start the followers and join the group with them (waits, up to the start timeout)."""
+        self.size = config.tensor_parallel_size
+        self.codec = codec
+        self._buffer = codec.buffer()
+        self._procs: list[subprocess.Popen] = []
+        timeout = config.distributed_timeout_s
+        store = dist.TCPStore("127.0.0.1", 0, self.size, True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+        try:
+            for rank in range(1, self.size):
+                proc = subprocess.Popen([sys.executable, "-m", "engine.distributed.follower"],
+                                        stdin=subprocess.PIPE, env=env, cwd=REPO_ROOT)
+                self._procs.append(proc)
+                rank_config = dataclasses.replace(config, device=rank_device(config.device, rank))
+                self._send(rank, {"config": dataclasses.asdict(rank_config), "rank": rank,
+                                  "port": store.port})
+            # Joining the group waits at most the collective timeout: first let every
+            # follower get that far (starting Python and torch takes a while).
+            self._wait_for("started", store, START_TIMEOUT_S)
+            self.group = TorchGroup(0, self.size, store.port, timeout, torch.device(config.device), store)
+        except BaseException:
+            self.close()
+            raise
+
+    def _send(self, rank: int, record: dict[str, Any] | str) -> None:
+        proc = self._procs[rank - 1]
+        line = (record if isinstance(record, str) else json.dumps(record)) + "\n"
+        try:
+            proc.stdin.write(line.encode())
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError) as exc:
+            raise RankFailure(f"tensor-parallel rank {rank} is gone "
+                              f"(exit code {proc.poll()}): {type(exc).__name__}") from exc
+
+    def check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                raise RankFailure(f"tensor-parallel rank {rank} of {self.size} exited with code {code}")
+
+    def attach_caches(self, paths: list[str] | None, num_blocks: int) -> None:
+        """Tell each follower its KV cache: the file the driver made (CPU), or its own
+        of num_blocks blocks to allocate (CUDA)."""
+        for rank in range(1, self.size):
+            self._send(rank, {"cache": paths[rank] if paths else None, "num_blocks": num_blocks})
+
+    def wait_ready(self) -> None:
+        """Until every follower has loaded its shard and attached its cache."""
+        self._wait_for("ready", self.group.store, START_TIMEOUT_S)
+
+    def _wait_for(self, stage: str, store: dist.TCPStore, timeout_s: float) -> None:
+        """Until every follower has set its key for `stage`, failing at once if one exits."""
+        keys = [f"{stage}{rank}" for rank in range(1, self.size)]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            try:
+                store.wait(keys, datetime.timedelta(seconds=1))
+                return
+            except Exception:  # not yet: check the followers are alive, and the time
+                if time.monotonic() > deadline:
+                    raise RankFailure(f"tensor-parallel followers not {stage} after {timeout_s:g} s") from None
+
+    def broadcast_step(self, inputs: StepInputs) -> None:
+        """Wake every follower for a step and broadcast its inputs."""
+        self.check_alive()
+        for rank in range(1, self.size):
+            self._send(rank, "step")
+        self.group.broadcast_(self.codec.encode(inputs, self._buffer))
+
+    def close(self) -> None:
+        """Stop the followers (killed if they do not exit at once) and leave the group."""
+        for rank, proc in enumerate(self._procs, start=1):
+            try:
+                self._send(rank, "stop")
+                proc.stdin.close()
+            except (RankFailure, OSError):
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs = []
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.close()

@@ -1,0 +1,76 @@
+"""A tensor-parallel follower rank: `python -m engine.distributed.follower`, started by
+the driver (driver.py), which writes its orders on stdin.
+
+It holds its shard of the model and its rank's KV cache, and runs each step's forward
+on the inputs the driver broadcasts; it never schedules or samples. It exits when
+told to stop, when its stdin closes (the driver is gone), or when a step fails (a
+collective timed out or the forward raised): the driver's next collective then
+fails and the worker goes down loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import torch
+
+from engine.config import EngineConfig
+from engine.distributed import shared_cache
+from engine.distributed.group import TorchGroup
+from engine.distributed.sharding import Shard
+from engine.distributed.step_codec import StepCodec
+
+logger = logging.getLogger("engine.distributed.follower")
+
+
+def serve(stdin) -> None:
+    from engine.engine_core import build_rank_model, step_codec
+    from engine.runner import ModelRunner, allocate_kv_cache, kv_cache_shape
+
+    start = json.loads(stdin.readline())
+    config = EngineConfig(**start["config"])
+    rank, size = start["rank"], config.tensor_parallel_size
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    store = TorchGroup.client_store(start["port"], size)
+    store.set(f"started{rank}", "1")
+    group = TorchGroup(rank, size, start["port"], config.distributed_timeout_s, torch.device(config.device), store)
+    model, model_config, backend, model_len = build_rank_model(config, rank, group)
+    shard: Shard = model.shard
+    cache = json.loads(stdin.readline())
+    num_blocks = cache["num_blocks"]
+    dtype = next(model.parameters()).dtype
+    if cache["cache"] is not None:
+        shape = kv_cache_shape(model_config, num_blocks, config.block_size, shard.num_kv_heads)
+        kv_cache = shared_cache.attach(cache["cache"], shape, dtype)
+    else:
+        kv_cache = allocate_kv_cache(model_config, num_blocks, config.block_size, dtype, config.device,
+                                     num_kv_heads=shard.num_kv_heads)
+    runner = ModelRunner(model, kv_cache, config.block_size, None, backend, config.device)
+    codec: StepCodec = step_codec(config, model_len)
+    buffer = codec.buffer()
+    group.store.set(f"ready{rank}", "1")
+    for line in stdin:
+        order = line.strip()
+        if order == "stop":
+            break
+        if order != "step":
+            raise ValueError(f"unknown order {order!r} from the driver")
+        group.broadcast_(buffer)
+        runner.forward(codec.decode(buffer))
+    group.close()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        serve(sys.stdin)
+    except Exception:
+        logger.exception("tensor-parallel follower failed")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Tensor parallelism (2 ranks, gloo on CPU): greedy float32 tokens identical to
+transformers, with prefix caching, chunked prefill and preemption exercised, and with
+a single KV head replicated on both ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.fidelity.test_hf_fidelity import GREEDY, hf_greedy, random_prompts
+
+SHARED = random_prompts([48], seed=12)[0]
+PROMPTS = random_prompts([1, 7, 33, 100, 150], seed=11) + [SHARED + t for t in random_prompts([5, 21], seed=13)]
+
+
+def tp_llm(model_dir: Path, **options) -> LLM:
+    return LLM(str(model_dir), tensor_parallel_size=2, num_threads=1, **options)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mqa"])
+def test_tp2_matches_hf_with_chunks_and_prefix_hits(tiny_models: dict[str, Path], mqa_model_dir: Path,
+                                                    arch: str) -> None:
+    model_dir = mqa_model_dir if arch == "mqa" else tiny_models[arch]
+    llm = tp_llm(model_dir, max_num_batched_tokens=32, block_size=16)
+    try:
+        assert llm.core.shard.num_kv_heads == 1 and llm.core.kv_cache.shape[0] > 0
+        steps: list[int] = []
+        original = llm.core.scheduler.schedule
+
+        def spy():
+            out = original()
+            steps.append(out.num_tokens)
+            return out
+
+        llm.core.scheduler.schedule = spy
+        first = llm.generate([SHARED], GREEDY, use_tqdm=False)  # fills the prefix cache
+        rest = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in first + rest] == hf_greedy(model_dir, [SHARED] + PROMPTS)
+        assert max(steps) <= 32  # the 100- and 150-token prompts went in chunks
+        assert [o.num_cached_tokens for o in rest[-2:]] == [48, 48]  # prefix hits on rank 0's blocks
+    finally:
+        llm.core.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tp2_preemption_matches_hf(tiny_models: dict[str, Path], async_scheduling: bool) -> None:
+    prompts = random_prompts([40, 35, 50, 45, 30, 38], seed=5)
+    llm = tp_llm(tiny_models["llama"], num_kv_blocks=12, block_size=16, async_scheduling=async_scheduling)
+    try:
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.core.scheduler.num_preemptions > 0
+        assert [o.token_ids for o in outs] == hf_greedy(tiny_models["llama"], prompts, max_tokens=20)
+        assert llm.core.kv.num_free_blocks == 12
+    finally:
+        llm.core.close()
+
+
+def test_unshardable_model_is_refused_before_any_process_starts(tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="4 attention heads do not divide by tensor_parallel_size 3"):
+        LLM(str(tiny_models["llama"]), tensor_parallel_size=3)
