@@ -23,8 +23,15 @@ def fetch_status(url: str, timeout: float = 10.0) -> dict[str, Any]:
         raise ConnectionError(f"no pdserve router answers at {url}: {exc}") from None
 
 
+def _ranks(stats: dict[str, Any]) -> str:
+    """A tensor-parallel group is one worker: its size, then its ranks' process ids
+    (rank 0 first), e.g. 2:4711,4712."""
+    ranks = stats.get("ranks") or []
+    return f"{len(ranks)}:{','.join(map(str, ranks))}" if ranks else "?"
+
+
 def _table(title: str, workers: list[dict[str, Any]], columns: tuple[tuple[str, str | None], ...]) -> list[str]:
-    header = ("worker", "live", "address", *(c for c, _ in columns))
+    header = ("worker", "live", "address", "tp", *(c for c, _ in columns))
     rows = []
     for w in workers:
         s = w["stats"] or {}
@@ -34,7 +41,7 @@ def _table(title: str, workers: list[dict[str, Any]], columns: tuple[tuple[str, 
                 cells.append(f"{1 - s['free_blocks'] / s['num_blocks']:.0%}" if s.get("num_blocks") else "?")
             else:
                 cells.append(str(s.get(key, "?")))
-        rows.append((w["name"], "yes" if w["live"] else "NO", w.get("address", "?"), *cells))
+        rows.append((w["name"], "yes" if w["live"] else "NO", w.get("address", "?"), _ranks(s), *cells))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(header)]
     return [title, "  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip()] + [
         "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -263,7 +263,7 @@ class DecodeWorker(WorkerLoop):
     def stats(self) -> dict:
         engine = self.core.engine.stats()
         return {"name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
-                "running": engine.running, "waiting": engine.waiting,
+                "running": engine.running, "waiting": engine.waiting, "ranks": list(engine.ranks),
                 "waiting_for_kv": len(self.core.waiting_for_kv), **self.core.stats, **self.transfer,
                 "late_writes_dropped": self.core.transport.stats["late_writes_dropped"], **self.health()}
 

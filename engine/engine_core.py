@@ -7,6 +7,7 @@ offline LLM, a decode worker and a prefill worker.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class EngineStats:
     free_blocks: int
     running: int  # requests scheduled in the last step or about to be
     waiting: int  # queued: waiting for blocks or a slot, or ready to resume
+    ranks: tuple[int, ...] = ()  # the process id of each tensor-parallel rank, rank 0 first
 
 
 def build_rank_model(config: EngineConfig, rank: int = 0, group: Group = SINGLE
@@ -274,7 +276,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return EngineStats(self.kv.pool.num_blocks, self.kv.num_free_blocks, len(self.scheduler.running),
-                           self.scheduler.num_waiting)
+                           self.scheduler.num_waiting, (os.getpid(), *(self.tp.pids if self.tp else ())))
 
     def collect_kv_events(self, max_per_block: int) -> None:
         """Keep prefix-cache events from now on, for take_kv_events(): at most

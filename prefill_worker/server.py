@@ -83,7 +83,7 @@ class PrefillWorker(WorkerLoop):
             engine = self.core.engine.stats()
             self.send(sock, sender, encode(StatsReply(seq=msg.seq, stats={
                 "name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
-                "jobs": len(self.core.jobs), **self.core.stats, **self.health()})))
+                "ranks": list(engine.ranks), "jobs": len(self.core.jobs), **self.core.stats, **self.health()})))
 
     def step(self) -> None:
         stats = self.core.stats

@@ -82,6 +82,11 @@ class TPDriver:
             raise RankFailure(f"tensor-parallel rank {rank} is gone "
                               f"(exit code {proc.poll()}): {type(exc).__name__}") from exc
 
+    @property
+    def pids(self) -> list[int]:
+        """The followers' process ids, rank 1 first."""
+        return [proc.pid for proc in self._procs]
+
     def check_alive(self) -> None:
         for rank, proc in enumerate(self._procs, start=1):
             code = proc.poll()

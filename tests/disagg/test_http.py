@@ -235,12 +235,13 @@ def test_pdserve_status_lists_the_workers_of_both_pools(server, capsys) -> None:
     assert main(["status", "--url", f"http://127.0.0.1:{config.router.port}"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"model {config.model}; requests in flight: 0"
-    assert out[2] == "decode pool" and out[3].split()[:4] == ["worker", "live", "address", "running"]
+    assert out[2] == "decode pool" and out[3].split()[:5] == ["worker", "live", "address", "tp", "running"]
     row = out[4].split()
     assert row[:2] == ["decode-0", "yes"] and row[2].startswith("tcp://127.0.0.1:")
-    assert row[6] == "0%" and int(row[7]) >= 1  # idle: no blocks held; remote prefills so far
-    assert out[6] == "prefill pool" and out[7].split()[3:] == ["jobs", "kv_used", "prefills", "blocks_sent", "failed"]
+    assert row[3].startswith("1:") and row[3][2:].isdigit()  # one rank: the worker's own process
+    assert row[7] == "0%" and int(row[8]) >= 1  # idle: no blocks held; remote prefills so far
+    assert out[6] == "prefill pool" and out[7].split()[3:] == ["tp", "jobs", "kv_used", "prefills", "blocks_sent", "failed"]
     row = out[8].split()
-    assert row[:2] == ["prefill-0", "yes"] and row[3:5] == ["0", "0%"] and int(row[5]) >= 1
+    assert row[:2] == ["prefill-0", "yes"] and row[4:6] == ["0", "0%"] and int(row[6]) >= 1
     assert main(["status", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "no pdserve router answers at" in capsys.readouterr().err
