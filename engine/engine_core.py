@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.distributed import shared_cache
 from engine.distributed.driver import TPDriver
 from engine.distributed.group import SINGLE, Group
-from engine.distributed.sharding import Shard
+from engine.distributed.sharding import Shard, kv_head_range
 from engine.distributed.step_codec import StepCodec
 from engine.errors import EngineStateError, RequestsFailed
 from engine.gpu_memory import profile_num_kv_blocks
@@ -147,6 +147,12 @@ class EngineCore:
     def tp(self) -> TPDriver | None:
         """The tensor-parallel driver (None at tensor_parallel_size 1)."""
         return self._group.tp
+
+    @property
+    def kv_head_ranges(self) -> list[tuple[int, int]]:
+        """The model's KV heads [start, end) each rank's cache holds, rank 0 first."""
+        size, heads = self.shard.size, self.model_config.num_kv_heads
+        return [kv_head_range(heads, size, rank) for rank in range(size)]
 
     @property
     def kv_cache_files(self) -> list[str]:

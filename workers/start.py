@@ -14,14 +14,33 @@ def engine_and_transport(config: WorkerConfig) -> tuple[EngineCore, KVTransport]
     """The worker's engine (its cache placed where the transport reaches it) and its
     transport (the cache registered, its control socket on config.host)."""
     transport = create_transport(config.transport, config.name, config.transport_config)
+    engine = None
     try:
-        engine = EngineCore(config.engine, transport.allocate_kv_cache)
-        transport.register_kv_cache(engine.kv_cache, config.engine.model)
+        # At TP > 1 on CPU the engine places each rank's cache in a file; the shm
+        # transport's peers map those files by name, so they stay until close().
+        engine = EngineCore(config.engine, transport.allocate_kv_cache, keep_cache_files=config.transport == "shm")
+        _register(transport, engine, config.engine.model)
     except BaseException:
-        # A failed start (no model, no memory) must not leave its sockets and threads
-        # behind: a zmq context left to the garbage collector can hang it in term().
+        # A failed start (no model, no memory) must not leave its sockets, threads and
+        # rank processes behind: a zmq context left to the garbage collector can hang
+        # it in term().
         transport.close()
+        if engine is not None:
+            engine.close()
         raise
     if os.environ.get(TEST_FAULTS_ENV):
         inject_test_faults(config.name, engine, os.environ[TEST_FAULTS_ENV])
     return engine, transport
+
+
+def _register(transport: KVTransport, engine: EngineCore, model: str) -> None:
+    """The transport reaches every rank's cache, each holding its KV heads."""
+    size = engine.config.tensor_parallel_size
+    if size == 1:
+        transport.register_kv_cache(engine.kv_cache, model)
+        return
+    if len(engine.kv_caches) != size:
+        raise ValueError(f"a tensor_parallel_size {size} worker on {engine.config.device} cannot transfer KV "
+                         "yet: its driver reaches only its own rank's cache (CPU workers can)")
+    transport.register_kv_cache(engine.kv_caches, model, num_kv_heads=engine.model_config.num_kv_heads,
+                                head_ranges=engine.kv_head_ranges, files=engine.kv_cache_files or None)

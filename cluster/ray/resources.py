@@ -16,13 +16,26 @@ class PlacementError(RuntimeError):
     """The Ray cluster cannot (or did not in time) give the config its resources."""
 
 
+def tp_size(config: ClusterConfig, role: str) -> int:
+    return config.engine_config(role).tensor_parallel_size
+
+
+def rank_bundles(config: ClusterConfig, role: str) -> list[Resources]:
+    """One worker's placement-group bundles: one per tensor-parallel rank, each the
+    pool's `ray.<pool>` shape (packed on one node: STRICT_PACK)."""
+    return [getattr(config.ray, role).bundle() for _ in range(tp_size(config, role))]
+
+
 def pool_bundles(config: ClusterConfig) -> dict[str, list[Resources]]:
-    """Role -> one bundle per worker (pools with no workers are left out)."""
+    """Role -> what each worker needs on one node: the sum of its ranks' bundles (pools
+    with no workers are left out)."""
     out = {}
     for role in ("decode", "prefill"):
         replicas = getattr(config, role).replicas
         if replicas:
-            out[role] = [getattr(config.ray, role).bundle() for _ in range(replicas)]
+            ranks = rank_bundles(config, role)
+            worker = {k: sum(b[k] for b in ranks) for k in ranks[0]}
+            out[role] = [dict(worker) for _ in range(replicas)]
     return out
 
 

@@ -2,7 +2,8 @@
 
 The Ray counterpart of cluster/local/workers.py, step for step: a placement group per pool (one
 bundle per worker: a bundle is always on one node, so each worker is packed; the pool's
-workers are packed or spread as `ray.strategy` says), one `WorkerActor` per bundle
+workers are packed or spread as `ray.strategy` says; a tensor-parallel worker is a group
+of its own, a bundle per rank, STRICT_PACK), one `WorkerActor` per worker
 running the same worker entry point as a local process, then the same "ready" and
 "peers" messages, carried by actor calls instead of a pipe. Ray only places and starts
 processes; requests and KV never travel through it.
@@ -26,7 +27,7 @@ from cluster.config import ClusterConfig, RayConfig
 from cluster.launcher import RouterHooks
 from cluster.peers import peers_messages
 from cluster.ray.actor import WorkerActor
-from cluster.ray.resources import PlacementError, missing_resources, pool_bundles
+from cluster.ray.resources import PlacementError, missing_resources, pool_bundles, rank_bundles, tp_size
 from cluster.ray.supervisor import Supervisor
 from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES
@@ -146,22 +147,34 @@ def check_capacity(config: ClusterConfig) -> None:
         raise PlacementError("the Ray cluster cannot hold this config: " + "; ".join(problems))
 
 
-def _place(config: ClusterConfig) -> dict[str, PlacementGroup]:
-    """One ready placement group per pool, or PlacementError (with none left behind)."""
-    groups = {role: placement_group(bundles, strategy=config.ray.strategy)
-              for role, bundles in pool_bundles(config).items()}
-    waits = {role: group.ready() for role, group in groups.items()}
-    done, _ = ray.wait(list(waits.values()), num_returns=len(waits), timeout=config.ray.placement_timeout_s)
-    late = [role for role, ref in waits.items() if ref not in done]
+def _place(config: ClusterConfig) -> dict[str, list[tuple[PlacementGroup, int]]]:
+    """Role -> each worker's (ready placement group, its bundle), or PlacementError
+    (with none left behind). A pool at tensor_parallel_size 1 is one group, a bundle
+    per worker, packed or spread as `ray.strategy` says; at N > 1 each worker is a
+    group of N bundles, one per rank, on one node (STRICT_PACK): the worker's actor
+    holds bundle 0, and its followers, processes it starts, use the others."""
+    groups: dict[str, list[PlacementGroup]] = {}
+    places: dict[str, list[tuple[PlacementGroup, int]]] = {}
+    for role, workers in pool_bundles(config).items():
+        if tp_size(config, role) == 1:
+            group = placement_group(rank_bundles(config, role) * len(workers), strategy=config.ray.strategy)
+            groups[role], places[role] = [group], [(group, i) for i in range(len(workers))]
+        else:
+            groups[role] = [placement_group(rank_bundles(config, role), strategy="STRICT_PACK") for _ in workers]
+            places[role] = [(group, 0) for group in groups[role]]
+    waits = {group.ready(): role for role, role_groups in groups.items() for group in role_groups}
+    done, _ = ray.wait(list(waits), num_returns=len(waits), timeout=config.ray.placement_timeout_s)
+    late = sorted({role for ref, role in waits.items() if ref not in done})
     if late:
-        for group in groups.values():
-            remove_placement_group(group)
+        for role_groups in groups.values():
+            for group in role_groups:
+                remove_placement_group(group)
         raise PlacementError(
             f"Ray did not place the {' and '.join(late)} pool(s) within {config.ray.placement_timeout_s:g} s "
             f"(strategy {config.ray.strategy}; each worker needs "
             f"{', '.join(f'{r}: {pool_bundles(config)[r][0]}' for r in late)}; "
             f"available now: {ray.available_resources()})")
-    return groups
+    return places
 
 
 def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorkers:
@@ -171,16 +184,16 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
     workers = RayWorkers(shutdown_ray=connect(config.ray))
     try:
         check_capacity(config)
-        groups = _place(config)
-        workers.groups = list(groups.values())
+        places = _place(config)
+        workers.groups = list(dict.fromkeys(group for role_places in places.values() for group, _ in role_places))
         actor_class = ray.remote(WorkerActor)
-        for role, group in groups.items():
+        for role, role_places in places.items():
             pool = getattr(config.ray, role)
-            for i in range(getattr(config, role).replicas):
+            for i, (group, bundle) in enumerate(role_places):
                 actor = actor_class.options(
                     num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
                     max_concurrency=ACTOR_CONCURRENCY, max_restarts=config.ray.max_restarts, max_task_retries=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
                 ).remote(role, config, i)
                 getattr(workers, role).append(RayWorker(f"{role}-{i}", role, actor))
         replies = [w.actor.ready.remote(timeout) for w in workers.all]

@@ -10,7 +10,7 @@ import pytest
 from cluster.config import ClusterConfig, ConfigError, load_cluster_config
 from workers.control import QueueControl
 from cluster.ray.actor import WorkerActor
-from cluster.ray.resources import missing_resources, pool_bundles
+from cluster.ray.resources import missing_resources, pool_bundles, rank_bundles
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {"model": "m", "launcher": "ray", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
@@ -55,6 +55,16 @@ def test_valid_ray_fields() -> None:
     cfg = ClusterConfig.from_dict({**BASE, "device": "cuda", "transport": "nixl", "prefill": {"replicas": 0},
                                    "ray": {"decode": {"num_gpus": 1}}})
     assert list(pool_bundles(cfg)) == ["decode"]
+
+
+def test_a_tensor_parallel_worker_asks_for_a_bundle_per_rank_on_one_node() -> None:
+    cfg = ClusterConfig.from_dict({**BASE, "decode": {"replicas": 2, "engine": {"tensor_parallel_size": 2}},
+                                   "ray": {"decode": {"num_cpus": 1.5}}})
+    assert rank_bundles(cfg, "decode") == [{"CPU": 1.5}, {"CPU": 1.5}]  # one placement group per worker
+    assert pool_bundles(cfg)["decode"] == [{"CPU": 3.0}] * 2  # what one node must hold for each
+    assert rank_bundles(cfg, "prefill") == [{"CPU": 1.0}]
+    problems = missing_resources(pool_bundles(cfg), [{"CPU": 2.0}, {"CPU": 2.0}])
+    assert problems[0].startswith("decode: each worker needs {CPU: 3} on one node")
 
 
 def test_missing_resources_name_what_no_node_has() -> None:
