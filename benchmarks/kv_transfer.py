@@ -32,7 +32,7 @@ if str(_REPO_ROOT) not in sys.path:
 
 from kv_transfer import TransportConfig, WriteDone, WriteFailed, create_transport  # noqa: E402
 
-# A block is layers x K/V x 16 tokens x 2 heads x 32 dims x fp32: 8 KiB a layer, 32 KiB
+# A block is 2 heads x layers x K/V x 16 tokens x 32 dims x fp32: 8 KiB a layer, 32 KiB
 # by default. A real model's block is larger (Llama-3.2-1B in bf16: 512 KiB), and the
 # control plane's cost is per block, so --block-kib 512 shows what such a model sees.
 LAYER_BYTES, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 8 << 10, 16, 2, 32
@@ -40,7 +40,7 @@ BLOCK_BYTES = 4 * LAYER_BYTES
 
 
 def shape(num_blocks: int, block_bytes: int) -> tuple[int, ...]:
-    return (num_blocks, block_bytes // LAYER_BYTES, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return (num_blocks, KV_HEADS, block_bytes // LAYER_BYTES, 2, BLOCK_SIZE, HEAD_DIM)
 
 
 def receiver(conn: Connection, transport: str, num_blocks: int, device: str, block_bytes: int) -> None:

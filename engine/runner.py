@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -14,6 +14,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, attention_context
 from engine.errors import EngineStateError
+from engine.kv_cache.layout import cache_shape
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.sampling import PendingSample, Sampler, SamplerOutput
@@ -28,17 +29,22 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int,
                    num_kv_heads: int | None = None) -> tuple[int, ...]:
     """The cache's shape (allocate_kv_cache) for a rank holding num_kv_heads heads (None: all)."""
     heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return (num_blocks, cfg.num_layers, 2, block_size, heads, cfg.head_dim)
+    if heads < 1:
+        raise ValueError(f"num_kv_heads must be >= 1, got {heads}")
+    return cache_shape(num_blocks, heads, cfg.num_layers, block_size, cfg.head_dim)
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: str, allocator: KVAllocator | None = None,
                       num_kv_heads: int | None = None) -> torch.Tensor:
-    """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], block-major.
+    """[num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim] (kv_cache/layout.py).
 
-    Block-major means one block of every layer is one contiguous region, so moving a
-    run of consecutive blocks between workers is one descriptor. `allocator` (shape,
-    dtype, device) places it where a KV transport can reach it (e.g. shared memory).
+    Block-major, so a run of consecutive blocks moves between workers as one descriptor;
+    heads outside layers, so a slice of one block's heads (what a tensor-parallel rank
+    of another size holds) is one contiguous region too. `num_kv_heads`: the heads this
+    worker holds (a tensor-parallel rank's share); None = all of the model's.
+    `allocator` (shape, dtype, device) places it where a KV transport can reach it
+    (e.g. shared memory).
     """
     shape = kv_cache_shape(cfg, num_blocks, block_size, num_kv_heads)
     if allocator is None:

@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-# The engine's cache layout (engine/runner.py allocate_kv_cache). A block of every layer
-# is one contiguous region, which is what lets a run of blocks be one descriptor.
-LAYOUT = "block_major:[blocks,layers,2,block_size,kv_heads,head_dim]"
+# The engine's cache layout (engine/kv_cache/layout.py). A block of every layer is one
+# contiguous region, which is what lets a run of blocks be one descriptor; a slice of
+# one block's heads is one contiguous region too (heads outside layers).
+LAYOUT = "block_major:[blocks,kv_heads,layers,2,block_size,head_dim]"
 
 
 class IncompatiblePeerError(ValueError):
@@ -32,11 +33,11 @@ class KVCompat:
     @classmethod
     def from_cache(cls, kv_cache: torch.Tensor, model: str, tp_rank: int = 0,
                    tp_size: int = 1) -> "KVCompat":
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+        if kv_cache.dim() != 6 or kv_cache.shape[3] != 2:
             raise ValueError(f"expected a {LAYOUT} cache, got shape {tuple(kv_cache.shape)}")
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be contiguous to be registered for transfer")
-        _, layers, _, block_size, kv_heads, head_dim = kv_cache.shape
+        _, kv_heads, layers, _, block_size, head_dim = kv_cache.shape
         return cls(model, str(kv_cache.dtype).removeprefix("torch."), LAYOUT, block_size, layers,
                    kv_heads, head_dim, tp_rank, tp_size)
 

@@ -43,6 +43,17 @@ def check_bandwidth(s: Setup) -> None:
     row("prefill kernel, 16 x 512 causal, d64", f"{rate:.0f} TFLOP/s", "(info)")
 
 
+def engine_layer(num_blocks: int, kv_heads: int, block_size: int, head_dim: int, dtype, device: str):
+    """A random one-layer cache in the engine's layout, as the kernels see a layer of it
+    ([blocks, 2, bs, H, D] with the engine's strides); its numel is every byte it holds."""
+    import torch
+
+    from engine.kv_cache.layout import cache_shape, layer_view
+
+    return layer_view(torch.randn(cache_shape(num_blocks, kv_heads, 1, block_size, head_dim),
+                                  device=device).to(dtype), 0)
+
+
 def decode_bandwidth(s: Setup, head_dim: int, config=None, batch: int | None = None,
                      context: int | None = None, splits: int | None = None,
                      programs: int | None = None) -> tuple[float, float]:
@@ -56,7 +67,7 @@ def decode_bandwidth(s: Setup, head_dim: int, config=None, batch: int | None = N
     dtype = getattr(torch, s.dtype)
     b, ctx, bs = batch or s.bw_batch, context or s.bw_context, 16
     per_seq = -(-ctx // bs)
-    cache = torch.randn(b * per_seq, 2, bs, s.kv_heads, head_dim, device=s.device).to(dtype)
+    cache = engine_layer(b * per_seq, s.kv_heads, bs, head_dim, dtype, s.device)
     tables = torch.randperm(b * per_seq, device=s.device).to(torch.int32).view(b, per_seq)
     query = torch.randn(b, s.heads, head_dim, device=s.device).to(dtype)
     out = torch.empty_like(query)
@@ -77,7 +88,7 @@ def prefill_rate(s: Setup, config=None, seqs: int = 16, q_len: int = 512) -> flo
     dtype, head_dim, bs = getattr(torch, s.dtype), s.hidden // s.heads, 16
     config = config or default_config(torch.device(s.device))
     per_seq = q_len // bs
-    cache = torch.randn(seqs * per_seq, 2, bs, s.kv_heads, head_dim, device=s.device).to(dtype)
+    cache = engine_layer(seqs * per_seq, s.kv_heads, bs, head_dim, dtype, s.device)
     tables = torch.arange(seqs * per_seq, dtype=torch.int32, device=s.device).view(seqs, per_seq)
     query = torch.randn(seqs * q_len, s.heads, head_dim, device=s.device).to(dtype)
     out = torch.empty_like(query)

@@ -14,6 +14,7 @@ def check_kernels(s: Setup) -> None:
     from engine.kernels.decode_attention import decode_attention, num_splits_for
     from engine.kernels.prefill_attention import default_config, plan_tiles, prefill_attention
     from engine.kernels.store_kv import store_kv
+    from engine.kv_cache.layout import cache_shape, layer_view
 
     dtype = getattr(torch, s.dtype)
     torch.manual_seed(0)
@@ -25,7 +26,9 @@ def check_kernels(s: Setup) -> None:
         if s.device == "cpu":
             case = [(1, 1), (1, 17), (1, 70), (9, 9), (7, 40)]
         nblocks = [-(-n // bs) for _, n in case]
-        cache = torch.full((sum(nblocks) + 4, 2, bs, kv, head_dim), float("nan"), dtype=dtype, device=s.device)
+        # Layer 1 of a 2-layer cache in the engine's layout: the strides the kernels get.
+        cache = layer_view(torch.full(cache_shape(sum(nblocks) + 4, kv, 2, bs, head_dim), float("nan"),
+                                      dtype=dtype, device=s.device), 1)
         perm = torch.randperm(cache.shape[0]).tolist()
         tables = torch.zeros((len(case), max(nblocks)), dtype=torch.int32)
         slots_new, ks, vs = [], [], []

@@ -27,11 +27,13 @@ def load() -> ctypes.CDLL | None:
 
 
 def supports(layer_cache: torch.Tensor, num_query_heads: int) -> bool:
-    """Whether the kernel handles this cache: float32 on CPU, shapes within its limits."""
+    """Whether the kernel handles this cache: float32 on CPU, each head's dims contiguous
+    (the kernel takes the block, K/V, slot and head strides as they are), shapes within
+    its limits."""
     _, _, block_size, num_kv_heads, head_dim = layer_cache.shape
     groups = num_query_heads // num_kv_heads
     return (layer_cache.device.type == "cpu" and layer_cache.dtype == torch.float32
-            and layer_cache.stride(-1) == 1 and layer_cache.stride(-2) == head_dim
+            and layer_cache.stride(-1) == 1
             and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
             and groups <= MAX_QUERY_HEADS and block_size <= MAX_BLOCK_SIZE)
 
@@ -71,8 +73,8 @@ def paged_decode_attention(query: torch.Tensor, layer_cache: torch.Tensor, rows:
     out = torch.empty((num_rows, num_heads, head_dim), dtype=torch.float32)
     if num_rows == 0:
         return out
-    # Whole rows keep a block's heads in one contiguous read; split heads only when
-    # rows are too few to give every thread work, or too many query heads for one item.
+    # Whole rows walk each block table once for all heads; split heads only when rows
+    # are too few to give every thread work, or too many query heads for one item.
     groups = num_heads // num_kv_heads
     splits = 1
     while (splits < num_kv_heads and (num_rows * splits < 4 * torch.get_num_threads()

@@ -1,11 +1,7 @@
 """Torch reference paged attention: runs on CPU and GPU, the oracle for kernels.
 
-KV cache layout (one tensor for all layers, block-major so a block of every layer is
-one contiguous region a transfer can move with one descriptor):
-
-    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-                                        ^ 0 = K, 1 = V
-Each layer works on the strided view kv_cache[:, layer] -> [num_blocks, 2, bs, H, D].
+Each layer works on its strided view of the cache, [num_blocks, 2, bs, H, D]
+(0 = K, 1 = V; engine/kv_cache/layout.py): index it, never .view() it.
 """
 
 from __future__ import annotations
@@ -32,7 +28,8 @@ def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
     """K and V of one sequence's first seq_len tokens: each [seq_len, H, D]."""
     block_size = layer_cache.shape[2]
     blocks = block_table[:-(-seq_len // block_size)].long()
-    # Gather K and V separately: each gather is one contiguous copy that views flat.
+    # Gather K and V separately; the gather keeps the view's strides (heads outermost
+    # within a block), so flattening blocks and slots into positions copies once more.
     k = layer_cache[:, 0][blocks].flatten(0, 1)[:seq_len]
     v = layer_cache[:, 1][blocks].flatten(0, 1)[:seq_len]
     return k, v

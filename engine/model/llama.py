@@ -25,6 +25,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import current_metadata
 from engine.distributed.group import SINGLE, Group
 from engine.distributed.sharding import Shard
+from engine.kv_cache.layout import layer_view
 from engine.model.config import ModelConfig
 from engine.model.fused_ops import FusedOps, fused_ops
 from engine.model.rope import RotaryEmbedding, RotaryTables, apply_rotary
@@ -151,9 +152,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """kv_cache: [num_blocks, num_layers, 2, block_size, Hkv, D]; each layer keeps its view."""
+        """kv_cache: [num_blocks, Hkv, num_layers, 2, block_size, D]; each layer keeps its
+        strided view [num_blocks, 2, block_size, Hkv, D] (engine/kv_cache/layout.py)."""
         for i, layer in enumerate(self.layers):
-            layer.self_attn.layer_cache = kv_cache[:, i]
+            layer.self_attn.layer_cache = layer_view(kv_cache, i)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_indices: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.attention import cpu_decode
+from engine.kv_cache.layout import cache_shape, layer_view
 from engine.native import compiler
 
 # With a compiler the C file must build: a build error fails these tests, never skips them.
@@ -21,13 +22,20 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def build(seq_lens: list[int], block_size: int, kv_heads: int, groups: int, head_dim: int,
-          num_layers: int = 3, layer: int = 1):
-    """A NaN-poisoned block-major cache with each sequence's K/V scattered over random
-    blocks of `layer`; returns the layer view, the block tables and the dense K/V."""
+          num_layers: int = 3, layer: int = 1, heads_inner: bool = False):
+    """A NaN-poisoned cache in the engine's layout with each sequence's K/V scattered
+    over random blocks of `layer`; returns the layer view, the block tables and the
+    dense K/V. heads_inner: a [blocks, layers, 2, bs, H, D] cache instead (head stride
+    head_dim), since the kernel takes any strides with contiguous head dims."""
     torch.manual_seed(sum(seq_lens) + head_dim)
     per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(per_seq) + 3
-    cache = torch.full((num_blocks, num_layers, 2, block_size, kv_heads, head_dim), float("nan"))
+    if heads_inner:
+        cache = torch.full((num_blocks, num_layers, 2, block_size, kv_heads, head_dim), float("nan"))
+        layer_cache = cache[:, layer]
+    else:
+        cache = torch.full(cache_shape(num_blocks, kv_heads, num_layers, block_size, head_dim), float("nan"))
+        layer_cache = layer_view(cache, layer)
     perm = torch.randperm(num_blocks).tolist()
     tables = torch.zeros((len(seq_lens), max(per_seq) + 2), dtype=torch.int32)  # padded rows
     dense = []
@@ -38,9 +46,9 @@ def build(seq_lens: list[int], block_size: int, kv_heads: int, groups: int, head
         for j, b in enumerate(blocks):
             chunk = slice(j * block_size, min(n, (j + 1) * block_size))
             m = chunk.stop - chunk.start
-            cache[b, layer, 0, :m], cache[b, layer, 1, :m] = k[chunk], v[chunk]
+            layer_cache[b, 0, :m], layer_cache[b, 1, :m] = k[chunk], v[chunk]
         dense.append((k, v))
-    return cache[:, layer], tables, dense
+    return layer_cache, tables, dense
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -50,9 +58,11 @@ def build(seq_lens: list[int], block_size: int, kv_heads: int, groups: int, head
     [1, 16, 17, 32, 33, 200],  # on and just past block boundaries, very different lengths
     [95],                      # one row: heads split across threads
 ])
+@pytest.mark.parametrize("heads_inner", [False, True], ids=["engine_layout", "heads_inner"])
 def test_matches_dense(block_size: int, head_dim: int, kv_heads: int, groups: int,
-                       seq_lens: list[int]) -> None:
-    layer_cache, tables, dense = build(seq_lens, block_size, kv_heads, groups, head_dim)
+                       seq_lens: list[int], heads_inner: bool) -> None:
+    layer_cache, tables, dense = build(seq_lens, block_size, kv_heads, groups, head_dim,
+                                       heads_inner=heads_inner)
     num_rows = len(seq_lens)
     # Decode rows sit among other tokens of the flattened batch (e.g. a prefill chunk).
     rows = torch.arange(num_rows, dtype=torch.int64) * 3 + 1
@@ -88,3 +98,5 @@ def test_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="query must be float32"):
         cpu_decode.paged_decode_attention(query.double(), layer_cache, rows, tables, lens, 1.0)
     assert not cpu_decode.supports(layer_cache.bfloat16(), 4)
+    assert cpu_decode.supports(layer_cache, 4)
+    assert not cpu_decode.supports(layer_cache[..., ::2], 4), "a head's dims must be contiguous"

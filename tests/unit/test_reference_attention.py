@@ -12,6 +12,7 @@ import torch
 from engine.attention import backend as backends
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import store_kv
+from engine.kv_cache.layout import cache_shape, layer_view
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -40,7 +41,9 @@ def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]]
         backend = "torch"
     torch.manual_seed(0)
     block_size, h, d, num_blocks = 16, 2, 32, 40
-    cache = torch.full((num_blocks, 2, block_size, h, d), float("nan"))  # poison: unwritten reads fail
+    # Layer 1 of a 3-layer cache in the engine's layout (a strided view, as the backends
+    # get it); poisoned: unwritten reads fail.
+    cache = layer_view(torch.full(cache_shape(num_blocks, h, 3, block_size, d), float("nan")), 1)
     perm = torch.randperm(num_blocks).tolist()
     tables, slots, qs, ks, vs, refs = [], [], [], [], [], []
     for q_len, seq_len in case:

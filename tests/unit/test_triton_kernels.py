@@ -18,6 +18,7 @@ from engine.kernels.common import LaunchConfig
 from engine.kernels.decode_attention import decode_attention, num_splits_for, split_programs_for
 from engine.kernels.prefill_attention import plan_tiles, prefill_attention
 from engine.kernels.store_kv import store_kv
+from engine.kv_cache.layout import cache_shape, layer_view
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
@@ -32,12 +33,19 @@ def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
     return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
 
 
+def poisoned_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """A NaN-filled 3-layer cache in the engine's layout."""
+    return torch.full(cache_shape(num_blocks, kv_heads, 3, block_size, head_dim), float("nan"), dtype=dtype)
+
+
 def scattered_cache(seq_lens: list[int], block_size: int, kv_heads: int, head_dim: int,
                     dtype: torch.dtype, seed: int = 0):
-    """A poisoned [blocks, 2, bs, H, D] cache holding each sequence's K/V in random blocks."""
+    """A poisoned [blocks, 2, bs, H, D] layer view holding each sequence's K/V in random blocks."""
     g = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // block_size) for n in seq_lens]
-    cache = torch.full((sum(per_seq) + 2, 2, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    # Layer 1's strided view, as the kernels get it: the head stride is not head_dim.
+    cache = layer_view(poisoned_cache(sum(per_seq) + 2, block_size, kv_heads, head_dim, dtype), 1)
     perm = torch.randperm(cache.shape[0], generator=g).tolist()
     tables = torch.zeros((len(seq_lens), max(per_seq) + 1), dtype=torch.int32)
     kvs = []
@@ -53,13 +61,15 @@ def scattered_cache(seq_lens: list[int], block_size: int, kv_heads: int, head_di
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_store_kv_matches_reference(dtype: torch.dtype) -> None:
-    cache = torch.full((6, 2, 16, 3, 32), float("nan"), dtype=dtype)  # 3 heads: padded to 4 in the kernel
+    cache = poisoned_cache(6, 16, 3, 32, dtype)  # 3 heads: padded to 4 in the kernel
     expected = cache.clone()
     key, value = torch.randn(5, 3, 32).to(dtype), torch.randn(5, 3, 32).to(dtype)
     slots = torch.tensor([0, 17, -1, 95, 40])  # first slot, mid-block, padding, last slot of the pool
-    store_kv(cache, key, value, slots)
-    reference.store_kv(expected, key, value, slots)
+    store_kv(layer_view(cache, 1), key, value, slots)
+    reference.store_kv(layer_view(expected, 1), key, value, slots)
+    # The whole cache: nothing lands in another layer's slots either.
     torch.testing.assert_close(cache, expected, equal_nan=True, atol=0, rtol=0)
+    assert not cache[:, :, 1].isnan().all(), "the store wrote nothing"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

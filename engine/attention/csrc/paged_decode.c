@@ -43,8 +43,9 @@ static inline void scale_vec(float *y, float a, int n) {
 }
 
 /* One sequence, KV heads [h0, h1): each with `groups` query vectors, against
- * `seq_len` cached tokens. Heads go inside the block loop so a block's K (then V)
- * is read as one contiguous run of all its heads. q, out: [h1 - h0, groups, head_dim]. */
+ * `seq_len` cached tokens. Heads go inside the block loop, so one block's K (then V)
+ * of all these heads is read together; in the engine's layout each head's is one
+ * contiguous run of n * head_dim floats. q, out: [h1 - h0, groups, head_dim]. */
 static void attend(float *out, const float *q, const float *cache, int h0, int h1,
                    const int32_t *block_table, int32_t seq_len, int64_t s_block, int64_t s_kv,
                    int64_t s_slot, int64_t s_head, int groups, int head_dim, int block_size,
@@ -100,7 +101,8 @@ static void attend(float *out, const float *q, const float *cache, int h0, int h
 /* out[r] = attention of query[rows[r]] over the cache blocks in block_tables[r]
  * (seq_lens[r] tokens), for r in [0, num_rows). Query and out rows are
  * [num_kv_heads * groups, head_dim], contiguous. `cache` is one layer's view:
- * cache + block*s_block + kv*s_kv + slot*s_slot + head*s_head, dims contiguous.
+ * cache + block*s_block + kv*s_kv + slot*s_slot + head*s_head, dims contiguous;
+ * any strides (the engine's head stride spans all layers of a block's head).
  * Work is split into `head_splits` parts per row (1 unless rows are too few to keep
  * every thread busy); the caller keeps (num_kv_heads / head_splits) * groups within
  * MAX_QUERY_HEADS. `threads` is the caller's (torch's) count: OpenMP's default is per
