@@ -24,7 +24,7 @@ SHAPE = dict(num_blocks=64, layers=2, block_size=16, kv_heads=2, head_dim=32)
 
 
 def cache_shape(num_blocks: int = SHAPE["num_blocks"], block_size: int = SHAPE["block_size"]) -> tuple[int, ...]:
-    return (num_blocks, SHAPE["layers"], 2, block_size, SHAPE["kv_heads"], SHAPE["head_dim"])
+    return (num_blocks, SHAPE["kv_heads"], SHAPE["layers"], 2, block_size, SHAPE["head_dim"])
 
 
 def fill(cache: torch.Tensor, seed: int) -> None:
