@@ -40,7 +40,7 @@ BLOCK_BYTES = 4 * LAYER_BYTES
 
 
 def shape(num_blocks: int, block_bytes: int) -> tuple[int, ...]:
-    return (num_blocks, block_bytes // LAYER_BYTES, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return (num_blocks, KV_HEADS, block_bytes // LAYER_BYTES, 2, BLOCK_SIZE, HEAD_DIM)
 
 
 def receiver(conn: Connection, transport: str, num_blocks: int, device: str, block_bytes: int) -> None:
