@@ -73,18 +73,20 @@ class TcpTransport(KVTransport):
         if len(frames) != expected:
             raise ValueError(f"{len(runs)} runs of {blocks} blocks in pieces {pieces} need {expected} data "
                              f"frames, got {len(frames)}")
-        hb = self.compat.head_bytes
         data = iter(frames)
-        targets = []  # (destination view, its bytes), all checked before any is written
         for rank, head, num_heads, whole in pieces:
             dst = self._rank_bytes[rank]
             if whole:
-                targets += [(dst[d:d + n], next(data)) for d, n in runs]
-            else:
-                lo, hi = head * hb, (head + num_heads) * hb
-                targets += [(dst[b, lo:hi], next(data)) for d, n in runs for b in range(d, d + n)]
-        for dst, frame in targets:
-            if len(frame.buffer) != dst.numel():
-                raise ValueError(f"a region of {dst.numel()} bytes came with {len(frame.buffer)}")
-        for dst, frame in targets:
-            dst.copy_(torch.frombuffer(frame.buffer, dtype=torch.uint8).view(dst.shape))
+                for d, n in runs:
+                    run = torch.frombuffer(next(data).buffer, dtype=torch.uint8)
+                    if run.numel() != n * dst.shape[1]:
+                        raise ValueError(f"a run of {n} blocks came with {run.numel()} bytes")
+                    dst[d:d + n].copy_(run.view(n, -1))
+                continue
+            lo, hi = head * self.compat.head_bytes, (head + num_heads) * self.compat.head_bytes
+            for d, n in runs:
+                for b in range(d, d + n):
+                    heads = torch.frombuffer(next(data).buffer, dtype=torch.uint8)
+                    if heads.numel() != hi - lo:
+                        raise ValueError(f"{num_heads} heads of a block came with {heads.numel()} bytes")
+                    dst[b, lo:hi].copy_(heads)

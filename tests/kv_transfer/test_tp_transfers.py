@@ -174,6 +174,44 @@ def test_a_write_whose_pieces_leave_heads_unwritten_is_refused(make) -> None:
         sock.close(0)
 
 
+def refusal(decode: Worker, pieces: list[list[int]], frames: list[bytes]) -> str:
+    """Send D a write of blocks [2, 3] with `pieces` and data `frames` straight from a
+    socket; the reason of its refusal ("" if it accepted it)."""
+    sock = decode.t.control.ctx.socket(zmq.DEALER)
+    try:
+        decode.t.expect("a", 1, [2, 3], deadline=time.time() + 60)
+        sock.setsockopt(zmq.ROUTING_ID, b"prefill")
+        sock.connect(decode.t.control_address)
+        sock.send_multipart([encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]],
+                                    pieces=pieces), *frames])
+        end = time.monotonic() + 5
+        while not sock.poll(10):
+            assert time.monotonic() < end, "no reply to the write"
+            decode.t.poll()
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["kind"] == "ack"
+        return reply["reason"]
+    finally:
+        sock.close(0)
+        decode.t.abort("a")
+        decode.t.poll()
+
+
+@pytest.mark.timeout(30)
+def test_tcp_refuses_data_that_does_not_match_the_pieces(make) -> None:
+    decode = make("tcp", "decode", 4, 2)
+    head = LAYERS * 2 * BLOCK_SIZE * HEAD_DIM * 4
+    # every head of both ranks, per block: 2 pieces x 2 blocks
+    assert "need 4 data frames, got 3" in refusal(decode, [[0, 0, 2, 0], [1, 0, 2, 0]], [b"x" * 2 * head] * 3)
+    assert "2 heads of a block came with" in refusal(decode, [[0, 0, 2, 0], [1, 0, 2, 0]], [b"x" * head] * 4)
+    assert "a run of 2 blocks came with" in refusal(decode, [[0, 0, 2, 1], [1, 0, 2, 1]], [b"x" * head] * 2)
+    assert (decode.caches[0] == SENTINEL).all()
+    assert refusal(decode, [[0, 0, 2, 1], [1, 0, 1, 0], [1, 1, 1, 0]],
+                   [b"\0" * 4 * head, b"\0" * head, b"\0" * head, b"\0" * head, b"\0" * head]) == ""
+    assert (decode.caches[0][[2, 3]] == 0).all() and (decode.caches[1][[2, 3]] == 0).all()
+    assert (decode.caches[1][[0, 1, 4]] == SENTINEL).all()
+
+
 def rank_caches(ranges: list[tuple[int, int]], blocks: list[int] | None = None) -> list[torch.Tensor]:
     blocks = blocks or [BLOCKS] * len(ranges)
     return [torch.zeros(n, e - s, LAYERS, 2, BLOCK_SIZE, HEAD_DIM) for (s, e), n in zip(ranges, blocks)]
