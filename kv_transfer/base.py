@@ -5,10 +5,13 @@ Who calls what, and when (P = prefill worker, the sender; D = decode worker, the
     both    t = create_transport(name, agent_name, config)
             cache = t.allocate_kv_cache(shape, dtype, device)  # where peers can reach it
             t.register_kv_cache(cache, model)                   # once, before metadata()
+                # a TP worker's driver instead registers every rank's cache:
+                # t.register_kv_cache(caches, model, num_kv_heads, head_ranges, files)
             blob = t.metadata()      # bytes: handed to peers over the caller's own channel
     D       t.expect(req, epoch, blocks, deadline)  # before telling P those blocks
     P       peer = t.add_peer(blob_of_D)            # refused, naming the field, if incompatible
             xfer = t.write(peer, req, epoch, src_blocks, dst_blocks, deadline)
+                     # every rank pair's heads (rank_pairs.py); block ids hold on every rank
                      # the source blocks must stay unchanged until the write is done or failed
             t.cancel(req)                           # stop writing it (e.g. the request died)
     both    events = t.poll()                       # never blocks; call every step
@@ -32,10 +35,11 @@ from typing import Any
 
 import torch
 
-from kv_transfer.compat import KVCompat
+from kv_transfer.compat import IncompatiblePeerError, KVCompat
 from kv_transfer.config import TransportConfig
 from kv_transfer.control import ControlPlane, Peer
 from kv_transfer.events import Event
+from kv_transfer.rank_pairs import HeadRange, plan
 from kv_transfer.receiver import ReceiverState
 from kv_transfer.sender import SenderState, Write, written_message
 
@@ -46,11 +50,13 @@ class KVTransport(ABC):
 
     name = "base"
     one_sided = False  # True: bytes land without the receiver's involvement
+    multi_rank = False  # True: registers a TP>1 worker's rank caches and moves heads between TP sizes
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         self.agent_name = agent_name
         self.config = config or TransportConfig()
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_cache: torch.Tensor | None = None  # rank 0's (the only one at TP 1)
+        self.kv_caches: list[torch.Tensor] = []  # every rank's, as this process maps them
         self.compat: KVCompat | None = None
         self.control = ControlPlane(agent_name, self.config.host)
         self.session = self.control.session  # new per transport object (control.py)
@@ -115,9 +121,11 @@ class KVTransport(ABC):
     def _abandon(self, write: Write) -> None:
         """Free the data plane's resources of a write that failed or timed out."""
 
-    def _apply(self, sender: str, xfer: int, runs: list[list[int]], frames: list[Any]) -> None:
-        """Two-sided, on D: put write `xfer`'s data into the local cache (runs: dst_start,
-        count); `frames` are whatever came with the notification."""
+    def _apply(self, sender: str, xfer: int, runs: list[list[int]], pieces: list[list[int]],
+               frames: list[Any]) -> None:
+        """Two-sided, on D: put write `xfer`'s data into the local caches (runs: dst_start,
+        count; pieces: rank_pairs.wire, checked to fill every local head); `frames` are
+        whatever came with the notification."""
         raise NotImplementedError
 
     def _discard(self, sender: str, xfer: int, runs: list[list[int]]) -> None:
@@ -140,14 +148,44 @@ class KVTransport(ABC):
 
     # ------------------------------------------------------------------ setup
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, model: str, tp_rank: int = 0,
-                          tp_size: int = 1) -> None:
+    def register_kv_cache(self, caches: torch.Tensor | Sequence[torch.Tensor], model: str,
+                          num_kv_heads: int | None = None, head_ranges: Sequence[HeadRange] | None = None,
+                          files: Sequence[str] | None = None) -> None:
+        """Register the worker's KV cache, once, before metadata().
+
+        caches: the cache (TP 1), or one per TP rank, as this process (the worker's
+        driver) sees them. head_ranges[r]: the model's KV heads [start, end) that rank r
+        holds (rank_pairs.even_head_ranges is the engine's split); num_kv_heads: the
+        model's count. Both default, at TP 1 only, to every head of the one cache.
+        files: where each rank's cache lives under /dev/shm, for transports whose peers
+        map it (shm; the others ignore it)."""
         if self.kv_cache is not None:
             raise RuntimeError("a KV cache is already registered with this transport")
-        self.compat = KVCompat.from_cache(kv_cache, model, tp_rank, tp_size)
-        self.kv_cache = kv_cache
-        self._blocks_bytes = kv_cache.view(torch.uint8).view(kv_cache.shape[0], -1)
-        self._data_meta = self._register(kv_cache)
+        ranks = [caches] if isinstance(caches, torch.Tensor) else list(caches)
+        if len(ranks) > 1 and not self.multi_rank:
+            raise ValueError(f"the {self.name} transport cannot register {len(ranks)} rank caches: KV transfers "
+                             f"between TP>1 workers are not built for {self.name} yet (they need a transfer "
+                             "agent per rank, on its GPU); use shm or tcp, or TP 1")
+        if num_kv_heads is None or head_ranges is None:
+            if len(ranks) != 1:
+                raise ValueError(f"{len(ranks)} rank caches: say num_kv_heads and each rank's head_ranges")
+            heads = ranks[0].shape[1] if isinstance(ranks[0], torch.Tensor) and ranks[0].dim() == 6 else 0
+            num_kv_heads = heads if num_kv_heads is None else num_kv_heads
+            head_ranges = [(0, heads)] if head_ranges is None else head_ranges
+        if files is not None and (len(files) != len(ranks) or not all(isinstance(f, str) for f in files)):
+            raise ValueError(f"{len(ranks)} rank caches need as many file paths, got {files!r}")
+        self.compat = KVCompat.from_caches(ranks, model, num_kv_heads, head_ranges)
+        self.kv_caches = ranks
+        self.kv_cache = ranks[0]
+        # Each rank's cache as [blocks, bytes]: what the data planes move.
+        self._rank_bytes = [c.view(torch.uint8).view(c.shape[0], -1) for c in ranks]
+        self._blocks_bytes = self._rank_bytes[0]
+        self._files = list(files) if files is not None else None
+        try:
+            self._data_meta = self._register(self.kv_cache)
+        except BaseException:
+            self.kv_cache = self.compat = None
+            raise
 
     def metadata(self) -> bytes:
         """The handshake blob for peers: who we are, where we listen, what we hold."""
@@ -160,6 +198,9 @@ class KVTransport(ABC):
         if self.compat is None:
             raise RuntimeError("register_kv_cache() first")
         name, compat, meta = self.control.read_handshake(metadata, self.name, self.compat)
+        if compat.tp_size > 1 and not self.multi_rank:
+            raise IncompatiblePeerError(f"peer {name!r} is at TP {compat.tp_size}: the {self.name} transport "
+                                        "does not move KV between TP>1 workers yet")
         known = self.control.peers.get(name)
         if known is not None:
             if known.metadata == metadata:
@@ -167,7 +208,7 @@ class KVTransport(ABC):
             # Same agent name, new metadata: the peer was restarted (new process, new
             # cache and control socket). The old one is dead.
             self.peer_gone(name)
-        peer = self.control.open(name, compat, meta, metadata)
+        peer = self.control.open(name, compat, meta, metadata, plan(self.compat.head_ranges, compat.head_ranges))
         self._connect(peer)
         self.control.peers[name] = peer
         return name

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-# The engine's cache layout (engine/kv_cache/layout.py). A block of every layer is one
-# contiguous region, which is what lets a run of blocks be one descriptor; a slice of
-# one block's heads is one contiguous region too (heads outside layers).
+from kv_transfer.rank_pairs import HeadRange, check_head_ranges
+
+# The engine's cache layout (engine/kv_cache/layout.py), one tensor per TP rank holding that rank's KV heads. Heads
+# outside layers, block-major: a head slice of one block is one contiguous region (a
+# transfer between TP sizes moves one per block), and a run of blocks with all of a
+# rank's heads is one too (a transfer between equal TP sizes moves one per run).
 LAYOUT = "block_major:[blocks,kv_heads,layers,2,block_size,head_dim]"
+
+# Must be equal on both sides; the TP size and head ranges may differ (rank_pairs.py).
+MUST_MATCH = ("model", "dtype", "layout", "block_size", "num_layers", "num_kv_heads", "head_dim")
 
 
 class IncompatiblePeerError(ValueError):
@@ -25,26 +32,59 @@ class KVCompat:
     layout: str
     block_size: int
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # the model's, over every rank
     head_dim: int
-    tp_rank: int = 0
     tp_size: int = 1
+    head_ranges: tuple[HeadRange, ...] = ()  # per rank: the model's heads [start, end) it holds
 
     @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor, model: str, tp_rank: int = 0,
-                   tp_size: int = 1) -> "KVCompat":
-        if kv_cache.dim() != 6 or kv_cache.shape[3] != 2:
-            raise ValueError(f"expected a {LAYOUT} cache, got shape {tuple(kv_cache.shape)}")
-        if not kv_cache.is_contiguous():
-            raise ValueError("the KV cache must be contiguous to be registered for transfer")
-        _, kv_heads, layers, _, block_size, head_dim = kv_cache.shape
-        return cls(model, str(kv_cache.dtype).removeprefix("torch."), LAYOUT, block_size, layers,
-                   kv_heads, head_dim, tp_rank, tp_size)
+    def from_caches(cls, caches: Sequence[torch.Tensor], model: str, num_kv_heads: int,
+                    head_ranges: Sequence[HeadRange]) -> "KVCompat":
+        """The record of a worker whose rank r holds caches[r], the heads head_ranges[r];
+        ValueError, saying what is wrong, unless they form one TP worker's cache."""
+        if not caches:
+            raise ValueError("no KV cache to register")
+        if len(head_ranges) != len(caches):
+            raise ValueError(f"{len(caches)} rank caches but {len(head_ranges)} head ranges")
+        first = caches[0]
+        for r, cache in enumerate(caches):
+            if not isinstance(cache, torch.Tensor) or cache.dim() != 6 or cache.shape[3] != 2:
+                shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+                raise ValueError(f"rank {r}: expected a {LAYOUT} cache, got shape {shape}")
+            if not cache.is_contiguous():
+                raise ValueError(f"rank {r}: the KV cache must be contiguous to be registered for transfer")
+            if cache.dtype != first.dtype or cache.device != first.device:
+                raise ValueError(f"rank {r}'s cache is {cache.dtype} on {cache.device}, rank 0's "
+                                 f"{first.dtype} on {first.device}")
+            for dim, name in ((0, "num_blocks"), (2, "layers"), (4, "block_size"), (5, "head_dim")):
+                if cache.shape[dim] != first.shape[dim]:
+                    raise ValueError(f"rank {r}'s cache has {name} {cache.shape[dim]}, rank 0's "
+                                     f"{first.shape[dim]}: every rank must hold the same blocks")
+        ranges = tuple(tuple(rng) if isinstance(rng, (tuple, list)) else rng for rng in head_ranges)
+        check_head_ranges(num_kv_heads, ranges)
+        for r, ((start, end), cache) in enumerate(zip(ranges, caches)):
+            if cache.shape[1] != end - start:
+                raise ValueError(f"rank {r} holds heads [{start}, {end}) but its cache has {cache.shape[1]} "
+                                 "KV heads")
+        _, _, layers, _, block_size, head_dim = first.shape
+        return cls(model, str(first.dtype).removeprefix("torch."), LAYOUT, block_size, layers,
+                   num_kv_heads, head_dim, len(caches), ranges)
+
+    @property
+    def head_bytes(self) -> int:
+        """One KV head of one block, every layer: a contiguous region of a rank's cache."""
+        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.block_size * self.head_dim * itemsize
 
     @property
     def block_bytes(self) -> int:
-        itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        """One block of every head of the model (at TP 1: one block of the cache)."""
+        return self.num_kv_heads * self.head_bytes
+
+    @property
+    def local_heads(self) -> list[int]:
+        """How many heads each rank's cache holds."""
+        return [end - start for start, end in self.head_ranges]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -54,13 +94,26 @@ class KVCompat:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(d, dict) or set(d) != names:
             raise IncompatiblePeerError(f"malformed compatibility record: {d!r}")
-        return cls(**d)
+        ranges = d["head_ranges"]
+        if not isinstance(ranges, (list, tuple)):
+            raise IncompatiblePeerError(f"malformed compatibility record: head_ranges {ranges!r}")
+        # msgpack hands tuples back as lists
+        return cls(**dict(d, head_ranges=tuple(tuple(r) if isinstance(r, (list, tuple)) else r for r in ranges)))
 
     def check_peer(self, peer: "KVCompat", peer_name: str) -> None:
-        """Raise IncompatiblePeerError naming the first field that differs."""
-        for f in dataclasses.fields(self):
-            ours, theirs = getattr(self, f.name), getattr(peer, f.name)
+        """Raise IncompatiblePeerError naming the first field that differs, or why the
+        peer's split of the heads over its ranks cannot be paired with ours."""
+        for name in MUST_MATCH:
+            ours, theirs = getattr(self, name), getattr(peer, name)
             if ours != theirs:
                 raise IncompatiblePeerError(
-                    f"peer {peer_name!r} is incompatible: {f.name} is {theirs!r} there, "
+                    f"peer {peer_name!r} is incompatible: {name} is {theirs!r} there, "
                     f"{ours!r} here")
+        if peer.tp_size != len(peer.head_ranges):
+            raise IncompatiblePeerError(f"peer {peer_name!r} is incompatible: tp_size {peer.tp_size!r} but "
+                                        f"{len(peer.head_ranges)} head ranges")
+        try:
+            check_head_ranges(peer.num_kv_heads, peer.head_ranges)
+        except ValueError as exc:
+            raise IncompatiblePeerError(f"peer {peer_name!r} at TP {peer.tp_size} cannot be paired with this "
+                                        f"worker at TP {self.tp_size}: {exc}") from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -21,6 +21,7 @@ import zmq
 
 from kv_transfer.compat import IncompatiblePeerError, KVCompat
 from kv_transfer.messages import CONTROL, MessageError, decode
+from kv_transfer.rank_pairs import Piece
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ class Peer:
     metadata: bytes  # as add_peer() got it: new bytes under the same name = a restart
     session: str  # the peer's KVTransport.session
     control: str = ""  # the address of its control socket
+    # What each write to it moves, rank pair by rank pair (rank_pairs.plan of our head
+    # ranges and its): at TP 1 on both sides, one whole piece.
+    pieces: list[Piece] = field(default_factory=list)
 
 
 class ControlPlane:
@@ -91,11 +95,12 @@ class ControlPlane:
         compat.check_peer(peer_compat, name)
         return name, peer_compat, meta
 
-    def open(self, name: str, compat: KVCompat, meta: dict[str, Any], metadata: bytes) -> Peer:
+    def open(self, name: str, compat: KVCompat, meta: dict[str, Any], metadata: bytes,
+             pieces: list[Piece]) -> Peer:
         """A Peer with its control socket connected, from read_handshake()'s answer; the
         caller adds it to `peers` once its data plane is connected too."""
         return Peer(name, compat, self._dealer(meta["control"]), dict(meta["data"], num_blocks=meta["num_blocks"]),
-                    bytes(metadata), str(meta.get("session", "")), meta["control"])
+                    bytes(metadata), str(meta.get("session", "")), meta["control"], pieces)
 
     # ------------------------------------------------------------------ sockets
 

@@ -36,6 +36,7 @@ def _is_int(value: Any) -> bool:
 
 _INTS = ListOf(_is_int)
 _INT_PAIRS = ListOf(lambda v: isinstance(v, list) and len(v) == 2 and all(map(_is_int, v)))
+_INT_QUADS = ListOf(lambda v: isinstance(v, list) and len(v) == 4 and all(map(_is_int, v)))
 
 FieldType = type | tuple[type, ...] | ListOf
 
@@ -75,10 +76,14 @@ class Schema:
 
 
 # Version 2: cancel carries the reservation's deadline (the sender forgets it then).
-CONTROL = Schema(2, {
+# Version 3: written carries its pieces (writes between TP sizes).
+CONTROL = Schema(3, {
     # sender -> receiver: blocks [dst...] of (request, epoch) hold the data now (for
     # one-sided transports), or follow in this message's data frames (two-sided).
-    "written": {"xfer": _INT, "req": _STR, "epoch": _INT, "blocks": _INTS, "runs": _INT_PAIRS},
+    # runs: [dst_start, count]; pieces: [dst_rank, dst_head, num_heads, whole], the heads
+    # of each receiving rank written (rank_pairs.wire), in the order of the data frames.
+    "written": {"xfer": _INT, "req": _STR, "epoch": _INT, "blocks": _INTS, "runs": _INT_PAIRS,
+                "pieces": _INT_QUADS},
     # receiver -> sender: the write `xfer` was applied (ok) or refused (reason).
     "ack": {"xfer": _INT, "ok": _BOOL, "reason": _STR},
     # receiver -> sender: stop writing (request, epoch); reply cancel_ack once no write

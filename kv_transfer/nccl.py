@@ -143,7 +143,8 @@ class NcclTransport(KVTransport):
             target = self._blocks_bytes[d:d + n] if into_cache else torch.empty_like(self._blocks_bytes[:n])
             group.recv([target], SENDER, xfer).wait(self._timeout())
 
-    def _apply(self, sender: str, xfer: int, runs: list[list[int]], frames: list[Any]) -> None:
+    def _apply(self, sender: str, xfer: int, runs: list[list[int]], pieces: list[list[int]],
+               frames: list[Any]) -> None:  # TP 1 only: one whole piece
         self._receive(sender, xfer, runs, into_cache=True)
 
     def _discard(self, sender: str, xfer: int, runs: list[list[int]]) -> None:

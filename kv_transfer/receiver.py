@@ -56,9 +56,11 @@ from typing import Any, Protocol
 
 import torch
 
+from kv_transfer.compat import KVCompat
 from kv_transfer.control import ControlPlane
 from kv_transfer.events import Completed, Event, Expired, Overwritten, Received, Released
 from kv_transfer.messages import encode
+from kv_transfer.rank_pairs import check_wire
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +93,10 @@ class ReceiverPlane(Protocol):
     one_sided: bool
     kv_cache: torch.Tensor | None
 
-    def _apply(self, sender: str, xfer: int, runs: list[list[int]], frames: list[Any]) -> None: ...
+    compat: KVCompat | None
+
+    def _apply(self, sender: str, xfer: int, runs: list[list[int]], pieces: list[list[int]],
+               frames: list[Any]) -> None: ...
     def _discard(self, sender: str, xfer: int, runs: list[list[int]]) -> None: ...
 
 
@@ -213,9 +218,11 @@ class ReceiverState:
             reason = "the reservation's deadline passed"
         elif _covered(msg["runs"]) != set(blocks):
             reason = "its runs do not cover exactly its blocks"
+        elif bad_pieces := check_wire(msg["pieces"], self._plane.compat.local_heads):
+            reason = f"its pieces do not fill every head of the blocks: {bad_pieces}"
         if not reason and not self._plane.one_sided:
             try:
-                self._plane._apply(sender.decode(), msg["xfer"], msg["runs"], frames)
+                self._plane._apply(sender.decode(), msg["xfer"], msg["runs"], msg["pieces"], frames)
             except (ValueError, RuntimeError) as exc:
                 reason = f"unusable data: {exc}"
         elif reason and not self._plane.one_sided and _covered(msg["runs"]) is not None:

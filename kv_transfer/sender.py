@@ -2,8 +2,10 @@
 deadlines, cancels, and the notification that tells the receiver a write has landed.
 
 A write is one request's list of blocks and carries one notification (request id and
-epoch). It moves as one descriptor per run of consecutive blocks (block-major layout:
-a block of every layer is one region). Its life:
+epoch). Between workers of one TP size with the same head split it moves as one
+descriptor per run of consecutive blocks per rank pair (block-major layout: a block of
+every layer is one region); between TP sizes, each rank pair moves the heads the
+receiving rank owns, one descriptor per block (rank_pairs.py). Its life:
 
     write()  -> the data plane moves the runs (_start)
              -> they have landed (_progress): the "written" notification goes out
@@ -41,6 +43,7 @@ from kv_transfer.compat import KVCompat
 from kv_transfer.control import ControlPlane, Peer
 from kv_transfer.events import Event, WriteDone, WriteFailed
 from kv_transfer.messages import encode
+from kv_transfer.rank_pairs import Piece, count_descriptors, heads_moved, wire
 from kv_transfer.runs import coalesce
 
 logger = logging.getLogger(__name__)
@@ -56,6 +59,7 @@ class Write:
     epoch: int
     dst: list[int]
     runs: list[tuple[int, int, int]]  # (src_start, dst_start, count)
+    pieces: list[Piece]  # which heads go from which rank to which (the peer's plan)
     started: float  # time.monotonic() at write()
     deadline: float  # the reservation's (time.time())
     handle: Any = None  # the data plane's handle while it moves bytes (tcp: its frames' ZMQ tracker)
@@ -68,7 +72,7 @@ class Write:
 def written_message(w: Write) -> bytes:
     """The write's notification: after its bytes (one-sided), or ahead of them."""
     return encode("written", xfer=w.xfer, req=w.req, epoch=w.epoch, blocks=w.dst,
-                  runs=[[d, n] for _, d, n in w.runs])
+                  runs=[[d, n] for _, d, n in w.runs], pieces=wire(w.pieces))
 
 
 class SenderPlane(Protocol):
@@ -121,8 +125,8 @@ class SenderState:
         if not src_blocks:
             raise ValueError("a write needs at least one block")
         xfer = next(self._xfer_ids)
-        w = Write(xfer, peer, req, epoch, list(dst_blocks), coalesce(src_blocks, dst_blocks), time.monotonic(),
-                  deadline)
+        w = Write(xfer, peer, req, epoch, list(dst_blocks), coalesce(src_blocks, dst_blocks), target.pieces,
+                  time.monotonic(), deadline)
         self.writes[xfer] = w
         self._stats["writes"] += 1
         if (req, epoch) in self.cancelled:
@@ -135,7 +139,7 @@ class SenderState:
             except Exception as exc:
                 self.fail(w, f"data plane error: {exc}")
                 return xfer
-            self._stats["descriptors"] += len(w.runs)
+            self._stats["descriptors"] += count_descriptors(w.pieces, w.runs)
             try:
                 self.notify_when_landed(w)
             except Exception as exc:  # e.g. a copy that already failed (shm: started too late)
@@ -214,7 +218,8 @@ class SenderState:
         self._ending.pop(w.xfer, None)
         if isinstance(event, WriteDone):
             self._stats["writes_done"] += 1
-            self._stats["bytes_written"] += sum(n for *_, n in w.runs) * self._plane.compat.block_bytes
+            self._stats["bytes_written"] += (sum(n for *_, n in w.runs) * heads_moved(w.pieces)
+                                             * self._plane.compat.head_bytes)
         else:
             try:
                 self._plane._abandon(w)

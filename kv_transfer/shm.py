@@ -1,6 +1,8 @@
 """shm: same host, CPU. The receiver's KV cache lives in a file under /dev/shm that the
-sender maps; a write is a plain memory copy of each run, made by a worker thread in one
-GIL-free call per chunk of at most CHUNK_BYTES, then the notification.
+sender maps (a TP worker: one file per rank, made by its engine, all mapped by the
+worker's driver); a write is a plain memory copy of each run (of each rank pair's heads,
+rank_pairs.py), made by a worker thread in one GIL-free call per chunk of at most
+CHUNK_BYTES, then the notification.
 
 The copy is bounded in time where it runs (_copy): one that starts after the
 reservation's deadline (the pool was busy, the host overloaded) does not start, and
@@ -48,23 +50,44 @@ def _map(path: str, size: int, create: bool) -> tuple[mmap.mmap, torch.Tensor]:
     return m, torch.frombuffer(m, dtype=torch.uint8)
 
 
-def _chunks(runs: list[tuple[int, int, int]], dst: torch.Tensor, src: torch.Tensor,
+def _regions(write: Write, dst: list[torch.Tensor], src: list[torch.Tensor],
+             head_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The write as (destination, source) [blocks, bytes] views of the ranks' caches (as
+    [blocks, bytes]), one pair per run of each piece: a whole piece's run is one
+    contiguous region; another piece's is a strided view of its heads in each block of
+    the run (one region per block, moved by the same copy call)."""
+    regions = []
+    for p in write.pieces:
+        to, frm = dst[p.dst_rank], src[p.src_rank]
+        if p.whole:
+            regions += [(to[d:d + n], frm[s:s + n]) for s, d, n in write.runs]
+        else:
+            so, do, size = p.src_head * head_bytes, p.dst_head * head_bytes, p.num_heads * head_bytes
+            regions += [(to[d:d + n, do:do + size], frm[s:s + n, so:so + size]) for s, d, n in write.runs]
+    return regions
+
+
+def _chunks(regions: list[tuple[torch.Tensor, torch.Tensor]],
             limit: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """The runs (src_start, dst_start, count) as (destination, source) views of
-    [blocks, bytes] caches, grouped into chunks of at most `limit` bytes (at least one
-    block each); a run larger than that is split. One loop step per run or chunk."""
-    per_chunk = max(1, limit // max(1, dst.shape[1]))  # blocks
+    """The (destination, source) [blocks, bytes] views grouped into chunks of at most
+    `limit` bytes (at least one block each); a view larger than that is split between
+    blocks. One loop step per view or chunk."""
     chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-    to, frm, room = [], [], per_chunk
-    for s, d, n in runs:
-        while n:
-            k = min(n, room)
-            to.append(dst[d:d + k])
-            frm.append(src[s:s + k])
-            s, d, n, room = s + k, d + k, n - k, room - k
-            if not room:
-                chunks.append((to, frm))
-                to, frm, room = [], [], per_chunk
+    to, frm, room = [], [], limit
+    for dst, src in regions:
+        n, row, i = dst.shape[0], dst.shape[1], 0
+        while i < n:
+            k = min(n - i, room // max(1, row))
+            if k <= 0:
+                if to:  # the chunk is full: the next block starts another
+                    chunks.append((to, frm))
+                    to, frm, room = [], [], limit
+                    continue
+                k = 1  # a block larger than the limit is a chunk of its own
+            whole = i == 0 and k == n  # the common case: no second slice
+            to.append(dst if whole else dst[i:i + k])
+            frm.append(src if whole else src[i:i + k])
+            room, i = room - k * row, i + k
     if to:
         chunks.append((to, frm))
     return chunks
@@ -90,13 +113,14 @@ def _copy(chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]], deadline:
 class ShmTransport(KVTransport):
     name = "shm"
     one_sided = True
+    multi_rank = True
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)
         self._path: str | None = None  # our segment, if we allocated one
         self._maps: list[mmap.mmap] = []  # ours, and peers' still viewed when they went
-        self._peer_maps: dict[str, mmap.mmap] = {}
-        self._peer_bytes: dict[str, torch.Tensor] = {}
+        self._peer_maps: dict[str, list[mmap.mmap]] = {}
+        self._peer_bytes: dict[str, list[torch.Tensor]] = {}  # each rank's cache, [blocks, bytes]
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"shm-{agent_name}")
 
     def allocate_kv_cache(self, shape: Sequence[int], dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -109,22 +133,41 @@ class ShmTransport(KVTransport):
         return raw.view(dtype).view(tuple(shape))
 
     def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
-        if self._path is None:
-            raise ValueError("the shm transport can only register a cache it allocated "
-                             "(allocate_kv_cache)")
-        return {"path": self._path, "bytes": kv_cache.numel() * kv_cache.element_size()}
+        sizes = [c.numel() * c.element_size() for c in self.kv_caches]
+        if self._files is not None:  # the rank caches' own files (a TP worker's engine made them)
+            paths = self._files
+            for r, (path, size) in enumerate(zip(paths, sizes)):
+                found = os.stat(path).st_size if os.path.exists(path) else None
+                if found != size:
+                    raise ValueError(f"rank {r}'s cache file {path} holds {found} bytes, its cache {size}")
+        elif self._path is not None and len(sizes) == 1:
+            paths = [self._path]
+        else:
+            raise ValueError("the shm transport can only register a cache it allocated (allocate_kv_cache), "
+                             "or rank caches with the /dev/shm files that hold them (files=)")
+        return {"paths": list(paths), "bytes": sizes}
 
     def _connect(self, peer: Peer) -> None:
-        m, raw = _map(peer.data["path"], peer.data["bytes"], create=False)
-        self._peer_maps[peer.name] = m
-        self._peer_bytes[peer.name] = raw.view(peer.data["num_blocks"], -1)
+        paths, sizes = peer.data["paths"], peer.data["bytes"]
+        if len(paths) != peer.compat.tp_size or len(sizes) != len(paths):
+            raise ValueError(f"{len(paths)} cache files announced for {peer.compat.tp_size} ranks")
+        mapped: list[tuple[mmap.mmap, torch.Tensor]] = []
+        try:
+            for path, size in zip(paths, sizes):
+                mapped.append(_map(path, size, create=False))
+            views = [raw.view(peer.data["num_blocks"], -1) for _, raw in mapped]
+        except BaseException:
+            self._maps += [m for m, _ in mapped]  # unmapped at close()
+            raise
+        maps = [m for m, _ in mapped]
+        self._peer_maps[peer.name] = maps
+        self._peer_bytes[peer.name] = views
 
     def _disconnect(self, name: str) -> None:
         # Unmapped now if nothing still views it (the pages of a dead peer's cache go
         # once its file is unlinked too), else at close().
         self._peer_bytes.pop(name, None)
-        m = self._peer_maps.pop(name, None)
-        if m is not None:
+        for m in self._peer_maps.pop(name, []):
             try:
                 m.close()
             except BufferError:  # a copy still holds a view
@@ -133,7 +176,8 @@ class ShmTransport(KVTransport):
     def _start(self, peer: Peer, write: Write) -> None:
         # One call per chunk of every run: a Python loop of copies per run would retake
         # the GIL between runs and stall behind the polling thread (docs/benchmarks.md).
-        chunks = _chunks(write.runs, self._peer_bytes[peer.name], self._blocks_bytes, CHUNK_BYTES)
+        regions = _regions(write, self._peer_bytes[peer.name], self._rank_bytes, self.compat.head_bytes)
+        chunks = _chunks(regions, CHUNK_BYTES)
         write.handle = self._pool.submit(_copy, chunks, write.deadline,
                                          write.deadline + self.config.cancel_grace_s / 2)
 
@@ -154,7 +198,7 @@ class ShmTransport(KVTransport):
         self._pool.shutdown(wait=True)
         self._peer_bytes.clear()
         self.kv_cache = self._blocks_bytes = None
-        for m in self._maps + list(self._peer_maps.values()):
+        for m in self._maps + [m for maps in self._peer_maps.values() for m in maps]:
             try:
                 m.close()
             except BufferError:  # a tensor view still exists; the mapping goes with it

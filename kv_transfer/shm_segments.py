@@ -11,9 +11,11 @@ SHM_DIR = "/dev/shm"
 
 
 def unlink_segment(metadata: bytes) -> None:
-    """Remove the segment an shm agent announced in `metadata`, if it still exists: a
-    killed process cannot unlink its own (its owner calls this after it is gone)."""
+    """Remove the segments an shm agent announced in `metadata` (one per TP rank), if they
+    still exist: a killed process cannot unlink its own (its owner calls this after it
+    is gone). Only files named as pdserve's KV segments are removed."""
     meta = msgpack.unpackb(metadata, raw=False)
-    path = meta.get("data", {}).get("path", "") if meta.get("transport") == "shm" else ""
-    if path.startswith(os.path.join(SHM_DIR, "pdserve-kv-")) and os.path.exists(path):
-        os.unlink(path)
+    paths = meta.get("data", {}).get("paths", []) if meta.get("transport") == "shm" else []
+    for path in paths:
+        if isinstance(path, str) and path.startswith(os.path.join(SHM_DIR, "pdserve-kv-")) and os.path.exists(path):
+            os.unlink(path)

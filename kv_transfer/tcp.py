@@ -1,6 +1,7 @@
 """tcp: the fallback that works anywhere. The block bytes travel in the notification
-itself, as ZMQ frames (one per run, zero-copy from the cache on CPU), and the
-receiver copies them into its cache only after checking the reservation.
+itself, as ZMQ frames (one per descriptor: per run, or per block of a rank pair's heads
+between TP sizes; zero-copy from the cache on CPU), and the receiver copies them into
+its caches only after checking the reservation.
 
 Zero-copy means ZMQ reads the sender's cache until it has sent the frames (or dropped
 them): each write keeps its frames' MessageTracker, and is reported done or failed only
@@ -25,6 +26,7 @@ from kv_transfer.sender import Write
 class TcpTransport(KVTransport):
     name = "tcp"
     one_sided = False
+    multi_rank = True
 
     def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         return {}
@@ -36,11 +38,20 @@ class TcpTransport(KVTransport):
         pass  # the data goes with the notification (_data_frames)
 
     def _data_frames(self, write: Write) -> list[Any]:
+        # One frame per descriptor (rank_pairs.count_descriptors), in the order of the
+        # write's pieces: a whole piece's run is one contiguous region, any other
+        # piece's heads are one region per block.
         frames = []
-        for src, _, n in write.runs:
-            run = self._blocks_bytes[src:src + n]
+        hb = self.compat.head_bytes
+        for p in write.pieces:
+            src = self._rank_bytes[p.src_rank]
+            if p.whole:
+                regions = [src[s:s + n] for s, _, n in write.runs]
+            else:
+                lo, hi = p.src_head * hb, (p.src_head + p.num_heads) * hb
+                regions = [src[b, lo:hi] for s, _, n in write.runs for b in range(s, s + n)]
             # zmq reads host memory; a GPU cache is staged through a host copy.
-            frames.append(memoryview(run.cpu().numpy() if run.is_cuda else run.numpy()).cast("B"))
+            frames += [memoryview(r.cpu().numpy() if r.is_cuda else r.numpy()).cast("B") for r in regions]
         return frames
 
     def _send_notification(self, peer: Peer, write: Write) -> None:
@@ -54,11 +65,28 @@ class TcpTransport(KVTransport):
     def _source_in_use(self, write: Write) -> bool:
         return write.handle is not None and not write.handle.done
 
-    def _apply(self, sender: str, xfer: int, runs: list[list[int]], frames: list[Any]) -> None:
-        if len(runs) != len(frames):
-            raise ValueError(f"{len(runs)} runs but {len(frames)} data frames")
-        for (dst, n), frame in zip(runs, frames):
-            data = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-            if data.numel() != n * self._blocks_bytes.shape[1]:
-                raise ValueError(f"a run of {n} blocks came with {data.numel()} bytes")
-            self._blocks_bytes[dst:dst + n].copy_(data.view(n, -1))
+    def _apply(self, sender: str, xfer: int, runs: list[list[int]], pieces: list[list[int]],
+               frames: list[Any]) -> None:
+        # The frames in _data_frames' order; `pieces` fill every local head (receiver.py).
+        blocks = sum(n for _, n in runs)
+        expected = sum(len(runs) if whole else blocks for *_, whole in pieces)
+        if len(frames) != expected:
+            raise ValueError(f"{len(runs)} runs of {blocks} blocks in pieces {pieces} need {expected} data "
+                             f"frames, got {len(frames)}")
+        data = iter(frames)
+        for rank, head, num_heads, whole in pieces:
+            dst = self._rank_bytes[rank]
+            if whole:
+                for d, n in runs:
+                    run = torch.frombuffer(next(data).buffer, dtype=torch.uint8)
+                    if run.numel() != n * dst.shape[1]:
+                        raise ValueError(f"a run of {n} blocks came with {run.numel()} bytes")
+                    dst[d:d + n].copy_(run.view(n, -1))
+                continue
+            lo, hi = head * self.compat.head_bytes, (head + num_heads) * self.compat.head_bytes
+            for d, n in runs:
+                for b in range(d, d + n):
+                    heads = torch.frombuffer(next(data).buffer, dtype=torch.uint8)
+                    if heads.numel() != hi - lo:
+                        raise ValueError(f"{num_heads} heads of a block came with {heads.numel()} bytes")
+                    dst[b, lo:hi].copy_(heads)

@@ -27,7 +27,8 @@ def test_a_written_message_with_malformed_block_ids_is_refused(blocks, runs) -> 
     with pytest.raises(MessageError, match=r"written\.(blocks|runs) has the wrong type"):
         decode(msgpack.packb({"v": CONTROL.version, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,
                               "blocks": blocks, "runs": runs}))
-    assert decode(encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]]))["blocks"] == [2, 3]
+    assert decode(encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]],
+                         pieces=[[0, 0, 2, 1]]))["blocks"] == [2, 3]
 
 
 @pytest.mark.timeout(30)

@@ -30,7 +30,7 @@ def gated_copies(sender: KVTransport, gate: threading.Event, pool: ThreadPoolExe
     started: list[Future] = []
 
     def start(peer, write) -> None:
-        dst = sender._peer_bytes[peer.name]
+        dst = sender._peer_bytes[peer.name][0]  # rank 0: TP 1
         runs = ([dst[d:d + n] for _, d, n in write.runs], [sender._blocks_bytes[s:s + n] for s, _, n in write.runs])
         write.handle = pool.submit(lambda: (gate.wait(30), torch._foreach_copy_(*runs)))
         started.append(write.handle)

@@ -1,0 +1,278 @@
+"""Writes between workers of different TP sizes (one process, shm and tcp): every
+destination rank ends up holding exactly the heads it owns of the source blocks, no
+other block changes, the descriptors are the plan's; impossible pairings and rank
+caches that do not form a worker are refused, saying why."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from kv_transfer import IncompatiblePeerError, KVTransport, TransportConfig, WriteDone, create_transport
+from kv_transfer.messages import encode
+from kv_transfer.rank_pairs import even_head_ranges
+from kv_transfer.shm_segments import SHM_DIR
+
+SENTINEL = -7.0
+BLOCKS, LAYERS, BLOCK_SIZE, HEAD_DIM = 32, 2, 4, 8
+# (src blocks, dst blocks) per write: one run of 6 blocks; 3 blocks consecutive on neither side
+WRITES = [([0, 1, 2, 3, 4, 5], [10, 11, 12, 13, 14, 15]), ([20, 9, 3], [2, 30, 7])]
+RUNS, WRITTEN = 1 + 3, 6 + 3
+
+
+class Worker:
+    """A TP worker's driver as the transport sees it: one cache per rank (in its own
+    /dev/shm file for shm, as the engine makes them), registered together."""
+
+    def __init__(self, transport: str, name: str, kv_heads: int, tp: int, files: list[str]) -> None:
+        self.t = create_transport(transport, name, TransportConfig(timeout_s=5.0, cancel_grace_s=5.0))
+        self.ranges = even_head_ranges(kv_heads, tp)
+        self.caches, paths = [], []
+        for start, end in self.ranges:
+            shape = (BLOCKS, end - start, LAYERS, 2, BLOCK_SIZE, HEAD_DIM)
+            if transport == "shm":
+                cache, path = shm_cache(shape)
+                files.append(path)
+                paths.append(path)
+            else:
+                cache = torch.empty(shape)
+            cache.fill_(SENTINEL)
+            self.caches.append(cache)
+        self.t.register_kv_cache(self.caches, "test-model", kv_heads, self.ranges, paths or None)
+
+
+def shm_cache(shape: tuple[int, ...]) -> tuple[torch.Tensor, str]:
+    path = os.path.join(SHM_DIR, f"pdserve-kv-test-{uuid.uuid4().hex}")
+    size = torch.Size(shape).numel() * 4
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        m = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(m, dtype=torch.float32).view(shape), path
+
+
+@pytest.fixture
+def make() -> Iterator:
+    made: list[Worker] = []
+    files: list[str] = []
+
+    def worker(transport: str, name: str, kv_heads: int, tp: int) -> Worker:
+        made.append(Worker(transport, name, kv_heads, tp, files))
+        return made[-1]
+
+    yield worker
+    for w in made:
+        w.t.close()
+    assert all(os.path.exists(f) for f in files), "the transport removed a cache file it did not make"
+    for f in files:
+        os.unlink(f)
+
+
+def poll_until_done(sender: KVTransport, receiver: KVTransport, count: int) -> list:
+    events, end = [], time.monotonic() + 10
+    while len([e for e in events if type(e).__name__ in ("WriteDone", "WriteFailed")]) < count:
+        assert time.monotonic() < end, f"writes never ended: {events}"
+        events += sender.poll()
+        receiver.poll()
+        time.sleep(0.002)
+    return events
+
+
+# (kv heads, prefill TP, decode TP, descriptors of WRITES): a piece that is every head of
+# the block on both sides is one descriptor per run (RUNS), any other one per block (WRITTEN).
+PAIRINGS = [
+    (2, 1, 1, RUNS),  # homogeneous: one rank pair, whole
+    (2, 2, 2, 2 * RUNS),  # homogeneous: two rank pairs, whole
+    (2, 1, 2, 2 * WRITTEN),  # each decode rank takes one head of the prefill rank's two
+    (2, 2, 1, 2 * WRITTEN),  # the decode rank takes one head from each prefill rank
+    (1, 1, 2, 2 * RUNS),  # one KV head, replicated at TP 2: each rank gets it whole
+    (1, 2, 1, RUNS),  # replicated at the source: read once, from rank 0
+    (1, 2, 2, 2 * RUNS),
+    (4, 1, 4, 4 * WRITTEN),
+    (4, 4, 2, 4 * WRITTEN),
+    (4, 2, 4, 4 * WRITTEN),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("kv_heads,p,d,descriptors", PAIRINGS)
+def test_each_decode_rank_gets_exactly_its_heads(make, transport: str, kv_heads: int, p: int, d: int,
+                                                 descriptors: int) -> None:
+    g = torch.Generator().manual_seed(kv_heads * 100 + p * 10 + d)
+    whole = torch.randn(BLOCKS, kv_heads, LAYERS, 2, BLOCK_SIZE, HEAD_DIM, generator=g)  # the "global" cache
+    decode, prefill = make(transport, "decode", kv_heads, d), make(transport, "prefill", kv_heads, p)
+    for (start, end), cache in zip(prefill.ranges, prefill.caches):
+        cache.copy_(whole[:, start:end])
+    assert prefill.t.add_peer(decode.t.metadata()) == "decode"
+    for i, (_, dst) in enumerate(WRITES):
+        decode.t.expect(f"r{i}", 1, dst, deadline=time.time() + 60)
+    for i, (src, dst) in enumerate(WRITES):
+        prefill.t.write("decode", f"r{i}", 1, src, dst, deadline=time.time() + 60)
+    events = poll_until_done(prefill.t, decode.t, len(WRITES))
+    assert all(isinstance(e, WriteDone) for e in events if type(e).__name__.startswith("Write")), events
+
+    written = sorted(b for _, dst in WRITES for b in dst)
+    for r, ((start, end), cache) in enumerate(zip(decode.ranges, decode.caches)):
+        for src, dst in WRITES:
+            assert torch.equal(cache[dst], whole[src, start:end]), f"decode rank {r}'s heads [{start}, {end})"
+        untouched = [b for b in range(BLOCKS) if b not in written]
+        assert (cache[untouched] == SENTINEL).all(), f"decode rank {r}: a block nobody wrote to changed"
+    head_bytes = LAYERS * 2 * BLOCK_SIZE * HEAD_DIM * 4
+    assert prefill.t.stats["descriptors"] == descriptors
+    moved = sum(end - start for start, end in decode.ranges)  # replicated heads once per rank
+    assert prefill.t.stats["bytes_written"] == WRITTEN * moved * head_bytes
+    assert decode.t.stats["late_writes_dropped"] == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_impossible_pairings_are_refused_with_the_reason(make, transport: str) -> None:
+    decode = make(transport, "decode", 4, 2)
+    other_heads = make(transport, "prefill", 2, 2)
+    with pytest.raises(IncompatiblePeerError, match="num_kv_heads is 4 there, 2 here"):
+        other_heads.t.add_peer(decode.t.metadata())
+    prefill = make(transport, "prefill2", 4, 1)
+    for ranges, tp, reason in [([[0, 2], [0, 2]], 2, r"no rank holds KV heads \[2, 3\] of 4"),
+                               ([[0, 2], [2, 3], [3, 4]], 3, "4 KV heads do not divide over TP 3"),
+                               ([[0, 2], [2, 4]], 3, "tp_size 3 but 2 head ranges")]:
+        meta = msgpack.unpackb(decode.t.metadata(), raw=False)
+        meta["compat"].update(head_ranges=ranges, tp_size=tp)
+        with pytest.raises(IncompatiblePeerError, match=reason):
+            prefill.t.add_peer(msgpack.packb(meta, use_bin_type=True))
+    assert not prefill.t.control.peers
+
+
+@pytest.mark.timeout(30)
+def test_a_write_whose_pieces_leave_heads_unwritten_is_refused(make) -> None:
+    decode = make("shm", "decode", 4, 2)
+    sock = decode.t.control.ctx.socket(zmq.DEALER)
+    try:
+        decode.t.expect("a", 1, [2, 3], deadline=time.time() + 60)
+        sock.setsockopt(zmq.ROUTING_ID, b"prefill")
+        sock.connect(decode.t.control_address)
+        sock.send(encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]],
+                         pieces=[[0, 0, 2, 1]]))  # rank 1's heads never written
+        end = time.monotonic() + 5
+        while not sock.poll(10):
+            assert time.monotonic() < end, "no reply to the write"
+            assert not [e for e in decode.t.poll() if type(e).__name__ in ("Received", "Completed")]
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["kind"] == "ack" and not reply["ok"]
+        assert "pieces do not fill every head" in reply["reason"] and "rank 1" in reply["reason"]
+    finally:
+        sock.close(0)
+
+
+def refusal(decode: Worker, pieces: list[list[int]], frames: list[bytes]) -> str:
+    """Send D a write of blocks [2, 3] with `pieces` and data `frames` straight from a
+    socket; the reason of its refusal ("" if it accepted it)."""
+    sock = decode.t.control.ctx.socket(zmq.DEALER)
+    try:
+        decode.t.expect("a", 1, [2, 3], deadline=time.time() + 60)
+        sock.setsockopt(zmq.ROUTING_ID, b"prefill")
+        sock.connect(decode.t.control_address)
+        sock.send_multipart([encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]],
+                                    pieces=pieces), *frames])
+        end = time.monotonic() + 5
+        while not sock.poll(10):
+            assert time.monotonic() < end, "no reply to the write"
+            decode.t.poll()
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["kind"] == "ack"
+        return reply["reason"]
+    finally:
+        sock.close(0)
+        decode.t.abort("a")
+        decode.t.poll()
+
+
+@pytest.mark.timeout(30)
+def test_tcp_refuses_data_that_does_not_match_the_pieces(make) -> None:
+    decode = make("tcp", "decode", 4, 2)
+    head = LAYERS * 2 * BLOCK_SIZE * HEAD_DIM * 4
+    # every head of both ranks, per block: 2 pieces x 2 blocks
+    assert "need 4 data frames, got 3" in refusal(decode, [[0, 0, 2, 0], [1, 0, 2, 0]], [b"x" * 2 * head] * 3)
+    assert "2 heads of a block came with" in refusal(decode, [[0, 0, 2, 0], [1, 0, 2, 0]], [b"x" * head] * 4)
+    assert "a run of 2 blocks came with" in refusal(decode, [[0, 0, 2, 1], [1, 0, 2, 1]], [b"x" * head] * 2)
+    assert (decode.caches[0] == SENTINEL).all()
+    assert refusal(decode, [[0, 0, 2, 1], [1, 0, 1, 0], [1, 1, 1, 0]],
+                   [b"\0" * 4 * head, b"\0" * head, b"\0" * head, b"\0" * head, b"\0" * head]) == ""
+    assert (decode.caches[0][[2, 3]] == 0).all() and (decode.caches[1][[2, 3]] == 0).all()
+    assert (decode.caches[1][[0, 1, 4]] == SENTINEL).all()
+
+
+def rank_caches(ranges: list[tuple[int, int]], blocks: list[int] | None = None) -> list[torch.Tensor]:
+    blocks = blocks or [BLOCKS] * len(ranges)
+    return [torch.zeros(n, e - s, LAYERS, 2, BLOCK_SIZE, HEAD_DIM) for (s, e), n in zip(ranges, blocks)]
+
+
+@pytest.mark.parametrize("caches,kv,ranges,files,message", [
+    (rank_caches([(0, 2), (2, 4)], [BLOCKS, 16]), 4, [(0, 2), (2, 4)], None,
+     "rank 1's cache has num_blocks 16, rank 0's 32"),
+    (rank_caches([(0, 2), (2, 4)]), 4, [(0, 2), (1, 3)], None, r"no rank holds KV heads \[3\]"),
+    (rank_caches([(0, 2), (2, 4)]), 4, [(0, 2)], None, "2 rank caches but 1 head ranges"),
+    (rank_caches([(0, 1), (1, 2)]), 2, [(0, 1), (1, 3)], None, r"rank 1 holds heads \[1, 3\), outside \[0, 2\)"),
+    (rank_caches([(0, 2), (2, 3)]), 3, [(0, 2), (2, 3)], None, "3 KV heads do not divide over TP 2"),
+    (rank_caches([(0, 1), (1, 2)]), 4, [(0, 2), (2, 4)], None, r"rank 0 holds heads \[0, 2\) but its cache has 1"),
+    (rank_caches([(0, 2), (2, 4)]), None, None, None, "say num_kv_heads and each rank's head_ranges"),
+    (rank_caches([(0, 2), (2, 4)]), 4, [(0, 2), (2, 4)], ["/dev/shm/x"], "2 rank caches need as many file paths"),
+    ([torch.zeros(BLOCKS, LAYERS, 2, BLOCK_SIZE, 2, HEAD_DIM)], 2, [(0, 2)], None,
+     r"expected a block_major:\[blocks,kv_heads,layers,2,block_size,head_dim\] cache"),
+])
+def test_rank_caches_that_do_not_form_a_worker_are_refused(caches, kv, ranges, files, message) -> None:
+    t = create_transport("tcp", "decode")
+    try:
+        with pytest.raises(ValueError, match=message):
+            t.register_kv_cache(caches, "test-model", kv, ranges, files)
+        assert t.compat is None and t.kv_cache is None
+    finally:
+        t.close()
+
+
+def test_shm_needs_the_files_of_rank_caches_it_did_not_allocate(make) -> None:
+    t = create_transport("shm", "decode")
+    try:
+        with pytest.raises(ValueError, match="rank caches with the /dev/shm files that hold them"):
+            t.register_kv_cache(rank_caches([(0, 2), (2, 4)]), "test-model", 4, [(0, 2), (2, 4)])
+        cache, path = shm_cache((BLOCKS, 2, LAYERS, 2, BLOCK_SIZE, HEAD_DIM))
+        _, small = shm_cache((BLOCKS, 1, LAYERS, 2, BLOCK_SIZE, HEAD_DIM))
+        try:
+            with pytest.raises(ValueError, match=f"rank 1's cache file {small} holds {cache.nbytes // 2} bytes, "
+                                                 f"its cache {cache.nbytes}"):
+                t.register_kv_cache([cache, torch.zeros(BLOCKS, 2, LAYERS, 2, BLOCK_SIZE, HEAD_DIM)],
+                                    "test-model", 4, [(0, 2), (2, 4)], [path, small])
+        finally:
+            os.unlink(path)
+            os.unlink(small)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("transport", ["nixl", "nccl", "cuda_ipc"])
+def test_transports_without_tp_refuse_rank_caches_and_tp_peers(make, transport: str) -> None:
+    t = create_transport(transport, "decode")
+    try:
+        with pytest.raises(ValueError, match=f"the {transport} transport cannot register 2 rank caches: KV "
+                                             f"transfers between TP>1 workers are not built for {transport} yet"):
+            t.register_kv_cache(rank_caches([(0, 2), (2, 4)]), "test-model", 4, [(0, 2), (2, 4)])
+        if transport == "cuda_ipc":
+            return  # a TP 1 cache needs a GPU
+        t.register_kv_cache(torch.zeros(BLOCKS, 4, LAYERS, 2, BLOCK_SIZE, HEAD_DIM), "test-model")
+        meta = msgpack.unpackb(t.metadata(), raw=False)
+        meta["name"] = "peer"
+        meta["compat"].update(head_ranges=[[0, 2], [2, 4]], tp_size=2)
+        with pytest.raises(IncompatiblePeerError, match=f"peer 'peer' is at TP 2: the {transport} transport"):
+            t.add_peer(msgpack.packb(meta, use_bin_type=True))
+    finally:
+        t.close()
