@@ -19,7 +19,7 @@ def engine_and_transport(config: WorkerConfig) -> tuple[EngineCore, KVTransport]
         # At TP > 1 on CPU the engine places each rank's cache in a file; the shm
         # transport's peers map those files by name, so they stay until close().
         engine = EngineCore(config.engine, transport.allocate_kv_cache, keep_cache_files=config.transport == "shm")
-        _register(transport, engine, config.engine.model)
+        register_caches(transport, engine, config.engine.model)
     except BaseException:
         # A failed start (no model, no memory) must not leave its sockets, threads and
         # rank processes behind: a zmq context left to the garbage collector can hang
@@ -33,7 +33,7 @@ def engine_and_transport(config: WorkerConfig) -> tuple[EngineCore, KVTransport]
     return engine, transport
 
 
-def _register(transport: KVTransport, engine: EngineCore, model: str) -> None:
+def register_caches(transport: KVTransport, engine: EngineCore, model: str) -> None:
     """The transport reaches every rank's cache, each holding its KV heads."""
     size = engine.config.tensor_parallel_size
     if size == 1:

@@ -27,7 +27,7 @@ def test_head_slices_and_block_runs_are_contiguous_byte_ranges(llama_dir: Path) 
     item = cache.element_size()
     head_bytes = cfg.num_layers * 2 * block_size * cfg.head_dim * item  # one head of one block
     block_bytes = heads * head_bytes
-    compat = KVCompat.from_cache(cache, "m")
+    compat = KVCompat.from_caches([cache], "m", heads, [(0, heads)])
     assert compat.block_bytes == block_bytes and compat.num_kv_heads == heads
     assert compat.layout == LAYOUT == "block_major:[blocks,kv_heads,layers,2,block_size,head_dim]"
     for b in range(num_blocks):
