@@ -182,15 +182,16 @@ class DecodeWorker(WorkerLoop):
             return True
         return bool(stats.waiting) and not self.core.transport.holds_reservations()
 
-    def fail_all(self, error: str, stalled: bool) -> None:
+    def fail_all(self, error: str, fail_over: bool) -> None:
         """The worker gives up. Its prefill workers stop writing into its blocks; its
-        clients are told each request failed (status 500), unless it stalled: then the
-        router fails them over to another decode worker."""
+        clients are told each request failed (status 500), unless they are to fail
+        over (it stalled, or lost a tensor-parallel rank): then the router resubmits
+        them to another decode worker once this one is reported down."""
         for request_id, client in self.requests.items():
             sock = self.dealers.get(client.prefill) if client.prefill is not None else None
             if sock is not None:
                 self.send_now(sock, client.prefill.encode(), encode(Abort(request_id=request_id)))
-        if stalled:
+        if fail_over:
             return
         for request_id, client in self.requests.items():
             self.send_now(client.sock, client.sender,

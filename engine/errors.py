@@ -8,6 +8,9 @@ Two kinds, because a worker must answer them differently:
   counts, which tokens' KV is written) is broken. Nothing the engine says can be
   trusted any more: fail every request and restart the process.
 
+`RankFailure` is the EngineStateError of a broken tensor-parallel group: the requests
+in it are not at fault and can go on elsewhere.
+
 These are real checks, not asserts: they stay on under `python -O`, where a skipped
 assert would let a request decode from blocks it does not own.
 """
@@ -17,6 +20,12 @@ from __future__ import annotations
 
 class EngineStateError(RuntimeError):
     """The engine's bookkeeping broke an invariant; its state cannot be trusted."""
+
+
+class RankFailure(EngineStateError):
+    """A tensor-parallel collective failed: a rank died, stalled past the timeout, or
+    its forward raised. The engine is unusable (its group is broken), but its requests
+    did nothing wrong: a worker fails them over, as for a worker that died."""
 
 
 class RequestsFailed(RuntimeError):

@@ -107,7 +107,7 @@ class PrefillWorker(WorkerLoop):
             if origin is not None:
                 self.send(*origin, encode(r))
 
-    def fail_all(self, error: str, stalled: bool) -> None:
+    def fail_all(self, error: str, fail_over: bool) -> None:
         """The worker gives up: every decode worker waiting on one of its jobs hears
         that it failed, and prefills the prompt itself."""
         for request_id, (sock, sender) in self.origin.items():

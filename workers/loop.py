@@ -13,6 +13,9 @@ How a worker fails (engine/errors.py says what the engine raises):
   raises `WorkerFailed` out of `run()`: the process exits non-zero (under Ray the
   actor ends its process), and its launcher's supervisor reports it down and restarts
   it (cluster/).
+- `RankFailure` (a tensor-parallel rank died or stalled): fatal the same way, but the
+  requests are not at fault: the decode worker does not fail them; the router fails
+  them over to another decode worker once this one is reported down.
 - No progress (`router.stall_timeout_s`, StallWatchdog): the worker has work in its
   engine's queues and no step has computed a token for that long. It says so in its
   stats replies (`stalled`, `no_progress_s`: the router then stops routing to it and
@@ -36,7 +39,7 @@ from collections.abc import Callable
 
 import zmq
 
-from engine.errors import RequestsFailed
+from engine.errors import RankFailure, RequestsFailed
 from kv_transfer import KVTransport
 from protocol import CONTROL_MESSAGES, WORKER_MESSAGES, Message, MessageError, Peers, Ready, Serving, Stop, encode
 from workers.control import ControlChannel
@@ -162,10 +165,11 @@ class WorkerLoop:
         waiting on something with its own deadline (pushed KV)."""
         return False
 
-    def fail_all(self, error: str, stalled: bool) -> None:
+    def fail_all(self, error: str, fail_over: bool) -> None:
         """The worker gives up: tell whoever waits on each of its requests (no engine
-        call: its state may be broken). `stalled`: it gives up for lack of progress,
-        and the router fails its decode requests over instead."""
+        call: its state may be broken). `fail_over`: the requests are not at fault (it
+        stalled, or a tensor-parallel rank was lost): the router fails its decode
+        requests over to another worker instead, once this one is reported down."""
 
     # --- progress and failure bookkeeping, for subclasses ---
 
@@ -253,7 +257,8 @@ class WorkerLoop:
                          "restarts it", self.name, exc_info=exc)
         reason = str(exc) if isinstance(exc, WorkerFailed) else f"{type(exc).__name__}: {exc}"
         try:
-            self.fail_all(f"worker {self.name} failed ({reason}) and is being restarted", stalled)
+            self.fail_all(f"worker {self.name} failed ({reason}) and is being restarted",
+                          stalled or isinstance(exc, RankFailure))
         except Exception:
             logger.exception("%s: telling its clients failed too", self.name)
         try:

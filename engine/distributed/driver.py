@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.distributed.group import RankFailure, TorchGroup
+from engine.distributed.group import TorchGroup
+from engine.errors import RankFailure
 from engine.distributed.step_codec import StepCodec
 from engine.runner import StepInputs
 

@@ -14,12 +14,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from engine.errors import EngineStateError
-
-
-class RankFailure(EngineStateError):
-    """A collective of the tensor-parallel group failed: a rank died, stalled past the
-    timeout, or its forward raised."""
+from engine.errors import RankFailure
 
 
 class Group:
@@ -71,7 +66,7 @@ class TorchGroup(Group):
             work.wait()
         except Exception as exc:
             raise RankFailure(f"tensor-parallel {what} failed on rank {self.rank} of {self.size} "
-                              f"(a rank died or stalled past {self.timeout.total_seconds():g} s): "
+                              f"(a rank died, or stalled past {self.timeout.total_seconds():g} s): "
                               f"{type(exc).__name__}: {exc}") from exc
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:

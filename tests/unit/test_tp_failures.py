@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import os, signal, sys, threading, time
 from engine import LLM, SamplingParams
-from engine.distributed.group import RankFailure
+from engine.errors import RankFailure
 llm = LLM(sys.argv[1], tensor_parallel_size=2, num_threads=1, distributed_timeout_s=3.0)
 follower = llm.core.tp._procs[0]
 print("FOLLOWER", follower.pid, flush=True)
