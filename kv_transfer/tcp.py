@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import zmq
 
@@ -84,9 +85,20 @@ class TcpTransport(KVTransport):
                     dst[d:d + n].copy_(run.view(n, -1))
                 continue
             lo, hi = head * self.compat.head_bytes, (head + num_heads) * self.compat.head_bytes
+            # One small copy per block: numpy's, on this thread (a CPU cache). torch's
+            # would wake its intra-op threads for each, which stalls when the cores are busy.
+            rows, as_rows = (dst, _torch_bytes) if dst.is_cuda else (dst.numpy(), _numpy_bytes)
             for d, n in runs:
                 for b in range(d, d + n):
-                    heads = torch.frombuffer(next(data).buffer, dtype=torch.uint8)
-                    if heads.numel() != hi - lo:
-                        raise ValueError(f"{num_heads} heads of a block came with {heads.numel()} bytes")
-                    dst[b, lo:hi].copy_(heads)
+                    frame = next(data).buffer
+                    if len(frame) != hi - lo:
+                        raise ValueError(f"{num_heads} heads of a block came with {len(frame)} bytes")
+                    rows[b, lo:hi] = as_rows(frame)
+
+
+def _numpy_bytes(buffer: Any) -> np.ndarray:
+    return np.frombuffer(buffer, dtype=np.uint8)
+
+
+def _torch_bytes(buffer: Any) -> torch.Tensor:
+    return torch.frombuffer(buffer, dtype=torch.uint8)
