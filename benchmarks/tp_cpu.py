@@ -277,6 +277,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="tp_cpu_")
     configs: list[Config] = []
     memory: dict[str, tuple[int, int]] = {}
+    same_tokens = True
     try:
         model = str(build_8q2kv(Path(tmp) / "llama-8q2kv"))
         pairs = [(Config("8q/2kv TP1x2t", model, 1, 2), Config("8q/2kv TP2x1t", model, 2, 1))]
@@ -292,7 +293,7 @@ def main() -> None:
                 memory[cfg.label] = rank0_bytes(cfg.core)
                 print(f"started {cfg.label} in {time.perf_counter() - start:.1f} s", flush=True)
             torch.set_num_threads(max(c.threads for c in pair))
-            check_tokens(*pair)
+            same_tokens &= check_tokens(*pair)
         codec: StepCodec = configs[1].core.tp.codec
         times = {c.label: CollectiveTimes(c.core) for c in configs}
         results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -319,6 +320,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"load average after: {os.getloadavg()}")
     report(results, configs, memory, args)
+    if not same_tokens:
+        sys.exit("greedy tokens differed between tensor-parallel sizes (printed above)")
 
 
 def report(results: dict[str, dict[str, list[float]]], configs: list[Config],
