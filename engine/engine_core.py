@@ -112,7 +112,7 @@ class EngineCore:
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size,
                                   Sampler(self.model_config.eos_token_ids, seed=config.seed),
-                                  backend, config.device, self.tp.broadcast_step if self.tp else None)
+                                  backend, config.device, self.tp)
         if config.device.startswith("cuda") and not config.enforce_eager:
             if self.tp is None:
                 self._capture_cuda_graphs(backend, model_len)

@@ -6,14 +6,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, attention_context
-from engine.errors import EngineStateError
+from engine.errors import EngineStateError, RankFailure
 from engine.kv_cache.layout import cache_shape
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
@@ -23,6 +23,14 @@ from engine.staging import Uploader
 
 
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]
+
+
+class TPSteps(Protocol):
+    """What the runner needs of a tensor-parallel driver (engine/distributed/driver.py)."""
+
+    def broadcast_step(self, inputs: StepInputs) -> None: ...
+
+    def out_of_step(self, reason: str) -> RankFailure: ...
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int,
@@ -180,12 +188,12 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
                  sampler: Sampler | None, attention_backend: AttentionBackend, device: str,
-                 broadcast: Callable[[StepInputs], None] | None = None) -> None:
+                 tp: TPSteps | None = None) -> None:
         """sampler None: a tensor-parallel follower, which only runs forwards.
-        broadcast: the tensor-parallel driver's, given each step's inputs before its
-        forward (the other ranks run the same forward on them)."""
+        tp: the tensor-parallel driver, given each step's inputs before its forward (the
+        other ranks run the same forward on them)."""
         self.model = model
-        self.broadcast = broadcast
+        self.tp = tp
         self.attention_backend = attention_backend
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -232,16 +240,25 @@ class ModelRunner:
         (KVCacheManager.block_tables). `in_flight`: the step still running, whose
         sampled tokens are this step's placeholder input ids."""
         inputs = build_step_inputs(scheduled, block_tables, self.block_size)
-        if self.broadcast is not None:
-            inputs = _fill_placeholders(inputs, in_flight)  # the other ranks need the token ids
-            self.broadcast(inputs)
-        dev = self.upload(inputs, in_flight)
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            logits = self.graphs.run(inputs, dev)
+        if self.tp is None:
+            logits = self._forward(inputs, in_flight)
         else:
-            logits = self.forward(inputs, dev)
+            inputs = _fill_placeholders(inputs, in_flight)  # the other ranks need the token ids
+            self.tp.broadcast_step(inputs)
+            try:
+                logits = self._forward(inputs, None)
+            except RankFailure:
+                raise
+            except Exception as exc:
+                raise self.tp.out_of_step(f"{type(exc).__name__}: {exc}") from exc
         rows = [s.request.sampling_row for s in scheduled if s.samples]
         return LaunchedStep(scheduled, self.sampler.sample(logits, rows) if rows else None, self.device)
+
+    def _forward(self, inputs: StepInputs, in_flight: LaunchedStep | None) -> torch.Tensor:
+        dev = self.upload(inputs, in_flight)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs, dev)
+        return self.forward(inputs, dev)
 
     def wait_idle(self) -> None:
         """Wait until the device has run (or failed) everything queued so far."""

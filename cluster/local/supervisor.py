@@ -28,6 +28,7 @@ from collections.abc import Callable
 from cluster.config import ClusterConfig
 from cluster.local.workers import LocalWorkers, Worker, await_ready, await_serving, spawn
 from cluster.peers import peers_messages
+from engine.distributed.shm_files import sweep_orphans
 from kv_transfer.shm_segments import unlink_segment
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class LocalSupervisor:
         self.down(dead.name)
         if dead.metadata:  # a killed worker could not remove its shared memory
             unlink_segment(dead.metadata)
+        sweep_orphans()  # its TP rank caches, even if it died before saying ready
         self._tell_peers()
 
     def _restart(self, role: str, index: int, dead: Worker) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from cluster.config import ClusterConfig
 from cluster.peers import peers_messages
 from cluster.worker_configs import serve_worker, worker_config
+from engine.distributed.shm_files import sweep_orphans
 from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES, Ready, Serving, Stop, encode
 
@@ -55,6 +56,7 @@ class LocalWorkers:
                 w.process.join(timeout)
             if w.metadata:  # a worker that was killed could not remove its shared memory
                 unlink_segment(w.metadata)
+        sweep_orphans()  # rank caches of a TP worker killed before it said ready
 
 
 def spawn(config: ClusterConfig, role: str, index: int) -> Worker:

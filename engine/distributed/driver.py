@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # Starting a follower (Python, torch, its shard of the weights) may take long on a busy
 # host; a follower that dies meanwhile is noticed at once.
 START_TIMEOUT_S = 600.0
+DRIVER_PID_ENV = "PDSERVE_TP_DRIVER_PID"  # a follower exits once this process is not its parent
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -57,12 +58,15 @@ class TPDriver:
                               timeout=datetime.timedelta(seconds=timeout))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+        env[DRIVER_PID_ENV] = str(os.getpid())
         try:
             for rank in range(1, self.size):
                 proc = subprocess.Popen([sys.executable, "-m", "engine.distributed.follower"],
-                                        stdin=subprocess.PIPE, env=env, cwd=REPO_ROOT)
+                                        stdin=subprocess.PIPE, env=env)
                 self._procs.append(proc)
-                rank_config = dataclasses.replace(config, device=rank_device(config.device, rank))
+                # The follower may resolve paths elsewhere (a Ray worker's directory).
+                rank_config = dataclasses.replace(config, model=os.path.abspath(config.model),
+                                                  device=rank_device(config.device, rank))
                 self._send(rank, {"config": dataclasses.asdict(rank_config), "rank": rank,
                                   "port": store.port})
             # Joining the group waits at most the collective timeout: first let every
@@ -116,10 +120,19 @@ class TPDriver:
 
     def broadcast_step(self, inputs: StepInputs) -> None:
         """Wake every follower for a step and broadcast its inputs."""
+        if self.group.failure is not None:  # out of step for good: no waiting on a timeout again
+            raise RankFailure(f"the tensor-parallel group failed earlier: {self.group.failure}")
         self.check_alive()
         for rank in range(1, self.size):
             self._send(rank, "step")
         self.group.broadcast_(self.codec.encode(inputs, self._buffer))
+
+    def out_of_step(self, reason: str) -> RankFailure:
+        """Rank 0 failed inside a broadcast step: the followers wait in collectives it
+        will not join. Every later step fails at once."""
+        self.group.failure = reason
+        return RankFailure(f"rank 0's forward failed after the step was broadcast ({reason}): "
+                           "the tensor-parallel group is out of step")
 
     def close(self) -> None:
         """Stop the followers (killed if they do not exit at once) and leave the group."""

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import threading
+import time
 
 import torch
 
 from engine.config import EngineConfig
 from engine.distributed import shared_cache
+from engine.distributed.driver import DRIVER_PID_ENV
 from engine.distributed.group import TorchGroup
 from engine.distributed.sharding import Shard
 from engine.distributed.step_codec import StepCodec
@@ -63,8 +67,21 @@ def serve(stdin) -> None:
     group.close()
 
 
+def _exit_with_driver(driver_pid: int) -> None:
+    """A follower still starting (joining the store, loading weights) reads no orders, so
+    it would not see its stdin close: it watches its parent instead."""
+    while os.getppid() == driver_pid:
+        time.sleep(0.5)
+    logger.error("tensor-parallel follower: its driver (pid %d) is gone; exiting", driver_pid)
+    os._exit(1)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # The driver's pid from the driver itself: one that died before this line ran
+    # would leave us adopted, and our parent would look alive.
+    driver = int(os.environ.get(DRIVER_PID_ENV, os.getppid()))
+    threading.Thread(target=_exit_with_driver, args=(driver,), daemon=True, name="driver-watch").start()
     try:
         serve(sys.stdin)
     except Exception:

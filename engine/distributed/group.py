@@ -46,6 +46,7 @@ class TorchGroup(Group):
     def __init__(self, rank: int, size: int, port: int, timeout_s: float, device: torch.device,
                  store: dist.TCPStore | None = None) -> None:
         self.rank, self.size, self.device = rank, size, device
+        self.failure: str | None = None  # once a collective failed, every later one fails at once
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.store = store or dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=self.timeout)
         if device.type == "cuda":
@@ -62,9 +63,12 @@ class TorchGroup(Group):
         return dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=600))
 
     def _wait(self, what: str, work) -> None:
+        if self.failure is not None:
+            raise RankFailure(f"the tensor-parallel group failed earlier: {self.failure}")
         try:
             work.wait()
         except Exception as exc:
+            self.failure = f"{what} failed: {type(exc).__name__}"
             raise RankFailure(f"tensor-parallel {what} failed on rank {self.rank} of {self.size} "
                               f"(a rank died, or stalled past {self.timeout.total_seconds():g} s): "
                               f"{type(exc).__name__}: {exc}") from exc

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import mmap
 import os
-import uuid
 
 import torch
 
-SHM_DIR = "/dev/shm"
-PREFIX = "pdserve-kv-"  # the shm transport's prefix too: launchers unlink what a dead worker left
-
+from engine.distributed.shm_files import rank_cache_paths, sweep_orphans, unlink
 
 def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
@@ -34,8 +31,8 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def create_rank_caches(shape: tuple[int, ...], dtype: torch.dtype, size: int) -> tuple[list[str], list[torch.Tensor]]:
     """One zeroed file-backed cache of `shape` per rank: (paths, tensors)."""
-    tag = uuid.uuid4().hex
-    paths = [os.path.join(SHM_DIR, f"{PREFIX}{tag}-rank{r}") for r in range(size)]
+    sweep_orphans()
+    paths = rank_cache_paths(size)
     caches = []
     try:
         for path in paths:
@@ -50,9 +47,4 @@ def attach(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     return _map(path, _nbytes(shape, dtype), create=False).view(dtype).view(shape)
 
 
-def unlink(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+__all__ = ["attach", "create_rank_caches", "unlink"]

@@ -150,7 +150,7 @@ def slow_copies(transport: ShmTransport, delay_s: float) -> ThreadPoolExecutor:
     copy = torch._foreach_copy_
 
     def start(peer, write) -> None:
-        dst = transport._peer_bytes[peer.name]
+        dst = transport._peer_bytes[peer.name][0]  # rank 0: these are TP 1 workers
         runs = ([dst[d:d + n] for _, d, n in write.runs], [transport._blocks_bytes[s:s + n] for s, _, n in write.runs])
         write.handle = pool.submit(lambda: (time.sleep(delay_s), copy(*runs)))
 

@@ -27,6 +27,16 @@ llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)  # the g
 fault = sys.argv[2]
 if fault == "driver-exits":
     os._exit(0)  # as if killed: no close(), no stop order
+if fault == "driver-forward":  # rank 0 alone raises inside a broadcast step
+    mlp = llm.core.model.layers[1].mlp
+    mlp.forward = lambda *a, **k: (_ for _ in ()).throw(MemoryError("rank 0 only"))
+    start = time.monotonic()
+    for attempt in range(2):
+        try:
+            llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        except RankFailure as exc:
+            print("FAILED AFTER %.1f: %s" % (time.monotonic() - start, exc), flush=True)
+    os._exit(0)
 threading.Timer(0.5, os.kill, (follower.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)).start()
 start = time.monotonic()
 try:
@@ -75,3 +85,50 @@ def test_a_dead_or_stalled_rank_fails_the_engine_loudly(tiny_models: dict[str, P
 def test_no_follower_outlives_its_driver(tiny_models: dict[str, Path]) -> None:
     _, pid = run(tiny_models["llama"], "driver-exits")
     assert gone(pid, 10.0)  # its stdin closed with the driver
+
+
+def test_rank_0_failing_alone_breaks_the_group_at_once(tiny_models: dict[str, Path]) -> None:
+    """Its followers wait in that step's collectives: not a failure of the requests, and
+    no later step may wait for the collective timeout again."""
+    out, _ = run(tiny_models["llama"], "driver-forward")
+    failures = [line for line in out.splitlines() if line.startswith("FAILED AFTER")]
+    assert len(failures) == 2, out
+    assert "out of step" in failures[0] and "failed earlier" in failures[1]
+    assert float(failures[1].split()[2].rstrip(":")) < 2.0  # not the 3 s timeout
+
+
+def test_a_driver_killed_while_starting_leaves_no_follower_and_no_cache_file(tiny_models: dict[str, Path]) -> None:
+    """Killed before its followers joined it (they were still importing torch): they see
+    their parent gone; its rank caches, whose names it told nobody, are swept by the
+    next driver (or launcher) on this host."""
+    from engine.distributed.shm_files import SHM_DIR, sweep_orphans
+
+    code = ("import sys; from engine import LLM; "
+            "LLM(sys.argv[1], tensor_parallel_size=2, num_threads=1, num_kv_blocks=4096)")
+    driver = subprocess.Popen([sys.executable, "-c", code, str(tiny_models["llama"])], cwd=REPO,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), stderr=subprocess.DEVNULL)
+    follower, deadline = None, time.monotonic() + 60
+    while follower is None and time.monotonic() < deadline:
+        children = Path(f"/proc/{driver.pid}/task/{driver.pid}/children").read_text().split()
+        follower = int(children[0]) if children else None
+        time.sleep(0.01)
+    mine = f"pdserve-kv-tp{driver.pid}-"
+    while not any(n.startswith(mine) for n in os.listdir(SHM_DIR)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until its rank caches exist (the follower is still starting)
+    driver.kill()
+    driver.wait()
+    assert follower is not None and gone(follower, 15.0)
+    swept = sweep_orphans()
+    assert any(os.path.basename(p).startswith(mine) for p in swept)
+    assert not any(n.startswith(mine) for n in os.listdir(SHM_DIR))
+
+
+def test_a_relative_model_path_works_from_any_directory(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "m").symlink_to(tiny_models["llama"])
+    code = ("from engine import LLM, SamplingParams; p = SamplingParams(max_tokens=4, temperature=0.0); "
+            "print('TOKENS', LLM('m', tensor_parallel_size=2, num_threads=1).generate([[5, 6]], p, use_tqdm=False)[0].token_ids, "
+            "LLM('m').generate([[5, 6]], p, use_tqdm=False)[0].token_ids)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True, timeout=180).stdout
+    tp2, tp1 = out.split("TOKENS ")[1].strip().split("] [")
+    assert tp2 + "]" == "[" + tp1 and len(tp2) > 3
