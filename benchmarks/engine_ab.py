@@ -10,7 +10,8 @@ moments of this (shared, drifting) machine. Each round of a (batch, prompt) case
 prefill under the default 512-token budget (prompts are chunked, and later chunks
 read their prefix back from the cache), then times `steps` decode steps of all
 `batch` requests. Reported per tree: prefill prompt tokens per second (median over
-rounds) and the median decode step (over all rounds' steps), and B / A. Uses only
+rounds) and the median decode step (over all rounds' steps); B / A of those medians,
+and the median of B / A over paired samples (a round's prefill, a step). Uses only
 the engine's public LLM / EngineCore verbs, so older trees run it unchanged.
 """
 
@@ -92,7 +93,7 @@ def main() -> None:
     argv = ["--model", str(Path(args.model).resolve()), "--steps", str(args.steps),
             "--threads", str(args.threads), "--kv-gib", str(args.kv_gib), "--trees", *args.trees]
     workers = [Worker(tree, argv) for tree in args.trees]
-    rows: list[tuple[str, list[float]]] = []
+    rows: list[tuple[str, list[list[float]]]] = []  # (metric, [A's samples, B's samples])
     for n, case in enumerate(args.cases.split(",")):
         batch, prompt = map(int, case.split("x"))
         prefill_rates: list[list[float]] = [[], []]
@@ -119,16 +120,19 @@ def main() -> None:
                 w.call(op="drain")
             print(f"{case} round {r + 1}: prefill tok/s {prefill_rates[0][-1]:.1f} / {prefill_rates[1][-1]:.1f}",
                   file=sys.stderr, flush=True)
-        rows.append((f"prefill {case}, prompt tok/s", [statistics.median(x) for x in prefill_rates]))
-        rows.append((f"decode step {case}, ms", [statistics.median(x) for x in decode_steps]))
+        rows.append((f"prefill {case}, prompt tok/s", prefill_rates))
+        rows.append((f"decode step {case}, ms", decode_steps))
     for w in workers:
         w.proc.stdin.close()
         w.proc.wait()
     a, b = args.trees
     print(f"\n{args.rounds} rounds, steps alternating between the trees, {args.threads} thread(s)")
-    print(f"| metric | A: {a} | B: {b} | B / A |\n|---|---:|---:|---:|")
-    for name, (ma, mb) in rows:
-        print(f"| {name} | {ma:.1f} | {mb:.1f} | {mb / ma:.3f} |")
+    print(f"| metric | A: {a} | B: {b} | B / A | B / A, paired |\n|---|---:|---:|---:|---:|")
+    for name, (xa, xb) in rows:
+        ma, mb = statistics.median(xa), statistics.median(xb)
+        # Each sample of B against A's of the same round or step: the drift cancels.
+        paired = statistics.median(y / x for x, y in zip(xa, xb))
+        print(f"| {name} | {ma:.1f} | {mb:.1f} | {mb / ma:.3f} | {paired:.3f} |")
 
 
 if __name__ == "__main__":
