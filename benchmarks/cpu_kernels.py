@@ -3,8 +3,9 @@ F.linear) and the layer ops (residual add + RMSNorm, rotary, SiLU-and-mul, vs to
 
     .venv/bin/python benchmarks/cpu_kernels.py                     # 1 thread, ~3 minutes
     .venv/bin/python benchmarks/cpu_kernels.py --threads 2 --rows 1,16,512
+    .venv/bin/python benchmarks/cpu_kernels.py --attention --repeats 15
 
-Two tables, each a median over interleaved repeats (this machine's speed drifts):
+Tables, each a median over interleaved repeats (this machine's speed drifts):
 
   layers   one forward's worth of the model's linears (every layer's qkv, o, gate_up,
            down, and the lm_head once), ms per forward and the weight bytes it streams
@@ -13,6 +14,9 @@ Two tables, each a median over interleaved repeats (this machine's speed drifts)
            prompts, greedy): oneDNN linears with torch's layer ops (before these
            kernels), panel linears with torch's ops, panel linears with the C ops; steps
            of the three alternate (--skip-engine to leave it out)
+  attention  the C decode-attention kernel over every layer of one decode step, on
+           the engine's cache layout and on the same K/V with the heads inside the
+           layers (the engine's previous layout), alternating (--attention to run it)
 
 The shapes are the model's (default: the demo model, SmolLM2-135M).
 """
@@ -121,6 +125,38 @@ def engine_table(model: str, batches: list[int], steps: int) -> None:
         print(f"| {batch} | " + " | ".join(f"{m * 1e3:.1f}" for m in med) + f" | {med[0] / med[-1]:.2f}x |")
 
 
+def attention_table(cfg: ModelConfig, cases: list[tuple[int, int]], repeats: int) -> None:
+    from engine.attention import cpu_decode
+    from engine.kv_cache.layout import cache_shape, layer_view
+
+    if not cpu_decode.supports(torch.empty(1, 2, 16, cfg.num_kv_heads, cfg.head_dim), cfg.num_heads):
+        print("\nthe C decode kernel does not take this model's shapes")
+        return
+    block_size, scale = 16, cfg.head_dim ** -0.5
+    print(f"\nC decode attention, all {cfg.num_layers} layers of one step, ms, median of {repeats}, "
+          f"{torch.get_num_threads()} thread(s)")
+    print("| batch x context | heads inside layers | engine layout (heads outside) | engine / inside |")
+    print("|---|---:|---:|---:|")
+    for batch, context in cases:
+        per_seq = -(-context // block_size)
+        num_blocks = batch * per_seq + 8
+        engine = torch.randn(cache_shape(num_blocks, cfg.num_kv_heads, cfg.num_layers, block_size, cfg.head_dim))
+        inside = engine.permute(0, 2, 3, 4, 1, 5).contiguous()  # [blocks, layers, 2, bs, H, D]
+        tables = torch.randperm(num_blocks)[:batch * per_seq].view(batch, per_seq).to(torch.int32).contiguous()
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        query, rows = torch.randn(batch, cfg.num_heads, cfg.head_dim), torch.arange(batch)
+        layers = {"inside": [inside[:, i] for i in range(cfg.num_layers)],
+                  "engine": [layer_view(engine, i) for i in range(cfg.num_layers)]}
+        outs = {name: cpu_decode.paged_decode_attention(query, views[1], rows, tables, lens, scale)
+                for name, views in layers.items()}
+        assert torch.equal(outs["inside"], outs["engine"]), "the layouts' results differ"
+        fns = {name: (lambda views=views: [cpu_decode.paged_decode_attention(query, v, rows, tables, lens, scale)
+                                           for v in views]) for name, views in layers.items()}
+        med = interleaved_medians(fns, repeats)
+        print(f"| {batch} x {context} | {med['inside'] * 1e3:.1f} | {med['engine'] * 1e3:.1f} | "
+              f"{med['engine'] / med['inside']:.3f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/SmolLM2-135M-Instruct")
@@ -130,10 +166,17 @@ def main() -> None:
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--attention", action="store_true", help="only the decode-attention layout table")
+    p.add_argument("--contexts", default="1x1024,8x768,32x512", help="BATCHxCONTEXT for --attention")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    layers_table(ModelConfig.from_model_dir(args.model), [int(r) for r in args.rows.split(",")], args.repeats)
+    cfg = ModelConfig.from_model_dir(args.model)
+    if args.attention:
+        cases = [tuple(map(int, c.split("x"))) for c in args.contexts.split(",")]
+        attention_table(cfg, cases, args.repeats)
+        return
+    layers_table(cfg, [int(r) for r in args.rows.split(",")], args.repeats)
     if not args.skip_engine:
         engine_table(args.model, [int(b) for b in args.batches.split(",")], args.steps)
 

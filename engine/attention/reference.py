@@ -28,10 +28,11 @@ def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
     """K and V of one sequence's first seq_len tokens: each [seq_len, H, D]."""
     block_size = layer_cache.shape[2]
     blocks = block_table[:-(-seq_len // block_size)].long()
-    # Gather K and V separately; the gather keeps the view's strides (heads outermost
-    # within a block), so flattening blocks and slots into positions copies once more.
-    k = layer_cache[:, 0][blocks].flatten(0, 1)[:seq_len]
-    v = layer_cache[:, 1][blocks].flatten(0, 1)[:seq_len]
+    # index_select writes a contiguous [n, bs, H, D] that views flat: one copy each.
+    # (Indexing with [blocks] would keep the view's strides, heads outermost within a
+    # block, and flattening blocks with slots would copy again.)
+    k = torch.index_select(layer_cache[:, 0], 0, blocks).flatten(0, 1)[:seq_len]
+    v = torch.index_select(layer_cache[:, 1], 0, blocks).flatten(0, 1)[:seq_len]
     return k, v
 
 
