@@ -209,7 +209,11 @@ class KVTransport(ABC):
             # cache and control socket). The old one is dead.
             self.peer_gone(name)
         peer = self.control.open(name, compat, meta, metadata, plan(self.compat.head_ranges, compat.head_ranges))
-        self._connect(peer)
+        try:
+            self._connect(peer)
+        except BaseException:  # refused or failed: no peer, so its control socket goes too
+            peer.socket.close(0)
+            raise
         self.control.peers[name] = peer
         return name
 

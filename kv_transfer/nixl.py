@@ -1,12 +1,21 @@
 """nixl: NIXL agent with the UCX backend, one-sided WRITE (DRAM on CPU, VRAM on GPU).
 
-Both caches are described to NIXL once, block by block, as prepared descriptor lists
-(built locally from the peer's base address and block size, never from NIXL's pickled
-descriptor lists). A write is then one NIXL transfer made from two arrays of block
-indices, which NIXL merges into runs; describing the runs afresh for every write cost
-more than moving them (docs/benchmarks.md, GPU check). Its NIXL notification is our
-"written" message, delivered after the data. NIXL has no timeouts of its own: the
-sender's state (sender.py) bounds every write.
+One agent per worker, in its driver: it registers every rank's cache (a TP worker on
+CPU maps them all). Both sides are described to NIXL once per peer, as prepared
+descriptor lists built locally from base addresses (never from NIXL's pickled
+descriptor lists): for each piece of the rank-pair plan (rank_pairs.py), one
+descriptor per block, the piece's heads of that block (every head of a whole piece:
+the whole block; any other piece: its head slice, at its offset within the block).
+The lists of a plan's pieces are one list, piece after piece, so that a write is one
+NIXL transfer over index arrays (block id + piece * blocks), whatever the TP sizes;
+NIXL merges descriptors consecutive on both sides into runs. Describing the runs
+afresh for every write cost more than moving them (docs/benchmarks.md, GPU check).
+
+Its NIXL notification is our "written" message, which NIXL delivers after all the
+transfer's data: one transfer per write is what lets the receiver never hear of a
+write before every piece landed. NIXL has no timeouts of its own: the sender's state
+(sender.py) bounds every write. Between TP sizes on GPUs each rank's cache lives on
+its own GPU, which this one agent cannot reach: refused (CPU caches only).
 """
 
 from __future__ import annotations
@@ -17,9 +26,14 @@ import numpy as np
 import torch
 
 from kv_transfer.base import KVTransport, TransportConfig
+from kv_transfer.compat import IncompatiblePeerError
 from kv_transfer.control import Peer
+from kv_transfer.rank_pairs import Piece
 from kv_transfer.runs import block_pairs
 from kv_transfer.sender import Write
+
+# A plan as its local list needs it: (src_rank, src_head, num_heads) per piece.
+LocalKey = tuple[tuple[int, int, int], ...]
 
 
 def _import_nixl():
@@ -33,6 +47,7 @@ def _import_nixl():
 class NixlTransport(KVTransport):
     name = "nixl"
     one_sided = True
+    multi_rank = True  # CPU caches only (_register)
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)
@@ -40,8 +55,9 @@ class NixlTransport(KVTransport):
         self._agent = nixl_agent(agent_name, nixl_agent_config(
             enable_prog_thread=self.config.progress_thread, backends=["UCX"]))
         self._registered = None
-        self._local_blocks = None  # prepared descriptor list, one entry per local block
-        self._remote_blocks: dict[str, Any] = {}  # peer name -> the same for its cache
+        # Prepared lists of our caches, one per plan (peers with the same plan share it).
+        self._local: dict[LocalKey, Any] = {}
+        self._remote: dict[str, tuple[Any, Any]] = {}  # peer name -> (its prepared list, ours for its plan)
 
     def _mem_type(self) -> str:
         return "VRAM" if self.kv_cache.is_cuda else "DRAM"
@@ -50,36 +66,70 @@ class NixlTransport(KVTransport):
         return (self.kv_cache.device.index or 0) if self.kv_cache.is_cuda else 0
 
     def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
-        self._registered = self._agent.register_memory(kv_cache)
-        self._local_blocks = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _block_descs(kv_cache.data_ptr(), self.compat.block_bytes, kv_cache.shape[0],
-                                            self._device_id()), self._mem_type())
-        return {"agent": self._agent.get_agent_metadata(), "base": kv_cache.data_ptr(),
+        if len(self.kv_caches) > 1 and kv_cache.is_cuda:
+            raise ValueError(f"the nixl transport cannot register {len(self.kv_caches)} rank caches on "
+                             f"{kv_cache.device}: KV transfers between TP>1 workers over nixl are built for CPU "
+                             "caches only (on GPUs they need a transfer agent per rank, on its GPU); use TP 1 there")
+        self._registered = self._agent.register_memory(self.kv_caches)
+        return {"agent": self._agent.get_agent_metadata(), "bases": [c.data_ptr() for c in self.kv_caches],
                 "device_id": self._device_id(), "mem": self._mem_type()}
 
     def _connect(self, peer: Peer) -> None:
-        name = self._agent.add_remote_agent(peer.data["agent"])
-        name = name.decode() if isinstance(name, bytes) else name  # NIXL returns bytes
-        if name != peer.name:
-            raise ValueError(f"NIXL agent {name!r} announced itself as {peer.name!r}")
         data = peer.data
-        self._remote_blocks[peer.name] = self._agent.prep_xfer_dlist(
-            peer.name, _block_descs(data["base"], self.compat.block_bytes, data["num_blocks"], data["device_id"]),
-            data["mem"])
+        bases = data.get("bases")
+        if (not isinstance(bases, list) or len(bases) != peer.compat.tp_size
+                or not all(type(b) is int and b > 0 for b in bases)):
+            raise IncompatiblePeerError(f"peer {peer.name!r} announced cache bases {bases!r} for its "
+                                        f"{peer.compat.tp_size} ranks")
+        whole_blocks = len(peer.pieces) == 1 and peer.pieces[0].whole
+        if not whole_blocks and "VRAM" in (self._mem_type(), data["mem"]):
+            raise IncompatiblePeerError(f"peer {peer.name!r} at TP {peer.compat.tp_size}: moving KV between TP "
+                                        f"sizes (this worker is at TP {self.compat.tp_size}) over nixl is built "
+                                        "for CPU caches only")
+        local = self._local_list(peer.pieces)
+        hb = self.compat.head_bytes
+        remote_rows = _piece_descs(peer.pieces, "dst", bases, [n * hb for n in peer.compat.local_heads],
+                                   data["num_blocks"], data["device_id"], hb)
+        name = self._agent.add_remote_agent(data["agent"])
+        name = name.decode() if isinstance(name, bytes) else name  # NIXL returns bytes
+        try:
+            if name != peer.name:
+                raise ValueError(f"NIXL agent {name!r} announced itself as {peer.name!r}")
+            try:  # NIXL checks each descriptor against the memory the peer's agent registered
+                remote = self._agent.prep_xfer_dlist(peer.name, remote_rows, data["mem"])
+            except Exception as exc:
+                raise IncompatiblePeerError(f"peer {peer.name!r}'s caches are not where it announced them "
+                                            f"(NIXL: {exc})") from None
+        except BaseException:
+            self._agent.remove_remote_agent(name)
+            raise
+        self._remote[peer.name] = (remote, local)
+
+    def _local_list(self, pieces: list[Piece]) -> Any:
+        key = tuple((p.src_rank, p.src_head, p.num_heads) for p in pieces)
+        if key not in self._local:
+            rows = _piece_descs(pieces, "src", [c.data_ptr() for c in self.kv_caches],
+                                [b.shape[1] for b in self._rank_bytes], self.kv_cache.shape[0],
+                                self._device_id(), self.compat.head_bytes)
+            self._local[key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type())
+        return self._local[key]
 
     def _warm(self, peer: Peer) -> None:
         self._agent.make_connection(peer.name)  # UCX endpoints, else made by the first write
 
     def _disconnect(self, name: str) -> None:
-        dlist = self._remote_blocks.pop(name, None)
-        if dlist is not None:
-            self._agent.release_dlist_handle(dlist)
+        lists = self._remote.pop(name, None)
+        if lists is not None:
+            self._agent.release_dlist_handle(lists[0])
             self._agent.remove_remote_agent(name)
 
     def _start(self, peer: Peer, write: Write) -> None:
+        remote, local = self._remote[peer.name]
         src, dst = block_pairs(write.runs)
-        handle = self._agent.make_prepped_xfer("WRITE", self._local_blocks, src, self._remote_blocks[peer.name],
-                                               dst, self._header(write))
+        if len(write.pieces) > 1:  # piece i's descriptors follow i * blocks earlier ones, on each side
+            src = np.concatenate([src + i * self.kv_cache.shape[0] for i in range(len(write.pieces))])
+            dst = np.concatenate([dst + i * peer.data["num_blocks"] for i in range(len(write.pieces))])
+        handle = self._agent.make_prepped_xfer("WRITE", local, src, remote, dst, self._header(write))
         write.handle = handle
         if self._agent.transfer(handle) == "ERR":
             raise RuntimeError("NIXL refused to post the transfer")
@@ -95,7 +145,7 @@ class NixlTransport(KVTransport):
         return True
 
     def _send_notification(self, peer: Peer, write: Write) -> None:
-        pass  # NIXL delivered _header(write) with the data
+        pass  # NIXL delivered _header(write) after the data
 
     def _incoming_notifications(self) -> list[tuple[bytes, bytes]]:
         return [(sender.encode() if isinstance(sender, str) else sender, msg)
@@ -107,21 +157,27 @@ class NixlTransport(KVTransport):
             write.handle = None
 
     def _close(self) -> None:
-        for name, dlist in self._remote_blocks.items():
+        for name in list(self._remote):
+            self._disconnect(name)
+        for dlist in self._local.values():
             self._agent.release_dlist_handle(dlist)
-            self._agent.remove_remote_agent(name)
-        self._remote_blocks.clear()
-        if self._local_blocks is not None:
-            self._agent.release_dlist_handle(self._local_blocks)
-            self._local_blocks = None
+        self._local.clear()
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
+            self._registered = None
 
 
-def _block_descs(base: int, block_bytes: int, num_blocks: int, device_id: int) -> np.ndarray:
-    """[num_blocks, 3] (address, length, device id) rows, one per block."""
-    rows = np.empty((num_blocks, 3), dtype=np.int64)
-    rows[:, 0] = base + np.arange(num_blocks, dtype=np.int64) * block_bytes
-    rows[:, 1] = block_bytes
-    rows[:, 2] = device_id
+def _piece_descs(pieces: list[Piece], side: str, bases: list[int], block_bytes: list[int], num_blocks: int,
+                 device_id: int, head_bytes: int) -> np.ndarray:
+    """[len(pieces) * num_blocks, 3] (address, length, device id) rows: for each piece in
+    turn, one per block of the ranks' caches on `side` ("src" or "dst"), the piece's
+    heads of that block (at TP 1 on both sides: the whole block)."""
+    rows = np.empty((len(pieces) * num_blocks, 3), dtype=np.int64)
+    blocks = np.arange(num_blocks, dtype=np.int64)
+    for i, p in enumerate(pieces):
+        rank, head = (p.src_rank, p.src_head) if side == "src" else (p.dst_rank, p.dst_head)
+        part = rows[i * num_blocks:(i + 1) * num_blocks]
+        part[:, 0] = bases[rank] + blocks * block_bytes[rank] + head * head_bytes
+        part[:, 1] = p.num_heads * head_bytes
+        part[:, 2] = device_id
     return rows

@@ -4,6 +4,7 @@ heads the receiving rank holds. Greedy tokens must equal the colocated engine's.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,10 @@ from tests.disagg.test_remote_prefill import PROMPTS, reference, run, tokens  # 
 from workers.start import register_caches
 
 
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
+                                                     reason="the nixl transport needs the nixl package"))
+
+
 def tp_engine(model_dir: Path, transport, size: int, **options) -> EngineCore:
     engine = EngineCore(EngineConfig(model=str(model_dir), tensor_parallel_size=size, num_threads=1, **options),
                         transport.allocate_kv_cache, keep_cache_files=transport.name == "shm")
@@ -25,7 +30,7 @@ def tp_engine(model_dir: Path, transport, size: int, **options) -> EngineCore:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", NIXL])
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1), (2, 2)])
 def test_pushed_kv_between_tp_sizes_gives_colocated_tokens(llama_dir: Path, reference, transport: str,
                                                            prefill_tp: int, decode_tp: int) -> None:

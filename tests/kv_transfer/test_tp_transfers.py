@@ -1,22 +1,25 @@
-"""Writes between workers of different TP sizes (one process, shm and tcp): every
+"""Writes between workers of different TP sizes (one process, shm, tcp and nixl): every
 destination rank ends up holding exactly the heads it owns of the source blocks, no
-other block changes, the descriptors are the plan's; impossible pairings and rank
-caches that do not form a worker are refused, saying why."""
+other block changes, the receiver hears of a write only once all of it landed, the
+descriptors are the plan's; impossible pairings and rank caches that do not form a
+worker are refused, saying why."""
 
 from __future__ import annotations
 
+import importlib
 import mmap
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgpack
 import pytest
 import torch
 import zmq
 
-from kv_transfer import IncompatiblePeerError, KVTransport, TransportConfig, WriteDone, create_transport
+from kv_transfer import (IncompatiblePeerError, KVTransport, Received, TransportConfig, WriteDone,
+                         create_transport)
 from kv_transfer.messages import encode
 from kv_transfer.rank_pairs import even_head_ranges
 from kv_transfer.shm_segments import SHM_DIR
@@ -28,9 +31,24 @@ WRITES = [([0, 1, 2, 3, 4, 5], [10, 11, 12, 13, 14, 15]), ([20, 9, 3], [2, 30, 7
 RUNS, WRITTEN = 1 + 3, 6 + 3
 
 
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not _importable("nixl._api"),
+                                                     reason="the nixl transport needs the nixl package"))
+# The transports that move KV between TP sizes (nixl on CPU caches).
+MULTI_RANK = ["shm", "tcp", NIXL]
+FILE_BACKED = ("shm", "nixl")  # caches in /dev/shm files, as a TP worker's engine makes them on CPU
+
+
 class Worker:
     """A TP worker's driver as the transport sees it: one cache per rank (in its own
-    /dev/shm file for shm, as the engine makes them), registered together."""
+    /dev/shm file for shm and nixl, as the engine makes them), registered together."""
 
     def __init__(self, transport: str, name: str, kv_heads: int, tp: int, files: list[str]) -> None:
         self.t = create_transport(transport, name, TransportConfig(timeout_s=5.0, cancel_grace_s=5.0))
@@ -38,7 +56,7 @@ class Worker:
         self.caches, paths = [], []
         for start, end in self.ranges:
             shape = (BLOCKS, end - start, LAYERS, 2, BLOCK_SIZE, HEAD_DIM)
-            if transport == "shm":
+            if transport in FILE_BACKED:
                 cache, path = shm_cache(shape)
                 files.append(path)
                 paths.append(path)
@@ -78,12 +96,17 @@ def make() -> Iterator:
         os.unlink(f)
 
 
-def poll_until_done(sender: KVTransport, receiver: KVTransport, count: int) -> list:
+def poll_until_done(sender: KVTransport, receiver: KVTransport, count: int,
+                    on_received: Callable[[Received], None] = lambda e: None) -> list:
+    """The sender's events until `count` writes ended; on_received sees each Received
+    of the receiver's as soon as its poll() reports it."""
     events, end = [], time.monotonic() + 10
     while len([e for e in events if type(e).__name__ in ("WriteDone", "WriteFailed")]) < count:
         assert time.monotonic() < end, f"writes never ended: {events}"
         events += sender.poll()
-        receiver.poll()
+        for e in receiver.poll():
+            if isinstance(e, Received):
+                on_received(e)
         time.sleep(0.002)
     return events
 
@@ -105,7 +128,7 @@ PAIRINGS = [
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", MULTI_RANK)
 @pytest.mark.parametrize("kv_heads,p,d,descriptors", PAIRINGS)
 def test_each_decode_rank_gets_exactly_its_heads(make, transport: str, kv_heads: int, p: int, d: int,
                                                  descriptors: int) -> None:
@@ -119,8 +142,18 @@ def test_each_decode_rank_gets_exactly_its_heads(make, transport: str, kv_heads:
         decode.t.expect(f"r{i}", 1, dst, deadline=time.time() + 60)
     for i, (src, dst) in enumerate(WRITES):
         prefill.t.write("decode", f"r{i}", 1, src, dst, deadline=time.time() + 60)
-    events = poll_until_done(prefill.t, decode.t, len(WRITES))
+    received: list[str] = []
+
+    def landed_before_heard(e: Received) -> None:  # every piece of the write, on every rank
+        src, dst = WRITES[int(e.req[1:])]
+        assert sorted(e.blocks) == sorted(dst)
+        for r, ((start, end), cache) in enumerate(zip(decode.ranges, decode.caches)):
+            assert torch.equal(cache[dst], whole[src, start:end]), f"{e.req} heard of before rank {r}'s heads landed"
+        received.append(e.req)
+
+    events = poll_until_done(prefill.t, decode.t, len(WRITES), landed_before_heard)
     assert all(isinstance(e, WriteDone) for e in events if type(e).__name__.startswith("Write")), events
+    assert sorted(received) == [f"r{i}" for i in range(len(WRITES))]
 
     written = sorted(b for _, dst in WRITES for b in dst)
     for r, ((start, end), cache) in enumerate(zip(decode.ranges, decode.caches)):
@@ -136,7 +169,7 @@ def test_each_decode_rank_gets_exactly_its_heads(make, transport: str, kv_heads:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", MULTI_RANK)
 def test_impossible_pairings_are_refused_with_the_reason(make, transport: str) -> None:
     decode = make(transport, "decode", 4, 2)
     other_heads = make(transport, "prefill", 2, 2)
@@ -259,7 +292,7 @@ def test_shm_needs_the_files_of_rank_caches_it_did_not_allocate(make) -> None:
         t.close()
 
 
-@pytest.mark.parametrize("transport", ["nixl", "nccl", "cuda_ipc"])
+@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
 def test_transports_without_tp_refuse_rank_caches_and_tp_peers(make, transport: str) -> None:
     t = create_transport(transport, "decode")
     try:
@@ -276,3 +309,28 @@ def test_transports_without_tp_refuse_rank_caches_and_tp_peers(make, transport: 
             t.add_peer(msgpack.packb(meta, use_bin_type=True))
     finally:
         t.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not _importable("nixl._api"), reason="the nixl transport needs the nixl package")
+def test_nixl_refuses_peers_it_cannot_describe_and_connects_once_they_are_right(make) -> None:
+    decode, prefill = make("nixl", "decode", 4, 2), make("nixl", "prefill", 4, 1)
+    good = decode.t.metadata()
+    for change, reason in [(dict(bases=[1 << 40]), r"announced cache bases \[1099511627776\] for its 2 ranks"),
+                           (dict(bases=[1 << 40, 1 << 41]), "'decode''s caches are not where it announced them"),
+                           (dict(mem="VRAM"), "moving KV between TP sizes .* over nixl is built for CPU caches only")]:
+        meta = msgpack.unpackb(good, raw=False)
+        meta["data"].update(change)
+        with pytest.raises(IncompatiblePeerError, match=reason):
+            prefill.t.add_peer(msgpack.packb(meta, use_bin_type=True))
+    assert not prefill.t.control.peers
+    # Nothing of the refused handshakes stands in the way: the right one connects, and a
+    # write lands.
+    assert prefill.t.add_peer(good) == "decode"
+    for cache in prefill.caches:
+        cache.fill_(3.0)
+    decode.t.expect("a", 1, [5, 6], deadline=time.time() + 60)
+    prefill.t.write("decode", "a", 1, [1, 2], [5, 6], deadline=time.time() + 60)
+    assert all(isinstance(e, WriteDone) for e in poll_until_done(prefill.t, decode.t, 1)
+               if type(e).__name__.startswith("Write"))
+    assert all((c[[5, 6]] == 3.0).all() and (c[[1, 2, 7]] == SENTINEL).all() for c in decode.caches)
