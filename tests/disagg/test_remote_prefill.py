@@ -70,12 +70,6 @@ def tokens(requests: dict[str, Request]) -> dict[str, list[int]]:
     return {k: r.output_token_ids for k, r in requests.items()}
 
 
-@pytest.fixture(scope="module")
-def reference(llama_dir: Path) -> dict[str, list[int]]:
-    llm = LLM(str(llama_dir), num_kv_blocks=80)
-    return {f"r{i}": o.token_ids for i, o in enumerate(llm.generate(PROMPTS, GREEDY, use_tqdm=False))}
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport,async_scheduling", [("shm", False), ("tcp", False), ("shm", True)])
 def test_pushed_kv_gives_colocated_tokens(llama_dir: Path, reference, transport: str,

@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from kv_transfer import TransportConfig, create_transport
 from prefill_worker.remote_prefill import PrefillWorkerCore
-from tests.disagg.test_remote_prefill import PROMPTS, reference, run, tokens  # noqa: F401 (fixture)
+from tests.disagg.test_remote_prefill import PROMPTS, run, tokens
 from workers.start import register_caches
 
 
