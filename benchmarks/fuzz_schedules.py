@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/fuzz_schedules.py --fuzzer pd --transport shm --seeds 1000 --time-limit 900
     .venv/bin/python benchmarks/fuzz_schedules.py --fuzzer pd --transport tcp --seeds 200 --dump-dir /tmp/fz
     .venv/bin/python benchmarks/fuzz_schedules.py --replay /tmp/fz/pd-tcp-17.json --shrink
+    .venv/bin/python benchmarks/fuzz_schedules.py --fuzzer offline --tp 2 --seeds 100
+    .venv/bin/python benchmarks/fuzz_schedules.py --fuzzer pd --transport shm --tp random --seeds 100
 
 Prints one line per failure: seed, kind (mismatch / exception / hang / error_finish /
 invariant / rejection), a tag when it looks like a known bug (F1-F4; F3 on a mismatch
@@ -20,6 +22,13 @@ tokens are checked against Hugging Face transformers on a few prompts first
 (--no-hf-check to skip). P/D copies are slowed without bound by default (a stalled
 host); --bounded-copies keeps a started copy within the transport's bounds, as the
 short test in tests/fuzz does.
+
+--tp runs the fuzzed engines tensor-parallel (one torch thread per rank; the oracle
+stays TP 1): offline `--tp P`; pd `--tp P,D` (prefill TP P, decode TP D) or `--tp
+random`, a pair from {1,2}x{1,2} drawn per seed (the seed's schedule is the same at
+any TP). Every engine is closed at the end of its seed, failed or hung; a follower
+process still alive after a seed is reported (kind invariant), and the summary says
+how many were left at the end (followers_left, 0 expected).
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# c10d's store polling while TP followers start logs a warning a second (noise here)
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # before anything defines a @triton.jit kernel
@@ -53,6 +64,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fuzzer", choices=("offline", "pd"), default="offline")
     ap.add_argument("--transport", choices=("shm", "tcp"), default="shm", help="pd only")
+    ap.add_argument("--tp", default="1",
+                    help="tensor_parallel_size of the fuzzed engines: offline P; pd P,D (prefill, decode), "
+                         "P (both), or random (a pair from {1,2}x{1,2} per seed)")
     ap.add_argument("--seeds", type=int, default=100, help="how many seeds")
     ap.add_argument("--start", type=int, default=0, help="first seed")
     ap.add_argument("--time-limit", type=float, default=0.0,
@@ -93,6 +107,18 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def parse_tp(text: str, fuzzer: str) -> int | tuple[int, int] | str:
+    """--tp: offline an int; pd a (prefill, decode) pair, or "random"."""
+    if fuzzer == "offline":
+        return int(text)
+    if text == "random":
+        return text
+    sizes = [int(x) for x in text.split(",")]
+    if len(sizes) not in (1, 2):
+        raise SystemExit(f"--tp {text!r}: P,D or P or random for the pd fuzzer")
+    return (sizes[0], sizes[-1])
+
+
 def replay(args: argparse.Namespace, model_dir: Path, oracle: H.Oracle) -> int:
     with open(args.replay) as fh:
         case = H.case_from_dict(json.load(fh)["case"])
@@ -129,29 +155,36 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
         raise H.Hang(f"watchdog: the seed ran past {args.seed_wall_limit + 30:.0f} s inside one call")
 
     signal.signal(signal.SIGALRM, on_alarm)
+    tp = parse_tp(args.tp, args.fuzzer)
     label = args.fuzzer if args.fuzzer == "offline" else f"pd/{args.transport}"
+    if args.tp != "1":
+        label += f"/tp{args.tp}"
     for seed in range(args.start, args.start + args.seeds):
         if args.time_limit and time.monotonic() - t_start > args.time_limit:
             break
         if args.fuzzer == "offline":
-            case = H.make_offline_case(seed)
-            signal.alarm(int(args.seed_wall_limit + 30))
-            try:
-                res = H.run_offline(case, model_dir, oracle, wall_limit=args.seed_wall_limit)
-            finally:
-                signal.alarm(0)
+            case = H.make_offline_case(seed, tp=tp)
+            where = ""
         else:
-            case = H.make_pd_case(seed, args.transport, bounded_copies=args.bounded_copies)
-            signal.alarm(int(args.seed_wall_limit + 30))
-            try:
-                res = H.run_pd(case, model_dir, oracle, wall_limit=args.seed_wall_limit)
-            finally:
-                signal.alarm(0)
+            pair = H.draw_tp_pair(seed, args.transport) if tp == "random" else tp
+            case = H.make_pd_case(seed, args.transport, bounded_copies=args.bounded_copies, tp=pair)
+            where = f"tp={pair[0]},{pair[1]} " if tp == "random" else ""
+            if tp == "random":
+                stats[f"seeds_tp{pair[0]},{pair[1]}"] += 1
+        # the wall limit runs from when the engines are up: TP groups take long to start
+        signal.alarm(int(args.seed_wall_limit + 30 + (60 if args.tp != "1" else 0)))
+        try:
+            res = H.run_case(case, model_dir, oracle, wall_limit=args.seed_wall_limit)
+        finally:
+            signal.alarm(0)
+        left = H.live_followers()
+        if left:  # every engine is closed at the end of its seed
+            res.failures.append(H.Failure(seed, "invariant", f"follower processes {left} still alive after the seed"))
         seeds += 1
         requests += res.requests
         stats.update(res.stats)
         for f in res.failures:
-            print(f"{label} {f.line()}", flush=True)
+            print(f"{label} {where}{f.line()}", flush=True)
             counts[f.kind] += 1
             if f.known:
                 known[f.known] += 1
@@ -160,6 +193,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
             if args.dump_dir:
                 Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
                 name = f"offline-{seed}" if args.fuzzer == "offline" else f"pd-{args.transport}-{seed}"
+                if args.tp != "1":
+                    name += "-tp" + "-".join(str(x) for x in ((tp,) if args.fuzzer == "offline" else pair))
                 with open(Path(args.dump_dir) / f"{name}.json", "w") as fh:
                     json.dump({"case": H.case_dict(case), "failures": [f.line() for f in res.failures]}, fh)
         if args.progress and seeds % args.progress == 0:
@@ -171,7 +206,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
           f"mismatches={counts['mismatch']} exceptions={counts['exception']} hangs={counts['hang']} "
           f"other={other} ({', '.join(f'{k}={v}' for k, v in sorted(counts.items())) or 'none'}) "
           f"known={dict(sorted(known.items()))} failed_seeds={failed_seeds[:50]}{'...' if len(failed_seeds) > 50 else ''} "
-          f"seconds={seconds:.1f} oracle_seconds={oracle.seconds:.1f} "
+          f"seconds={seconds:.1f} oracle_seconds={oracle.seconds:.1f} followers_left={len(H.live_followers())} "
           f"exercised={dict(sorted(stats.items()))}", flush=True)
     return 1 if counts else 0
 

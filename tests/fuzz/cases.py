@@ -83,7 +83,23 @@ def _fits(prompt_len: int, max_tokens: int, block_size: int, num_blocks: int, bu
     return cdiv(prompt_len + max_tokens, block_size) <= num_blocks
 
 
-def make_offline_case(seed: int) -> OfflineCase:
+def _tp_options(tp: int) -> dict[str, Any]:
+    """A config at tensor parallel size tp: one torch thread per rank (the oracle stays
+    TP 1). Nothing at TP 1, so a TP 1 case is exactly what it was before TP."""
+    return dict(tensor_parallel_size=tp, num_threads=1) if tp > 1 else {}
+
+
+TP_PAIRS = ((1, 1), (1, 2), (2, 1), (2, 2))
+
+
+def draw_tp_pair(seed: int, transport: str) -> tuple[int, int]:
+    """(prefill TP, decode TP) for a seed, from its own stream: the case's other choices
+    are the same at every TP."""
+    return random.Random(f"pd-tp-{transport}-{seed}").choice(TP_PAIRS)
+
+
+def make_offline_case(seed: int, tp: int = 1) -> OfflineCase:
+    """tp: the fuzzed engine's tensor_parallel_size (the schedule is the same at any)."""
     rng = random.Random(f"offline-{seed}")
     bs = rng.choice((8, 8, 16, 16, 32))
     # pressure: several requests that grow a lot, at about once, into a pool that holds
@@ -136,11 +152,14 @@ def make_offline_case(seed: int) -> OfflineCase:
                 m = _max_tokens(rng)
                 specs.append(ReqSpec(spec.rid, list(p), m, 0, spec.abort, params=_sampling(rng, m)))
     specs.sort(key=lambda s: s.arrive)  # stable: order of creation within a step
+    engine.update(_tp_options(tp))
     return OfflineCase(seed, engine, mode, specs)
 
 
-def make_pd_case(seed: int, transport: str, bounded_copies: bool = False) -> PDCase:
-    """bounded_copies: a started copy never outlasts cancel_grace_s / 4 (see PDCase)."""
+def make_pd_case(seed: int, transport: str, bounded_copies: bool = False,
+                 tp: tuple[int, int] = (1, 1)) -> PDCase:
+    """bounded_copies: a started copy never outlasts cancel_grace_s / 4 (see PDCase).
+    tp: (prefill, decode) tensor_parallel_size (the schedule is the same at any)."""
     rng = random.Random(f"pd-{transport}-{seed}")
     bs = rng.choice((8, 16, 16))
     n = rng.choice((1, 2, 3, 4, 5, 6, 8))
@@ -200,6 +219,8 @@ def make_pd_case(seed: int, transport: str, bounded_copies: bool = False) -> PDC
             m = _max_tokens(rng)
             specs.append(ReqSpec(spec.rid, list(p), m, 0, spec.abort + rng.choice((0, 0, 1, 5, 20)),
                                  remote=rng.random() < 0.8, sender=rng.random() < 0.8, params=_sampling(rng, m)))
+    pre.update(_tp_options(tp[0]))
+    dec.update(_tp_options(tp[1]))
     return PDCase(seed, transport, dec, pre, deadline_s, grace_s, timeout_s,
                   slow_copy_p=rng.choice((0.3, 0.7, 1.0)) if slow else 0.0,
                   slow_copy_max_s=rng.choice((0.01, 0.05, 0.2, 0.6)) if slow else 0.0,

@@ -130,6 +130,28 @@ class Hang(Exception):
     pass
 
 
+def live_followers() -> list[int]:
+    """The pids of this process's children that are tensor-parallel followers
+    (engine.distributed.follower) and still alive: none once every engine is closed."""
+    import os
+
+    me, found = str(os.getpid()), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+            if fields[1] != me or fields[0] == "Z":  # the parent's pid; a zombie is dead
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if b"engine.distributed.follower" in fh.read():
+                    found.append(int(entry))
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+    return found
+
+
 def _exc_failure(seed: int, where: str, exc: BaseException, state: str = "") -> Failure:
     """An exception that escaped the engine (or the watchdog's Hang) as a Failure."""
     if isinstance(exc, Hang):

@@ -21,6 +21,10 @@ pd       A decode core (DecodeWorkerCore) and a prefill core (PrefillWorkerCore)
          D while P goes on), client aborts at any tick, local requests mixed in, reused
          request ids, prefix caching and async scheduling on or off on each side.
 
+Either fuzzer may run its engines tensor-parallel (make_*_case's tp: the schedule is
+the seed's at any TP; the oracle stays TP 1); each engine is closed at the end of its
+seed whatever happened, so no follower process outlives it (live_followers).
+
 Oracle (Oracle): each request alone in a roomy colocated engine, same prompt and sampling
 params. Every request that is not aborted must end "length" or "stop" exactly as there,
 with exactly its tokens; an aborted one's tokens so far must be a prefix of them.
@@ -36,15 +40,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.fuzz.cases import make_offline_case, make_pd_case
-from tests.fuzz.common import (VOCAB, Hang, OfflineCase, Oracle, PDCase, ReqSpec, SeedResult, case_dict,
-                               hf_agreement)
+from tests.fuzz.cases import TP_PAIRS, draw_tp_pair, make_offline_case, make_pd_case
+from tests.fuzz.common import (VOCAB, Failure, Hang, OfflineCase, Oracle, PDCase, ReqSpec, SeedResult, case_dict,
+                               hf_agreement, live_followers)
 from tests.fuzz.offline import run_offline
 from tests.fuzz.pd import run_pd
 
-__all__ = ["VOCAB", "Hang", "OfflineCase", "Oracle", "PDCase", "ReqSpec", "SeedResult", "case_dict",
-           "case_from_dict", "hf_agreement", "make_offline_case", "make_pd_case", "run_case", "run_offline",
-           "run_pd", "shrink"]
+__all__ = ["TP_PAIRS", "VOCAB", "Failure", "Hang", "OfflineCase", "Oracle", "PDCase", "ReqSpec", "SeedResult",
+           "case_dict", "case_from_dict", "draw_tp_pair", "hf_agreement", "live_followers", "make_offline_case",
+           "make_pd_case", "run_case", "run_offline", "run_pd", "shrink"]
 
 
 # ----------------------------------------------------------------------------- shrinking

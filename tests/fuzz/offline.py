@@ -25,11 +25,11 @@ def run_offline(case: OfflineCase, model_dir: str | Path, oracle: Oracle, wall_l
     res = SeedResult(case.seed)
     try:
         oracle.prefetch(case.requests)
-        t0 = time.monotonic()  # the wall-time bound is the engine's alone
+        t0 = time.monotonic()  # the wall-time bound is the engine's alone (from when it is up)
         if case.mode == "llm":
-            _offline_llm(case, str(model_dir), oracle, res, t0, wall_limit, stall_steps)
+            _offline_llm(case, str(model_dir), oracle, res, wall_limit, stall_steps)
         else:
-            _offline_core(case, str(model_dir), oracle, res, t0, wall_limit, stall_steps)
+            _offline_core(case, str(model_dir), oracle, res, wall_limit, stall_steps)
     except Exception as exc:  # the harness's own failure, or the engine's from construction
         res.failures.append(_exc_failure(case.seed, "run", exc))
     res.seconds = time.monotonic() - t0
@@ -42,9 +42,18 @@ def _expect_fit(case: OfflineCase, spec: ReqSpec) -> bool:
                  e["max_num_batched_tokens"], e["enable_chunked_prefill"], e.get("max_model_len"))
 
 
-def _offline_core(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedResult, t0: float,
+def _offline_core(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedResult,
                   wall_limit: float, stall_steps: int) -> None:
     core = EngineCore(EngineConfig(model=model_dir, **case.engine))
+    try:  # a TP engine's followers are processes: stopped whatever happens
+        _drive_core(case, core, oracle, res, time.monotonic(), wall_limit, stall_steps)
+    finally:
+        core.close()
+
+
+def _drive_core(case: OfflineCase, core: EngineCore, oracle: Oracle, res: SeedResult, t0: float,
+                wall_limit: float, stall_steps: int) -> None:
+    """Step the schedule; t0: when the engine was up (a TP group takes long to start)."""
     live: dict[str, tuple[Request, ReqSpec]] = {}  # request id -> its current request
     done: set[int] = set()  # id() of finished requests
     keep: list[Request] = []  # ... kept alive, so that no id() is reused
@@ -132,9 +141,17 @@ def _check_quiescent(seed: int, core: EngineCore, failures: list[Failure], who: 
         failures.append(Failure(seed, "invariant", f"{who}after all requests ended: " + "; ".join(problems)))
 
 
-def _offline_llm(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedResult, t0: float,
+def _offline_llm(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedResult,
                  wall_limit: float, stall_steps: int) -> None:
     llm = LLM(model_dir, **case.engine)
+    try:
+        _drive_llm(case, llm, oracle, res, time.monotonic(), wall_limit, stall_steps)
+    finally:
+        llm.core.close()
+
+
+def _drive_llm(case: OfflineCase, llm: LLM, oracle: Oracle, res: SeedResult, t0: float,
+               wall_limit: float, stall_steps: int) -> None:
     core = llm.core
     ok = [s for s in case.requests if _expect_fit(case, s)]
     bad = [s for s in case.requests if not _expect_fit(case, s)]

@@ -3,6 +3,7 @@ a simulated control channel, with slow copies, deadlines, lost messages and abor
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -111,40 +112,57 @@ def run_pd(case: PDCase, model_dir: str | Path, oracle: Oracle, wall_limit: floa
     t0 = time.monotonic()
     res = SeedResult(case.seed)
     transports = []
+    engines: list[EngineCore] = []
     undo: list[Callable[[], None]] = []
     try:
         oracle.prefetch(case.requests)
-        t0 = time.monotonic()  # the wall-time bound is the workers' alone
+        t0 = time.monotonic()
         config = TransportConfig(timeout_s=case.timeout_s, cancel_grace_s=case.grace_s)
         t_dec = create_transport(case.transport, "decode", config)
         transports.append(t_dec)
         t_pre = create_transport(case.transport, "prefill", config)
         transports.insert(0, t_pre)  # closed first: its copy threads write into D's cache
-        _pd(case, str(model_dir), oracle, res, t0, wall_limit, stall_ticks, t_dec, t_pre, undo)
+        _pd(case, str(model_dir), oracle, res, wall_limit, stall_ticks, t_dec, t_pre, engines, undo)
     except Exception as exc:
         res.failures.append(_exc_failure(case.seed, "run", exc))
     finally:
-        for t in transports:
+        files = [f for e in engines for f in e.kv_cache_files]
+        for closable in [*transports, *engines]:  # engines last: the transports map their caches
             try:
-                t.close()
+                closable.close()
             except Exception as exc:
                 res.failures.append(Failure(case.seed, "exception", f"close: {type(exc).__name__}: {exc}"))
+        left = [f for f in files if os.path.exists(f)]
+        if left:
+            res.failures.append(Failure(case.seed, "invariant", f"rank cache files left after close: {left}"))
         for u in undo:  # once the copy pools are shut down
             u()
     res.seconds = time.monotonic() - t0
     return res
 
 
-def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, t0: float, wall_limit: float,
-        stall_ticks: int, t_dec: Any, t_pre: Any, undo: list[Callable[[], None]]) -> None:
+def _engine(model_dir: str, options: dict[str, Any], transport: Any, engines: list[EngineCore]) -> EngineCore:
+    """A worker's engine with its caches registered, as workers.start makes it: at TP > 1
+    each rank's cache is a file (kept while shm peers map it by name); appended to
+    `engines` at once, so that its follower processes are stopped whatever happens next."""
+    from workers.start import register_caches
+
+    engine = EngineCore(EngineConfig(model=model_dir, **options), transport.allocate_kv_cache,
+                        keep_cache_files=transport.name == "shm")
+    engines.append(engine)
+    register_caches(transport, engine, "tiny-llama")
+    return engine
+
+
+def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, wall_limit: float, stall_ticks: int,
+        t_dec: Any, t_pre: Any, engines: list[EngineCore], undo: list[Callable[[], None]]) -> None:
     from decode_worker.remote_kv import DecodeWorkerCore
     from prefill_worker.remote_prefill import PrefillWorkerCore
 
     rng = random.Random(f"pd-run-{case.transport}-{case.seed}")
-    dec_engine = EngineCore(EngineConfig(model=model_dir, **case.dec), t_dec.allocate_kv_cache)
-    pre_engine = EngineCore(EngineConfig(model=model_dir, **case.pre), t_pre.allocate_kv_cache)
-    for t, core in ((t_dec, dec_engine), (t_pre, pre_engine)):
-        t.register_kv_cache(core.kv_cache, "tiny-llama")
+    dec_engine = _engine(model_dir, case.dec, t_dec, engines)
+    pre_engine = _engine(model_dir, case.pre, t_pre, engines)
+    t0 = time.monotonic()  # the wall-time bound is the workers' alone, once up (TP groups start slowly)
     p_name = t_pre.agent_name
     t_pre.add_peer(t_dec.metadata())
     dec = DecodeWorkerCore(dec_engine, t_dec, case.deadline_s)

@@ -88,3 +88,33 @@ def test_pd_schedules_match_the_oracle(llama_dir: Path, oracle: H.Oracle, transp
     for r in results:
         exercised.update(r.stats)
     assert exercised["remote"] > 0 and exercised["fallbacks"] > 0, exercised
+
+
+# Tensor parallelism: a few seeds only (each engine starts a follower process per rank).
+# The seeds' schedules are those of TP 1; the oracle stays TP 1.
+OFFLINE_TP_SEEDS = (6, 9)
+PD_TP_SEEDS = ((1, "shm", (1, 2)), (0, "tcp", (2, 1)))
+
+
+@pytest.mark.timeout(180)
+def test_tp_schedules_match_the_oracle(llama_dir: Path, oracle: H.Oracle) -> None:
+    results = []
+    for seed in OFFLINE_TP_SEEDS:
+        case = H.make_offline_case(seed, tp=2)
+        assert case.engine["tensor_parallel_size"] == 2
+        results.append(H.run_offline(case, llama_dir, oracle))
+        assert H.live_followers() == [], f"offline seed {seed} left its follower processes"
+    offline = Counter()
+    for r in results:
+        offline.update(r.stats)
+    for seed, transport, (p, d) in PD_TP_SEEDS:
+        case = H.make_pd_case(seed, transport, bounded_copies=True, tp=(p, d))
+        assert case.pre.get("tensor_parallel_size", 1) == p and case.dec.get("tensor_parallel_size", 1) == d
+        results.append(H.run_pd(case, llama_dir, oracle))
+        assert H.live_followers() == [], f"pd seed {seed} at TP {p},{d} left its follower processes"
+    assert report(results) == ""
+    pd = Counter()
+    for r in results[len(OFFLINE_TP_SEEDS):]:
+        pd.update(r.stats)
+    assert offline["preemptions"] > 0 and offline["cache_hits"] > 0, offline
+    assert pd["remote"] > 0, pd
