@@ -54,8 +54,8 @@ class TPDriver:
         self._buffer = codec.buffer()
         self._procs: list[subprocess.Popen] = []
         timeout = config.distributed_timeout_s
-        store = dist.TCPStore("127.0.0.1", 0, self.size, True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout))
+        self._store = store = dist.TCPStore("127.0.0.1", 0, self.size, True, wait_for_workers=False,
+                                            timeout=datetime.timedelta(seconds=timeout))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
         env[DRIVER_PID_ENV] = str(os.getpid())
@@ -96,7 +96,17 @@ class TPDriver:
         for rank, proc in enumerate(self._procs, start=1):
             code = proc.poll()
             if code is not None:
-                raise RankFailure(f"tensor-parallel rank {rank} of {self.size} exited with code {code}")
+                raise RankFailure(f"tensor-parallel rank {rank} of {self.size} exited with code {code}"
+                                  f"{self._cause(rank)}")
+
+    def _cause(self, rank: int) -> str:
+        """What a follower that failed said before it exited, if it could."""
+        try:
+            if self._store.check([f"failed{rank}"]):
+                return f": {self._store.get(f'failed{rank}').decode(errors='replace')}"
+        except Exception:  # the store itself is unusable: the exit code is all there is
+            pass
+        return ""
 
     def attach_caches(self, paths: list[str] | None, num_blocks: int) -> None:
         """Tell each follower its KV cache: the file the driver made (CPU), or its own

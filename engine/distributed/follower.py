@@ -30,9 +30,6 @@ logger = logging.getLogger("engine.distributed.follower")
 
 
 def serve(stdin) -> None:
-    from engine.engine_core import build_rank_model, step_codec
-    from engine.runner import ModelRunner, allocate_kv_cache, kv_cache_shape
-
     start = json.loads(stdin.readline())
     config = EngineConfig(**start["config"])
     rank, size = start["rank"], config.tensor_parallel_size
@@ -40,7 +37,22 @@ def serve(stdin) -> None:
         torch.set_num_threads(config.num_threads)
     store = TorchGroup.client_store(start["port"], size)
     store.set(f"started{rank}", "1")
-    group = TorchGroup(rank, size, start["port"], config.distributed_timeout_s, torch.device(config.device), store)
+    try:
+        _serve(stdin, config, rank, store)
+    except Exception as exc:
+        try:  # the driver names the cause when it sees this rank gone (driver.check_alive)
+            store.set(f"failed{rank}", f"{type(exc).__name__}: {exc}"[:2000])
+        except Exception:
+            pass
+        raise
+
+
+def _serve(stdin, config: EngineConfig, rank: int, store) -> None:
+    from engine.engine_core import build_rank_model, step_codec
+    from engine.runner import ModelRunner, allocate_kv_cache, kv_cache_shape
+
+    group = TorchGroup(rank, config.tensor_parallel_size, 0, config.distributed_timeout_s,
+                       torch.device(config.device), store)
     model, model_config, backend, model_len = build_rank_model(config, rank, group)
     shard: Shard = model.shard
     cache = json.loads(stdin.readline())

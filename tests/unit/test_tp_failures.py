@@ -5,7 +5,6 @@ driver. Each case runs the engine in its own process, under a timeout."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -132,3 +131,19 @@ def test_a_relative_model_path_works_from_any_directory(tiny_models: dict[str, P
                          capture_output=True, text=True, timeout=180).stdout
     tp2, tp1 = out.split("TOKENS ")[1].strip().split("] [")
     assert tp2 + "]" == "[" + tp1 and len(tp2) > 3
+
+
+def test_a_follower_failing_to_start_is_named_with_its_cause(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    # Only followers attach a cache file: make that fail in every process started here.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import engine.distributed.shared_cache as c\n"
+        "def attach(*args):\n    raise FileNotFoundError('no cache file here (test)')\n"
+        "c.attach = attach\n")
+    code = ("import sys\nfrom engine import LLM\ntry:\n"
+            "    LLM(sys.argv[1], tensor_parallel_size=2, num_threads=1)\n"
+            "except Exception as exc:\n    print('FAILED', type(exc).__name__, exc)\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_models["llama"])], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=180).stdout
+    assert "FAILED RankFailure tensor-parallel rank 1 of 2 exited with code 1: " in out, out
+    assert "FileNotFoundError: no cache file here (test)" in out
