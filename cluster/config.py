@@ -20,6 +20,7 @@ typo never silently falls back to a default).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,8 @@ import yaml
 
 from engine.config import DTYPES, EngineConfig
 from engine.config_check import FieldTypeError, check_field_types
+from engine.distributed.sharding import check_shardable
+from engine.model.config import ModelConfig
 from kv_transfer import CPU_ONLY, GPU_ONLY, TRANSPORTS, TransportConfig
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
@@ -149,6 +152,17 @@ def _number(value: Any, path: str, minimum: float, *, strict: bool = False) -> f
     _check(value > minimum if strict else value >= minimum, path,
            f"must be {'>' if strict else '>='} {minimum}, got {value}")
     return float(value)
+
+
+def _check_shardable(model: str, size: int, path: str) -> None:
+    """Before any worker starts: the model's heads must split over `size` ranks. Only
+    where the model is readable here (under Ray it may live on other nodes only)."""
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        return
+    try:
+        check_shardable(ModelConfig.from_model_dir(model), size)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -303,11 +317,13 @@ class ClusterConfig:
                    f"must be >= 1 with device {device!r}, got {getattr(ray, role).num_gpus:g}")
         for role in ("prefill", "decode"):  # the engine's own checks, named with their path
             try:
-                out.engine_config(role)
+                engine = out.engine_config(role)
             except FieldTypeError as exc:
                 raise ConfigError(f"{role}.engine.{exc}") from None
             except ValueError as exc:
                 raise ConfigError(f"{role}.engine: {exc}") from None
+            if getattr(out, role).replicas and engine.tensor_parallel_size > 1:
+                _check_shardable(out.model, engine.tensor_parallel_size, f"{role}.engine.tensor_parallel_size")
         return out
 
     def engine_config(self, role: str) -> EngineConfig:

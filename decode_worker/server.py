@@ -197,6 +197,9 @@ class DecodeWorker(WorkerLoop):
             self.send_now(client.sock, client.sender,
                           encode(Rejected(request_id=request_id, error=error, status=500)))
 
+    def check_engine(self) -> None:
+        self.core.engine.check_health()
+
     def step(self) -> None:
         try:
             out = self.core.step()

@@ -280,6 +280,13 @@ class EngineCore:
         """The KV blocks the request holds, in order (block i: tokens [i*bs, (i+1)*bs))."""
         return self.kv.block_ids(request_id)
 
+    def check_health(self) -> None:
+        """Raise RankFailure if a tensor-parallel rank exited, or, when the group has
+        been idle a while, does not answer within distributed_timeout_s (cheap: call it
+        on every idle turn of a loop). Nothing at tensor_parallel_size 1."""
+        if self.tp is not None:
+            self.tp.heartbeat()
+
     def stats(self) -> EngineStats:
         return EngineStats(self.kv.pool.num_blocks, self.kv.num_free_blocks, len(self.scheduler.running),
                            self.scheduler.num_waiting, (os.getpid(), *(self.tp.pids if self.tp else ())))

@@ -85,6 +85,9 @@ class PrefillWorker(WorkerLoop):
                 "name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
                 "ranks": list(engine.ranks), "jobs": len(self.core.jobs), **self.core.stats, **self.health()})))
 
+    def check_engine(self) -> None:
+        self.core.engine.check_health()
+
     def step(self) -> None:
         stats = self.core.stats
         written, computed = stats["blocks_written"], stats["tokens_computed"]

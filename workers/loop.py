@@ -157,6 +157,9 @@ class WorkerLoop:
     def step(self) -> None:
         raise NotImplementedError
 
+    def check_engine(self) -> None:
+        """Raise if the engine is broken while idle (a tensor-parallel rank gone)."""
+
     def busy(self) -> bool:
         raise NotImplementedError
 
@@ -227,6 +230,8 @@ class WorkerLoop:
                 for sock, _ in self.poller.poll(0 if self.busy() else IDLE_POLL_MS):
                     self._drain(sock)
                 self.step()
+                if not self.busy():
+                    self.check_engine()
                 self._iterations += 1
                 self._watch()
         except Exception as exc:

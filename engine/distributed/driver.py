@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # Starting a follower (Python, torch, its shard of the weights) may take long on a busy
 # host; a follower that dies meanwhile is noticed at once.
 START_TIMEOUT_S = 600.0
+HEARTBEAT_S = 5.0  # an idle group's ranks answer a tiny collective this often (heartbeat())
 DRIVER_PID_ENV = "PDSERVE_TP_DRIVER_PID"  # a follower exits once this process is not its parent
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,6 +54,7 @@ class TPDriver:
         self.codec = codec
         self._buffer = codec.buffer()
         self._procs: list[subprocess.Popen] = []
+        self._last = time.monotonic()  # when the group last ran a collective
         timeout = config.distributed_timeout_s
         self._store = store = dist.TCPStore("127.0.0.1", 0, self.size, True, wait_for_workers=False,
                                             timeout=datetime.timedelta(seconds=timeout))
@@ -130,12 +132,26 @@ class TPDriver:
 
     def broadcast_step(self, inputs: StepInputs) -> None:
         """Wake every follower for a step and broadcast its inputs."""
+        self._order("step")
+        self.group.broadcast_(self.codec.encode(inputs, self._buffer))
+
+    def heartbeat(self) -> None:
+        """Every follower answers one tiny collective, if none ran for HEARTBEAT_S: an
+        idle group's stopped or hung rank is found within the collective timeout, not
+        by the next request. A rank that exited is found at once (check_alive)."""
+        if self.group.failure is None and time.monotonic() - self._last < HEARTBEAT_S:
+            self.check_alive()
+            return
+        self._order("ping")
+        self.group.all_reduce_(torch.zeros(1))
+
+    def _order(self, order: str) -> None:
         if self.group.failure is not None:  # out of step for good: no waiting on a timeout again
             raise RankFailure(f"the tensor-parallel group failed earlier: {self.group.failure}")
         self.check_alive()
         for rank in range(1, self.size):
-            self._send(rank, "step")
-        self.group.broadcast_(self.codec.encode(inputs, self._buffer))
+            self._send(rank, order)
+        self._last = time.monotonic()
 
     def out_of_step(self, reason: str) -> RankFailure:
         """Rank 0 failed inside a broadcast step: the followers wait in collectives it

@@ -72,6 +72,9 @@ def _serve(stdin, config: EngineConfig, rank: int, store) -> None:
         order = line.strip()
         if order == "stop":
             break
+        if order == "ping":  # the driver's heartbeat
+            group.all_reduce_(torch.zeros(1))
+            continue
         if order != "step":
             raise ValueError(f"unknown order {order!r} from the driver")
         group.broadcast_(buffer)

@@ -62,3 +62,12 @@ def test_missing_model_and_bad_yaml(tmp_path: Path) -> None:
     listed.write_text(yaml.safe_dump([1, 2]))
     with pytest.raises(ConfigError, match="config: must be a mapping, got list"):
         load_cluster_config(listed)
+
+
+def test_an_unshardable_tp_size_is_refused_before_anything_starts(llama_dir) -> None:
+    base = {"model": str(llama_dir), "prefill": {"replicas": 1}}
+    with pytest.raises(ConfigError, match=r"^decode.engine.tensor_parallel_size: LlamaForCausalLM cannot be "
+                                          r"sharded: 4 attention heads do not divide by tensor_parallel_size 3"):
+        ClusterConfig.from_dict({**base, "decode": {"replicas": 1, "engine": {"tensor_parallel_size": 3}}})
+    ok = ClusterConfig.from_dict({**base, "decode": {"replicas": 1, "engine": {"tensor_parallel_size": 4}}})
+    assert ok.engine_config("decode").tensor_parallel_size == 4  # 2 KV heads, replicated

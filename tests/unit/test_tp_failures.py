@@ -36,6 +36,18 @@ if fault == "driver-forward":  # rank 0 alone raises inside a broadcast step
         except RankFailure as exc:
             print("FAILED AFTER %.1f: %s" % (time.monotonic() - start, exc), flush=True)
     os._exit(0)
+if fault.startswith("idle-"):  # no request comes: the worker loop's idle health check finds it
+    os.kill(follower.pid, signal.SIGKILL if fault == "idle-kill" else signal.SIGSTOP)
+    start = time.monotonic()
+    while time.monotonic() - start < 30:
+        try:
+            llm.core.check_health()
+        except RankFailure as exc:
+            print("FAILED AFTER %.1f: %s" % (time.monotonic() - start, exc), flush=True)
+            break
+        time.sleep(0.05)
+    os.kill(follower.pid, signal.SIGKILL)
+    os._exit(0)
 threading.Timer(0.5, os.kill, (follower.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)).start()
 start = time.monotonic()
 try:
@@ -70,7 +82,8 @@ def gone(pid: int, within_s: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("fault,bound_s", [("kill", 5.0), ("stall", 10.0)])
+# Idle: a stopped rank is found by the heartbeat (every 5 s) within the 3 s timeout.
+@pytest.mark.parametrize("fault,bound_s", [("kill", 5.0), ("stall", 10.0), ("idle-kill", 1.0), ("idle-stall", 10.0)])
 def test_a_dead_or_stalled_rank_fails_the_engine_loudly(tiny_models: dict[str, Path], fault: str,
                                                        bound_s: float) -> None:
     out, pid = run(tiny_models["llama"], fault)
