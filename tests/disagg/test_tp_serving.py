@@ -45,8 +45,11 @@ def alive(pid: int) -> bool:
 def server(llama_dir: Path) -> Iterator[tuple[str, LocalWorkers]]:
     config = ClusterConfig.from_dict({
         "model": str(llama_dir), "transport": "shm",
+        # A dead group is reported by the supervisor at once; a long silence limit keeps
+        # a survivor busy with the failed-over request (and the restart loading beside
+        # it) from being declared dead on a loaded machine.
         "router": {"port": free_port(), "policy": "round_robin", "health_interval_s": 0.2,
-                   "worker_timeout_s": 1.0, "remote_prefill_min_tokens": 4},
+                   "worker_timeout_s": 15.0, "remote_prefill_min_tokens": 4},
         "prefill": {"replicas": 1, "engine": {"num_kv_blocks": 64, "num_threads": 1}},
         "decode": {"replicas": 2, "engine": {"num_kv_blocks": 64, "num_threads": 1, "tensor_parallel_size": 2,
                                              "distributed_timeout_s": 10.0}}})
