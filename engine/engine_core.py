@@ -14,22 +14,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionBackend, get_backend
+from engine.attention.backend import AttentionBackend
 from engine.config import EngineConfig
 from engine.distributed import shared_cache
 from engine.distributed.driver import TPDriver
-from engine.distributed.group import SINGLE, Group
+from engine.distributed.group import SINGLE
+from engine.distributed.rank_model import build_rank_model, step_codec
 from engine.distributed.sharding import Shard, kv_head_range
-from engine.distributed.step_codec import StepCodec
 from engine.errors import EngineStateError, RequestsFailed
 from engine.gpu_memory import profile_num_kv_blocks
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.config import ModelConfig, max_model_len
-from engine.model.cpu_linear import prepack_linears, prepack_supported
-from engine.model.loader import TORCH_DTYPES, load_model
+from engine.model.loader import TORCH_DTYPES
 from engine.request import Request, RequestStatus
-from engine.model.llama import LlamaForCausalLM
 from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache, kv_cache_shape
 from engine.sampling import Sampler, UnusableLogitsError, make_generator
 from engine.sampling_params import SamplingParams
@@ -55,26 +53,6 @@ class EngineStats:
     running: int  # requests scheduled in the last step or about to be
     waiting: int  # queued: waiting for blocks or a slot, or ready to resume
     ranks: tuple[int, ...] = ()  # the process id of each tensor-parallel rank, rank 0 first
-
-
-def build_rank_model(config: EngineConfig, rank: int = 0, group: Group = SINGLE
-                     ) -> tuple[LlamaForCausalLM, ModelConfig, AttentionBackend, int]:
-    """One rank's model (all of it at tensor_parallel_size 1): (model, its config, the
-    attention backend, max_model_len). The driver and every follower build theirs so."""
-    backend = get_backend(config.attention_backend, config.device)
-    model_config = ModelConfig.from_model_dir(config.model)
-    model_len = max_model_len(config, model_config)
-    shard = Shard.of(model_config, rank, config.tensor_parallel_size)
-    model = load_model(config.model, model_config, config.dtype, config.device, backend, model_len,
-                       shard, group)
-    if config.prepack_cpu_weights and prepack_supported(config.device, TORCH_DTYPES[config.dtype]):
-        prepack_linears(model)
-    return model, model_config, backend, model_len
-
-
-def step_codec(config: EngineConfig, model_len: int) -> StepCodec:
-    """The broadcast layout of a step, the same on every rank."""
-    return StepCodec(config.max_num_batched_tokens, config.max_num_seqs, config.block_size, model_len)
 
 
 class EngineCore:

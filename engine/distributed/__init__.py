@@ -4,6 +4,7 @@ sharding.py says which slice of every weight and which KV heads a rank holds; gr
 is the ranks' collectives (gloo on CPU, NCCL on CUDA, each with a timeout); the driver
 (rank 0, driver.py) runs the scheduler and sampler and starts one follower process per
 other rank (follower.py), which runs each step's forward on the inputs the driver
-broadcasts (step_codec.py), once per step. Rank caches on CPU live in files
-(shared_cache.py) so the driver can reach every rank's KV for transfers.
+broadcasts (step_codec.py), once per step; rank_model.py is what every rank builds
+alike. Rank caches on CPU live in files (shared_cache.py, named by shm_files.py) so
+the driver can reach every rank's KV for transfers.
 """

@@ -48,7 +48,7 @@ def serve(stdin) -> None:
 
 
 def _serve(stdin, config: EngineConfig, rank: int, store) -> None:
-    from engine.engine_core import build_rank_model, step_codec
+    from engine.distributed.rank_model import build_rank_model, step_codec
     from engine.runner import ModelRunner, allocate_kv_cache, kv_cache_shape
 
     group = TorchGroup(rank, config.tensor_parallel_size, 0, config.distributed_timeout_s,
