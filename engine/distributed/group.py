@@ -93,6 +93,6 @@ class TorchGroup(Group):
 
     def close(self) -> None:
         try:
-            self.pg.abort() if hasattr(self.pg, "abort") else None
+            self.pg.abort()
         except Exception:  # already broken: nothing left to release cleanly
             pass

@@ -38,6 +38,20 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int = MAX_T
     return outs
 
 
+def step_tokens(llm: LLM) -> list[int]:
+    """The tokens of each step llm's scheduler makes from now on (filled as it runs)."""
+    steps: list[int] = []
+    original = llm.core.scheduler.schedule
+
+    def spy():
+        out = original()
+        steps.append(out.num_tokens)
+        return out
+
+    llm.core.scheduler.schedule = spy
+    return steps
+
+
 MIXED = random_prompts([1, 7, 16, 17, 33, 64, 100, 150], seed=1)
 
 
@@ -70,15 +84,7 @@ def test_chunked_prefill_matches_hf(tiny_models: dict[str, Path], arch: str, asy
     prompts = random_prompts([150, 97, 5], seed=4)
     llm = LLM(str(tiny_models[arch]), max_num_batched_tokens=8, enable_prefix_caching=False,
               async_scheduling=async_scheduling)
-    steps = []
-    original = llm.core.scheduler.schedule
-
-    def spy():
-        out = original()
-        steps.append(out.num_tokens)
-        return out
-
-    llm.core.scheduler.schedule = spy
+    steps = step_tokens(llm)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy(tiny_models[arch], prompts)
     assert max(steps) <= 8  # the budget really chunked the 150-token prompt

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.fidelity.test_hf_fidelity import GREEDY, hf_greedy, random_prompts
+from tests.fidelity.test_hf_fidelity import GREEDY, hf_greedy, random_prompts, step_tokens
 
 SHARED = random_prompts([48], seed=12)[0]
 PROMPTS = random_prompts([1, 7, 33, 100, 150], seed=11) + [SHARED + t for t in random_prompts([5, 21], seed=13)]
@@ -26,15 +26,7 @@ def test_tp2_matches_hf_with_chunks_and_prefix_hits(tiny_models: dict[str, Path]
     llm = tp_llm(model_dir, max_num_batched_tokens=32, block_size=16)
     try:
         assert llm.core.shard.num_kv_heads == 1 and llm.core.kv_cache.shape[0] > 0
-        steps: list[int] = []
-        original = llm.core.scheduler.schedule
-
-        def spy():
-            out = original()
-            steps.append(out.num_tokens)
-            return out
-
-        llm.core.scheduler.schedule = spy
+        steps = step_tokens(llm)
         first = llm.generate([SHARED], GREEDY, use_tqdm=False)  # fills the prefix cache
         rest = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in first + rest] == hf_greedy(model_dir, [SHARED] + PROMPTS)
