@@ -33,6 +33,7 @@ from engine.config_check import FieldTypeError, check_field_types
 from engine.distributed.sharding import check_shardable
 from engine.model.config import ModelConfig
 from kv_transfer import CPU_ONLY, GPU_ONLY, TRANSPORTS, TransportConfig
+from router.tool_parsers import TOOL_PARSERS
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 LAUNCHERS = ("local", "ray")
@@ -105,14 +106,19 @@ class RouterConfig:
     # whose loop does not come round for this long (a step that never returns). Must
     # exceed the longest engine step, and worker_timeout_s. None or 0: off.
     stall_timeout_s: float | None = 60.0
+    # How the served model writes a tool call, read back out of its text when a request
+    # with tools lets it choose (tool_choice "auto"): router/tool_parsers.py.
+    tool_call_parser: str = "hermes"
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "router") -> "RouterConfig":
-        data = _fields(cls, data, path, {"policy": POLICIES})
+        data = _fields(cls, data, path, {"policy": POLICIES, "tool_call_parser": tuple(TOOL_PARSERS)})
         out = cls(**data)
         _check(isinstance(out.host, str) and out.host != "", f"{path}.host", f"must be a host name, got {out.host!r}")
         _int(out.port, f"{path}.port", 0, 65535)
         _check(out.policy in POLICIES, f"{path}.policy", f"must be one of {POLICIES}, got {out.policy!r}")
+        _check(out.tool_call_parser in TOOL_PARSERS, f"{path}.tool_call_parser",
+               f"must be one of {tuple(TOOL_PARSERS)}, got {out.tool_call_parser!r}")
         _int(out.remote_prefill_min_tokens, f"{path}.remote_prefill_min_tokens", 1)
         _int(out.max_queued_requests, f"{path}.max_queued_requests", 1)
         _int(out.prefill_max_outstanding, f"{path}.prefill_max_outstanding", 1)

@@ -81,16 +81,18 @@ class DecodeWorkerCore:
             self._remote.pop(request_id, None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    remote: bool, priority: int = 0, sender: str | None = None) -> RemotePrefill | None:
+                    remote: bool, priority: int = 0, sender: str | None = None,
+                    resumed: int = 0) -> RemotePrefill | None:
         """Queue a request. With remote=True and blocks to spare, returns what the prefill
         worker must do; None means it prefills here. `sender`: the prefill worker's
         agent name, if known, so that its death releases the blocks at once
-        (KVTransport.peer_gone)."""
+        (KVTransport.peer_gone). `resumed`: EngineCore.add_request's."""
         if remote and len(prompt_token_ids) >= 2:
-            request = self.engine.add_remote_prefill_request(request_id, prompt_token_ids, params, priority)
+            request = self.engine.add_remote_prefill_request(request_id, prompt_token_ids, params, priority,
+                                                             resumed)
             if request is not None:
                 return self._expect(request_id, prompt_token_ids, request.num_cached_tokens, sender)
-        self.engine.add_request(request_id, prompt_token_ids, params, priority)
+        self.engine.add_request(request_id, prompt_token_ids, params, priority, resumed)
         self.stats["local"] += 1
         return None
 

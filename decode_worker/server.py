@@ -146,9 +146,10 @@ class DecodeWorker(WorkerLoop):
         prefill = self._pick_prefill_worker() if msg.remote else None
         try:
             rp = self.core.add_request(request_id, msg.prompt, from_wire(msg.params), prefill is not None,
-                                       msg.priority, sender=prefill)
+                                       msg.priority, sender=prefill, resumed=msg.resumed)
         except (TypeError, ValueError) as exc:  # bad input: say so, keep serving
-            self.send(sock, sender, encode(Rejected(request_id=request_id, error=str(exc), status=400)))
+            self.send(sock, sender, encode(Rejected(request_id=request_id, error=str(exc), status=400,
+                                                    param=getattr(exc, "param", None))))
             return
         self.requests[request_id] = client = _Client(sock, sender, time.monotonic())
         if rp is not None:
@@ -163,13 +164,14 @@ class DecodeWorker(WorkerLoop):
         self.core.abort(request_id)
         self.core.forget(request_id)
 
-    def _fail(self, request_id: str, error: str, status: int = 500) -> None:
+    def _fail(self, request_id: str, error: str, status: int = 500, param: str | None = None) -> None:
         """End a request with an error its client is told: a rejection with `status`
-        (500: it failed here; 400: its own parameters made it fail)."""
+        (500: it failed here; 400: its own parameters made it fail, `param` if one did)."""
         client = self.requests.get(request_id)
         self._abort(request_id)
         if client is not None:
-            self.send(client.sock, client.sender, encode(Rejected(request_id=request_id, error=error, status=status)))
+            self.send(client.sock, client.sender,
+                      encode(Rejected(request_id=request_id, error=error, status=status, param=param)))
 
     def pending(self) -> bool:
         """Work a step can advance (the stall watchdog's question): requests running,
@@ -210,7 +212,7 @@ class DecodeWorker(WorkerLoop):
             logger.warning("%s: %s", self.name, exc)
             error = _step_error(exc)
             for request_id in exc.request_ids:
-                self._fail(request_id, error, 400 if exc.at_fault else 500)
+                self._fail(request_id, error, 400 if exc.at_fault else 500, exc.param)
             self._fail_corrupted()
             self.step_failed(exc)  # several in a row: the device is broken (fatal)
             return
@@ -274,6 +276,8 @@ class DecodeWorker(WorkerLoop):
 
 def _step_error(exc: RequestsFailed) -> str:
     """What a request's client is told when the step it was in failed."""
+    if exc.param is not None:  # its own parameter: the message names it
+        return str(exc)
     if exc.at_fault:
         return ("nothing could be sampled for this request: its logits were NaN, +inf, or -inf for every "
                 "token (after its penalties and min_tokens masking)")

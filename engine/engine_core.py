@@ -7,9 +7,11 @@ offline LLM, a decode worker and a prefill worker.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,6 +99,8 @@ class EngineCore:
             else:
                 logger.info("no CUDA graphs at tensor_parallel_size > 1: the ranks run eagerly")
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
+        self._grammars: Any = None  # engine.structured.compiler.GrammarCompiler, at the first grammar
+        self._compiling: dict[str, Request] = {}  # requests whose grammar is not compiled yet
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, tensor parallel %d",
                     self.model_config.architecture, num_blocks, config.block_size, model_len,
                     config.tensor_parallel_size)
@@ -174,36 +178,62 @@ class EngineCore:
         self.runner.graphs = graphs
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     priority: int = 0) -> Request:
+                     priority: int = 0, resumed: int = 0) -> Request:
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        if not (isinstance(resumed, int) and 0 <= resumed < len(prompt_token_ids)):
+            raise ValueError(f"resumed must be in [0, {len(prompt_token_ids)}), got {resumed!r}")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.config.device)
+        if params.structured_outputs is not None:
+            request.grammar = self._grammar_state(params, prompt_token_ids[len(prompt_token_ids) - resumed:])
+            # Each token's mask needs the one before it on the host: no step ahead.
+            request.reads_history_until = math.inf
+        return request
+
+    def _grammar_state(self, params: SamplingParams, resumed: list[int]) -> Any:
+        from engine.structured.compiler import GrammarCompiler  # imports xgrammar
+        from engine.structured.matcher import GrammarState
+
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.config.model, self.model_config.vocab_size,
+                                             self.model_config.eos_token_ids)
+        return GrammarState(self._grammars.compile(params.structured_outputs), resumed)
+
+    def _track_grammar(self, request: Request) -> Request:
+        if request.grammar is not None and not request.grammar.ready():
+            self._compiling[request.request_id] = request
         return request
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> Request:
-        """Queue a request; raises ValueError (and changes nothing) if it can never run."""
-        request = self._new_request(request_id, prompt_token_ids, params, priority)
+                    priority: int = 0, resumed: int = 0) -> Request:
+        """Queue a request; raises ValueError (and changes nothing) if it can never run.
+
+        `resumed`: the last this many prompt tokens are the request's own output from an
+        earlier worker (a failover): its grammar, if it has one, has accepted them. A
+        grammar compiles in the background; the request waits for it without holding
+        up others, and a grammar that fails to compile fails it at the next step."""
+        request = self._new_request(request_id, prompt_token_ids, params, priority, resumed)
         self.scheduler.add_request(request)
-        return request
+        return self._track_grammar(request)
 
     # --- disaggregation: decode worker side ------------------------------------------
 
     def add_remote_prefill_request(self, request_id: str, prompt_token_ids: list[int],
-                                   params: SamplingParams, priority: int = 0) -> Request | None:
+                                   params: SamplingParams, priority: int = 0,
+                                   resumed: int = 0) -> Request | None:
         """Reserve blocks for the whole prompt and wait for a prefill worker to write
         its KV. Returns the request (its blocks: kv.block_ids(request_id); tokens
         already cached here: request.num_cached_tokens), or None when the blocks do not
         fit now (prefill locally with add_request instead). Raises ValueError for a
-        request that could never run."""
-        request = self._new_request(request_id, prompt_token_ids, params, priority)
+        request that could never run. `resumed`: as for add_request."""
         if len(prompt_token_ids) < 2:
             raise ValueError("a remote prefill needs a prompt of at least 2 tokens")
-        return request if self.scheduler.reserve_for_remote_prefill(request) else None
+        request = self._new_request(request_id, prompt_token_ids, params, priority, resumed)
+        return self._track_grammar(request) if self.scheduler.reserve_for_remote_prefill(request) else None
 
     def remote_kv_arrived(self, request_id: str) -> None:
         """Every prompt token's KV but the last's is in the reserved blocks."""
@@ -314,6 +344,8 @@ class EngineCore:
         blocks are freed once N+1 is done. Steps whose sampling reads the tokens so far
         (penalties, min_tokens) run synchronously.
         """
+        if self._compiling:
+            self._check_grammars()
         in_flight, self._in_flight = self._in_flight, None
         queued = [in_flight[0]] if in_flight else []
         try:
@@ -327,6 +359,8 @@ class EngineCore:
                 if not self.config.async_scheduling:
                     return self._finish_step((out, launched), queued)
                 self._in_flight = (out, launched)
+            elif not in_flight and self._compiling:  # nothing to do but wait for a grammar
+                next(iter(self._compiling.values())).grammar.wait(0.01)
             return self._finish_step(in_flight, queued) if in_flight else StepOutput()
         except BaseException as exc:
             # Whatever was queued is void: its requests compute those tokens again, and
@@ -343,6 +377,30 @@ class EngineCore:
             for out in queued:
                 self.scheduler.discard(out)
             raise
+
+    def _check_grammars(self) -> None:
+        """Forget requests whose grammar has compiled; fail those whose compile failed
+        (RequestsFailed, at the requests' fault: their description is bad)."""
+        failed: dict[str, BaseException] = {}
+        for request_id, request in list(self._compiling.items()):
+            if request.status.finished:  # aborted meanwhile
+                del self._compiling[request_id]
+                continue
+            try:
+                if not request.grammar.ready():
+                    continue
+                error = request.grammar.error()
+            except ValueError as exc:  # its resumed tokens do not follow the grammar
+                error = exc
+            del self._compiling[request_id]
+            if error is not None:
+                failed[request_id] = error
+        if failed:
+            self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
+            first = next(iter(failed.values()))
+            reasons = "; ".join(dict.fromkeys(map(str, failed.values())))
+            raise RequestsFailed(reasons, list(failed), at_fault=True,
+                                 param=getattr(first, "param", "structured_outputs"))
 
     @staticmethod
     def _run(call, queued: list[SchedulerOutput], *args):

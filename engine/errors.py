@@ -34,9 +34,13 @@ class RequestsFailed(RuntimeError):
 
     `at_fault`: the requests themselves made it fail (their parameters left nothing to
     sample), which says nothing about the device; else the model side failed with them
-    in the step (which may say something about the device, if it keeps happening)."""
+    in the step (which may say something about the device, if it keeps happening).
+    `param`: the request parameter at fault, when one is (its error then names it, and
+    the message is for the client as it is)."""
 
-    def __init__(self, message: str, request_ids: list[str], at_fault: bool = False) -> None:
+    def __init__(self, message: str, request_ids: list[str], at_fault: bool = False,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.request_ids = request_ids
         self.at_fault = at_fault
+        self.param = param

@@ -66,6 +66,7 @@ class LLM:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
         for (_, ids), p in zip(tokenized, params):
             self.core.scheduler.check_fits(len(ids), p.max_tokens)
+        _check_grammars(params)
 
         order: list[str] = []
         try:
@@ -114,3 +115,14 @@ class LLM:
             c, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
             for c in conversations]
         return self._generate(tokenized, sampling_params, use_tqdm, None)
+
+
+def _check_grammars(params: list[SamplingParams]) -> None:
+    """A grammar xgrammar refuses is a ValueError naming its key here, before anything
+    runs (the engine compiles them in the background, where it would fail a step)."""
+    specs = {p.structured_outputs.key: p.structured_outputs for p in params if p.structured_outputs is not None}
+    if specs:
+        from engine.structured.grammar import build_grammar  # imports xgrammar
+
+        for spec in specs.values():
+            build_grammar(spec)

@@ -8,11 +8,15 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling import SamplingRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # xgrammar is imported only by engines that see a structured request
+    from engine.structured.matcher import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -68,6 +72,7 @@ class Request:
     generator: torch.Generator | None = None
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of all_token_ids
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
+    grammar: GrammarState | None = None  # structured outputs: what its tokens must follow
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -75,6 +80,11 @@ class Request:
         # with penalties, else until min_tokens (eos and stop tokens masked till then).
         params = self.sampling_params
         self.reads_history_until: float = math.inf if params.has_penalties else params.min_tokens
+
+    @property
+    def grammar_pending(self) -> bool:
+        """Its grammar is still compiling: it is not admitted until it is."""
+        return self.grammar is not None and self.grammar.matcher is None
 
     @property
     def num_tokens(self) -> int:
@@ -106,7 +116,7 @@ class Request:
         """What the sampler reads of this request. Built once, at its first sample (after
         `generator` is set), and valid from then on: its token lists grow in place."""
         return SamplingRow(self.sampling_params, self.prompt_token_ids, self.output_token_ids,
-                           self.generator)
+                           self.generator, self.grammar)
 
     @property
     def sort_key(self) -> tuple[int, int]:

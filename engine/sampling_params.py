@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
+
 # Integers cross the router -> worker boundary as msgpack, which holds int64 (and
 # uint64, for seeds); anything larger is refused here rather than failing to encode.
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -54,10 +56,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top alternatives to return besides the sampled token
     include_stop_str_in_output: bool = False
+    # What the output must follow (JSON schema, regex, choice, grammar...); a dict of its
+    # fields is taken too (the wire form).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
         self._check_ranges()
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+            except StructuredOutputsError as exc:
+                raise SamplingParamsError(exc.param, exc.problem) from None
 
     def _check_types(self) -> None:
         for name in ("max_tokens", "top_k", "min_tokens"):

@@ -24,6 +24,7 @@ nothing with every block free breaks that argument, and raises EngineStateError.
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections.abc import Iterable, Sequence
 
@@ -32,6 +33,8 @@ from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -201,9 +204,16 @@ class Scheduler:
             scheduled_running.append(request)
             budget -= num_new
 
+        # Requests whose grammar is still compiling step aside (put back below), so that
+        # they hold up nobody behind them.
+        compiling: list[tuple[list, tuple[tuple[int, int], Request]]] = []
+
         # Ready requests first: they hold their blocks, and running them frees them.
         while self.ready and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.ready[0][1]
+            if request.grammar_pending:
+                compiling.append((self.ready, heapq.heappop(self.ready)))
+                continue
             num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
             if num_new is None or not self.kv.allocate_slots(request, num_new):
                 break
@@ -217,6 +227,9 @@ class Scheduler:
         while self.waiting and not self.ready and budget > 0 and not out.preempted \
                 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][1]
+            if request.grammar_pending:
+                compiling.append((self.waiting, heapq.heappop(self.waiting)))
+                continue
             admission = self._admission(request, budget)
             if admission is None:
                 break
@@ -229,7 +242,9 @@ class Scheduler:
             self._admit(out, request, num_computed, num_new)
             budget -= num_new
 
-        if not out.scheduled and not self.running and (self.waiting or self.ready) \
+        for queue, item in compiling:
+            heapq.heappush(queue, item)
+        if not out.scheduled and not self.running and not compiling and (self.waiting or self.ready) \
                 and self.kv.num_free_blocks == self.kv.pool.num_blocks:
             head = (self.ready or self.waiting)[0][1]
             raise EngineStateError(f"no progress: request {head.request_id!r} ({head.num_tokens} tokens, "
@@ -403,6 +418,14 @@ class Scheduler:
         sampling request every step)."""
         params = request.sampling_params
         num_output = len(request.output_token_ids)
+        grammar = request.grammar
+        if grammar is not None:
+            if not grammar.accept(token):  # the mask allowed it, so only a bug gets here
+                logger.error("request %s: token %d does not follow its grammar; aborted",
+                             request.request_id, token)
+                return RequestStatus.FINISHED_ABORTED
+            if grammar.terminated:  # a grammar that has ended finishes its request
+                return RequestStatus.FINISHED_STOPPED
         if num_output >= params.min_tokens:
             if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED

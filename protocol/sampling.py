@@ -28,7 +28,10 @@ WireSamplingParams = msgspec.defstruct(
 
 
 def to_wire(params: SamplingParams) -> Any:
-    return WireSamplingParams(**{name: getattr(params, name) for name in _FIELDS})
+    values = {name: getattr(params, name) for name in _FIELDS}
+    if params.structured_outputs is not None:  # a dataclass; its one set key as a map
+        values["structured_outputs"] = params.structured_outputs.to_dict()
+    return WireSamplingParams(**values)
 
 
 def from_wire(wire: Any) -> SamplingParams:

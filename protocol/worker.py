@@ -32,6 +32,9 @@ class Generate(Message, frozen=True, tag="generate"):
     params: WireSamplingParams  # protocol/sampling.py: to_wire(), and from_wire() on arrival
     remote: bool  # the router asks for a remote prefill (the prompt is long enough)
     priority: int = 0  # lower runs first (scheduling_policy: priority)
+    # The last this many prompt tokens are the request's own output on an earlier worker
+    # (a failover): its grammar, if any, goes on after them.
+    resumed: int = 0
 
 
 class Abort(Message, frozen=True, tag="abort"):
@@ -73,6 +76,7 @@ class Rejected(Message, frozen=True, tag="rejected"):
     request_id: str
     error: str
     status: int  # 400: its own input or parameters; 500: it failed on the worker
+    param: str | None = None  # the request parameter at fault, when the error names one
 
 
 class RemotePrefill(Message, frozen=True, tag="prefill"):

@@ -23,8 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from router.core import Chunk, Router
 from router.errors import APIError
 from router.logprobs import LogprobFormatter
-from router.parsing import GenerateRequest
+from router import structured
+from router.parsing import ChatRequest, GenerateRequest
 from router.responses import DONE_EVENT, ResponseShaper, error_body, error_event
+from router.tool_calls import ToolCallStream
 
 __all__ = ["Router", "WORKER_HEADER", "create_app"]
 
@@ -116,9 +118,10 @@ async def chat_completions(request: Request) -> Any:
 
 async def _respond(request: Request, parsed: GenerateRequest) -> Response:
     router = _router(request)
-    stream = router.run(parsed.prompt_ids, parsed.params)
+    stream = _named_errors(router.run(parsed.prompt_ids, parsed.params), parsed.constraint_source)
     formatter = LogprobFormatter(router.tokenizer, parsed.chat) if parsed.params.logprobs is not None else None
-    shaper = ResponseShaper(parsed.chat, router.model_name, len(parsed.prompt_ids), formatter)
+    shaper = ResponseShaper(parsed.chat, router.model_name, len(parsed.prompt_ids), formatter,
+                            _tool_calls(parsed, router.config.tool_call_parser))
     if not parsed.stream:
         chunks = await _all_unless_disconnected(request, stream)
         if chunks is None:  # nobody is left to read an answer (499: nginx's "client closed")
@@ -150,6 +153,29 @@ async def _events(router: Router, shaper: ResponseShaper, first: Chunk, stream: 
     finally:
         await stream.aclose()  # a client gone mid-stream aborts the request
     yield DONE_EVENT
+
+
+def _tool_calls(parsed: GenerateRequest, parser: str) -> ToolCallStream | None:
+    """How a chat request's text becomes tool calls: none without tools or with
+    tool_choice "none"; else by the grammar's shape (required, a named function) or the
+    model's own format (auto, read by router.tool_call_parser)."""
+    tools = parsed.tools if isinstance(parsed, ChatRequest) else None
+    if tools is None or tools.mode == "none":
+        return None
+    return ToolCallStream(tools.mode, tools.parameters, parallel_tool_calls=tools.parallel,
+                          function_name=tools.named, parser=parser)
+
+
+async def _named_errors(stream: AsyncIterator[Chunk], source: str | None) -> AsyncIterator[Chunk]:
+    """The stream, with a decode worker's error about the request's grammar said with the
+    field the client sent it in (response_format, tools, structured_outputs)."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except APIError as exc:
+        raise structured.worker_error(exc, source) from None
+    finally:
+        await stream.aclose()
 
 
 async def _none() -> None:

@@ -32,6 +32,9 @@ class RouterSettings(Protocol):
     @property
     def worker_timeout_s(self) -> float: ...
 
+    @property
+    def tool_call_parser(self) -> str: ...  # router/tool_parsers.py
+
 
 @dataclass(frozen=True)
 class ModelLimits:

@@ -210,7 +210,8 @@ class Router:
             m.requests.labels(prefill="remote" if remote else "local").inc()
             m.prompt_tokens.inc(len(prompt))
             m.cached_tokens.inc(cached)
-        if not worker.send(Generate(request_id=request_id, prompt=tokens, params=to_wire(params), remote=remote)):
+        if not worker.send(Generate(request_id=request_id, prompt=tokens, params=to_wire(params), remote=remote,
+                                    resumed=len(generated))):
             raise APIError(503, f"decode worker {worker.name} cannot be reached; retry later",
                            kind="service_unavailable")
         queue: asyncio.Queue = asyncio.Queue()
@@ -270,4 +271,4 @@ def _rejection(msg: Rejected) -> APIError:
     status = msg.status if 400 <= msg.status <= 599 else 500
     if status >= 500:
         return APIError(status, f"the request failed on the server: {msg.error}", kind="internal_server_error")
-    return APIError(status, msg.error)
+    return APIError(status, msg.error, msg.param)

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from engine.sampling_params import SamplingParams
-from router import request_body
+from router import request_body, structured
 from router.config import ModelLimits
 from router.errors import APIError
 
@@ -34,6 +35,9 @@ class GenerateRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last streamed event with the usage
     chat: ClassVar[bool]
+    # Where the client described params.structured_outputs (a decode worker's error about
+    # it is said with this name); None: no constraint.
+    constraint_source: str | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -44,9 +48,10 @@ class CompletionRequest(GenerateRequest):
 
 @dataclass(frozen=True)
 class ChatRequest(GenerateRequest):
-    messages: list[dict[str, str]]  # {role, content}, content a string (text parts joined)
+    messages: list[dict[str, Any]]  # {role, content}, content a string (text parts joined)
     add_generation_prompt: bool  # prompt_ids end with the template's assistant turn opening
     chat: ClassVar[bool] = True
+    tools: structured.ToolChoice | None = field(default=None, kw_only=True)  # None: no tools defined
 
 
 class RequestParser:
@@ -76,23 +81,29 @@ class RequestParser:
             self._check_chars(len(prompt), "prompt")
             ids = await self._tokenize(self.tokenizer.encode, prompt)
         params = self._sampling_params(body, False, len(ids), "prompt")
-        return CompletionRequest(ids, params, stream, include_usage, prompt)
+        params, source = _constrained(params, structured.constraint(body, None))
+        return CompletionRequest(ids, params, stream, include_usage, prompt, constraint_source=source)
 
     async def chat(self, raw: bytes) -> ChatRequest:
         body, stream, include_usage = self._body(raw, chat=True)
-        messages = request_body.chat_messages(body.get("messages"))
+        tools = structured.tool_choice(body)
+        messages = request_body.chat_messages(body.get("messages"), set(tools.parameters) if tools else None)
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         add_generation_prompt = request_body.flag(body, "add_generation_prompt", True)
+        constraint = structured.constraint(body, tools)
+        # The template is shown the tools unless the request calls none (as vLLM does).
+        template_tools = tools.definitions if tools is not None and tools.mode != "none" else None
 
         def tokenize() -> list[int]:
             # Rendered to text, then encoded without special tokens: the template
             # already holds them (as LLM.chat does).
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, tools=template_tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
             return self.tokenizer.encode(text, add_special_tokens=False)
         ids = await self._tokenize(tokenize)
-        params = self._sampling_params(body, True, len(ids), "messages")
-        return ChatRequest(ids, params, stream, include_usage, messages, add_generation_prompt)
+        params, source = _constrained(self._sampling_params(body, True, len(ids), "messages"), constraint)
+        return ChatRequest(ids, params, stream, include_usage, messages, add_generation_prompt,
+                           constraint_source=source, tools=tools)
 
     def _body(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], bool, bool]:
         """The JSON body, with every check that needs no tokenizer done; stream and
@@ -144,3 +155,9 @@ class RequestParser:
         tokenizer calls never run concurrently (HF fast tokenizers are not safe for
         that), and the character cap bounds how long one call may take."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, call, *args)
+
+
+def _constrained(params: SamplingParams, constraint: structured.Constraint | None) -> tuple[SamplingParams, str | None]:
+    if constraint is None:
+        return params, None
+    return dataclasses.replace(params, structured_outputs=constraint.params), constraint.source

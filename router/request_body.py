@@ -33,14 +33,6 @@ def _one(value: Any) -> bool:
     return value is None or (type(value) is int and value == 1)
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
-def _no_tool_use(value: Any) -> bool:
-    return value in (None, "none", "auto")  # with no tools, "auto" calls none
-
-
 def _default_true(value: Any) -> bool:
     return value is None or value is True
 
@@ -48,23 +40,25 @@ def _default_true(value: Any) -> bool:
 # Parameter -> is this value harmless (means "not used")? Any other value: 400.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "n": _one, "best_of": _one, "logit_bias": _unset, "use_beam_search": _unset,
-    "prompt_logprobs": _unset, "response_format": _text_format, "guided_json": _unset,
-    "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
-    "structured_outputs": _unset, "allowed_token_ids": _unset, "bad_words": _unset,
+    "prompt_logprobs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
+    "guided_grammar": _unset, "guided_decoding_backend": _unset, "allowed_token_ids": _unset, "bad_words": _unset,
     "logits_processors": _unset, "truncate_prompt_tokens": _unset,
     "skip_special_tokens": _default_true, "spaces_between_special_tokens": _default_true,
 }
 _UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"echo": _unset, "suffix": _unset}
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
-    "tools": _unset, "tool_choice": _no_tool_use, "functions": _unset, "function_call": _no_tool_use,
+    "functions": _unset, "function_call": lambda v: v in (None, "none", "auto"),
     "echo": _unset, "continue_final_message": _unset, "chat_template": _unset,
     "chat_template_kwargs": _unset, "documents": _unset, "audio": _unset, "prediction": _unset,
     "modalities": lambda v: v is None or v == ["text"],
 }
 
 
+_GUIDED = "vLLM 0.12 removed the guided_* fields: send structured_outputs"
 _HINTS = {"n": "only n=1 is supported", "best_of": "only best_of=1 is supported",
-          "response_format": 'only {"type": "text"} is supported', "tool_choice": 'only "none" or "auto"'}
+          "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
+          "guided_decoding_backend": "pdserve's one backend is xgrammar",
+          "functions": "the legacy functions field: send tools", "function_call": "send tool_choice"}
 
 
 def read_json(raw: bytes) -> dict[str, Any]:
@@ -166,23 +160,35 @@ def prompt_input(prompt: Any, vocab_size: int) -> str | list[int]:
     raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
+def chat_messages(messages: Any, tool_names: set[str] | None = None) -> list[dict[str, Any]]:
     """The messages as the chat template wants them: {role, content} with content a
     string. OpenAI content parts of type "text" are joined with newlines (as vLLM
-    does); an assistant message's content may be null (it then is "")."""
+    does); an assistant message's content may be null (it then is ""). An assistant's
+    tool_calls keep their id and function, with the arguments parsed (templates render
+    them as objects); a tool message keeps its tool_call_id. `tool_names`: the request's
+    tools, which the calls in its history must name (None: no tools defined)."""
     if not (isinstance(messages, list) and messages):
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    return [_message(i, m) for i, m in enumerate(messages)]
+    return [_message(i, m, tool_names) for i, m in enumerate(messages)]
 
 
-def _message(i: int, message: Any) -> dict[str, str]:
+def _message(i: int, message: Any, tool_names: set[str] | None) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
         raise APIError(400, f"{where} must be a {{role, content}} object with a string role; messages must "
                             "be a non-empty list of {role, content} objects", "messages")
     role, content = message["role"], message.get("content")
+    extra: dict[str, Any] = {}
     if message.get("tool_calls"):
-        raise APIError(400, f"{where}.tool_calls is not supported by pdserve", "messages")
+        if role != "assistant":
+            raise APIError(400, f"{where}.tool_calls: only assistant messages have tool calls", "messages")
+        extra["tool_calls"] = [_tool_call(f"{where}.tool_calls[{j}]", c, tool_names)
+                               for j, c in enumerate(_list(message["tool_calls"], f"{where}.tool_calls"))]
+    if role == "tool" and message.get("tool_call_id") is not None:
+        if not isinstance(message["tool_call_id"], str):
+            raise APIError(400, f"{where}.tool_call_id must be a string, got {show(message['tool_call_id'])}",
+                           "messages")
+        extra["tool_call_id"] = message["tool_call_id"]
     if content is None and role == "assistant":
         content = ""
     elif isinstance(content, list):
@@ -192,7 +198,34 @@ def _message(i: int, message: Any) -> dict[str, str]:
                             f"{show(content)}", "messages")
     check_text(role, "messages", f"{where}.role")
     check_text(content, "messages", where)
-    return {"role": role, "content": content}
+    return {"role": role, "content": content, **extra}
+
+
+def _list(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise APIError(400, f"{where} must be a list, got {show(value)}", "messages")
+    return value
+
+
+def _tool_call(where: str, call: Any, tool_names: set[str] | None) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments"), str)):
+        raise APIError(400, f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}} '
+                            f"with string name and arguments, got {show(call)}", "messages")
+    name = function["name"]
+    if tool_names is not None and name not in tool_names:
+        raise APIError(400, f"{where}.function.name {name!r} is not among the tools "
+                            f"({', '.join(sorted(tool_names))})", "messages")
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError as exc:
+        raise APIError(400, f"{where}.function.arguments is not valid JSON: {exc}", "messages") from None
+    check_text(function["arguments"], "messages", f"{where}.function.arguments")
+    call_id = call.get("id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise APIError(400, f"{where}.id must be a string, got {show(call_id)}", "messages")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _text_part(where: str, part: Any) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 from router.core import Chunk
 from router.errors import APIError
 from router.logprobs import LogprobFormatter, merge
+from router.tool_calls import ToolCallStream
 
 DONE_EVENT = "data: [DONE]\n\n"
 
@@ -34,9 +35,11 @@ class ResponseShaper:
     """The bodies and events of one request's response; one id and creation time."""
 
     def __init__(self, chat: bool, model: str, num_prompt_tokens: int,
-                 formatter: LogprobFormatter | None) -> None:
+                 formatter: LogprobFormatter | None, tools: ToolCallStream | None = None) -> None:
         self.chat, self.model, self.num_prompt_tokens = chat, model, num_prompt_tokens
         self.formatter = formatter  # None: the request asked for no logprobs
+        self.tools = tools  # chat with tools it may call: its text read as tool calls
+        self._sent_role = False
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -44,16 +47,50 @@ class ResponseShaper:
         """The non-streamed response: every chunk's text joined."""
         parts = [p for p in map(self._logprobs, chunks) if p is not None]
         last = chunks[-1]
+        text = "".join(c.text for c in chunks)
+        if self.tools is None:
+            choice = self._choice(text, last.finish_reason, False, merge(parts))
+        else:
+            self.tools.feed(text)
+            _, reason = self.tools.finish(last.finish_reason or "stop")
+            choice = {"index": 0, "message": self.tools.message(), "finish_reason": reason,
+                      "logprobs": merge(parts)}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model,
-                "choices": [self._choice("".join(c.text for c in chunks), last.finish_reason, False, merge(parts))],
+                "created": self.created, "model": self.model, "choices": [choice],
                 "usage": self.usage(last.num_tokens)}
 
     def event(self, chunk: Chunk) -> str:
-        """One chunk as a streamed event."""
+        """One chunk as streamed events (with tools: none, one, or several, as the text
+        turns into content and tool-call deltas)."""
+        if self.tools is not None:
+            return self._tool_events(chunk)
         choice = self._choice(chunk.text, chunk.finish_reason, True, self._logprobs(chunk))
+        return self._event([choice])
+
+    def _event(self, choices: list[dict[str, Any]]) -> str:
         return "data: " + json.dumps({"id": self.id, "object": self._chunk_kind, "created": self.created,
-                                      "model": self.model, "choices": [choice]}) + "\n\n"
+                                      "model": self.model, "choices": choices}) + "\n\n"
+
+    def _tool_events(self, chunk: Chunk) -> str:
+        """OpenAI's shape: the role in the first delta only; a tool call's first delta
+        has its id, type and name, later ones argument fragments; the finish_reason in
+        the last event. A chunk's logprobs ride on its first event."""
+        deltas = self.tools.feed(chunk.text)
+        reason = None
+        if chunk.finish_reason is not None:
+            more, reason = self.tools.finish(chunk.finish_reason)
+            deltas += more
+        logprobs = self._logprobs(chunk)
+        if not deltas and (reason is not None or logprobs is not None):
+            deltas = [{}]
+        events = []
+        for i, delta in enumerate(deltas):
+            if not self._sent_role:
+                delta, self._sent_role = {"role": "assistant", **delta}, True
+            events.append(self._event([{"index": 0, "delta": delta,
+                                        "finish_reason": reason if i == len(deltas) - 1 else None,
+                                        "logprobs": logprobs if i == 0 else None}]))
+        return "".join(events)
 
     def usage_event(self, num_tokens: int) -> str:
         """The stream's last event before [DONE], with stream_options.include_usage."""

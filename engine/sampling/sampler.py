@@ -1,19 +1,24 @@
-"""Token sampler: penalties, min_tokens masking, temperature, min_p/top_k/top_p, seeded draws.
+"""Token sampler: grammar masks, penalties, min_tokens masking, temperature,
+min_p/top_k/top_p, seeded draws.
 
 Every batched tensor here is [batch, vocab] float32 on the logits' device; one token per row.
-Order (vLLM): penalties -> min_tokens mask -> temperature -> min_p -> top_k -> top_p -> sample.
-Logprobs always describe the raw model distribution, before any of those steps.
+Order (vLLM): grammar mask -> penalties -> min_tokens mask -> temperature -> min_p -> top_k
+-> top_p -> sample. Logprobs always describe the raw model distribution, before any of
+those steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from engine.sampling.pending import LogprobsQuery, PendingSample, SamplerOutput, small_tensor
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.matcher import GrammarState
 
 # Dividing by a temperature this small can overflow float32, so such rows go greedy (as vLLM).
 _GREEDY_EPS = 1e-5
@@ -32,6 +37,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # tokens generated so far for this request
     generator: torch.Generator | None  # None = the sampler's shared generator
+    grammar: GrammarState | None = None  # structured outputs: its matcher, at the tokens so far
     # Greedy, and nothing but min_tokens alters the logits (read once per row per step).
     plain_greedy: bool = field(init=False)
 
@@ -64,6 +70,7 @@ class Sampler:
         self.seed = seed
         # One shared generator per device, created lazily since the logits' device is unknown here.
         self._shared: dict[str, torch.Generator] = {}
+        self._bitmask: Any = None  # engine.structured.bitmask.BitmaskBuffer, once a grammar is seen
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] float32 (any device). One sampled token per row."""
@@ -76,15 +83,21 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
                              f"got {tuple(logits.shape)}")
         raw = logits.float()
-        if all(r.plain_greedy and len(r.output_token_ids) >= r.params.min_tokens for r in rows):
+        grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not grammar_rows and all(r.plain_greedy and len(r.output_token_ids) >= r.params.min_tokens
+                                    for r in rows):
             # Fast path: nothing alters the logits, so one batched argmax decides every row.
             return PendingSample(raw.argmax(dim=-1), _unusable(raw), self._logprobs(raw, rows))
 
         greedy = [r.params.temperature < _GREEDY_EPS for r in rows]
         pen_rows = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        # A grammar decides when its row may stop: min_tokens does not hold it past its end
+        # (where the grammar allows only a stop token, masking that would leave nothing).
         mask_rows = [i for i, r in enumerate(rows)
-                     if len(r.output_token_ids) < r.params.min_tokens]
+                     if len(r.output_token_ids) < r.params.min_tokens and r.grammar is None]
         x = raw.clone()  # the raw logits must survive for logprobs
+        if grammar_rows:
+            self._apply_grammars(x, rows, grammar_rows)
         if pen_rows:
             self._apply_penalties(x, rows, pen_rows)
         if mask_rows:
@@ -98,6 +111,14 @@ class Sampler:
             token_ids.index_copy_(0, idx, sampled)
             bad.index_copy_(0, idx, bad.index_select(0, idx) | unusable)
         return PendingSample(token_ids, bad, self._logprobs(raw, rows))
+
+    def _apply_grammars(self, x: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
+        """In place on x [batch, vocab]: each row in `which` keeps only what its grammar allows."""
+        if self._bitmask is None:
+            from engine.structured.bitmask import BitmaskBuffer  # imports xgrammar
+
+            self._bitmask = BitmaskBuffer()
+        self._bitmask.apply(x, [rows[i].grammar for i in which], which)
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow],
                          which: list[int]) -> None:

@@ -74,7 +74,11 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
     (b'{"prompt": "hi", "best_of": 4}', "best_of=4 is not supported"),
     (b'{"prompt": "hi", "suffix": "xyz"}', "suffix='xyz' is not supported"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', "skip_special_tokens=False is not supported"),
-    (b'{"prompt": "hi", "response_format": {"type": "json_object"}}', "response_format={'type': 'json_object'} is"),
+    (b'{"prompt": "hi", "response_format": {"type": "json_object", "x": 1}, "structured_outputs": {"regex": "a"}}',
+     "response_format and structured_outputs both constrain the output; send one of them"),
+    (b'{"prompt": "hi", "structured_outputs": {"choice": []}}',
+     "structured_outputs.choice must be a non-empty list of non-empty strings"),
+    (b'{"prompt": "hi", "structured_outputs": {"pattern": "a"}}', "structured_outputs.pattern is not supported"),
     (b'{"prompt": ["a", "b"]}', "batched prompts (a list of several prompts) are not supported"),
 ])
 def test_malformed_requests_get_400_naming_the_problem(http, body: bytes, message: str) -> None:
@@ -84,7 +88,7 @@ def test_malformed_requests_get_400_naming_the_problem(http, body: bytes, messag
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == 400
     field = message.split()[0].split("=")[0]
-    expected = {"request": None, "batched": "prompt", "exceeds": "max_tokens"}.get(field, field)
+    expected = {"request": None, "batched": "prompt", "exceeds": "max_tokens"}.get(field, field.split(".")[0])
     assert error["param"] == expected
 
 
@@ -108,10 +112,31 @@ USER = {"role": "user", "content": "Hi"}
      "max_completion_tokens must be an integer >= 1, got -1"),
     ({"messages": [USER], "max_completion_tokens": 5000}, "max_completion_tokens",
      "+ max_completion_tokens (5000) ="),
-    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "tools=[{'type': 'function', 'function': {'name': 'f'}}] is not supported"),
-    ({"messages": [USER], "tool_choice": "required"}, "tool_choice", "tool_choice='required' is not supported"),
-    ({"messages": [USER], "response_format": {"type": "json_schema"}}, "response_format", "is not supported"),
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools",
+     "tools[0].function.name must be 1-64 letters, digits, _ or -, got 'f g'"),
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+     "tool_choice names function 'g', which is not among the tools (f)"),
+    ({"messages": [USER], "tool_choice": "required"}, "tool_choice",
+     "tool_choice='required' needs tools: none are defined"),
+    ({"messages": [USER], "response_format": {"type": "json_schema"}}, "response_format",
+     "response_format.json_schema must be an object with name and schema"),
+    ({"messages": [USER], "response_format": {"type": "xml"}}, "response_format",
+     'response_format must be {"type": "text"}'),
+    ({"messages": [USER], "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "must set exactly one of json, regex, choice, grammar, json_object, structural_tag; got regex, choice"),
+    ({"messages": [USER], "structured_outputs": {"json": {}}, "response_format": {"type": "json_object"}},
+     "response_format", "response_format and structured_outputs both constrain the output"),
+    ({"messages": [USER], "guided_json": {"type": "object"}}, "guided_json",
+     "vLLM 0.12 removed the guided_* fields: send structured_outputs"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}, USER],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "messages",
+     "messages[0].tool_calls[0].function.arguments is not valid JSON"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "h", "arguments": "{}"}}]}, USER],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "messages",
+     "messages[0].tool_calls[0].function.name 'h' is not among the tools (f)"),
     ({"messages": [USER], "logprobs": 1}, "logprobs", "logprobs must be a boolean"),
     ({"messages": [USER], "add_generation_prompt": "no"}, "add_generation_prompt",
      "add_generation_prompt must be a boolean"),

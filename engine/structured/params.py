@@ -1,0 +1,134 @@
+"""What a request's output must follow: vLLM's StructuredOutputsParams (its field names),
+checked at construction. Pure Python: the router and the wire use it without xgrammar."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+# The keys, in the order a description names the one that is set.
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsError(ValueError):
+    """A bad structured-outputs description; `param` names the key
+    ("structured_outputs.regex"). Message: f"{param} {problem}", as SamplingParamsError."""
+
+    def __init__(self, param: str, problem: str) -> None:
+        super().__init__(f"{param} {problem}")
+        self.param, self.problem = param, problem
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one constraint:
+
+    - json: a JSON schema (a dict, or its JSON text); the output is one JSON value valid
+      against it.
+    - regex: the whole output matches this regular expression.
+    - choice: the output is exactly one of these strings.
+    - grammar: an EBNF grammar (xgrammar's dialect, GBNF-like, start rule `root`).
+    - json_object: True: any JSON object (OpenAI's response_format json_object).
+    - structural_tag: xgrammar's structural tag (a dict or its JSON text): free text in
+      which, after a trigger, tagged segments follow their schemas.
+
+    Dicts are kept as their JSON text, so the description is hashable and crosses the
+    wire as it is. Whether the grammar compiles is found when it is built
+    (engine/structured/grammar.py), not here.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+
+    def __post_init__(self) -> None:
+        set_keys = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_keys) != 1:
+            got = ", ".join(set_keys) if set_keys else "none"
+            raise StructuredOutputsError("structured_outputs", f"must set exactly one of {', '.join(KINDS)}; "
+                                                               f"got {got}")
+        for key in ("json", "structural_tag"):
+            value = getattr(self, key)
+            if isinstance(value, dict):
+                object.__setattr__(self, key, _dumps(key, value))
+            elif value is not None and not isinstance(value, str):
+                raise StructuredOutputsError(f"structured_outputs.{key}",
+                                             f"must be an object or its JSON text, got {_show(value)}")
+        for key in ("regex", "grammar"):
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, str) and value):
+                raise StructuredOutputsError(f"structured_outputs.{key}", f"must be a non-empty string, "
+                                                                          f"got {_show(value)}")
+        if self.choice is not None:
+            ok = (isinstance(self.choice, (list, tuple)) and self.choice
+                  and all(isinstance(c, str) and c for c in self.choice))
+            if not ok:
+                raise StructuredOutputsError("structured_outputs.choice",
+                                             f"must be a non-empty list of non-empty strings, got {_show(self.choice)}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json_object not in (None, True, False):
+            raise StructuredOutputsError("structured_outputs.json_object",
+                                         f"must be a boolean, got {_show(self.json_object)}")
+        for key in KINDS:
+            value = getattr(self, key)
+            texts = value if isinstance(value, tuple) else [value]
+            if any(isinstance(t, str) and not _encodable(t) for t in texts):
+                raise StructuredOutputsError(f"structured_outputs.{key}",
+                                             "is not valid Unicode (it has a lone surrogate)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, tuple):
+            return self.kind, json.dumps(list(value))
+        return self.kind, "" if value is True else value
+
+    @classmethod
+    def of(cls, value: Any) -> "StructuredOutputsParams":
+        """From an instance, or a dict of its fields (its wire and HTTP form); unknown
+        keys are refused by name."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise StructuredOutputsError("structured_outputs", f"must be an object with one of "
+                                                               f"{', '.join(KINDS)}, got {_show(value)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in value if k not in known)
+        if unknown:
+            raise StructuredOutputsError(f"structured_outputs.{unknown[0]}",
+                                         f"is not supported (known keys: {', '.join(KINDS)})")
+        return cls(**{k: v for k, v in value.items() if v is not None})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: the one key that is set."""
+        value = getattr(self, self.kind)
+        return {self.kind: list(value) if isinstance(value, tuple) else value}
+
+
+def _dumps(key: str, value: dict) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise StructuredOutputsError(f"structured_outputs.{key}", f"is not JSON-serialisable: {exc}") from None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
