@@ -25,10 +25,11 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     refuses the description (an unsupported schema, a bad regex or EBNF)."""
     kind = params.kind
     try:
+        compact = bool(params.disable_any_whitespace)
         if kind == "json":
-            return json_schema_grammar(params.json)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+            return json_schema_grammar(params.json, compact)
+        if kind == "json_object":  # an object, not any JSON value (xgrammar's builtin JSON grammar)
+            return json_schema_grammar('{"type": "object"}', compact)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":
@@ -42,7 +43,8 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         raise StructuredOutputsError(f"structured_outputs.{kind}", f"cannot be compiled: {_reason(exc)}") from None
 
 
-def json_schema_grammar(schema: str) -> xgr.Grammar:
+def json_schema_grammar(schema: str, compact: bool = False) -> xgr.Grammar:
+    """compact: one space after `,` and `:`, none elsewhere."""
     try:
         parsed = json.loads(schema)
     except ValueError as exc:
@@ -50,7 +52,7 @@ def json_schema_grammar(schema: str) -> xgr.Grammar:
     if not isinstance(parsed, (dict, bool)):
         raise StructuredOutputsError("structured_outputs.json", f"must be a JSON schema (an object), "
                                                                 f"got {type(parsed).__name__}")
-    grammar = xgr.Grammar.from_json_schema(schema)
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not compact)
     ebnf = str(grammar)
     if _LOOSE_CHARS not in ebnf:
         return grammar

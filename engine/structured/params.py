@@ -33,6 +33,9 @@ class StructuredOutputsParams:
     - structural_tag: xgrammar's structural tag (a dict or its JSON text): free text in
       which, after a trigger, tagged segments follow their schemas.
 
+    disable_any_whitespace (json, json_object): JSON with no whitespace beyond one space
+    after each `,` and `:` (else any amount is allowed between tokens, as JSON allows).
+
     Dicts are kept as their JSON text, so the description is hashable and crosses the
     wire as it is. Whether the grammar compiles is found when it is built
     (engine/structured/grammar.py), not here.
@@ -44,6 +47,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         set_keys = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -70,9 +74,10 @@ class StructuredOutputsParams:
                 raise StructuredOutputsError("structured_outputs.choice",
                                              f"must be a non-empty list of non-empty strings, got {_show(self.choice)}")
             object.__setattr__(self, "choice", tuple(self.choice))
-        if self.json_object not in (None, True, False):
-            raise StructuredOutputsError("structured_outputs.json_object",
-                                         f"must be a boolean, got {_show(self.json_object)}")
+        for key in ("json_object", "disable_any_whitespace"):
+            if getattr(self, key) not in (None, True, False):
+                raise StructuredOutputsError(f"structured_outputs.{key}",
+                                             f"must be a boolean, got {_show(getattr(self, key))}")
         for key in KINDS:
             value = getattr(self, key)
             texts = value if isinstance(value, tuple) else [value]
@@ -85,12 +90,12 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     @property
-    def key(self) -> tuple[str, str]:
+    def key(self) -> tuple[str, str, bool]:
         """What identifies the compiled grammar (the compile cache's key)."""
         value = getattr(self, self.kind)
         if isinstance(value, tuple):
-            return self.kind, json.dumps(list(value))
-        return self.kind, "" if value is True else value
+            value = json.dumps(list(value))
+        return self.kind, "" if value is True else value, bool(self.disable_any_whitespace)
 
     @classmethod
     def of(cls, value: Any) -> "StructuredOutputsParams":
@@ -111,7 +116,10 @@ class StructuredOutputsParams:
     def to_dict(self) -> dict[str, Any]:
         """The wire form: the one key that is set."""
         value = getattr(self, self.kind)
-        return {self.kind: list(value) if isinstance(value, tuple) else value}
+        out = {self.kind: list(value) if isinstance(value, tuple) else value}
+        if self.disable_any_whitespace:
+            out["disable_any_whitespace"] = True
+        return out
 
 
 def _dumps(key: str, value: dict) -> str:
