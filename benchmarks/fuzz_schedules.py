@@ -6,14 +6,17 @@
     .venv/bin/python benchmarks/fuzz_schedules.py --replay /tmp/fz/pd-tcp-17.json --shrink
     .venv/bin/python benchmarks/fuzz_schedules.py --fuzzer offline --tp 2 --seeds 100
     .venv/bin/python benchmarks/fuzz_schedules.py --fuzzer pd --transport shm --tp random --seeds 100
+    .venv/bin/python benchmarks/fuzz_schedules.py --fuzzer offline --structured 0.5 --seeds 300
 
 Prints one line per failure: seed, kind (mismatch / exception / hang / error_finish /
-invariant / rejection), a tag when it looks like a known bug (F1-F4; F3 on a mismatch
-means some write's bytes landed after deadline + cancel_grace_s in that seed;
-F3-detected: D itself failed a request a late write overwrote), and details (a hang
+invariant / rejection / constraint), a tag when it looks like a known bug (F1-F4; F3 on
+a mismatch means some write's bytes landed after deadline + cancel_grace_s in that seed;
+F3-detected: D itself failed a request a late write overwrote; S1: a json_object output
+that is a JSON array), and details (a hang
 comes with both engines' state). Then one summary line: seeds, requests, mismatches,
 exceptions, hangs, other kinds, known tags, failed seeds, seconds, and how often the
-interesting paths ran (preemptions, fallbacks, expiries, ...). Exit status 1 if
+interesting paths ran (preemptions, fallbacks, expiries, ...; with --structured, how
+many requests were constrained and how many of those the oracle ends "stop"). Exit status 1 if
 anything failed.
 
 Builds the tiny seeded Llama (tests/tiny_models.py) in a temporary directory; no
@@ -29,6 +32,15 @@ random`, a pair from {1,2}x{1,2} drawn per seed (the seed's schedule is the same
 any TP). Every engine is closed at the end of its seed, failed or hung; a follower
 process still alive after a seed is reported (kind invariant), and the summary says
 how many were left at the end (followers_left, 0 expected).
+
+--structured FRACTION gives about that fraction of each seed's requests a
+structured_outputs constraint (tests/fuzz/structured.py: JSON schemas, json_object,
+regexes, choices, small EBNF grammars; greedy or seeded-sampled, on top of whatever else
+the request draws; some get a larger max_tokens where it still fits); the seed's engine
+config, prompts, arrivals and aborts are the same as without (0, the default: exactly
+the cases without it). Their tokens must equal the oracle's, and one that
+finishes "stop" must obey its constraint (kind constraint: jsonschema, re.fullmatch,
+choice membership, the grammar's regular equivalent, on the detokenized text).
 """
 
 from __future__ import annotations
@@ -67,6 +79,9 @@ def main() -> int:
     ap.add_argument("--tp", default="1",
                     help="tensor_parallel_size of the fuzzed engines: offline P; pd P,D (prefill, decode), "
                          "P (both), or random (a pair from {1,2}x{1,2} per seed)")
+    ap.add_argument("--structured", type=float, default=0.0, metavar="FRACTION",
+                    help="give about this fraction of the requests a structured_outputs constraint "
+                         "(0: none, today's cases exactly)")
     ap.add_argument("--seeds", type=int, default=100, help="how many seeds")
     ap.add_argument("--start", type=int, default=0, help="first seed")
     ap.add_argument("--time-limit", type=float, default=0.0,
@@ -159,6 +174,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
     label = args.fuzzer if args.fuzzer == "offline" else f"pd/{args.transport}"
     if args.tp != "1":
         label += f"/tp{args.tp}"
+    if args.structured:
+        label += f"/structured{args.structured:g}"
     for seed in range(args.start, args.start + args.seeds):
         if args.time_limit and time.monotonic() - t_start > args.time_limit:
             break
@@ -171,12 +188,17 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
             where = f"tp={pair[0]},{pair[1]} " if tp == "random" else ""
             if tp == "random":
                 stats[f"seeds_tp{pair[0]},{pair[1]}"] += 1
+        H.add_structured(case, args.structured)
         # the wall limit runs from when the engines are up: TP groups take long to start
         signal.alarm(int(args.seed_wall_limit + 30 + (60 if args.tp != "1" else 0)))
         try:
             res = H.run_case(case, model_dir, oracle, wall_limit=args.seed_wall_limit)
         finally:
             signal.alarm(0)
+        if args.structured:  # constrained requests, and those the oracle ends "stop" (checked against it)
+            constrained = [s for s in case.requests if "structured_outputs" in s.params]
+            stats["structured"] += len(constrained)
+            stats["structured_stop"] += sum(oracle.expect(s)[1] == "stop" for s in constrained)
         left = H.live_followers()
         if left:  # every engine is closed at the end of its seed
             res.failures.append(H.Failure(seed, "invariant", f"follower processes {left} still alive after the seed"))

@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.kv_cache.manager import cdiv
 from tests.fuzz.common import MAX_MODEL_LEN, OfflineCase, PDCase, ReqSpec, VOCAB
+from tests.fuzz.structured import draw_constraint
 
 
 def _prompt_pool(rng: random.Random, n: int, block_size: int, max_len: int) -> list[list[int]]:
@@ -229,3 +230,32 @@ def make_pd_case(seed: int, transport: str, bounded_copies: bool = False,
                   msg_delay_max=rng.choice((0, 1, 3, 10)), requests=specs,
                   d_skip=rng.choice((0.0, 0.0, 0.0, 0.3, 0.8)),
                   copy_bound_s=grace_s / 4 if bounded_copies else 0.0)
+
+
+def add_structured(case: OfflineCase | PDCase, fraction: float) -> OfflineCase | PDCase:
+    """Give about `fraction` of the case's requests a structured_outputs constraint (in
+    place; returns the case), from a stream of its own: a fraction of 0 changes nothing,
+    and the seed's schedule is the same at any fraction. Some also get seeded sampling
+    (if they had none), and some more room (a grammar can end within a few dozen
+    tokens) where the engine still fits them, so that as many are refused as before."""
+    if fraction <= 0:
+        return case
+    pd = isinstance(case, PDCase)
+    rng = random.Random(f"structured-{case.transport if pd else 'offline'}-{case.seed}")
+    e = case.dec if pd else case.engine
+
+    def fits(prompt_len: int, max_tokens: int) -> bool:
+        return _fits(prompt_len, max_tokens, e["block_size"], e["num_kv_blocks"], e["max_num_batched_tokens"],
+                     e["enable_chunked_prefill"], e.get("max_model_len"))
+
+    for spec in case.requests:
+        if rng.random() >= fraction:
+            continue
+        spec.params["structured_outputs"] = draw_constraint(rng)
+        if "temperature" not in spec.params and rng.random() < 0.3:
+            spec.params.update(temperature=rng.choice((0.7, 1.0)), seed=rng.randrange(2**31))
+        more = rng.randint(12, 40)
+        if more > spec.max_tokens and rng.random() < 0.4 and fits(len(spec.prompt), spec.max_tokens) \
+                and fits(len(spec.prompt), more):
+            spec.max_tokens = more
+    return case

@@ -4,6 +4,7 @@ colocated engine), and how a run is checked and its failures recorded
 
 from __future__ import annotations
 
+import json
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -13,6 +14,7 @@ from typing import Any
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
 from engine.request import Request, RequestStatus
+from tests.fuzz.structured import violation
 
 
 VOCAB = 384  # tests/tiny_models.py
@@ -54,8 +56,7 @@ class Oracle:
     def _key(spec: "ReqSpec") -> tuple:
         # min_tokens is capped by max_tokens (SamplingParams refuses more): keyed capped
         params = dict(spec.params, min_tokens=min(spec.params.get("min_tokens", 0), spec.max_tokens))
-        return tuple(spec.prompt), tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                                for k, v in params.items()))
+        return tuple(spec.prompt), json.dumps(params, sort_keys=True)  # structured_outputs: a nested dict
 
     def expect(self, spec: "ReqSpec") -> tuple[list[int], str]:
         key = self._key(spec)
@@ -72,6 +73,10 @@ class Oracle:
         if stopped and len(tokens) <= spec.max_tokens:
             return list(tokens), "stop"
         return list(tokens[:spec.max_tokens]), "length"
+
+    def text(self, token_ids: list[int]) -> str:
+        """The tokens' text (structured outputs are checked on it)."""
+        return self.llm.tokenizer.decode(token_ids)
 
     def tokens(self, prompt: list[int], max_tokens: int) -> list[int]:
         """Plain greedy (ignore_eos) tokens."""
@@ -108,7 +113,7 @@ def hf_agreement(model_dir: str | Path, oracle: Oracle, prompts: list[list[int]]
 @dataclass
 class Failure:
     seed: int
-    kind: str  # mismatch | exception | hang | error_finish | invariant | rejection
+    kind: str  # mismatch | exception | hang | error_finish | invariant | rejection | constraint
     detail: str
     known: str = ""  # F1..F4 when it looks like a known bug, else ""
 
@@ -224,6 +229,12 @@ def _classify_exception(exc: BaseException) -> str:
     return ""
 
 
+def _classify_violation(params: dict[str, Any], why: str) -> str:
+    """S1: json_object lets any JSON value through, not only an object
+    (/work/shared/repro/issue17/json_object_not_object.py)."""
+    return "S1" if "json_object" in params["structured_outputs"] and "is not a JSON object" in why else ""
+
+
 def _sched_state(core: EngineCore) -> str:
     s = core.scheduler
     waiting = [(r.request_id, r.status.value, r.num_computed_tokens, r.num_tokens, len(core.kv.block_ids(r.request_id)))
@@ -266,8 +277,19 @@ def _check_tokens(seed: int, rid: str, request: Request, spec: ReqSpec, oracle: 
         failures.append(Failure(seed, "error_finish", f"{what} ended {request.status.value}"
                                 f"{' error=' + str(err) if err else ''} with {len(got)} tokens", known))
         return
+    if request.status == RequestStatus.FINISHED_STOPPED:
+        check_constraint(seed, what, spec.params, got, oracle, failures, known)
     if got != ref or request.status.value != status:
         first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
         failures.append(Failure(seed, "mismatch", f"{what} cached={request.num_cached_tokens} "
                                 f"preemptions={request.num_preemptions} first diff at {first}: got {got} "
                                 f"({request.status.value}) oracle {ref} ({status})", known))
+
+
+def check_constraint(seed: int, what: str, params: dict[str, Any], tokens: list[int], oracle: Oracle,
+                     failures: list[Failure], known: str = "") -> None:
+    """A request that finished "stop" obeys its structured_outputs, if it has one."""
+    why = violation(params, tokens, oracle.text)
+    if why:
+        failures.append(Failure(seed, "constraint", f"{what}: {why} (tokens {tokens})",
+                                known or _classify_violation(params, why)))

@@ -21,7 +21,11 @@ pd       A decode core (DecodeWorkerCore) and a prefill core (PrefillWorkerCore)
          D while P goes on), client aborts at any tick, local requests mixed in, reused
          request ids, prefix caching and async scheduling on or off on each side.
 
-Either fuzzer may run its engines tensor-parallel (make_*_case's tp: the schedule is
+Either fuzzer's case may have structured outputs added (add_structured: a fraction of
+its requests constrained by a JSON schema, json_object, a regex, a choice or a small EBNF
+grammar, tests/fuzz/structured.py; the engine config, prompts, arrivals and aborts
+unchanged), and either
+fuzzer may run its engines tensor-parallel (make_*_case's tp: the schedule is
 the seed's at any TP; the oracle stays TP 1); each engine is closed at the end of its
 seed whatever happened, so no follower process outlives it (live_followers).
 
@@ -29,7 +33,9 @@ Oracle (Oracle): each request alone in a roomy colocated engine, same prompt and
 params. Every request that is not aborted must end "length" or "stop" exactly as there,
 with exactly its tokens; an aborted one's tokens so far must be a prefix of them.
 Nothing may hang (bounded by steps and wall time, a hang reported with the engines'
-state), no exception may escape, and once everything ended every KV block is free.
+state), no exception may escape, and once everything ended every KV block is free. A
+constrained request that finishes "stop" must obey its constraint (its detokenized text,
+checked with jsonschema, re.fullmatch, ...: kind "constraint").
 
 Used by tests/fuzz/test_fuzz_schedules.py (a short seeded run) and
 benchmarks/fuzz_schedules.py (many seeds; --replay/--shrink a dumped failing case).
@@ -40,15 +46,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.fuzz.cases import TP_PAIRS, draw_tp_pair, make_offline_case, make_pd_case
+from tests.fuzz.cases import TP_PAIRS, add_structured, draw_tp_pair, make_offline_case, make_pd_case
 from tests.fuzz.common import (VOCAB, Failure, Hang, OfflineCase, Oracle, PDCase, ReqSpec, SeedResult, case_dict,
                                hf_agreement, live_followers)
 from tests.fuzz.offline import run_offline
 from tests.fuzz.pd import run_pd
+from tests.fuzz.structured import violation
 
 __all__ = ["TP_PAIRS", "VOCAB", "Failure", "Hang", "OfflineCase", "Oracle", "PDCase", "ReqSpec", "SeedResult",
-           "case_dict", "case_from_dict", "draw_tp_pair", "hf_agreement", "live_followers", "make_offline_case",
-           "make_pd_case", "run_case", "run_offline", "run_pd", "shrink"]
+           "add_structured", "case_dict", "case_from_dict", "draw_tp_pair", "hf_agreement", "live_followers",
+           "make_offline_case", "make_pd_case", "run_case", "run_offline", "run_pd", "shrink", "violation"]
 
 
 # ----------------------------------------------------------------------------- shrinking

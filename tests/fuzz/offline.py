@@ -13,7 +13,7 @@ from engine.engine_core import EngineCore
 from engine.request import Request
 from tests.fuzz.cases import _fits
 from tests.fuzz.common import (Failure, Hang, OfflineCase, Oracle, ReqSpec, SeedResult, _check_tokens,
-                               _classify_hang, _exc_failure, _sched_state, spec_params)
+                               _classify_hang, _exc_failure, _sched_state, check_constraint, spec_params)
 
 
 # ----------------------------------------------------------------------------- offline
@@ -194,5 +194,7 @@ def _drive_llm(case: OfflineCase, llm: LLM, oracle: Oracle, res: SeedResult, t0:
         if o.token_ids != ref or o.finish_reason != status:
             res.failures.append(Failure(case.seed, "mismatch", f"{s.rid} prompt_len={len(s.prompt)} "
                                         f"params={s.params} got {o.token_ids} ({o.finish_reason}) oracle {ref} ({status})"))
+        if o.finish_reason == "stop":
+            check_constraint(case.seed, f"{s.rid} params={s.params}", s.params, o.token_ids, oracle, res.failures)
     _check_quiescent(case.seed, core, res.failures)
     res.stats["preemptions"] = core.scheduler.num_preemptions
