@@ -18,6 +18,8 @@ Row 6 also needs pyzmq and msgpack (and nixl for its nixl row), carried as cp312
 
 Rows:
  1. each Triton kernel against the torch reference in bf16 (relative error <= 1e-2, no NaN)
+ 1b. the grammar-mask kernel (structured outputs) bit-exact against torch, and its time on
+    half of a batch of 256 rows over the 128k vocabulary (<= 50 us)
  2. decode-attention bandwidth: bytes it must read / its time, vs 4.23 TB/s (>= 70% at
     batch 64, context 2k)
  3. engine decode step at batch 64 and 256, context ~1k, vs the memory floor (weights + KV
@@ -82,6 +84,7 @@ if str(_REPO_ROOT) not in sys.path:
 # The sections import torch and the kernels inside their functions: --smoke sets
 # TRITON_INTERPRET before any kernel module is imported.
 from benchmarks.gpu.bandwidth import check_bandwidth  # noqa: E402
+from benchmarks.gpu.bitmask import check_bitmask  # noqa: E402
 from benchmarks.gpu.engine_rows import check_engine  # noqa: E402
 from benchmarks.gpu.fidelity import check_fp32_fidelity  # noqa: E402
 from benchmarks.gpu.kernels import check_kernels  # noqa: E402
@@ -111,6 +114,7 @@ def main() -> None:
         work = Path(tmp)
         if "kernels" in only:
             section("kernels vs reference", lambda: check_kernels(s))
+            section("grammar mask kernel", lambda: check_bitmask(s))
         if "fp32" in only:
             section("float32 fidelity", lambda: check_fp32_fidelity(s, work))
         if "tune" in only:
