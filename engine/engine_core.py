@@ -99,7 +99,6 @@ class EngineCore:
             else:
                 logger.info("no CUDA graphs at tensor_parallel_size > 1: the ranks run eagerly")
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
-        self._grammars: Any = None  # engine.structured.compiler.GrammarCompiler, at the first grammar
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not compiled yet
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, tensor parallel %d",
                     self.model_config.architecture, num_blocks, config.block_size, model_len,
@@ -142,8 +141,9 @@ class EngineCore:
         return list(self._group.files)
 
     def close(self) -> None:
-        """Stop the follower ranks and remove the cache files (nothing at TP 1). The
-        engine is unusable afterwards; also run at garbage collection and exit."""
+        """Stop the follower ranks and remove the cache files (nothing at TP 1), and
+        the grammar compile threads. The engine is unusable afterwards; also run at
+        garbage collection and exit."""
         self._finalizer()
 
     def _pool_blocks(self, backend: AttentionBackend, dtype: torch.dtype, model_len: int) -> int:
@@ -190,6 +190,13 @@ class EngineCore:
             request.generator = make_generator(params.seed, self.config.device)
         if params.structured_outputs is not None:
             request.grammar = self._grammar_state(params, prompt_token_ids[len(prompt_token_ids) - resumed:])
+            # A compile that is over (a cache hit, or a description xgrammar refused at
+            # once) is judged here, before the request is queued: a ValueError then
+            # changes nothing.
+            request.grammar.ready()
+            error = request.grammar.error()
+            if error is not None:
+                raise error
             # Each token's mask needs the one before it on the host: no step ahead.
             request.reads_history_until = math.inf
         return request
@@ -198,13 +205,13 @@ class EngineCore:
         from engine.structured.compiler import GrammarCompiler  # imports xgrammar
         from engine.structured.matcher import GrammarState
 
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.config.model, self.model_config.vocab_size,
-                                             self.model_config.eos_token_ids)
-        return GrammarState(self._grammars.compile(params.structured_outputs), resumed)
+        if self._group.grammars is None:
+            self._group.grammars = GrammarCompiler(self.config.model, self.model_config.vocab_size,
+                                                   self.model_config.eos_token_ids)
+        return GrammarState(self._group.grammars.compile(params.structured_outputs), resumed)
 
     def _track_grammar(self, request: Request) -> Request:
-        if request.grammar is not None and not request.grammar.ready():
+        if request.grammar_pending:
             self._compiling[request.request_id] = request
         return request
 
@@ -379,9 +386,11 @@ class EngineCore:
             raise
 
     def _check_grammars(self) -> None:
-        """Forget requests whose grammar has compiled; fail those whose compile failed
-        (RequestsFailed, at the requests' fault: their description is bad)."""
-        failed: dict[str, BaseException] = {}
+        """Forget requests whose grammar has compiled. One whose compile failed is
+        reported (RequestsFailed, at its own fault, naming its parameter), one per step
+        so that each gets its own message; the caller ends it as it ends any failed
+        request (a decode worker first lets a remote KV write into its blocks finish).
+        Until then it stays queued, never admitted (it has no matcher)."""
         for request_id, request in list(self._compiling.items()):
             if request.status.finished:  # aborted meanwhile
                 del self._compiling[request_id]
@@ -394,13 +403,8 @@ class EngineCore:
                 error = exc
             del self._compiling[request_id]
             if error is not None:
-                failed[request_id] = error
-        if failed:
-            self.scheduler.finish_requests(list(failed), RequestStatus.FINISHED_ABORTED)
-            first = next(iter(failed.values()))
-            reasons = "; ".join(dict.fromkeys(map(str, failed.values())))
-            raise RequestsFailed(reasons, list(failed), at_fault=True,
-                                 param=getattr(first, "param", "structured_outputs"))
+                raise RequestsFailed(str(error), [request_id], at_fault=True,
+                                     param=getattr(error, "param", "structured_outputs"))
 
     @staticmethod
     def _run(call, queued: list[SchedulerOutput], *args):
@@ -445,8 +449,11 @@ class _GroupResources:
     def __init__(self) -> None:
         self.tp: TPDriver | None = None
         self.files: list[str] = []
+        self.grammars: Any = None  # engine.structured.compiler.GrammarCompiler, from the first grammar
 
     def close(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
         if self.tp is not None:
             self.tp.close()
         shared_cache.unlink(self.files)

@@ -12,9 +12,10 @@ fields. Tests pin which error wins, so keep the order.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -88,11 +89,11 @@ class RequestParser:
         body, stream, include_usage = self._body(raw, chat=True)
         tools = structured.tool_choice(body)
         messages = request_body.chat_messages(body.get("messages"), set(tools.parameters) if tools else None)
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        self._check_chars(_chat_chars(messages, tools), "messages")
         add_generation_prompt = request_body.flag(body, "add_generation_prompt", True)
         constraint = structured.constraint(body, tools)
-        # The template is shown the tools unless the request calls none (as vLLM does).
-        template_tools = tools.definitions if tools is not None and tools.mode != "none" else None
+        # The template is shown the tools even with tool_choice "none" (vLLM's default).
+        template_tools = tools.definitions if tools is not None else None
 
         def tokenize() -> list[int]:
             # Rendered to text, then encoded without special tokens: the template
@@ -161,3 +162,11 @@ def _constrained(params: SamplingParams, constraint: structured.Constraint | Non
     if constraint is None:
         return params, None
     return dataclasses.replace(params, structured_outputs=constraint.params), constraint.source
+
+
+def _chat_chars(messages: list[dict[str, Any]], tools: structured.ToolChoice | None) -> int:
+    """The characters a chat template may render: contents, tool calls' arguments and
+    the tool definitions."""
+    chars = sum(len(m["content"]) for m in messages)
+    chars += sum(len(json.dumps(c["function"])) for m in messages for c in m.get("tool_calls", ()))
+    return chars + (len(json.dumps(tools.definitions)) if tools is not None else 0)

@@ -17,7 +17,7 @@ from typing import Any
 from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
 from router.errors import APIError
 
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch
 # A function with no parameters schema takes an object of anything.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -78,7 +78,7 @@ def _response_format(value: Any) -> Constraint | None:
         raise APIError(400, f"response_format.json_schema must be an object with name and schema, got "
                             f"{_show(spec)}", "response_format")
     name = spec.get("name")
-    if name is not None and not (isinstance(name, str) and _TOOL_NAME.match(name)):
+    if name is not None and not (isinstance(name, str) and _TOOL_NAME.fullmatch(name)):
         raise APIError(400, "response_format.json_schema.name must be 1-64 letters, digits, _ or -, got "
                             f"{_show(name)}", "response_format")
     for key in ("strict",):
@@ -141,7 +141,7 @@ def _tool(i: int, tool: Any) -> tuple[str, dict[str, Any]]:
     if not isinstance(function, dict):
         raise APIError(400, f"{where}.function must be an object with a name, got {_show(function)}", "tools")
     name = function.get("name")
-    if not (isinstance(name, str) and _TOOL_NAME.match(name)):
+    if not (isinstance(name, str) and _TOOL_NAME.fullmatch(name)):
         raise APIError(400, f"{where}.function.name must be 1-64 letters, digits, _ or -, got {_show(name)}",
                        "tools")
     description = function.get("description")
@@ -180,14 +180,37 @@ def _tool_constraint(tools: ToolChoice | None) -> Constraint | None:
     if tools.mode == "named":
         return Constraint(_params("tools", json=json.dumps(tools.parameters[tools.named])),
                           f"tools.{tools.named}.parameters")
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+    defs: dict[str, Any] = {}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _rooted(i, schema, defs)},
               "required": ["name", "parameters"], "additionalProperties": False}
-             for name, schema in tools.parameters.items()]
+             for i, (name, schema) in enumerate(tools.parameters.items())]
     array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
                              "minItems": 1}
+    if defs:
+        array["$defs"] = defs
     if not tools.parallel:
         array["maxItems"] = 1
     return Constraint(_params("tools", json=json.dumps(array)), "tools")
+
+
+def _rooted(i: int, schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema to nest in the required-calls array. One with local
+    references ("#/$defs/X", "#") would lose its root there, so it moves whole to the
+    array's $defs (as tool<i>) and its references are rewritten to point into it."""
+    text = json.dumps(schema)
+    if '"$ref"' not in text:
+        return schema
+    root = f"#/$defs/tool{i}"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rewrite(v))
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+    defs[f"tool{i}"] = rewrite(schema)
+    return {"$ref": root}
 
 
 def _show(value: Any, limit: int = 60) -> str:

@@ -56,7 +56,11 @@ class GrammarCompiler:
 
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         grammar = build_grammar(params)
-        return self._xgr_compiler().compile_grammar(grammar)
+        compiler = self._xgr_compiler()
+        try:
+            return compiler.compile_grammar(grammar)
+        except Exception as exc:  # noqa: BLE001 - whatever xgrammar raises, it is this description's
+            raise StructuredOutputsError(f"structured_outputs.{params.kind}", f"cannot be compiled: {exc}") from None
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
@@ -72,4 +76,5 @@ class GrammarCompiler:
             return self._compiler
 
     def close(self) -> None:
+        """Drop queued compiles; one running finishes in its thread."""
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -50,7 +50,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        set_keys = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        set_keys = [k for k in KINDS if getattr(self, k) is not None and not (k == "json_object"
+                                                                             and getattr(self, k) is False)]
         if len(set_keys) != 1:
             got = ", ".join(set_keys) if set_keys else "none"
             raise StructuredOutputsError("structured_outputs", f"must set exactly one of {', '.join(KINDS)}; "
@@ -87,7 +88,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
 
     @property
     def key(self) -> tuple[str, str, bool]:

@@ -218,7 +218,7 @@ def test_a_request_waits_for_its_grammar_without_holding_up_others(llama_dir: Pa
     core = LLM(str(llama_dir)).core
     core.add_request("warm", [3, 4], SamplingParams(max_tokens=1, structured_outputs=P(regex="a")))
     slow: Future = Future()
-    monkeypatch.setattr(core._grammars, "compile", lambda params: slow)
+    monkeypatch.setattr(core._group.grammars, "compile", lambda params: slow)
     core.add_request("held", [3, 4, 5], SamplingParams(max_tokens=4, temperature=0,
                                                        structured_outputs=P(regex="[a-z]+")))
     core.add_request("free", [3, 4, 6], SamplingParams(max_tokens=4, temperature=0))
@@ -228,24 +228,68 @@ def test_a_request_waits_for_its_grammar_without_holding_up_others(llama_dir: Pa
     assert "free" in finished and "held" not in finished
     assert core.scheduler.requests["held"].num_computed_tokens == 0
     monkeypatch.undo()
-    slow.set_result(core._grammars.compile(P(regex="[a-z]+")).result(timeout=30))
+    slow.set_result(core._group.grammars.compile(P(regex="[a-z]+")).result(timeout=30))
     for _ in range(10):
         finished |= {r.request_id for r in core.step().finished}
     assert "held" in finished
 
 
-def test_a_grammar_that_fails_to_compile_fails_its_request_only(llama_dir: Path) -> None:
+def _failing(core: EngineCore, monkeypatch, message: str, param: str) -> Future:
+    """The next grammar compile's Future, failed only when the test says so."""
+    from engine.structured.params import StructuredOutputsError
+
+    future: Future = Future()
+    monkeypatch.setattr(core._group.grammars, "compile", lambda params: future)
+    return future, StructuredOutputsError(param, message)
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_request_only(llama_dir: Path, monkeypatch) -> None:
+    """Each failed compile is reported alone, with its own message and parameter; the
+    request stays queued (never admitted) until its caller ends it, as a worker ends
+    any failed request; the others go on."""
     core: EngineCore = LLM(str(llama_dir)).core
-    core.add_request("bad", [3, 4], SamplingParams(max_tokens=4, structured_outputs=P(regex="a(b")))
+    core.add_request("warm", [3, 4], SamplingParams(max_tokens=1, structured_outputs=P(regex="a")))
+    futures = {}
+    for rid, param in (("bad-regex", "structured_outputs.regex"), ("bad-json", "structured_outputs.json")):
+        futures[rid] = _failing(core, monkeypatch, f"is bad for {rid}", param)
+        core.add_request(rid, [3, 4], SamplingParams(max_tokens=4, structured_outputs=P(regex="x")))
     core.add_request("good", [3, 5], SamplingParams(max_tokens=4, temperature=0))
-    core._compiling["bad"].grammar._compiled.exception(timeout=30)
-    with pytest.raises(RequestsFailed) as err:
-        core.step()
-    assert err.value.request_ids == ["bad"] and err.value.at_fault
-    assert err.value.param == "structured_outputs.regex" and "parenthesis" in str(err.value)
-    assert "bad" not in core.scheduler.requests
+    for future, error in futures.values():
+        future.set_exception(error)
+    reported = {}
+    for _ in range(2):
+        with pytest.raises(RequestsFailed) as err:
+            core.step()
+        assert err.value.at_fault and len(err.value.request_ids) == 1
+        reported[err.value.request_ids[0]] = (err.value.param, str(err.value))
+    assert reported == {"bad-regex": ("structured_outputs.regex", "structured_outputs.regex is bad for bad-regex"),
+                        "bad-json": ("structured_outputs.json", "structured_outputs.json is bad for bad-json")}
+    assert core.scheduler.requests["bad-regex"].num_computed_tokens == 0
+    core.abort(list(reported))
+    done = set()
     while core.has_unfinished():
-        core.step()
+        done |= {r.request_id for r in core.step().finished}
+    assert done == {"warm", "good"} and not core.scheduler.requests
+
+
+def test_a_compile_already_failed_is_refused_before_queueing(llama_dir: Path, monkeypatch) -> None:
+    core: EngineCore = LLM(str(llama_dir)).core
+    core.add_request("warm", [3, 4], SamplingParams(max_tokens=1, structured_outputs=P(regex="a")))
+    future, error = _failing(core, monkeypatch, "cannot be compiled: no", "structured_outputs.regex")
+    future.set_exception(error)
+    with pytest.raises(ValueError, match="structured_outputs.regex cannot be compiled: no"):
+        core.add_request("bad", [3, 4], SamplingParams(max_tokens=4, structured_outputs=P(regex="x")))
+    assert "bad" not in core.scheduler.requests
+
+
+def test_resumed_tokens_off_the_grammar_are_refused_before_queueing(llama_dir: Path) -> None:
+    core: EngineCore = LLM(str(llama_dir)).core
+    spec = P(choice=["The quick"])
+    core.add_request("warm", [3, 4], SamplingParams(max_tokens=1, structured_outputs=spec))
+    core._group.grammars.compile(spec).result(timeout=30)  # compiled: judged at once
+    with pytest.raises(ValueError, match="does not follow the request's grammar"):
+        core.add_request("again", [3, 4, 5, 6], SamplingParams(max_tokens=4, structured_outputs=spec), resumed=2)
+    assert "again" not in core.scheduler.requests
 
 
 def test_the_offline_api_refuses_a_bad_grammar_before_running(llama_dir: Path) -> None:
