@@ -34,7 +34,11 @@ from pathlib import Path
 import httpx2 as httpx  # the HTTP client the openai package ships with
 from tqdm import tqdm
 
+# Run as a script, benchmarks/ heads sys.path, and its kv_transfer.py would shadow the
+# kv_transfer package that the cluster imports (with PYTHONPATH set to the repo root,
+# which then comes second): the repo root goes first instead.
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != _REPO_ROOT / "benchmarks"]
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 

@@ -45,12 +45,11 @@ async def burst(url: str, model: str, prompts: list[str], max_tokens: int, json_
             for i, (p, r) in enumerate(zip(prompts, results))))
         elapsed = time.perf_counter() - start
     failed = [r.error for r in results if not r.ok]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
-    return {"seconds": elapsed, "requests_s": len(results) / elapsed,
+    return {"failed": len(failed), "error": failed[0] if failed else "", "seconds": elapsed, "requests_s": len(results) / elapsed,
             "tokens_s": sum(r.output_tokens for r in results) / elapsed,
             "output_tokens": sum(r.output_tokens for r in results),
-            "e2e": percentiles([r.e2e for r in results]), "ttft": percentiles([r.ttft for r in results])}
+            "e2e": percentiles([r.e2e for r in results if r.ok]),
+            "ttft": percentiles([r.ttft for r in results if r.ok])}
 
 
 def served(config: str, port: int | None, requests: int, words: tuple[int, int], max_tokens: int,
@@ -67,10 +66,17 @@ def served(config: str, port: int | None, requests: int, words: tuple[int, int],
                 run = asyncio.run(burst(url, model, prompts, max_tokens, kinds[kind], f"run{r}{kind[0]}"))
                 runs[kind].append(run)
                 print(f"[served] round {r + 1} {kind}: {run['requests_s']:.2f} req/s, {run['tokens_s']:.1f} "
-                      f"tok/s, {run['output_tokens']} tokens", file=sys.stderr, flush=True)
+                      f"tok/s, {run['output_tokens']} tokens, {run['failed']} failed {run['error'][:160]}",
+                      file=sys.stderr, flush=True)
     base, test = list(kinds)
-    out: dict[str, Any] = {"requests": requests, "words": words, "max_tokens": max_tokens, "rounds": rounds,
-                           "kinds": list(kinds), "runs": runs}
+    # A round where any request failed (an overloaded worker declared dead) is left out
+    # of the figures, both its runs, so the pairs stay pairs; the count is reported.
+    clean = [i for i in range(rounds) if not (runs[base][i]["failed"] or runs[test][i]["failed"])]
+    if not clean:
+        raise RuntimeError(f"every round had failed requests, e.g. {runs[base][0]['error'] or runs[test][0]['error']}")
+    all_runs, runs = runs, {kind: [runs[kind][i] for i in clean] for kind in kinds}
+    out: dict[str, Any] = {"requests": requests, "words": words, "max_tokens": max_tokens, "rounds": len(clean),
+                           "rounds_left_out": rounds - len(clean), "kinds": list(kinds), "runs": all_runs}
     for key in ("requests_s", "tokens_s"):
         out[key] = {kind: Stat([run[key] for run in runs[kind]]) for kind in kinds}
         out[key + "_ratio"] = ratios([run[key] for run in runs[test]], [run[key] for run in runs[base]])
@@ -85,7 +91,8 @@ def served(config: str, port: int | None, requests: int, words: tuple[int, int],
 def print_served(r: dict[str, Any]) -> None:
     base, test = r["kinds"]
     print(f"\n### Served, {r['requests']} requests at once per run, prompts of {r['words'][0]}-{r['words'][1]} "
-          f"words, max_tokens {r['max_tokens']} (median of {r['rounds']} runs each, min-max in brackets)\n")
+          f"words, max_tokens {r['max_tokens']} (median of {r['rounds']} runs each, min-max in brackets; "
+          f"{r['rounds_left_out']} round(s) with failed requests left out)\n")
     print(f"| metric | {base} | {test} | {test} / {base} (paired by round) |\n|---|---:|---:|---:|")
     rows = [("requests/s", "requests_s", 1, 3), ("output tokens/s", "tokens_s", 1, 1),
             ("latency p50, s", "e2e_p50", 1, 2), ("latency p99, s", "e2e_p99", 1, 2)]
