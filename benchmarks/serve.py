@@ -26,13 +26,19 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package ships with
 from tqdm import tqdm
 
+# Run as a script, benchmarks/ heads sys.path, and its kv_transfer.py would shadow the
+# kv_transfer package that the cluster imports (with PYTHONPATH set to the repo root,
+# which then comes second): the repo root goes first instead.
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != _REPO_ROOT / "benchmarks"]
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
@@ -56,9 +62,11 @@ class Result:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-                      result: Result) -> None:
+                      result: Result, extra: dict | None = None) -> None:
+    """extra: more body fields (e.g. response_format). With stream_options.include_usage,
+    result.output_tokens becomes the count the server reports (a grammar may end early)."""
     body = {"model": model, "prompt": prompt, "max_tokens": result.output_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, **(extra or {})}
     start = last = time.perf_counter()
     got = 0
     try:
@@ -70,6 +78,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
                 if not chunk.get("choices"):
                     continue
                 now = time.perf_counter()
@@ -137,6 +147,42 @@ def summarize(results: list[Result], elapsed: float, args: argparse.Namespace) -
     }
 
 
+@contextmanager
+def serving(config_path: str | None, url: str | None, model: str | None = None,
+            port: int | None = None) -> Iterator[tuple[str, str]]:
+    """(base URL, model name) of the server to load: with config_path, that cluster
+    started here (`pdserve serve`'s code) and stopped on exit; else the one at url."""
+    if config_path is None:
+        url = url.rstrip("/")
+        yield url, model or httpx.get(f"{url}/models").json()["data"][0]["id"]
+        return
+    import dataclasses
+    import threading
+
+    import uvicorn
+
+    from cluster.config import load_cluster_config
+    from cluster.serve import build
+    from router.app import create_app
+
+    config = load_cluster_config(config_path)
+    if port is not None:
+        config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=port))
+    workers, router = build(config)
+    server = None
+    try:
+        server = uvicorn.Server(uvicorn.Config(create_app(router), host=config.router.host,
+                                               port=config.router.port, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        while not server.started:
+            time.sleep(0.05)
+        yield f"http://{config.router.host}:{config.router.port}/v1", model or config.model
+    finally:
+        if server is not None:
+            server.should_exit = True
+        workers.stop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
@@ -156,31 +202,7 @@ def main() -> None:
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args()
 
-    workers = server = None
-    if args.config:
-        import dataclasses
-        import threading
-
-        import uvicorn
-
-        from cluster.config import load_cluster_config
-        from cluster.serve import build
-        from router.app import create_app
-
-        config = load_cluster_config(args.config)
-        if args.port is not None:
-            config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=args.port))
-        workers, router = build(config)
-        server = uvicorn.Server(uvicorn.Config(create_app(router), host=config.router.host,
-                                               port=config.router.port, log_level="warning"))
-        threading.Thread(target=server.run, daemon=True).start()
-        while not server.started:
-            time.sleep(0.05)
-        url, model = f"http://{config.router.host}:{config.router.port}/v1", args.model or config.model
-    else:
-        url = args.url.rstrip("/")
-        model = args.model or httpx.get(f"{url}/models").json()["data"][0]["id"]
-    try:
+    with serving(args.config, args.url, args.model, args.port) as (url, model):
         report = {"url": url, "model": model, "args": {k: v for k, v in vars(args).items()}, "rates": {}}
         for i, rate in enumerate(float(r) for r in args.rates.split(",")):
             print(f"[rate {rate}/s] {args.duration:.0f} s of Poisson arrivals ...", file=sys.stderr, flush=True)
@@ -196,11 +218,6 @@ def main() -> None:
         if args.json_path:
             Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json_path).write_text(json.dumps(report, indent=1))
-    finally:
-        if server is not None:
-            server.should_exit = True
-        if workers is not None:
-            workers.stop()
 
 
 if __name__ == "__main__":
