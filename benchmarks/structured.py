@@ -14,6 +14,9 @@ Sections (--only, comma-separated):
            (same prompts, greedy), rounds alternating, and a profile of where it goes.
   compile  the one-time tokenizer info, the schema's grammar build, a cold compile
            (fresh GrammarCompiler each repeat) and a cache hit.
+  validity the demo model's sampled output, 50 requests per kind (json schema, json_object,
+           regex, choice, EBNF) at temperature 1: how many end by their grammar, and
+           how many of those do not validate (must be 0).
   served   the service of --config (1 prefill + 1 decode, shm, remote prefill in
            configs/local.yaml): bursts of the same prompts and max_tokens with none vs
            --json-share of the requests carrying a json_schema response_format.
@@ -37,7 +40,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != _REPO_ROOT / "ben
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
-SECTIONS = ("mask", "compile", "served")
+SECTIONS = ("mask", "compile", "validity", "served")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -110,6 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         report["compile"] = compile_times(args.model, args.repeats, 5 if args.quick else 100)
         print_compile(report["compile"])
+    if "validity" in args.sections:
+        from benchmarks.structured_bench.validity import print_validity, validity
+
+        report["validity"] = validity(args.model, 2 if args.quick else 50, 16 if args.quick else 96)
+        print_validity(report["validity"])
     if "served" in args.sections:
         from benchmarks.structured_bench.served import print_served, served
 

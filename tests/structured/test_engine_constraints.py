@@ -40,7 +40,7 @@ EBNF = 'root ::= "The answer is " number "."\nnumber ::= [1-9] [0-9]{0,2}'
 EBNF_RE = r"The answer is [1-9][0-9]{0,2}\."
 
 
-def _valid(kind: str, text: str) -> bool:
+def is_valid(kind: str, text: str) -> bool:
     try:
         if kind == "json":
             jsonschema.validate(json.loads(text), PERSON)
@@ -60,7 +60,7 @@ QUESTIONS = {"json": "Describe a person as JSON.", "json_object": "Give me a JSO
              "grammar": "What is 6 times 7?"}
 
 
-def _sampled(llm: LLM, specs: dict[str, P], n: int, max_tokens: int, chat: bool) -> dict[str, list]:
+def sampled(llm: LLM, specs: dict[str, P], n: int, max_tokens: int, chat: bool) -> dict[str, list]:
     """n seeded requests per kind at temperature 1, all in one batch; their outputs by kind."""
     prompts, params, kinds = [], [], []
     for kind, spec in specs.items():
@@ -73,10 +73,10 @@ def _sampled(llm: LLM, specs: dict[str, P], n: int, max_tokens: int, chat: bool)
     return {kind: [o for o, k in zip(outs, kinds) if k == kind] for kind in specs}
 
 
-def _check_valid(by_kind: dict[str, list], min_stopped: int) -> None:
+def check_valid(by_kind: dict[str, list], min_stopped: int) -> None:
     for kind, outs in by_kind.items():
         stopped = [o for o in outs if o.finish_reason == "stop"]
-        bad = [o.text for o in stopped if not _valid(kind, o.text)]
+        bad = [o.text for o in stopped if not is_valid(kind, o.text)]
         assert not bad, f"{kind}: {len(bad)} invalid, e.g. {bad[0]!r}"
         assert len(stopped) >= min_stopped, f"{kind}: only {len(stopped)}/{len(outs)} ended by their grammar"
 
@@ -88,7 +88,7 @@ def test_sampled_outputs_of_a_random_model_follow_their_grammar(llama_dir: Path)
     model wander for hundreds of tokens."""
     specs = {**KINDS, "json": P(json=PERSON, disable_any_whitespace=True),
              "json_object": P(json_object=True, disable_any_whitespace=True)}
-    _check_valid(_sampled(LLM(str(llama_dir), max_num_seqs=256, seed=0), specs, 50, 160, chat=False), 30)
+    check_valid(sampled(LLM(str(llama_dir), max_num_seqs=256, seed=0), specs, 50, 160, chat=False), 30)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_sampled_outputs_of_the_demo_model_follow_their_grammar(llm: LLM) -> Non
     """The same on the demo model (any whitespace allowed), asked for each format: fewer
     requests, as its steps cost more on CPU (benchmarks/structured.py --only validity runs
     50 per kind)."""
-    _check_valid(_sampled(llm, {k: v for k, v in KINDS.items() if k != "json_object"}, 6, 80, chat=True), 3)
+    check_valid(sampled(llm, {k: v for k, v in KINDS.items() if k != "json_object"}, 6, 80, chat=True), 3)
 
 
 def _allowed_prefix(spec: P, tokens: list[int], llm: LLM) -> int:
