@@ -243,14 +243,9 @@ def test_the_arithmetic_checker() -> None:
     assert not any(map(arithmetic, ["(2 + 3", "2 +", "01", "1000", "2+3", ""]))
 
 
-class NotAnObject(AssertionError):
-    """The symptom the xfail below expects, and no other failure."""
-
-
-@pytest.mark.xfail(strict=True, raises=NotAnObject,
-                   reason="json_object admits arrays: /work/shared/repro/issue17/json_object_not_object.py")
 @pytest.mark.timeout(120)
 def test_json_object_is_an_object_when_the_model_would_write_an_array(base: str) -> None:
+    """S1 (found by the schedule fuzzer): json_object once admitted a JSON array."""
     messages = shots("Two colors, as JSON.", '["red", "green"]', "Two fruits, as JSON.", '["apple", "pear"]',
                      "Two animals, as JSON.")
     plain = chat(base, {"messages": messages, "max_tokens": 20, "temperature": 0.0})
@@ -259,8 +254,7 @@ def test_json_object_is_an_object_when_the_model_would_write_an_array(base: str)
                     "response_format": {"type": "json_object"}})
     assert r.status_code == 200
     text = r.json()["choices"][0]["message"]["content"]
-    if not text.lstrip().startswith("{"):
-        raise NotAnObject(f"json_object gave {text!r}")
+    assert text.lstrip().startswith("{"), f"json_object gave {text!r}"
 
 
 @pytest.mark.timeout(300)
