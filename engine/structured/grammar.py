@@ -15,6 +15,7 @@ import json
 import xgrammar as xgr
 
 from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
+from engine.structured.schema_check import unenforced_keyword
 
 _LOOSE_CHARS = '[^\\"\\\\\\r\\n]'  # as the converter writes it in EBNF
 _STRICT_CHARS = '[^\\0-\\x1f\\"\\\\]'
@@ -52,6 +53,10 @@ def json_schema_grammar(schema: str, compact: bool = False) -> xgr.Grammar:
     if not isinstance(parsed, (dict, bool)):
         raise StructuredOutputsError("structured_outputs.json", f"must be a JSON schema (an object), "
                                                                 f"got {type(parsed).__name__}")
+    unenforced = unenforced_keyword(parsed)
+    if unenforced:
+        raise StructuredOutputsError("structured_outputs.json", f"uses {unenforced}, which pdserve's grammar "
+                                                                "engine (xgrammar) cannot enforce")
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not compact)
     ebnf = str(grammar)
     if _LOOSE_CHARS not in ebnf:
@@ -67,6 +72,11 @@ def structural_tag_grammar(tag: str) -> xgr.Grammar:
     except ValueError as exc:
         raise StructuredOutputsError("structured_outputs.structural_tag", f"is not valid JSON: {exc}") from None
     if isinstance(parsed, dict) and "structures" in parsed:
+        for i, s in enumerate(parsed["structures"]):
+            unenforced = unenforced_keyword(s.get("schema", {}), f"#/structures/{i}/schema")
+            if unenforced:
+                raise StructuredOutputsError("structured_outputs.structural_tag",
+                                             f"uses {unenforced}, which xgrammar cannot enforce")
         items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
                  for s in parsed["structures"]]
         return xgr.Grammar.from_structural_tag(items, list(parsed.get("triggers", [])))

@@ -214,3 +214,25 @@ def test_the_buffer_masks_only_the_constrained_rows_and_grows() -> None:
         buffer.apply(logits, [_Fixed([1, 31, 63, 69])], [1])
         assert torch.isfinite(logits[0]).all()
         assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [1, 31, 63, 69]
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "`uniqueItems` at #"),
+    ({"type": "array", "contains": {"const": 7}}, "`contains` at #"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "`not` at #/properties/a"),
+    ({"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, "`if` at #"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "`dependentRequired` at #"),
+    ({"$defs": {"X": {"allOf": [{"type": "integer"}, {"minimum": 3}]}}, "$ref": "#/$defs/X"}, "`allOf` at #/$defs/X"),
+])
+def test_keywords_xgrammar_would_not_enforce_are_refused_by_name(schema: dict, where: str) -> None:
+    """xgrammar 0.2.9 compiles these but lets output that breaks them through."""
+    with pytest.raises(StructuredOutputsError) as err:
+        build_grammar(P(json=schema))
+    assert err.value.param == "structured_outputs.json" and where in str(err.value)
+
+
+def test_keyword_names_as_property_names_or_data_are_fine() -> None:
+    schema = {"type": "object", "properties": {"not": {"type": "string"}, "if": {"enum": [{"not": 1}]},
+                                               "one": {"allOf": [{"type": "integer"}]}},
+              "required": ["not"]}
+    assert _matches(build_grammar(P(json=schema)), '{"not": "x"}')
