@@ -94,7 +94,7 @@ def _response_format(value: Any) -> Constraint | None:
 
 
 def _structured_outputs(value: Any) -> Constraint | None:
-    if value is None or value == {}:
+    if value is None:
         return None
     try:
         params = StructuredOutputsParams.of(value)

@@ -41,7 +41,7 @@ class StructuredOutputsParams:
     (engine/structured/grammar.py), not here.
     """
 
-    json: str | dict | None = None
+    json: str | dict | bool | None = None
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
@@ -58,7 +58,7 @@ class StructuredOutputsParams:
                                                                f"got {got}")
         for key in ("json", "structural_tag"):
             value = getattr(self, key)
-            if isinstance(value, dict):
+            if isinstance(value, dict) or (key == "json" and isinstance(value, bool)):  # true: any JSON value
                 object.__setattr__(self, key, _dumps(key, value))
             elif value is not None and not isinstance(value, str):
                 raise StructuredOutputsError(f"structured_outputs.{key}",

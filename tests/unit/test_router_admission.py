@@ -79,6 +79,7 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
     (b'{"prompt": "hi", "structured_outputs": {"choice": []}}',
      "structured_outputs.choice must be a non-empty list of non-empty strings"),
     (b'{"prompt": "hi", "structured_outputs": {"pattern": "a"}}', "structured_outputs.pattern is not supported"),
+    (b'{"prompt": "hi", "structured_outputs": {}}', "structured_outputs must set exactly one of"),
     (b'{"prompt": ["a", "b"]}', "batched prompts (a list of several prompts) are not supported"),
 ])
 def test_malformed_requests_get_400_naming_the_problem(http, body: bytes, message: str) -> None:
