@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
+from engine.user_values import encodable, show
 
 # Integers cross the router -> worker boundary as msgpack, which holds int64 (and
 # uint64, for seeds); anything larger is refused here rather than failing to encode.
@@ -80,7 +81,7 @@ class SamplingParams:
             setattr(self, name, _require_float(name, getattr(self, name)))
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise SamplingParamsError(name, f"must be a boolean, got {_show(getattr(self, name))}")
+                raise SamplingParamsError(name, f"must be a boolean, got {show(getattr(self, name))}")
         self.stop = _require_list("stop", self.stop, str, "a string or a list of strings")
         self.stop_token_ids = _require_list("stop_token_ids", self.stop_token_ids, int, "a list of integers")
 
@@ -100,14 +101,14 @@ class SamplingParams:
              f"must be in [{lo:g}, {hi:g}] (1 = no penalty)"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
              "must be None or an integer in [0, 20]"),
-            ("stop", all(s and _encodable(s) for s in self.stop),
+            ("stop", all(s and encodable(s) for s in self.stop),
              "must be a list of non-empty strings of valid Unicode (no lone surrogates)"),
             ("stop_token_ids", all(0 <= t <= INT64_MAX for t in self.stop_token_ids),
              f"must be integers in [0, {INT64_MAX}]"),
         ]
         for name, ok, problem in checks:
             if not ok:
-                raise SamplingParamsError(name, f"{problem}, got {_show(getattr(self, name))}")
+                raise SamplingParamsError(name, f"{problem}, got {show(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
@@ -125,21 +126,21 @@ def _is_int(value: Any) -> bool:
 
 def _require_int(name: str, value: Any, also: str = "") -> None:
     if not _is_int(value):
-        raise SamplingParamsError(name, f"must be an integer{also}, got {_show(value)}")
+        raise SamplingParamsError(name, f"must be an integer{also}, got {show(value)}")
     lo, hi = (SEED_MIN, SEED_MAX) if name == "seed" else (INT64_MIN, INT64_MAX)
     if not lo <= value <= hi:
-        raise SamplingParamsError(name, f"must be an integer in [{lo}, {hi}], got {_show(value)}")
+        raise SamplingParamsError(name, f"must be an integer in [{lo}, {hi}], got {show(value)}")
 
 
 def _require_float(name: str, value: Any) -> float:
     if not (isinstance(value, float) or _is_int(value)):
-        raise SamplingParamsError(name, f"must be a number, got {_show(value)}")
+        raise SamplingParamsError(name, f"must be a number, got {show(value)}")
     try:
         number = float(value)
     except OverflowError:  # an int beyond float's range
         number = math.inf
     if not math.isfinite(number):
-        raise SamplingParamsError(name, f"must be a finite number, got {_show(value)}")
+        raise SamplingParamsError(name, f"must be a finite number, got {show(value)}")
     return number
 
 
@@ -150,19 +151,5 @@ def _require_list(name: str, value: Any, item: type, expected: str) -> list:
     ok = isinstance(value, (list, tuple)) and all(
         isinstance(v, item) and not isinstance(v, bool) for v in value)
     if not ok:
-        raise SamplingParamsError(name, f"must be {expected}, got {_show(value)}")
+        raise SamplingParamsError(name, f"must be {expected}, got {show(value)}")
     return list(value)
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _show(value: Any, limit: int = 60) -> str:
-    """repr of a user's value, cut short (it is echoed in an HTTP error)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine.user_values import encodable, show
+
 # The keys, in the order a description names the one that is set.
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -62,27 +64,27 @@ class StructuredOutputsParams:
                 object.__setattr__(self, key, _dumps(key, value))
             elif value is not None and not isinstance(value, str):
                 raise StructuredOutputsError(f"structured_outputs.{key}",
-                                             f"must be an object or its JSON text, got {_show(value)}")
+                                             f"must be an object or its JSON text, got {show(value)}")
         for key in ("regex", "grammar"):
             value = getattr(self, key)
             if value is not None and not (isinstance(value, str) and value):
                 raise StructuredOutputsError(f"structured_outputs.{key}", f"must be a non-empty string, "
-                                                                          f"got {_show(value)}")
+                                                                          f"got {show(value)}")
         if self.choice is not None:
             ok = (isinstance(self.choice, (list, tuple)) and self.choice
                   and all(isinstance(c, str) and c for c in self.choice))
             if not ok:
                 raise StructuredOutputsError("structured_outputs.choice",
-                                             f"must be a non-empty list of non-empty strings, got {_show(self.choice)}")
+                                             f"must be a non-empty list of non-empty strings, got {show(self.choice)}")
             object.__setattr__(self, "choice", tuple(self.choice))
         for key in ("json_object", "disable_any_whitespace"):
             if getattr(self, key) not in (None, True, False):
                 raise StructuredOutputsError(f"structured_outputs.{key}",
-                                             f"must be a boolean, got {_show(getattr(self, key))}")
+                                             f"must be a boolean, got {show(getattr(self, key))}")
         for key in KINDS:
             value = getattr(self, key)
             texts = value if isinstance(value, tuple) else [value]
-            if any(isinstance(t, str) and not _encodable(t) for t in texts):
+            if any(isinstance(t, str) and not encodable(t) for t in texts):
                 raise StructuredOutputsError(f"structured_outputs.{key}",
                                              "is not valid Unicode (it has a lone surrogate)")
 
@@ -106,7 +108,7 @@ class StructuredOutputsParams:
             return value
         if not isinstance(value, dict):
             raise StructuredOutputsError("structured_outputs", f"must be an object with one of "
-                                                               f"{', '.join(KINDS)}, got {_show(value)}")
+                                                               f"{', '.join(KINDS)}, got {show(value)}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(k for k in value if k not in known)
         if unknown:
@@ -128,16 +130,3 @@ def _dumps(key: str, value: dict) -> str:
         return json.dumps(value)
     except (TypeError, ValueError) as exc:
         raise StructuredOutputsError(f"structured_outputs.{key}", f"is not JSON-serialisable: {exc}") from None
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _show(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
