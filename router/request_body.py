@@ -209,7 +209,8 @@ def _list(value: Any, where: str) -> list:
 
 def _tool_call(where: str, call: Any, tool_names: set[str] | None) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
-    if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+    if not (isinstance(function, dict) and call.get("type", "function") == "function"
+            and isinstance(function.get("name"), str)
             and isinstance(function.get("arguments"), str)):
         raise APIError(400, f'{where} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}} '
                             f"with string name and arguments, got {show(call)}", "messages")

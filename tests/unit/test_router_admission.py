@@ -135,6 +135,9 @@ USER = {"role": "user", "content": "Hi"}
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "messages",
      "messages[0].tool_calls[0].function.arguments is not valid JSON"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "code", "function": {"name": "f", "arguments": "{}"}}]}, USER]}, "messages",
+     'messages[0].tool_calls[0] must be {"id", "type": "function"'),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "h", "arguments": "{}"}}]}, USER],
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "messages",
      "messages[0].tool_calls[0].function.name 'h' is not among the tools (f)"),
