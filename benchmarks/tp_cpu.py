@@ -110,8 +110,9 @@ class CollectiveTimes:
         group = core.tp.group
         group.all_reduce_ = self._wrap("all-reduce", group.all_reduce_)
         group.gather_last_dim = self._wrap("gather", group.gather_last_dim)
-        # The runner holds the driver's bound method: wrap its reference (ring + broadcast).
-        core.runner.broadcast = self._wrap("broadcast", core.runner.broadcast)
+        # The runner calls the driver's broadcast_step (the stdin ring + the broadcast): an
+        # instance attribute shadows the method for that call.
+        core.tp.broadcast_step = self._wrap("broadcast", core.tp.broadcast_step)
 
     def _wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
