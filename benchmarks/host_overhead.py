@@ -72,10 +72,11 @@ def build_tiny_llama(out_dir: Path) -> Path:
 
 
 class Timers:
-    """Accumulates seconds per label for the current step."""
+    """Accumulates seconds and calls per label for the current step."""
 
     def __init__(self) -> None:
         self.step: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
 
     def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -84,7 +85,12 @@ class Timers:
                 return fn(*args, **kwargs)
             finally:
                 self.step[label] += time.perf_counter() - start
+                self.count[label] += 1
         return timed
+
+    def reset(self) -> None:
+        self.step.clear()
+        self.count.clear()
 
 
 def instrument(core: EngineCore, timers: Timers) -> None:

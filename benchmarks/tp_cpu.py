@@ -43,10 +43,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,6 +53,7 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
+from benchmarks.host_overhead import Timers  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.distributed.group import TorchGroup  # noqa: E402
 from engine.distributed.step_codec import StepCodec  # noqa: E402
@@ -99,34 +98,19 @@ class Config:
         return self.llm.core
 
 
-class CollectiveTimes:
+class CollectiveTimes(Timers):
     """Rank 0's seconds per step in its group's collectives (wrapped on the instances)."""
 
     def __init__(self, core: EngineCore) -> None:
-        self.step: dict[str, float] = defaultdict(float)
-        self.count: dict[str, int] = defaultdict(int)
+        super().__init__()
         if core.tp is None:
             return
         group = core.tp.group
-        group.all_reduce_ = self._wrap("all-reduce", group.all_reduce_)
-        group.gather_last_dim = self._wrap("gather", group.gather_last_dim)
+        group.all_reduce_ = self.wrap("all-reduce", group.all_reduce_)
+        group.gather_last_dim = self.wrap("gather", group.gather_last_dim)
         # The runner calls the driver's broadcast_step (the stdin ring + the broadcast): an
         # instance attribute shadows the method for that call.
-        core.tp.broadcast_step = self._wrap("broadcast", core.tp.broadcast_step)
-
-    def _wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.step[label] += time.perf_counter() - start
-                self.count[label] += 1
-        return timed
-
-    def reset(self) -> None:
-        self.step.clear()
-        self.count.clear()
+        core.tp.broadcast_step = self.wrap("broadcast", core.tp.broadcast_step)
 
 
 def rank0_bytes(core: EngineCore) -> tuple[int, int]:
