@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.user_values import show
 from router.errors import APIError
 from router.logprobs import requested_logprobs
 
@@ -248,8 +249,3 @@ def check_text(text: str, param: str, where: str | None = None) -> None:
     except UnicodeEncodeError:
         raise APIError(400, f"{where or param} is not valid Unicode (it has a lone surrogate)", param) from None
 
-
-def show(value: Any, limit: int = 60) -> str:
-    """repr of a client's value, cut short (it is echoed in an error)."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

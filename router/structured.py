@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
+from engine.user_values import show
 from router.errors import APIError
 
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch
@@ -71,24 +72,24 @@ def _response_format(value: Any) -> Constraint | None:
         return Constraint(StructuredOutputsParams(json_object=True), "response_format")
     if kind != "json_schema":
         raise APIError(400, 'response_format must be {"type": "text"}, {"type": "json_object"} or '
-                            f'{{"type": "json_schema", "json_schema": {{...}}}}, got {_show(value)}',
+                            f'{{"type": "json_schema", "json_schema": {{...}}}}, got {show(value)}',
                        "response_format")
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
         raise APIError(400, f"response_format.json_schema must be an object with name and schema, got "
-                            f"{_show(spec)}", "response_format")
+                            f"{show(spec)}", "response_format")
     name = spec.get("name")
     if name is not None and not (isinstance(name, str) and _TOOL_NAME.fullmatch(name)):
         raise APIError(400, "response_format.json_schema.name must be 1-64 letters, digits, _ or -, got "
-                            f"{_show(name)}", "response_format")
+                            f"{show(name)}", "response_format")
     for key in ("strict",):
         if spec.get(key) is not None and not isinstance(spec[key], bool):
-            raise APIError(400, f"response_format.json_schema.{key} must be a boolean, got {_show(spec[key])}",
+            raise APIError(400, f"response_format.json_schema.{key} must be a boolean, got {show(spec[key])}",
                            "response_format")
     schema = spec.get("schema", _ANY_OBJECT)
     if not isinstance(schema, (dict, bool)):
         raise APIError(400, f"response_format.json_schema.schema must be a JSON schema object, got "
-                            f"{_show(schema)}", "response_format")
+                            f"{show(schema)}", "response_format")
     return Constraint(_params("response_format.json_schema.schema", json=json.dumps(schema)),
                       "response_format.json_schema.schema")
 
@@ -115,13 +116,13 @@ def tool_choice(body: dict[str, Any]) -> ToolChoice | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise APIError(400, f"parallel_tool_calls must be a boolean, got {_show(parallel)}", "parallel_tool_calls")
+        raise APIError(400, f"parallel_tool_calls must be a boolean, got {show(parallel)}", "parallel_tool_calls")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
-            raise APIError(400, f"tool_choice={_show(choice)} needs tools: none are defined", "tool_choice")
+            raise APIError(400, f"tool_choice={show(choice)} needs tools: none are defined", "tool_choice")
         return None
     if not isinstance(tools, list):
-        raise APIError(400, f"tools must be a list of function tools, got {_show(tools)}", "tools")
+        raise APIError(400, f"tools must be a list of function tools, got {show(tools)}", "tools")
     parameters = {}
     for i, tool in enumerate(tools):
         name, schema = _tool(i, tool)
@@ -135,23 +136,23 @@ def tool_choice(body: dict[str, Any]) -> ToolChoice | None:
 def _tool(i: int, tool: Any) -> tuple[str, dict[str, Any]]:
     where = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise APIError(400, f'{where} must be {{"type": "function", "function": {{...}}}}, got {_show(tool)}',
+        raise APIError(400, f'{where} must be {{"type": "function", "function": {{...}}}}, got {show(tool)}',
                        "tools")
     function = tool.get("function")
     if not isinstance(function, dict):
-        raise APIError(400, f"{where}.function must be an object with a name, got {_show(function)}", "tools")
+        raise APIError(400, f"{where}.function must be an object with a name, got {show(function)}", "tools")
     name = function.get("name")
     if not (isinstance(name, str) and _TOOL_NAME.fullmatch(name)):
-        raise APIError(400, f"{where}.function.name must be 1-64 letters, digits, _ or -, got {_show(name)}",
+        raise APIError(400, f"{where}.function.name must be 1-64 letters, digits, _ or -, got {show(name)}",
                        "tools")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
-        raise APIError(400, f"{where}.function.description must be a string, got {_show(description)}", "tools")
+        raise APIError(400, f"{where}.function.description must be a string, got {show(description)}", "tools")
     schema = function.get("parameters")
     if schema is None:
         schema = _ANY_OBJECT
     if not isinstance(schema, dict):
-        raise APIError(400, f"{where}.function.parameters must be a JSON schema object, got {_show(schema)}",
+        raise APIError(400, f"{where}.function.parameters must be a JSON schema object, got {show(schema)}",
                        "tools")
     return name, schema
 
@@ -165,7 +166,7 @@ def _choice(choice: Any, parameters: dict[str, dict[str, Any]]) -> tuple[str, st
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise APIError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
-                            f'"function": {{"name": ...}}}}, got {_show(choice)}', "tool_choice")
+                            f'"function": {{"name": ...}}}}, got {show(choice)}', "tool_choice")
     if name not in parameters:
         raise APIError(400, f"tool_choice names function {name!r}, which is not among the tools "
                             f"({', '.join(sorted(parameters))})", "tool_choice")
@@ -211,8 +212,3 @@ def _rooted(i: int, schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, A
         return node
     defs[f"tool{i}"] = rewrite(schema)
     return {"$ref": root}
-
-
-def _show(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
