@@ -54,11 +54,6 @@ class GrammarState:
         """The grammar has ended (it accepted a stop token): the request is done."""
         return self.matcher.is_terminated()
 
-    @property
-    def can_end(self) -> bool:
-        """A stop token is allowed now."""
-        return self.matcher.is_completed()
-
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32, a bit per token)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)

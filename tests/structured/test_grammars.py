@@ -156,7 +156,7 @@ def test_resumed_tokens_are_accepted_before_anything_is_masked(compiler: Grammar
     done: Future = compiler.compile(P(regex="abc[0-9]"))
     state = GrammarState(done, tok.encode("ab", add_special_tokens=False))
     done.result(timeout=30)
-    assert state.ready() and not state.can_end
+    assert state.ready() and not state.matcher.is_completed()
     assert state.accept(tok.encode("c", add_special_tokens=False)[0])
     bad = GrammarState(done, tok.encode("x", add_special_tokens=False))
     with pytest.raises(ValueError, match="does not follow the request's grammar"):
