@@ -18,12 +18,14 @@ REPO = Path(__file__).resolve().parents[2]
 ALLOWED: dict[str, set[str]] = {
     "engine": set(),
     "protocol": {"engine"},  # Generate carries engine.sampling_params.SamplingParams
-    "kv_transfer": set(),
-    "workers": {"engine", "kv_transfer", "protocol"},
-    "decode_worker": {"engine", "kv_transfer", "protocol", "workers"},
-    "prefill_worker": {"engine", "kv_transfer", "protocol", "workers"},
-    "router": {"engine", "protocol"},
-    "cluster": {"engine", "kv_transfer", "protocol", "workers", "decode_worker", "prefill_worker", "router"},
+    "security": set(),
+    "kv_transfer": {"security"},
+    "workers": {"engine", "kv_transfer", "protocol", "security"},
+    "decode_worker": {"engine", "kv_transfer", "protocol", "security", "workers"},
+    "prefill_worker": {"engine", "kv_transfer", "protocol", "security", "workers"},
+    "router": {"engine", "protocol", "security"},
+    "cluster": {"engine", "kv_transfer", "protocol", "security", "workers", "decode_worker", "prefill_worker",
+                "router"},
 }
 
 
