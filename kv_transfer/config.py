@@ -3,7 +3,9 @@ torch is loaded)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from security import DeploymentSecret
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,11 @@ class TransportConfig:
     # thread takes a whole core, which small CPU hosts cannot spare (docs/benchmarks.md,
     # KV transfer bandwidth).
     progress_thread: bool = False
+    # The deployment's secret (security/): the control plane's sockets are CURVE, the
+    # handshake carries a tag proving it, and peers without it are refused. None only
+    # for transports made in tests and benchmarks of this package alone; every launched
+    # worker has one.
+    secret: DeploymentSecret | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from kv_transfer import TransportConfig
+from security import DeploymentSecret
 
 ROLES = ("decode", "prefill")
 
@@ -27,6 +28,12 @@ class WorkerConfig:
     prefill_deadline_s: float = 30.0
     # decode: remote prefills in flight per prefill worker, beyond which it prefills here
     prefill_max_outstanding: int = 16
+
+    @property
+    def secret(self) -> DeploymentSecret | None:
+        """The deployment's secret (security/), which the launcher put in transport_config:
+        the worker's ZMQ sockets are CURVE with keys derived from it."""
+        return self.transport_config.secret
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
