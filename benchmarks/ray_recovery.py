@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import secrets
 import signal
 import statistics
 import sys
@@ -32,7 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # stay on 127.0.0.1
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Token auth on, as in production (README): a token of this run's own unless one is set.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 import httpx2 as httpx  # noqa: E402
 import ray  # noqa: E402

@@ -1,4 +1,6 @@
-"""Ray tests: Ray stays on 127.0.0.1 with token auth off (ENVIRONMENT.md), each module
+"""Ray tests: Ray stays on 127.0.0.1 with token auth on (Ray's default: every RPC and
+the job server need the token; one made for the test session, held in the environment
+that Ray's processes and CLI inherit, never written to a file), each module
 starts at most one Ray (seconds and ~1 GiB on a 2-core machine), and each test checks
 that what it started is gone afterwards."""
 
@@ -6,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from cluster.config import ClusterConfig, load_cluster_config
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = demo.default_models_dir() / demo.DEMO_MODELS["smollm2"].dir_name
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+RAY_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -45,6 +45,7 @@ VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
 START_TIMEOUT_S = 90.0  # `ray start --head` (12-17 s here)
 SERVE_TIMEOUT_S = 150.0  # submit to /health answering (30-45 s here)
+RAY_TOKEN = RAY_ENV["RAY_AUTH_TOKEN"]  # the job server's HTTP API wants it too
 UPLOAD_LIMIT_BYTES = 16 << 20  # the code is about 1 MiB; models/, .venv/ are GiBs
 
 
@@ -90,16 +91,16 @@ class Head:
         return live
 
     def job(self, submission_id: str) -> dict:
-        return json.loads(_get(f"{self.dashboard}/api/jobs/{submission_id}"))
+        return json.loads(_get(f"{self.dashboard}/api/jobs/{submission_id}", token=RAY_TOKEN))
 
     def placement_groups(self) -> dict[str, str]:
         """Every placement group the cluster knows, by name: its state (Ray's state API)."""
-        reply = json.loads(_get(f"{self.dashboard}/api/v0/placement_groups?limit=1000"))
+        reply = json.loads(_get(f"{self.dashboard}/api/v0/placement_groups?limit=1000", token=RAY_TOKEN))
         return {pg["name"] or pg["placement_group_id"]: pg["state"] for pg in reply["data"]["result"]["result"]}
 
     def job_logs(self, submission_id: str) -> str:
         try:
-            return json.loads(_get(f"{self.dashboard}/api/jobs/{submission_id}/logs"))["logs"]
+            return json.loads(_get(f"{self.dashboard}/api/jobs/{submission_id}/logs", token=RAY_TOKEN))["logs"]
         except (OSError, ValueError, KeyError) as exc:
             return f"(no job logs: {exc})"
 
@@ -137,8 +138,9 @@ def _cwd(proc: psutil.Process) -> str:
         return ""
 
 
-def _get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def _get(url: str, timeout: float = 5.0, token: str | None = None) -> str:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read().decode()
 
 
@@ -284,6 +286,23 @@ def test_submitted_job_serves_the_offline_engines_greedy_answer(head: Head, job:
     assert not any((package / name).exists() for name in (".git", ".venv", "models", "results"))
     size = sum(f.stat().st_size for f in package.rglob("*") if f.is_file())
     assert size < UPLOAD_LIMIT_BYTES, f"the working-dir upload holds {size / 2**20:.1f} MiB"
+
+
+@pytest.mark.timeout(60)
+def test_the_cluster_refuses_clients_without_its_token(head: Head, job: Job) -> None:
+    """Token auth is on (Ray's default): the job server and the CLI without the token
+    are refused, so nobody else on the network submits code to this cluster."""
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _get(f"{head.dashboard}/api/jobs/{job.submission_id}")
+    assert refused.value.code == 401
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _get(f"{head.dashboard}/api/jobs/{job.submission_id}", token="not-" + RAY_TOKEN[4:])
+    assert refused.value.code in (401, 403)
+    env = {k: v for k, v in head.env.items() if k != "RAY_AUTH_TOKEN"}
+    listing = subprocess.run([RAY, "job", "list", f"--address={head.dashboard}"], env=env, cwd=REPO,
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert listing.returncode != 0, listing.stdout
+    assert head.job(job.submission_id)["status"] == "RUNNING"  # with the token: served
 
 
 @pytest.mark.timeout(120)  # includes stopping the head (module teardown)
