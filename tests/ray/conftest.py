@@ -21,6 +21,9 @@ from cluster.config import ClusterConfig, load_cluster_config
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = demo.default_models_dir() / demo.DEMO_MODELS["smollm2"].dir_name
 RAY_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Ray's driver reads its auth settings once per process, when ray is first imported (by
+# the test modules here, after this file): set for the whole session, not per module.
+os.environ.update({key: RAY_ENV[key] for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
 
 
 @pytest.fixture(scope="module", autouse=True)
