@@ -102,7 +102,9 @@ class NcclTransport(KVTransport):
         prefix = PrefixStore(f"{peer.name}/{self.agent_name}/{session}", store)
         peer.socket.send(encode("join", session=session))
 
-        def join() -> None:  # blocks until the receiver joins in its poll()
+        def join(store: Store) -> None:  # blocks until the receiver joins in its poll()
+            # `store` is held for the call: C++ keeps no Python store alive, and
+            # _disconnect may let go of it meanwhile.
             try:
                 group = self._group(prefix, SENDER)
             except Exception as exc:
@@ -114,7 +116,7 @@ class NcclTransport(KVTransport):
             else:
                 self._join_errors[peer.name] = error
 
-        self._joining[peer.name] = thread = threading.Thread(target=join, daemon=True)
+        self._joining[peer.name] = thread = threading.Thread(target=join, args=(store,), daemon=True)
         thread.start()
 
     def _on_join(self, sender: str, session: str) -> None:
