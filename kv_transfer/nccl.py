@@ -5,6 +5,11 @@ grow and shrink. The notification goes first over the control channel, then one 
 per run; the receiver posts the matching receives straight into the reserved blocks
 (or into scratch memory, dropped, for a refused write).
 
+With a deployment secret the store is an AuthStore (auth_store.py): only this
+deployment's processes can read or write its keys, where a TCPStore would let anyone who
+reaches its port hijack or poison the rendezvous. gloo's and NCCL's own connections,
+which the rendezvous sets up, are not authenticated (docs/architecture.md).
+
 Known limits: the receiver waits for a write's data inside poll(), up to `timeout_s`
 when the sender stalls between its notification and its data; and a receive that times
 out closes the pair's gloo connection, so that sender's later writes to this receiver
@@ -20,9 +25,11 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import PrefixStore, ProcessGroupGloo, Store, TCPStore
 
+from kv_transfer.auth_store import AuthStore, StoreServer
 from kv_transfer.base import KVTransport, TransportConfig
+from kv_transfer.compat import IncompatiblePeerError
 from kv_transfer.control import Peer
 from kv_transfer.messages import encode
 from kv_transfer.sender import Write
@@ -38,7 +45,9 @@ class NcclTransport(KVTransport):
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)
-        self._store: TCPStore | None = None
+        self._store: Store | None = None  # the one our senders meet us through
+        self._store_server: StoreServer | None = None  # with a secret: what serves it
+        self._peer_stores: dict[str, AuthStore] = {}  # with a secret: peer name -> its store
         self._groups: dict[str, Any] = {}  # peer name -> its pairwise process group
         self._joining: dict[str, threading.Thread] = {}
         self._join_errors: dict[str, str] = {}
@@ -59,18 +68,43 @@ class NcclTransport(KVTransport):
 
     def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         # Senders of this agent's blocks meet it through this store.
-        self._store = TCPStore(self.config.host, 0, is_master=True, wait_for_workers=False,
-                               timeout=self._timeout())
-        return {"store_port": self._store.port}
+        secret, host = self.config.secret, self.config.host
+        if secret is None:
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout())
+            return {"store_host": host, "store_port": self._store.port, "store_auth": False}
+        self._store_server = StoreServer(host, secret, self.agent_name)
+        self._store = AuthStore(self._store_server.address, secret, self.config.timeout_s)
+        return {"store_host": host, "store_port": self._store_server.port, "store_auth": True}
+
+    def _peer_store(self, peer: Peer) -> Store:
+        """A client of the store `peer` hosts; refused unless it is the kind ours is (a
+        peer of another deployment, or one without a secret, cannot meet us)."""
+        host, port, auth = (peer.data.get(k) for k in ("store_host", "store_port", "store_auth"))
+        if not isinstance(host, str) or type(port) is not int or not 0 < port < 65536:
+            raise IncompatiblePeerError(f"peer {peer.name!r} announced its rendezvous store at {host!r}:{port!r}")
+        if auth is not (self.config.secret is not None):
+            raise IncompatiblePeerError(f"peer {peer.name!r}'s rendezvous store is "
+                                        f"{'' if auth else 'not '}authenticated, ours is "
+                                        f"{'' if self.config.secret is not None else 'not '}(a deployment secret "
+                                        "on one side only)")
+        if self.config.secret is None:
+            return TCPStore(host, port, is_master=False, timeout=self._timeout())
+        store = AuthStore(f"tcp://{host}:{port}", self.config.secret, self.config.timeout_s)
+        old = self._peer_stores.pop(peer.name, None)
+        if old is not None:
+            old.close()
+        self._peer_stores[peer.name] = store
+        return store
 
     def _connect(self, peer: Peer) -> None:
-        store = TCPStore(self.config.host, peer.data["store_port"], is_master=False,
-                         timeout=self._timeout())
+        store = self._peer_store(peer)
         session = uuid.uuid4().hex
         prefix = PrefixStore(f"{peer.name}/{self.agent_name}/{session}", store)
         peer.socket.send(encode("join", session=session))
 
-        def join() -> None:  # blocks until the receiver joins in its poll()
+        def join(store: Store) -> None:  # blocks until the receiver joins in its poll()
+            # `store` is held for the call: C++ keeps no Python store alive, and
+            # _disconnect may let go of it meanwhile.
             try:
                 group = self._group(prefix, SENDER)
             except Exception as exc:
@@ -82,7 +116,7 @@ class NcclTransport(KVTransport):
             else:
                 self._join_errors[peer.name] = error
 
-        self._joining[peer.name] = thread = threading.Thread(target=join, daemon=True)
+        self._joining[peer.name] = thread = threading.Thread(target=join, args=(store,), daemon=True)
         thread.start()
 
     def _on_join(self, sender: str, session: str) -> None:
@@ -105,6 +139,9 @@ class NcclTransport(KVTransport):
         self._sessions.pop(name, None)
         self._joining.pop(name, None)  # a join thread still waiting times out on its own
         self._join_errors.pop(name, None)
+        store = self._peer_stores.pop(name, None)
+        if store is not None:  # a join still running fails on it at once
+            store.close()
 
     def _sender_group(self, peer: str) -> Any:
         thread = self._joining.get(peer)
@@ -157,3 +194,10 @@ class NcclTransport(KVTransport):
             except Exception:  # a peer may be gone already; nothing more to free
                 pass
         self._groups.clear()
+        for store in [*self._peer_stores.values(), self._store]:
+            if isinstance(store, AuthStore):
+                store.close()
+        self._peer_stores.clear()
+        if self._store_server is not None:
+            self._store_server.close()
+            self._store_server = None

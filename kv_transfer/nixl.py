@@ -13,15 +13,21 @@ afresh for every write cost more than moving them (docs/benchmarks.md, GPU check
 
 Its NIXL notification is our "written" message, which NIXL delivers after all the
 transfer's data: one transfer per write is what lets the receiver never hear of a
-write before every piece landed. NIXL has no timeouts of its own: the sender's state
+write before every piece landed. It travels over UCX, outside the control plane's
+CURVE sockets: with a deployment secret it carries a tag (sign_notification) and the
+receiver drops, logs and counts (stats["notifications_refused"]) any whose tag does not
+prove the secret, before acting on it. NIXL has no timeouts of its own: the sender's state
 (sender.py) bounds every write. Between TP sizes on GPUs each rank's cache lives on
 its own GPU, which this one agent cannot reach: refused (CPU caches only).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 
@@ -31,6 +37,12 @@ from kv_transfer.control import Peer
 from kv_transfer.rank_pairs import Piece
 from kv_transfer.runs import block_pairs
 from kv_transfer.sender import Write
+from security import DeploymentSecret
+from security.secret import TAG_BYTES
+
+logger = logging.getLogger(__name__)
+
+LOG_EVERY_S = 10.0  # refused notifications are logged at most this often (a flood cannot flood the log)
 
 # A plan as its local list needs it: (src_rank, src_head, num_heads) per piece.
 LocalKey = tuple[tuple[int, int, int], ...]
@@ -58,6 +70,8 @@ class NixlTransport(KVTransport):
         # Prepared lists of our caches, one per plan (peers with the same plan share it).
         self._local: dict[LocalKey, Any] = {}
         self._remote: dict[str, tuple[Any, Any]] = {}  # peer name -> (its prepared list, ours for its plan)
+        self.stats["notifications_refused"] = 0
+        self._unlogged, self._last_log = 0, float("-inf")
 
     def _mem_type(self) -> str:
         return "VRAM" if self.kv_cache.is_cuda else "DRAM"
@@ -129,7 +143,10 @@ class NixlTransport(KVTransport):
         if len(write.pieces) > 1:  # piece i's descriptors follow i * blocks earlier ones, on each side
             src = np.concatenate([src + i * self.kv_cache.shape[0] for i in range(len(write.pieces))])
             dst = np.concatenate([dst + i * peer.data["num_blocks"] for i in range(len(write.pieces))])
-        handle = self._agent.make_prepped_xfer("WRITE", local, src, remote, dst, self._header(write))
+        notification = self._header(write)
+        if self.config.secret is not None:
+            notification = sign_notification(self.config.secret, self.agent_name, peer.name, notification)
+        handle = self._agent.make_prepped_xfer("WRITE", local, src, remote, dst, notification)
         write.handle = handle
         if self._agent.transfer(handle) == "ERR":
             raise RuntimeError("NIXL refused to post the transfer")
@@ -148,8 +165,27 @@ class NixlTransport(KVTransport):
         pass  # NIXL delivered _header(write) after the data
 
     def _incoming_notifications(self) -> list[tuple[bytes, bytes]]:
-        return [(sender.encode() if isinstance(sender, str) else sender, msg)
-                for sender, msgs in self._agent.get_new_notifs().items() for msg in msgs]
+        found = []
+        for sender, msgs in self._agent.get_new_notifs().items():
+            name = sender.decode(errors="replace") if isinstance(sender, bytes) else sender
+            for msg in msgs:
+                if self.config.secret is not None:
+                    msg = open_notification(self.config.secret, name, self.agent_name, msg)
+                    if msg is None:
+                        self._refused(name)
+                        continue
+                found.append((name.encode(), msg))
+        return found
+
+    def _refused(self, sender: str) -> None:
+        self.stats["notifications_refused"] += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY_S:
+            more = f" ({self._unlogged - 1} more since the last report)" if self._unlogged > 1 else ""
+            logger.warning("%s dropped a NIXL notification from %r whose tag does not prove the deployment's "
+                           "secret%s", self.agent_name, sender, more)
+            self._last_log, self._unlogged = now, 0
 
     def _abandon(self, write: Write) -> None:
         if write.handle is not None:
@@ -165,6 +201,24 @@ class NixlTransport(KVTransport):
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
             self._registered = None
+
+
+def _tagged(sender: str, receiver: str, header: bytes) -> bytes:
+    # The names are in what the tag covers: a notification is good only from that sender to that receiver.
+    return msgpack.packb(["pdserve nixl written", sender, receiver, header], use_bin_type=True)
+
+
+def sign_notification(secret: DeploymentSecret, sender: str, receiver: str, header: bytes) -> bytes:
+    """The notification `sender` sends `receiver`: `header`, then its tag."""
+    return header + secret.tag(_tagged(sender, receiver, header))
+
+
+def open_notification(secret: DeploymentSecret, sender: str, receiver: str, notification: bytes) -> bytes | None:
+    """The header of a notification from `sender`, or None unless its tag proves the secret."""
+    if not isinstance(notification, bytes) or len(notification) < TAG_BYTES:
+        return None
+    header, tag = notification[:-TAG_BYTES], notification[-TAG_BYTES:]
+    return header if secret.verify(_tagged(sender, receiver, header), tag) else None
 
 
 def _piece_descs(pieces: list[Piece], side: str, bases: list[int], block_bytes: list[int], num_blocks: int,

@@ -10,12 +10,19 @@ one still running at deadline + cancel_grace_s / 2 stops before its next chunk, 
 unless one chunk takes longer than cancel_grace_s / 2, no byte lands once the receiver
 may have released the blocks (deadline + cancel_grace_s); the write fails then. Its
 notification still goes out, so a receiver that did release them hears of the landing
-(Overwritten)."""
+(Overwritten).
+
+Every segment is created 0600 whatever the umask, and a sender maps a peer's announced
+segment only if it is one of pdserve's (shm_segments.segment_name_problem), not a
+symbolic link, a regular file, this user's, and reachable by no one else
+(_open_peer_segment): an announced path cannot make it map any other file."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import stat
 import time
 import uuid
 from collections.abc import Sequence
@@ -25,9 +32,10 @@ from typing import Any
 import torch
 
 from kv_transfer.base import KVTransport, TransportConfig
+from kv_transfer.compat import IncompatiblePeerError
 from kv_transfer.control import Peer
 from kv_transfer.sender import Write
-from kv_transfer.shm_segments import SHM_DIR
+from kv_transfer.shm_segments import PREFIX, SHM_DIR, segment_name_problem
 
 # Bytes copied per GIL-free call, between two checks of the write's time bound (a block
 # larger than this is one chunk): small enough that a copy stops soon after its bound,
@@ -37,13 +45,37 @@ CHUNK_BYTES = 64 << 20
 _copy_chunk = torch._foreach_copy_  # what moves one chunk (tests slow it down here)
 
 
-def _map(path: str, size: int, create: bool) -> tuple[mmap.mmap, torch.Tensor]:
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+def _create_segment(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        if create:
-            os.ftruncate(fd, size)
-        elif os.fstat(fd).st_size != size:
-            raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, the peer announced {size}")
+        os.fchmod(fd, 0o600)  # the umask may have taken the owner's bits too
+        os.ftruncate(fd, size)
+        m = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    return m, torch.frombuffer(m, dtype=torch.uint8)
+
+
+def _open_peer_segment(path: object, size: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """Map a segment a peer announced; IncompatiblePeerError naming the path unless it is
+    a pdserve segment that only this user can reach, of the announced size."""
+    problem = segment_name_problem(path)
+    if problem is not None:
+        raise IncompatiblePeerError(f"refused the announced KV segment: {problem}")
+    try:  # O_NONBLOCK: a FIFO or device put there must not hang the open
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise IncompatiblePeerError(f"refused the announced KV segment {path!r}: {why}") from None
+    try:
+        st = os.fstat(fd)
+        problem = ("it is not a regular file" if not stat.S_ISREG(st.st_mode) else
+                   f"it belongs to uid {st.st_uid}, not to this user ({os.geteuid()})" if st.st_uid != os.geteuid()
+                   else f"others than its owner can reach it (mode {stat.S_IMODE(st.st_mode):o})"
+                   if st.st_mode & 0o077 else
+                   f"it holds {st.st_size} bytes, the peer announced {size}" if st.st_size != size else None)
+        if problem is not None:
+            raise IncompatiblePeerError(f"refused the announced KV segment {path!r}: {problem}")
         m = mmap.mmap(fd, size)
     finally:
         os.close(fd)
@@ -127,8 +159,8 @@ class ShmTransport(KVTransport):
         if device != "cpu":
             raise ValueError(f"the shm transport holds a CPU cache, not {device!r} (use cuda_ipc on GPUs)")
         nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        self._path = os.path.join(SHM_DIR, f"pdserve-kv-{uuid.uuid4().hex}")
-        m, raw = _map(self._path, nbytes, create=True)
+        self._path = os.path.join(SHM_DIR, f"{PREFIX}{uuid.uuid4().hex}")
+        m, raw = _create_segment(self._path, nbytes)
         self._maps.append(m)
         return raw.view(dtype).view(tuple(shape))
 
@@ -137,6 +169,9 @@ class ShmTransport(KVTransport):
         if self._files is not None:  # the rank caches' own files (a TP worker's engine made them)
             paths = self._files
             for r, (path, size) in enumerate(zip(paths, sizes)):
+                problem = segment_name_problem(path)
+                if problem is not None:  # its peers would refuse it
+                    raise ValueError(f"rank {r}'s cache file: {problem}")
                 found = os.stat(path).st_size if os.path.exists(path) else None
                 if found != size:
                     raise ValueError(f"rank {r}'s cache file {path} holds {found} bytes, its cache {size}")
@@ -148,13 +183,15 @@ class ShmTransport(KVTransport):
         return {"paths": list(paths), "bytes": sizes}
 
     def _connect(self, peer: Peer) -> None:
-        paths, sizes = peer.data["paths"], peer.data["bytes"]
-        if len(paths) != peer.compat.tp_size or len(sizes) != len(paths):
-            raise ValueError(f"{len(paths)} cache files announced for {peer.compat.tp_size} ranks")
+        paths, sizes = peer.data.get("paths"), peer.data.get("bytes")
+        if (not isinstance(paths, list) or not isinstance(sizes, list) or len(paths) != peer.compat.tp_size
+                or len(sizes) != len(paths) or not all(type(n) is int and n > 0 for n in sizes)):
+            raise IncompatiblePeerError(f"peer {peer.name!r} announced cache files {paths!r} of {sizes!r} bytes "
+                                        f"for its {peer.compat.tp_size} ranks")
         mapped: list[tuple[mmap.mmap, torch.Tensor]] = []
         try:
             for path, size in zip(paths, sizes):
-                mapped.append(_map(path, size, create=False))
+                mapped.append(_open_peer_segment(path, size))
             views = [raw.view(peer.data["num_blocks"], -1) for _, raw in mapped]
         except BaseException:
             self._maps += [m for m, _ in mapped]  # unmapped at close()

@@ -12,9 +12,10 @@ import torch
 from engine.distributed.shm_files import rank_cache_paths, sweep_orphans, unlink
 
 def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:
         if create:
+            os.fchmod(fd, 0o600)  # only this user, whatever the umask (which may take the owner's bits too)
             os.ftruncate(fd, nbytes)
         elif os.fstat(fd).st_size != nbytes:
             raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, expected {nbytes}")

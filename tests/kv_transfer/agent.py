@@ -20,7 +20,20 @@ from typing import Any
 import msgpack
 import torch
 
+from security import DeploymentSecret
+
 SHAPE = dict(num_blocks=64, layers=2, block_size=16, kv_heads=2, head_dim=32)
+
+
+class Secured(str):
+    """A transport's name, for a test whose agents hold a deployment secret (as launched
+    workers do): Secured("nccl") == "nccl", and secret_of() finds the secret."""
+
+    secret = DeploymentSecret(bytes(range(32)))
+
+
+def secret_of(transport: str) -> DeploymentSecret | None:
+    return getattr(transport, "secret", None)
 
 
 def cache_shape(num_blocks: int = SHAPE["num_blocks"], block_size: int = SHAPE["block_size"]) -> tuple[int, ...]:
@@ -42,10 +55,12 @@ def event_dict(e: Any) -> dict[str, Any]:
 
 
 def run_agent(conn: Connection, transport: str, name: str, seed: int, timeout_s: float,
-              grace_s: float, block_size: int, dtype: str) -> None:
+              grace_s: float, block_size: int, dtype: str, secret_hex: str | None = None) -> None:
     from kv_transfer import TransportConfig, create_transport
 
-    t = create_transport(transport, name, TransportConfig(timeout_s=timeout_s, cancel_grace_s=grace_s))
+    secret = DeploymentSecret.from_hex(secret_hex) if secret_hex is not None else None
+    t = create_transport(transport, name, TransportConfig(timeout_s=timeout_s, cancel_grace_s=grace_s,
+                                                          secret=secret))
     cache = t.allocate_kv_cache(cache_shape(block_size=block_size), getattr(torch, dtype), "cpu")
     fill(cache, seed)
     t.register_kv_cache(cache, "test-model")

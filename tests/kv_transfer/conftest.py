@@ -12,20 +12,23 @@ import pytest
 
 from kv_transfer import KVTransport
 from kv_transfer.shm_segments import unlink_segment
-from tests.kv_transfer.agent import run_agent
+from tests.kv_transfer.agent import run_agent, secret_of
 
 
 class RemoteAgent:
     """The child process side. While waiting for its replies the test keeps polling its
-    own transport (`local`), since the child may be waiting for our acknowledgements."""
+    own transport (`local`), since the child may be waiting for our acknowledgements.
+    A Secured transport name gives the child the deployment secret."""
 
     def __init__(self, transport: str, name: str, seed: int, local: KVTransport | None = None,
                  timeout_s: float = 5.0, grace_s: float = 5.0, block_size: int = 16,
                  dtype: str = "float32") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
+        secret = secret_of(transport)
         self.process = ctx.Process(target=run_agent, daemon=True,
-                                   args=(child, transport, name, seed, timeout_s, grace_s, block_size, dtype))
+                                   args=(child, str(transport), name, seed, timeout_s, grace_s, block_size, dtype,
+                                         secret.hex if secret is not None else None))
         self.process.start()
         self.local = local
         self.local_events: list[Any] = []

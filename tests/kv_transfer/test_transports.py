@@ -13,16 +13,20 @@ import torch
 from kv_transfer import (GPU_ONLY, TRANSPORTS, IncompatiblePeerError, KVTransport,
                          TransportConfig, create_transport)
 from kv_transfer.runs import coalesce
-from tests.kv_transfer.agent import cache_shape, fill
+from tests.kv_transfer.agent import Secured, cache_shape, fill, secret_of
 from tests.kv_transfer.conftest import RemoteAgent
 
 SENTINEL = -7.0
 UNDER_TEST = sorted(set(TRANSPORTS) - GPU_ONLY)  # cuda_ipc: benchmarks/gpu_check.py
+# Also with the deployment's secret, as launched workers run: nccl's rendezvous store and
+# nixl's notifications are then authenticated.
+SECURED = [pytest.param(Secured(name), id=f"{name}-secret") for name in ("nccl", "nixl")]
 
 
 def local_agent(transport: str, name: str, timeout_s: float = 5.0, grace_s: float = 5.0,
                 block_size: int = 16) -> KVTransport:
-    t = create_transport(transport, name, TransportConfig(timeout_s=timeout_s, cancel_grace_s=grace_s))
+    t = create_transport(str(transport), name, TransportConfig(timeout_s=timeout_s, cancel_grace_s=grace_s,
+                                                               secret=secret_of(transport)))
     cache = t.allocate_kv_cache(cache_shape(block_size=block_size), torch.float32, "cpu")
     cache.fill_(SENTINEL)
     t.register_kv_cache(cache, "test-model")
@@ -53,7 +57,7 @@ def drain(local: KVTransport, seconds: float) -> list:
     return events
 
 
-@pytest.fixture(params=UNDER_TEST)
+@pytest.fixture(params=[*UNDER_TEST, *SECURED])
 def transport(request: pytest.FixtureRequest) -> str:
     return request.param
 
