@@ -20,7 +20,7 @@ from cluster.config import ClusterConfig
 from cluster.serve import router_for
 from engine.tokenizer import load_tokenizer
 from router.app import create_app
-from router.bounds import MAX_DEPTH, InputBounds
+from router.bounds import MAX_CONTAINERS, MAX_DEPTH, InputBounds, check_bounds
 from router.config import ModelLimits
 from router.errors import APIError
 from router.parsing import RequestParser
@@ -69,10 +69,13 @@ def http(llama_dir: Path) -> Iterator[TestClient]:
         "name": "n" * 101, "schema": {}}}}, "response_format", "response_format.json_schema.name has 101"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a" * 101}}, "structured_outputs",
      "structured_outputs.regex has 101 characters"),
-    ("/v1/completions", {"prompt": "hi", "x" * 101: 1}, "x" * 101, "a key of xxxx"),
-    ("/v1/completions", {"prompt": "hi", "user": "u" * 101}, "user", "user has 101 characters"),
-    ("/v1/completions", {"prompt": "hi", "user": json.loads("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1))},
-     "user", "user[0][0]"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"k" * 101: 1}}, "response_format",
+     "a key of response_format has 101 characters"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": "u" * 101}}, "stream_options",
+     "stream_options.include_usage has 101 characters"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": "l" * 101}, "logprobs", "logprobs has 101 characters"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": json.loads("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1))},
+     "structured_outputs", f"structured_outputs{'[0]' * (MAX_DEPTH - 1)} is nested more than {MAX_DEPTH} levels deep"),
     ("/v1/chat/completions", {"messages": [USER], "tools": [{"type": "function", "function": {
         "name": "f", "parameters": json.loads('{"a": ' * 300 + "1" + "}" * 300)}}]}, "tools",
      f"is nested more than {MAX_DEPTH} levels deep"),
@@ -82,6 +85,20 @@ def test_what_a_body_holds_is_bounded(http: TestClient, path: str, body: dict, p
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+def test_a_field_holds_a_bounded_number_of_objects_and_arrays() -> None:
+    bounds = InputBounds(3, 2, 100, 8)
+    check_bounds({"tools": [[]] * (MAX_CONTAINERS - 1)}, bounds)
+    for tools in ([[]] * MAX_CONTAINERS, [{"a": {}} for _ in range(MAX_CONTAINERS // 2)]):
+        with pytest.raises(APIError, match=f"^tools holds more than {MAX_CONTAINERS} JSON objects and arrays$"):
+            check_bounds({"tools": tools}, bounds)
+
+
+def test_fields_pdserve_never_reads_are_bounded_by_the_body_size_alone() -> None:
+    """An ignored field (`user`, an unknown one) is never looked at: walking it would
+    only cost time on the event loop."""
+    check_bounds({"user": "u" * 1000, "x" * 1000: json.loads("[" * 500 + "]" * 500)}, InputBounds(3, 2, 100, 8))
 
 
 def test_the_conversation_itself_is_bounded_by_the_context_not_by_max_string_chars(llama_dir: Path) -> None:
