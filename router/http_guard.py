@@ -10,7 +10,8 @@ Then, while the endpoint reads the body: 413 as soon as the bytes received pass
 max_body_bytes (a chunked body says no length up front), and 408 once the body has
 taken router.body_timeout_s to arrive (a client trickling bytes holds no connection
 longer). Each of these answers closes the connection: the rest of the body is never
-read.
+read. A client that hangs up mid-body is counted as 499 (nginx's "client closed"), not
+taken for a server error.
 
 The body is never read whole before it is bounded, and no key is ever logged.
 """
@@ -129,8 +130,8 @@ class HTTPGuard:
                 if received > limit:
                     raise _too_large(f"the request body passed {limit} bytes", limit)
                 done = not message.get("more_body", False)
-            else:
-                done = True  # http.disconnect: nothing more will come
+            else:  # http.disconnect: nothing more will come, and nobody reads an answer
+                raise APIError(499, "the client went away before its request body arrived")
             return message
 
         return bounded

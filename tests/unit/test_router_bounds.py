@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -137,12 +138,17 @@ def test_a_content_length_over_the_cap_is_413_before_the_body_is_read(http: Test
 
 
 @pytest.fixture(scope="module")
-def served(llama_dir: Path) -> Iterator[int]:
-    """The router over real HTTP (uvicorn on 127.0.0.1); its port."""
+def served_router(llama_dir: Path) -> Iterator[tuple[int, Any]]:
+    """The router over real HTTP (uvicorn on 127.0.0.1): its port, the Router."""
     router = router_for(config_for(llama_dir, **BOUNDS), {"decode-0": "tcp://127.0.0.1:9"})
     port = free_port()
     with serving(router, port):
-        yield port
+        yield port, router
+
+
+@pytest.fixture
+def served(served_router: tuple[int, Any]) -> int:
+    return served_router[0]
 
 
 def raw_request(port: int, headers: str) -> socket.socket:
@@ -191,6 +197,22 @@ def test_a_trickling_body_is_408_after_body_timeout_s_and_its_connection_closed(
     assert reply.startswith(b"HTTP/1.1 408 "), reply
     assert b"the request body did not arrive within 1 s (router.body_timeout_s)" in reply
     assert 0.9 < time.monotonic() - start < 5
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_hangs_up_mid_body_is_no_server_error(served_router, caplog: pytest.LogCaptureFixture) -> None:
+    port, router = served_router
+    caplog.set_level(logging.WARNING)
+    conn = raw_request(port, "Content-Length: 100\r\n")
+    conn.sendall(b'{"prompt": "Hel')
+    time.sleep(0.2)
+    conn.close()
+    metric = b'pdserve_requests_rejected_total{status="499"} 1.0'
+    end = time.monotonic() + 10
+    while metric not in router.metrics.render() and time.monotonic() < end:
+        time.sleep(0.05)
+    assert metric in router.metrics.render()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text  # no 500's traceback
 
 
 def test_the_tokenizer_queue_is_bounded(llama_dir: Path) -> None:
