@@ -6,6 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+# The API key a CLI call to a router sends (`Authorization: Bearer`), unless --api-key.
+API_KEY_ENV = "PDSERVE_API_KEY"
+
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
     from cluster.demo_model import prepare_demo_model
@@ -68,17 +71,20 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    import os
+
     from cluster.status import fetch_status, format_status
 
-    url = args.url
+    url, key = args.url, args.api_key or os.environ.get(API_KEY_ENV)
     if url is None:
         from cluster.config import load_cluster_config
 
         router = load_cluster_config(args.config).router
         url = f"http://{router.host}:{router.port}"
+        key = key or (router.api_keys or (None,))[0]  # the operator's own config: its first key
     try:
-        print(format_status(fetch_status(url)))
-    except ConnectionError as exc:
+        print(format_status(fetch_status(url, api_key=key)))
+    except (ConnectionError, PermissionError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -127,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     where = status.add_mutually_exclusive_group()
     where.add_argument("config", nargs="?", default="configs/local.yaml", help="its cluster config (router address)")
     where.add_argument("--url", default=None, help="the router's base URL, e.g. http://127.0.0.1:8000")
+    status.add_argument("--api-key", default=None, help=f"the API key to send (default: ${API_KEY_ENV}, which, unlike "
+                        "a flag, other users' `ps` does not show; with a config and neither, its first router.api_keys)")
     status.set_defaults(func=_cmd_status)
     return parser
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from cluster.api_keys import is_loopback, resolve_api_keys
 from engine.config import DTYPES, EngineConfig
 from engine.config_check import FieldTypeError, check_field_types
 from engine.distributed.sharding import check_shardable
@@ -109,10 +110,35 @@ class RouterConfig:
     # How the served model writes a tool call, read back out of its text when a request
     # with tools lets it choose (tool_choice "auto"): router/tool_parsers.py.
     tool_call_parser: str = "hermes"
+    # API keys (cluster/api_keys.py: a list, "env:NAME" or "file:PATH"), a tuple once
+    # loaded, never in a repr; router/http_guard.py checks them. Serving a non-loopback
+    # host without keys must be asked for (allow_unauthenticated).
+    api_keys: Any = field(default=None, repr=False)
+    metrics_need_key: bool = True
+    allow_unauthenticated: bool = False
+    # Input bounds (docs/configs.md says why each default): body bytes (413) and arrival
+    # time (408), chat messages, `stop` entries, characters of strings the context length
+    # does not bound (400 each), requests waiting for the tokenizer (429).
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    max_messages: int = 2048
+    max_stop: int = 64
+    max_string_chars: int = 65536
+    max_tokenize_queue: int = 64
+    # Per-key limits (router/limits.py), off when null: requests per second (a bucket of
+    # key_burst, default one second's worth) and tokens in flight (prompt + max_tokens of
+    # the key's running requests). Without api_keys every caller counts as one key.
+    key_requests_per_s: float | None = None
+    key_burst: int | None = None
+    key_tokens_in_flight: int | None = None
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "router") -> "RouterConfig":
         data = _fields(cls, data, path, {"policy": POLICIES, "tool_call_parser": tuple(TOOL_PARSERS)})
+        try:
+            data = {**data, "api_keys": resolve_api_keys(data.get("api_keys")) or None}
+        except ValueError as exc:
+            raise ConfigError(f"{path}.api_keys: {exc}") from None
         out = cls(**data)
         _check(isinstance(out.host, str) and out.host != "", f"{path}.host", f"must be a host name, got {out.host!r}")
         _int(out.port, f"{path}.port", 0, 65535)
@@ -133,8 +159,21 @@ class RouterConfig:
             _check(stall == 0 or stall > timeout, f"{path}.stall_timeout_s",
                    f"must be > worker_timeout_s ({timeout:g}), which is sized to exceed the longest engine step "
                    f"(a worker in a long step would be taken for hung), or 0 (off); got {stall:g}")
+        _check(out.api_keys is not None or out.allow_unauthenticated or is_loopback(out.host),
+               f"{path}.allow_unauthenticated", f"must be true to serve {path}.host {out.host!r} (not a loopback "
+               f"address: other machines reach it) without {path}.api_keys; set api_keys (e.g. 'env:PDSERVE_API_KEYS') "
+               "or, to serve anyone who reaches the port, allow_unauthenticated: true")
+        for name in ("max_body_bytes", "max_messages", "max_stop", "max_string_chars", "max_tokenize_queue",
+                     "key_burst", "key_tokens_in_flight"):
+            if getattr(out, name) is not None:  # only the key_* ones may be
+                _int(getattr(out, name), f"{path}.{name}", 1)
+        rate = out.key_requests_per_s
+        rate = None if rate is None else _number(rate, f"{path}.key_requests_per_s", 0, strict=True)
+        _check(rate is not None or out.key_burst is None, f"{path}.key_burst",
+               "needs key_requests_per_s (the rate its bucket refills at)")
         return dataclasses.replace(out, health_interval_s=interval, worker_timeout_s=timeout,
-                                   stall_timeout_s=stall or None)
+                                   stall_timeout_s=stall or None, key_requests_per_s=rate,
+                                   body_timeout_s=_number(out.body_timeout_s, f"{path}.body_timeout_s", 0, strict=True))
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,20 @@ PREFILL_COLUMNS = (("jobs", "jobs"), ("kv_used", None), ("prefills", "prefills")
                    ("blocks_sent", "blocks_written"), ("failed", "failed"))
 
 
-def fetch_status(url: str, timeout: float = 10.0) -> dict[str, Any]:
-    """GET {url}/status (url: the router's base, e.g. http://127.0.0.1:8000)."""
+def fetch_status(url: str, timeout: float = 10.0, api_key: str | None = None) -> dict[str, Any]:
+    """GET {url}/status (url: the router's base, e.g. http://127.0.0.1:8000), with
+    `Authorization: Bearer api_key` when given. PermissionError if the router refuses
+    the key (or asks for one)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=timeout) as response:
+        with urllib.request.urlopen(urllib.request.Request(f"{url.rstrip('/')}/status", headers=headers),
+                                    timeout=timeout) as response:
             return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            what = "refused the API key" if api_key else "needs an API key"
+            raise PermissionError(f"the router at {url} {what} (401): set PDSERVE_API_KEY or pass --api-key") from None
+        raise ConnectionError(f"the router at {url} answered {exc.code} to /status") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ConnectionError(f"no pdserve router answers at {url}: {exc}") from None
 

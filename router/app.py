@@ -5,7 +5,9 @@ request (router/parsing.py), run by the Router (router/core.py), and its respons
 shaped by router/responses.py.
 
 Bad input is HTTP 400 with an OpenAI-style error naming the field; a full queue is
-HTTP 429 with Retry-After; no live decode worker is 503.
+HTTP 429 with Retry-After; no live decode worker is 503. API keys, the per-key request
+rate and the body's size and arrival time are checked before any endpoint runs
+(router/http_guard.py); a key's tokens in flight once its request is parsed.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from router.auth import KeyRing
+from router.bounds import InputBounds
 from router.core import Chunk, Router
 from router.errors import APIError
+from router.http_guard import HTTPGuard, client_of, error_response
+from router.limits import Limits
 from router.logprobs import LogprobFormatter
 from router import structured
 from router.parsing import ChatRequest, GenerateRequest
-from router.responses import DONE_EVENT, ResponseShaper, error_body, error_event
+from router.responses import DONE_EVENT, ResponseShaper, error_event
 from router.tool_calls import ToolCallStream
 
 __all__ = ["Router", "WORKER_HEADER", "create_app"]
@@ -46,6 +52,11 @@ def create_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.router = router
+    app.state.limits = limits = Limits(router.config)
+    router.parser.bounds = InputBounds.of(router.config)
+    app.add_middleware(HTTPGuard, keys=KeyRing(router.config.api_keys or ()), limits=limits,
+                       settings=router.config, rejected=lambda status: router.metrics.rejected.labels(
+                           status=str(status)).inc())
     app.add_exception_handler(APIError, _api_error)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/status", status, methods=["GET"])
@@ -60,15 +71,10 @@ def _router(request: Request) -> Router:
     return request.app.state.router
 
 
-def _error(exc: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
-
-
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     _router(request).metrics.rejected.labels(status=str(exc.status)).inc()
-    return _error(exc)
+    return error_response(exc)
 
 
 async def health(request: Request) -> JSONResponse:
@@ -76,7 +82,7 @@ async def health(request: Request) -> JSONResponse:
     a readiness probe sees that this deployment can serve nothing."""
     router = _router(request)
     if not any(w.alive for w in router.workers):
-        return _error(router.no_live_worker())
+        return error_response(router.no_live_worker())
     return JSONResponse({"status": "ok"})
 
 
@@ -118,7 +124,8 @@ async def chat_completions(request: Request) -> Any:
 
 async def _respond(request: Request, parsed: GenerateRequest) -> Response:
     router = _router(request)
-    stream = _named_errors(router.run(parsed.prompt_ids, parsed.params), parsed.constraint_source)
+    stream = _named_errors(_within_limits(request, parsed, router.run(parsed.prompt_ids, parsed.params)),
+                           parsed.constraint_source)
     formatter = LogprobFormatter(router.tokenizer, parsed.chat) if parsed.params.logprobs is not None else None
     shaper = ResponseShaper(parsed.chat, router.model_name, len(parsed.prompt_ids), formatter,
                             _tool_calls(parsed, router.config.tool_call_parser))
@@ -175,6 +182,22 @@ async def _named_errors(stream: AsyncIterator[Chunk], source: str | None) -> Asy
     except APIError as exc:
         raise structured.worker_error(exc, source) from None
     finally:
+        await stream.aclose()
+
+
+async def _within_limits(request: Request, parsed: GenerateRequest,
+                         stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    """The stream, its tokens counted in its key's tokens in flight until it ends (taken
+    at its first step, so that a stream never started holds none; 429 before any
+    chunk when the key has no room)."""
+    limits: Limits = request.app.state.limits
+    lease = limits.lease(client_of(request.scope), len(parsed.prompt_ids), parsed.params.max_tokens)
+    try:
+        async for chunk in stream:
+            lease.progress(chunk.num_tokens)
+            yield chunk
+    finally:
+        limits.release(lease)
         await stream.aclose()
 
 

@@ -35,6 +35,42 @@ class RouterSettings(Protocol):
     @property
     def tool_call_parser(self) -> str: ...  # router/tool_parsers.py
 
+    # API keys and the body's bytes and time: router/http_guard.py (GuardSettings).
+    @property
+    def api_keys(self) -> tuple[str, ...] | None: ...
+
+    @property
+    def metrics_need_key(self) -> bool: ...
+
+    @property
+    def max_body_bytes(self) -> int: ...
+
+    @property
+    def body_timeout_s(self) -> float: ...
+
+    # What a body may hold, and the tokenizer's queue: router/bounds.py (BoundSettings).
+    @property
+    def max_messages(self) -> int: ...
+
+    @property
+    def max_stop(self) -> int: ...
+
+    @property
+    def max_string_chars(self) -> int: ...
+
+    @property
+    def max_tokenize_queue(self) -> int: ...
+
+    # Per-key limits: router/limits.py (LimitSettings).
+    @property
+    def key_requests_per_s(self) -> float | None: ...
+
+    @property
+    def key_burst(self) -> int | None: ...
+
+    @property
+    def key_tokens_in_flight(self) -> int | None: ...
+
 
 @dataclass(frozen=True)
 class ModelLimits:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 
 class APIError(Exception):
+    """`code`: the OpenAI error code (e.g. "invalid_api_key"); None: the status.
+    `retry_after`: seconds a 429's client should wait (its Retry-After header; None: 1).
+    `headers`: more response headers (a 401's WWW-Authenticate)."""
+
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", *, code: str | None = None,
+                 retry_after: float | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code, self.retry_after, self.headers = code, retry_after, headers

@@ -3,7 +3,8 @@
 loop) and its SamplingParams checked against the context length.
 
 The checks run in one fixed order, and the first problem found is the one answered
-(HTTP 400 naming the field): the JSON itself, model, unsupported parameters, stream and
+(HTTP 400 naming the field): the JSON itself, its bounds (router/bounds.py: counts,
+string lengths, nesting), model, unsupported parameters, stream and
 stream_options, the prompt or messages (their shape, then their length in characters,
 then, for chat, add_generation_prompt), the prompt's length in tokens, then the sampling
 fields. Tests pin which error wins, so keep the order.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,8 +24,10 @@ from typing import Any, ClassVar
 
 from engine.sampling_params import SamplingParams
 from router import request_body, structured
+from router.bounds import InputBounds, check_bounds
 from router.config import ModelLimits
 from router.errors import APIError
+from router.limits import retry_after
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,16 @@ class RequestParser:
     """Parses the bodies of /v1/completions and /v1/chat/completions for one model.
 
     `kv_pool_tokens` gives the tokens each decode worker's KV pool holds, for those that
-    reported it: chat's default max_tokens must fit the smallest."""
+    reported it: chat's default max_tokens must fit the smallest. `bounds`: the limits
+    of router/bounds.py and of the tokenizer's queue (the HTTP app sets the config's;
+    None: unbounded)."""
 
-    def __init__(self, tokenizer: Any, limits: ModelLimits, kv_pool_tokens: Callable[[], list[int]]) -> None:
+    def __init__(self, tokenizer: Any, limits: ModelLimits, kv_pool_tokens: Callable[[], list[int]],
+                 bounds: InputBounds | None = None) -> None:
         self.tokenizer = tokenizer
+        self.bounds = bounds
+        self._tokenizing = 0  # requests waiting for the tokenizer thread or in it
+        self._tokenize_s = 0.0  # a moving average of one call's seconds, for Retry-After
         self.limits = limits
         self.model_name = limits.model
         self.served_names = {limits.model, Path(limits.model).name}
@@ -110,6 +120,8 @@ class RequestParser:
         """The JSON body, with every check that needs no tokenizer done; stream and
         stream_options.include_usage."""
         body = request_body.read_json(raw)
+        if self.bounds is not None:
+            check_bounds(body, self.bounds)
         request_body.check_model(body, self.served_names, self.model_name)
         request_body.check_unsupported(body, chat)
         stream = request_body.flag(body, "stream", False)
@@ -154,8 +166,27 @@ class RequestParser:
         """Run a tokenizer call off the event loop, so that streams, health pings and
         /health go on meanwhile (the fast tokenizer releases the GIL). One thread:
         tokenizer calls never run concurrently (HF fast tokenizers are not safe for
-        that), and the character cap bounds how long one call may take."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, call, *args)
+        that), and the character cap bounds how long one call may take. With
+        bounds.max_tokenize_queue requests already waiting: 429, its Retry-After the
+        time the queue takes at the recent pace."""
+        waiting = self._tokenizing
+        if self.bounds is not None and waiting >= self.bounds.max_tokenize_queue:
+            raise APIError(429, f"{waiting} requests are waiting for the tokenizer (router.max_tokenize_queue); "
+                                "retry later", kind="rate_limit_error",
+                           retry_after=retry_after(waiting * self._tokenize_s))
+
+        def timed() -> list[int]:  # in the tokenizer's one thread: the only writer of _tokenize_s
+            start = time.monotonic()
+            try:
+                return call(*args)
+            finally:
+                self._tokenize_s = 0.8 * self._tokenize_s + 0.2 * (time.monotonic() - start)
+
+        self._tokenizing += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, timed)
+        finally:
+            self._tokenizing -= 1
 
 
 def _constrained(params: SamplingParams, constraint: structured.Constraint | None) -> tuple[SamplingParams, str | None]:

@@ -24,7 +24,8 @@ DONE_EVENT = "data: [DONE]\n\n"
 
 
 def error_body(exc: APIError) -> dict[str, Any]:
-    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}}
+    code = exc.code if exc.code is not None else exc.status
+    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": code}}
 
 
 def error_event(exc: APIError) -> str:

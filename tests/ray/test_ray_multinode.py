@@ -40,7 +40,9 @@ def deployment(llama_dir: Path) -> Iterator[tuple[str, RayWorkers, Cluster]]:
     cluster.add_node(num_cpus=1, resources={"prefill_node": 1}, object_store_memory=128 << 20)
     workers = None
     try:
-        shape = load_cluster_config(REPO / "configs" / "ray-multinode.yaml")
+        with pytest.MonkeyPatch.context() as env:  # the config binds 0.0.0.0: it reads its API keys
+            env.setenv("PDSERVE_API_KEYS", "sk-test")
+            shape = load_cluster_config(REPO / "configs" / "ray-multinode.yaml")
         pool = dict(num_cpus=1.0, num_gpus=0.0)
         config = dataclasses.replace(
             shape, model=str(llama_dir), dtype="float32", device="cpu",

@@ -25,6 +25,12 @@ SECTIONS: list[tuple[type, str]] = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def api_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The configs that bind 0.0.0.0 read their API keys from this variable as they load."""
+    monkeypatch.setenv("PDSERVE_API_KEYS", "sk-test-one,sk-test-two")
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path) -> None:
     assert isinstance(load_cluster_config(path), ClusterConfig)

@@ -142,7 +142,7 @@ USER = {"role": "user", "content": "Hi"}
       "tools": [{"type": "function", "function": {"name": "f"}}]}, "messages",
      "messages[0].tool_calls[0].function.name 'h' is not among the tools (f)"),
     # Tool definitions and calls count towards the characters a template may render.
-    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "description": "x" * 10**6}}]},
+    ({"messages": [USER], "tools": [{"type": "function", "function": {"name": "f", "description": "x" * 50_000}}]},
      "messages", "characters: more than the model's context length"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"a": "x" * 10**6})}}]},

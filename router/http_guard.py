@@ -1,0 +1,141 @@
+"""The router's gate, an ASGI middleware in front of every endpoint: API keys, the
+per-key request rate, and the request body's size and arrival time.
+
+In order, before an endpoint runs:
+1. API key (router/auth.py), when router.api_keys is set: every path but /health
+   (and /metrics, unless router.metrics_need_key is false) needs one; else 401.
+2. Requests per second per key (router/limits.py), for the generation endpoints: 429.
+3. A Content-Length over router.max_body_bytes: 413 without reading a byte of it.
+Then, while the endpoint reads the body: 413 as soon as the bytes received pass
+max_body_bytes (a chunked body says no length up front), and 408 once the body has
+taken router.body_timeout_s to arrive (a client trickling bytes holds no connection
+longer). Each of these answers closes the connection: the rest of the body is never
+read. A client that hangs up mid-body is counted as 499 (nginx's "client closed"), not
+taken for a server error.
+
+The body is never read whole before it is bounded, and no key is ever logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from fastapi.responses import JSONResponse
+
+from router.auth import KeyRing
+from router.errors import APIError
+from router.limits import Limits, retry_after
+from router.responses import error_body
+
+OPEN_PATHS = frozenset({"/health"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# The key a request came with, in its ASGI scope: its index in router.api_keys (None
+# without keys). Endpoints read it with client_of().
+CLIENT = "pdserve.client"
+CLOSE = {"Connection": "close"}
+
+ASGIApp = Callable[..., Any]
+
+
+class GuardSettings(Protocol):
+    """The fields of cluster.config.RouterConfig read here (documented and validated there)."""
+
+    @property
+    def metrics_need_key(self) -> bool: ...
+
+    @property
+    def max_body_bytes(self) -> int: ...
+
+    @property
+    def body_timeout_s(self) -> float: ...
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """An APIError as its HTTP response: the OpenAI error body, and Retry-After on 429."""
+    headers = dict(exc.headers or {})
+    if exc.status == 429:
+        headers["Retry-After"] = str(retry_after(exc.retry_after or 1))
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
+
+
+def client_of(scope: dict[str, Any]) -> int | None:
+    return scope.get(CLIENT)
+
+
+class HTTPGuard:
+    """Who calls what: Starlette builds it once (app.add_middleware) and calls it per
+    request; `rejected(status)` counts each answer it gives itself in the metrics."""
+
+    def __init__(self, app: ASGIApp, keys: KeyRing, limits: Limits, settings: GuardSettings,
+                 rejected: Callable[[int], None]) -> None:
+        self.app, self.keys, self.limits, self.settings, self.rejected = app, keys, limits, settings, rejected
+
+    async def __call__(self, scope: dict[str, Any], receive: ASGIApp, send: ASGIApp) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._admit(scope)
+        except APIError as exc:
+            # The body is left unread: close, or a client trickling it would hold the
+            # connection while the server drains it.
+            exc.headers = {**(exc.headers or {}), **CLOSE}
+            self.rejected(exc.status)
+            await error_response(exc)(scope, receive, send)
+            return
+        await self.app(scope, self._bounded(receive), send)
+
+    def _admit(self, scope: dict[str, Any]) -> None:
+        path = scope["path"]
+        headers = dict(scope["headers"])  # names are lower-case bytes (ASGI)
+        client = None
+        if len(self.keys) and path not in OPEN_PATHS and (path != "/metrics" or self.settings.metrics_need_key):
+            client = self.keys.identify(headers.get(b"authorization"))
+        scope[CLIENT] = client
+        if path in GENERATE_PATHS and scope["method"] == "POST":
+            self.limits.admit(client)
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                size = int(length)
+            except ValueError:
+                raise APIError(400, "the Content-Length header is not a number") from None
+            if size > self.settings.max_body_bytes:
+                raise _too_large(f"the request body is {size} bytes", self.settings.max_body_bytes)
+
+    def _bounded(self, receive: ASGIApp) -> ASGIApp:
+        """`receive` that raises APIError 413 once the body passes max_body_bytes and
+        408 once it has taken body_timeout_s; after the body, `receive` itself (a
+        handler then waits on it for the client's disconnect, without a deadline)."""
+        limit, timeout = self.settings.max_body_bytes, self.settings.body_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        received = 0
+        done = False
+
+        async def bounded() -> dict[str, Any]:
+            nonlocal received, done
+            if done:
+                return await receive()
+            try:
+                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    message = await receive()
+            except TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {timeout:g} s "
+                                    "(router.body_timeout_s)", headers=CLOSE) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _too_large(f"the request body passed {limit} bytes", limit)
+                done = not message.get("more_body", False)
+            else:  # http.disconnect: nothing more will come, and nobody reads an answer
+                raise APIError(499, "the client went away before its request body arrived")
+            return message
+
+        return bounded
+
+
+def _too_large(what: str, limit: int) -> APIError:
+    return APIError(413, f"{what}; at most {limit} bytes are accepted (router.max_body_bytes)", headers=CLOSE)
