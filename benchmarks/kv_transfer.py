@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/kv_transfer.py                       # all transports, full grid
     .venv/bin/python benchmarks/kv_transfer.py --transports shm,nixl --sizes-mib 256 --desc-kib 1024
+    .venv/bin/python benchmarks/kv_transfer.py --transports tcp --secret both    # CURVE's cost
 
 A receiver process reserves destination blocks; this process writes source blocks into
 them through the transport and times write() to WriteDone (the receiver's
@@ -10,7 +11,10 @@ S bytes in descriptors of R bytes is S/R runs of R/block_bytes consecutive block
 runs land in reverse order on the receiver, so no two of them coalesce into one
 descriptor. Both caches are touched before timing (no first-touch page faults), and
 each cell is the median of --repeats transfers after one untimed warm-up;
-GiB/s = S / seconds.
+GiB/s = S / seconds. --secret: plain sockets (as a transport made alone), the
+control plane of a deployment (a shared DeploymentSecret: CURVE, every frame encrypted,
+which the tcp transport's data frames pay too), or both, one after the other, with
+their ratio.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
 from kv_transfer import TransportConfig, WriteDone, WriteFailed, create_transport  # noqa: E402
+from security import DeploymentSecret  # noqa: E402
 
 # A block is 2 heads x layers x K/V x 16 tokens x 32 dims x fp32: 8 KiB a layer, 32 KiB
 # by default. A real model's block is larger (Llama-3.2-1B in bf16: 512 KiB), and the
@@ -43,8 +48,9 @@ def shape(num_blocks: int, block_bytes: int) -> tuple[int, ...]:
     return (num_blocks, KV_HEADS, block_bytes // LAYER_BYTES, 2, BLOCK_SIZE, HEAD_DIM)
 
 
-def receiver(conn: Connection, transport: str, num_blocks: int, device: str, block_bytes: int) -> None:
-    t = create_transport(transport, "receiver", TransportConfig(timeout_s=120, cancel_grace_s=5))
+def receiver(conn: Connection, transport: str, num_blocks: int, device: str, block_bytes: int,
+             secret: DeploymentSecret | None) -> None:
+    t = create_transport(transport, "receiver", TransportConfig(timeout_s=120, cancel_grace_s=5, secret=secret))
     cache = t.allocate_kv_cache(shape(num_blocks, block_bytes), torch.float32, device)
     cache.fill_(1.0)  # fault every page in now, as a serving engine's cache would be
     t.register_kv_cache(cache, "bench")
@@ -62,16 +68,18 @@ def receiver(conn: Connection, transport: str, num_blocks: int, device: str, blo
 
 
 def run_transport(name: str, sizes: list[int], descs: list[int], repeats: int,
-                  device: str = "cpu", block_bytes: int = BLOCK_BYTES) -> dict[tuple[int, int], float]:
-    """GiB/s per (transfer bytes, descriptor bytes), median of `repeats`."""
+                  device: str = "cpu", block_bytes: int = BLOCK_BYTES,
+                  secret: DeploymentSecret | None = None) -> dict[tuple[int, int], float]:
+    """GiB/s per (transfer bytes, descriptor bytes), median of `repeats`; both agents
+    with `secret` (None: plain sockets)."""
     if block_bytes % LAYER_BYTES or any(d % block_bytes for d in descs):
         raise ValueError(f"blocks are whole {LAYER_BYTES >> 10} KiB layers and descriptors whole blocks")
     num_blocks = max(sizes) // block_bytes
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver, args=(child, name, num_blocks, device, block_bytes), daemon=True)
+    proc = ctx.Process(target=receiver, args=(child, name, num_blocks, device, block_bytes, secret), daemon=True)
     proc.start()
-    sender = create_transport(name, "sender", TransportConfig(timeout_s=120))
+    sender = create_transport(name, "sender", TransportConfig(timeout_s=120, secret=secret))
     try:
         cache = sender.allocate_kv_cache(shape(num_blocks, block_bytes), torch.float32, device)
         cache.normal_()
@@ -129,19 +137,31 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu, or cuda for nixl/cuda_ipc on one GPU")
     p.add_argument("--block-kib", type=int, default=BLOCK_BYTES >> 10, help="KV block size (whole 8 KiB layers)")
+    p.add_argument("--secret", choices=("plain", "curve", "both"), default="plain",
+                   help="plain sockets, a deployment secret's (CURVE), or both and their ratio")
     args = p.parse_args()
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
     descs = [int(d) << 10 for d in args.desc_kib.split(",")]
+    modes = {"plain": ["plain"], "curve": ["curve"], "both": ["plain", "curve"]}[args.secret]
     table = {}
     for name in args.transports.split(","):
-        print(f"[{name}]", flush=True)
-        table[name] = run_transport(name, sizes, descs, args.repeats, args.device, args.block_kib << 10)
+        for mode in modes:
+            label = name if mode == "plain" else f"{name}+curve"
+            print(f"[{label}]", flush=True)
+            table[label] = run_transport(name, sizes, descs, args.repeats, args.device, args.block_kib << 10,
+                                         DeploymentSecret.new() if mode == "curve" else None)
     print("\nGiB/s, median of", args.repeats, "transfers (write() to the receiver's acknowledgement)\n")
     print("| transport | transfer | " + " | ".join(f"{d >> 10} KiB desc" for d in descs) + " |")
     print("|---|---:|" + "---:|" * len(descs))
     for name, res in table.items():
         for size in sizes:
             print(f"| {name} | {size >> 20} MiB | " + " | ".join(f"{res[(size, d)]:.2f}" for d in descs) + " |")
+    if len(modes) == 2:
+        print("\nCURVE / plain bandwidth\n")
+        for name in args.transports.split(","):
+            for size in sizes:
+                print(f"| {name} | {size >> 20} MiB | " + " | ".join(
+                    f"{table[f'{name}+curve'][(size, d)] / table[name][(size, d)]:.2f}" for d in descs) + " |")
 
 
 if __name__ == "__main__":

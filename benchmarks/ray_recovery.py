@@ -59,8 +59,8 @@ def wait(condition, timeout: float, what: str) -> float:
     return time.monotonic()
 
 
-def remote_prefills(w: RayWorker) -> int:
-    client = Client(w.address)
+def remote_prefills(w: RayWorker, workers: RayWorkers) -> int:
+    client = Client(w.address, workers.secret)
     try:
         return client.stats()["remote"]
     finally:
@@ -76,14 +76,14 @@ def one_kill(url: str, workers: RayWorkers, w: RayWorker) -> dict[str, float]:
     back = wait(lambda: w.alive and workers.supervisor.restarts > restarts, 180, f"{w.name} not back") - start
     decode = workers.decode[0]
     if w.role == "prefill":
-        before = remote_prefills(decode)
+        before = remote_prefills(decode, workers)
         while True:  # until a long prompt is prefilled by the restarted worker
             # A new first word each time: a prompt the decode worker has cached is
             # (rightly) prefilled there.
             httpx.post(f"{url}/v1/completions", timeout=60, json={
                 "prompt": f"{uuid.uuid4().hex} {LONG_PROMPT}", "max_tokens": 1,
                 "temperature": 0.0}).raise_for_status()
-            if remote_prefills(decode) > before:
+            if remote_prefills(decode, workers) > before:
                 break
     else:
         while True:  # until the router routes to it again and it answers

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from cluster.config import ClusterConfig
+from security import DeploymentSecret
 
 # config.launcher (one of cluster.config.LAUNCHERS) -> "module:class", imported when picked.
 LAUNCHER_CLASSES = {"local": "cluster.local.launcher:LocalLauncher", "ray": "cluster.ray.launcher:RayLauncher"}
@@ -45,6 +46,11 @@ class Workers(Protocol):
 
     @property
     def prefill(self) -> Sequence[NamedWorker]: ...
+
+    @property
+    def secret(self) -> DeploymentSecret | None:
+        """The deployment's secret, made when they were started: the router needs it to
+        reach them (security/)."""
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the supervision first (a worker stopped now is not a crash), then every

@@ -21,15 +21,18 @@ from cluster.config import ClusterConfig
 from cluster.launcher import RouterHooks, Workers, launcher_for
 from router.app import Router, create_app
 from router.config import ModelLimits
+from security import DeploymentSecret
 
 logger = logging.getLogger(__name__)
 
 
 def router_for(config: ClusterConfig, decode_workers: dict[str, str],
-               prefill_workers: dict[str, str] | None = None) -> Router:
+               prefill_workers: dict[str, str] | None = None, secret: DeploymentSecret | None = None) -> Router:
     """The router in front of these workers (name -> address): the config's router
-    section, and the limits of the model as the decode workers' engines will have them."""
-    return Router(config.router, ModelLimits.of(config.engine_config("decode")), decode_workers, prefill_workers)
+    section, the limits of the model as the decode workers' engines will have them, and
+    their deployment's secret (None: workers without one, in tests)."""
+    return Router(config.router, ModelLimits.of(config.engine_config("decode")), decode_workers, prefill_workers,
+                  secret)
 
 
 def build(config: ClusterConfig) -> tuple[Workers, Router]:
@@ -41,7 +44,7 @@ def build(config: ClusterConfig) -> tuple[Workers, Router]:
     workers = launcher.start(config)
     try:
         router = router_for(config, {w.name: w.address for w in workers.decode},
-                            {w.name: w.address for w in workers.prefill})
+                            {w.name: w.address for w in workers.prefill}, workers.secret)
         if launcher.restarts_workers:
             launcher.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved))
     except BaseException:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from cluster.config import ClusterConfig
+from security import DeploymentSecret
 from workers.config import WorkerConfig
 from workers.control import ControlChannel
 
@@ -13,9 +16,12 @@ def stall_grace_s(config: ClusterConfig) -> float:
     return max(1.0, 2 * config.router.health_interval_s)
 
 
-def worker_config(config: ClusterConfig, role: str, index: int, host: str = "127.0.0.1") -> WorkerConfig:
-    """Worker `index` of pool `role`, its sockets listening on `host`."""
-    return WorkerConfig(role, index, config.engine_config(role), config.transport, config.transport_config(host),
+def worker_config(config: ClusterConfig, role: str, index: int, host: str = "127.0.0.1", *,
+                  secret: DeploymentSecret | None) -> WorkerConfig:
+    """Worker `index` of pool `role`, its sockets listening on `host`; `secret`: its
+    deployment's, made by the launcher (None only in tests: plain sockets)."""
+    transport = dataclasses.replace(config.transport_config(host), secret=secret)
+    return WorkerConfig(role, index, config.engine_config(role), config.transport, transport,
                         config.router.stall_timeout_s or None, stall_grace_s(config), config.prefill_deadline_s,
                         config.router.prefill_max_outstanding)
 

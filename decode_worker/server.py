@@ -27,6 +27,7 @@ from engine.errors import RequestsFailed
 from engine.request import Request
 from protocol import (Abort, Generate, Message, MessageError, Peers, PrefillDone, Rejected, Stats, StatsReply,
                       Tokens, encode, from_wire)
+from security import DeploymentSecret
 from workers.config import WorkerConfig
 from workers.start import engine_and_transport
 from workers.control import ControlChannel
@@ -56,10 +57,11 @@ class _Client:
 
 class DecodeWorker(WorkerLoop):
     def __init__(self, name: str, core: DecodeWorkerCore, prefill_max_outstanding: int = 16,
-                 host: str = "127.0.0.1", stall_timeout_s: float | None = None, stall_grace_s: float = 2.0) -> None:
+                 host: str = "127.0.0.1", stall_timeout_s: float | None = None, stall_grace_s: float = 2.0,
+                 secret: DeploymentSecret | None = None) -> None:
         # Collected for the router (stats replies); before any socket exists.
         core.engine.collect_kv_events(KV_EVENTS_PER_BLOCK)
-        super().__init__(name, host, stall_timeout_s, stall_grace_s)
+        super().__init__(name, host, stall_timeout_s, stall_grace_s, secret)
         self.core = core
         self.prefill_max_outstanding = prefill_max_outstanding
         self.requests: dict[str, _Client] = {}
@@ -271,7 +273,8 @@ class DecodeWorker(WorkerLoop):
         return {"name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
                 "running": engine.running, "waiting": engine.waiting, "ranks": list(engine.ranks),
                 "waiting_for_kv": len(self.core.waiting_for_kv), **self.core.stats, **self.transfer,
-                "late_writes_dropped": self.core.transport.stats["late_writes_dropped"], **self.health()}
+                "late_writes_dropped": self.core.transport.stats["late_writes_dropped"],
+                "refused_peers": self.refused_peers(self.core.transport), **self.health()}
 
 
 def _step_error(exc: RequestsFailed) -> str:
@@ -289,5 +292,6 @@ def serve(config: WorkerConfig, control: ControlChannel) -> None:
     get peers, run (workers/control.py)."""
     engine, transport = engine_and_transport(config)
     worker = DecodeWorker(config.name, DecodeWorkerCore(engine, transport, config.prefill_deadline_s),
-                          config.prefill_max_outstanding, config.host, config.stall_timeout_s, config.stall_grace_s)
+                          config.prefill_max_outstanding, config.host, config.stall_timeout_s, config.stall_grace_s,
+                          config.secret)
     run_worker(worker, control, transport)

@@ -58,7 +58,7 @@ class KVTransport(ABC):
         self.kv_cache: torch.Tensor | None = None  # rank 0's (the only one at TP 1)
         self.kv_caches: list[torch.Tensor] = []  # every rank's, as this process maps them
         self.compat: KVCompat | None = None
-        self.control = ControlPlane(agent_name, self.config.host)
+        self.control = ControlPlane(agent_name, self.config.host, self.config.secret)
         self.session = self.control.session  # new per transport object (control.py)
         self.control_address = self.control.address
         self._events: list[Event] = []  # appended to by both parts, handed out by poll()

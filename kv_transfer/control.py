@@ -6,6 +6,12 @@ routing id is its agent name (acks and cancels come back on it). Messages are
 messages.py's CONTROL schema; one that does not decode is logged and dropped, never
 raised: a bad peer cannot bring this agent down. The control plane knows nothing of
 writes or reservations: sender.py and receiver.py say what the messages mean.
+
+With the deployment's secret (TransportConfig.secret) the sockets are CURVE and a
+guard admits only peers holding it (security/), and the handshake blob carries a tag
+proving it: a blob without a valid one is refused, so no peer can be made to write to
+an address an outsider chose. Without one (a transport made alone, in tests) both are
+plain.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ import zmq
 from kv_transfer.compat import IncompatiblePeerError, KVCompat
 from kv_transfer.messages import CONTROL, MessageError, decode
 from kv_transfer.rank_pairs import Piece
+from security import DeploymentSecret, PlaneGuard, connect_securely, serve_securely
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2  # 2: the blob carries the deployment secret's tag
+TAG = "tag"  # the blob's field holding it
 
 
 @dataclass
@@ -47,33 +55,49 @@ class Peer:
 class ControlPlane:
     """The sockets of one transport object, and the peers it writes to (by name)."""
 
-    def __init__(self, agent_name: str, host: str) -> None:
+    def __init__(self, agent_name: str, host: str, secret: DeploymentSecret | None = None) -> None:
         self.agent_name = agent_name
+        self.secret = secret
         self.ctx = zmq.Context()
+        # Before the socket binds: no handshake may come before the guard can answer it.
+        self.guard = PlaneGuard(self.ctx, secret, f"{agent_name} (KV control)") if secret is not None else None
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         # A restarted sender reconnects under the same identity: it takes over at once.
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if secret is not None:
+            serve_securely(self.router, secret)
         # New for every transport object: tells a restarted agent (same name) from the
         # one before it, so no write meant for the old one reaches the new one.
         self.session = uuid.uuid4().hex
         port = self.router.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        if self.guard is not None:
+            self.guard.watch(self.router)
+            self.guard.start()
         self.peers: dict[str, Peer] = {}
+
+    @property
+    def refused(self) -> int:
+        """Peers refused so far by our control socket (none without a secret)."""
+        return self.guard.refused if self.guard is not None else 0
 
     # ------------------------------------------------------------------ handshake
 
     def handshake(self, transport: str, compat: KVCompat, num_blocks: int, data: dict[str, Any]) -> bytes:
-        """The blob peers need to write to us: who we are, where we listen, what we hold."""
-        return msgpack.packb({"v": HANDSHAKE_VERSION, "name": self.agent_name, "transport": transport,
-                              "session": self.session, "control_version": CONTROL.version,
-                              "control": self.address, "compat": compat.to_dict(),
-                              "num_blocks": num_blocks, "data": data}, use_bin_type=True)
+        """The blob peers need to write to us: who we are, where we listen, what we hold;
+        with a secret, last, its tag over the packed map before it."""
+        meta = {"v": HANDSHAKE_VERSION, "name": self.agent_name, "transport": transport, "session": self.session,
+                "control_version": CONTROL.version, "control": self.address, "compat": compat.to_dict(),
+                "num_blocks": num_blocks, "data": data}
+        if self.secret is not None:
+            meta[TAG] = self.secret.tag(msgpack.packb(meta, use_bin_type=True))
+        return msgpack.packb(meta, use_bin_type=True)
 
-    @staticmethod
-    def read_handshake(metadata: bytes, transport: str, compat: KVCompat) -> tuple[str, KVCompat, dict[str, Any]]:
+    def read_handshake(self, metadata: bytes, transport: str, compat: KVCompat) -> tuple[str, KVCompat, dict[str, Any]]:
         """A peer's handshake checked against ours: (its name, its compatibility record,
-        the whole map). Raises IncompatiblePeerError naming what differs or is missing."""
+        the whole map). Raises IncompatiblePeerError naming what differs or is missing,
+        or, with a secret, that the blob does not prove it."""
         try:
             meta = msgpack.unpackb(metadata, raw=False)
         except Exception as exc:
@@ -81,6 +105,7 @@ class ControlPlane:
         if not isinstance(meta, dict) or meta.get("v") != HANDSHAKE_VERSION:
             raise IncompatiblePeerError(f"handshake version {meta.get('v') if isinstance(meta, dict) else meta!r}, "
                                         f"this agent speaks {HANDSHAKE_VERSION}")
+        self._check_tag(meta)
         missing = [k for k in ("name", "control", "compat", "num_blocks", "data") if k not in meta]
         if missing:
             raise IncompatiblePeerError(f"handshake metadata lacks {', '.join(missing)}")
@@ -95,6 +120,23 @@ class ControlPlane:
         compat.check_peer(peer_compat, name)
         return name, peer_compat, meta
 
+    def _check_tag(self, meta: dict[str, Any]) -> None:
+        """With a secret: the blob's tag must be the secret's over the rest of it, which
+        is what handshake() tagged (msgpack packs the same map, in the same order, into
+        the same bytes; a blob that packs otherwise is refused, never admitted)."""
+        tag = meta.pop(TAG, None)
+        who = f"a peer calling itself {meta.get('name')!r}"
+        if self.secret is None:
+            if tag is not None:  # its sockets are CURVE: ours could never reach it
+                raise IncompatiblePeerError(f"{who} holds a deployment secret and this agent none")
+            return
+        if tag is None:
+            raise IncompatiblePeerError(f"{who} is refused: its handshake carries no tag, so it does not prove "
+                                        "this deployment's secret")
+        if not self.secret.verify(msgpack.packb(meta, use_bin_type=True), tag):
+            raise IncompatiblePeerError(f"{who} is refused: its handshake's tag is not this deployment's "
+                                        "(another deployment, or a forged or altered blob)")
+
     def open(self, name: str, compat: KVCompat, meta: dict[str, Any], metadata: bytes,
              pieces: list[Piece]) -> Peer:
         """A Peer with its control socket connected, from read_handshake()'s answer; the
@@ -108,6 +150,8 @@ class ControlPlane:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self.agent_name.encode())
+        if self.secret is not None:
+            connect_securely(sock, self.secret)
         sock.connect(address)
         return sock
 
@@ -174,4 +218,6 @@ class ControlPlane:
         for peer in self.peers.values():
             peer.socket.close(0)
         self.router.close(0)
+        if self.guard is not None:  # its sockets too, or term() would wait for them
+            self.guard.close()
         self.ctx.term()

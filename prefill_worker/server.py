@@ -17,6 +17,7 @@ import zmq
 from engine.errors import RequestsFailed
 from prefill_worker.remote_prefill import PrefillWorkerCore
 from protocol import Abort, Message, Peers, PrefillDone, RemotePrefill, Stats, StatsReply, encode
+from security import DeploymentSecret
 from workers.config import WorkerConfig
 from workers.start import engine_and_transport
 from workers.control import ControlChannel
@@ -27,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 class PrefillWorker(WorkerLoop):
     def __init__(self, name: str, core: PrefillWorkerCore, host: str = "127.0.0.1",
-                 stall_timeout_s: float | None = None, stall_grace_s: float = 2.0) -> None:
-        super().__init__(name, host, stall_timeout_s, stall_grace_s)
+                 stall_timeout_s: float | None = None, stall_grace_s: float = 2.0,
+                 secret: DeploymentSecret | None = None) -> None:
+        super().__init__(name, host, stall_timeout_s, stall_grace_s, secret)
         self.core = core
         self.origin: dict[str, tuple[zmq.Socket, bytes]] = {}  # request id -> decode worker
         self.decode_workers: set[str] = set()  # KV destinations, by transport agent name
@@ -83,7 +85,8 @@ class PrefillWorker(WorkerLoop):
             engine = self.core.engine.stats()
             self.send(sock, sender, encode(StatsReply(seq=msg.seq, stats={
                 "name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
-                "ranks": list(engine.ranks), "jobs": len(self.core.jobs), **self.core.stats, **self.health()})))
+                "ranks": list(engine.ranks), "jobs": len(self.core.jobs), **self.core.stats,
+                "refused_peers": self.refused_peers(self.core.transport), **self.health()})))
 
     def check_engine(self) -> None:
         self.core.engine.check_health()
@@ -122,5 +125,5 @@ def serve(config: WorkerConfig, control: ControlChannel) -> None:
     get peers, run (workers/control.py)."""
     engine, transport = engine_and_transport(config)
     worker = PrefillWorker(config.name, PrefillWorkerCore(engine, transport), config.host, config.stall_timeout_s,
-                           config.stall_grace_s)
+                           config.stall_grace_s, config.secret)
     run_worker(worker, control, transport)

@@ -29,6 +29,7 @@ from router.metrics import RouterMetrics
 from router.parsing import RequestParser
 from router.routing import RoutingPolicy
 from router.worker_client import WORKER_LOST, WorkerClient
+from security import DeploymentSecret
 
 
 @dataclass
@@ -45,11 +46,12 @@ class Chunk:
 
 class Router:
     def __init__(self, config: RouterSettings, limits: ModelLimits, decode_workers: dict[str, str],
-                 prefill_workers: dict[str, str] | None = None) -> None:
+                 prefill_workers: dict[str, str] | None = None, secret: DeploymentSecret | None = None) -> None:
         """Workers by name -> ZMQ address. The router sends requests to decode workers
         only; it pings prefill workers too, for their health and /status. The launcher
-        gives the router its settings and the decode workers' model limits
-        (router/config.py)."""
+        gives the router its settings, the decode workers' model limits
+        (router/config.py) and the deployment's secret, without which the workers
+        refuse its sockets (None: workers that have none, in tests)."""
         self.config = config
         self.model_name = limits.model
         self.max_model_len = limits.max_model_len
@@ -60,8 +62,9 @@ class Router:
         # (term() waits on sockets the collector has not closed yet).
         self.ctx = zmq.asyncio.Context.instance()
         timeout = config.worker_timeout_s
-        self.workers = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted(decode_workers.items())]
-        self.prefill = [WorkerClient(self.ctx, n, a, timeout) for n, a in sorted((prefill_workers or {}).items())]
+        self.workers = [WorkerClient(self.ctx, n, a, timeout, secret) for n, a in sorted(decode_workers.items())]
+        self.prefill = [WorkerClient(self.ctx, n, a, timeout, secret)
+                        for n, a in sorted((prefill_workers or {}).items())]
         # The router cannot see the pools' sizes; this bounds the history it keeps.
         self.routing = RoutingPolicy(config.policy, len(self.workers), limits.block_size,
                                      limits.num_kv_blocks or 65536)

@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from protocol import WORKER_MESSAGES, Message, MessageError, Rejected, Stats, StatsReply, Tokens, encode
 from router.health import WorkerHealth
+from security import DeploymentSecret, connect_securely
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +34,17 @@ WORKER_LOST = object()
 
 
 class WorkerClient:
-    def __init__(self, ctx: zmq.asyncio.Context, name: str, address: str, timeout_s: float) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, name: str, address: str, timeout_s: float,
+                 secret: DeploymentSecret | None = None) -> None:
+        """secret: the deployment's (security/): the socket is a CURVE client, which the
+        worker's guard admits (None: plain, for a worker that has none, in tests)."""
         self.name = name
         self.address = address
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTING_ID, f"router-{uuid.uuid4().hex[:8]}".encode())
+        if secret is not None:
+            connect_securely(self.sock, secret)
         self.sock.connect(address)
         self.queues: dict[str, asyncio.Queue] = {}  # request id -> its Tokens and Rejected (or WORKER_LOST)
         self.health = WorkerHealth(timeout_s, time.monotonic())

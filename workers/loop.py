@@ -42,6 +42,7 @@ import zmq
 from engine.errors import RankFailure, RequestsFailed
 from kv_transfer import KVTransport
 from protocol import CONTROL_MESSAGES, WORKER_MESSAGES, Message, MessageError, Peers, Ready, Serving, Stop, encode
+from security import DeploymentSecret, PlaneGuard, connect_securely, serve_securely
 from workers.control import ControlChannel
 from workers.watchdog import HangWatchdog, StallWatchdog
 
@@ -87,16 +88,27 @@ class WorkerLoop:
     advances, and fail_all() their requests when the worker gives up."""
 
     def __init__(self, name: str, host: str = "127.0.0.1", stall_timeout_s: float | None = None,
-                 stall_grace_s: float = 2.0) -> None:
+                 stall_grace_s: float = 2.0, secret: DeploymentSecret | None = None) -> None:
         """stall_timeout_s: router.stall_timeout_s (None or 0: no stall detection);
-        stall_grace_s: how long a stalled worker still answers (stalled) before it exits."""
+        stall_grace_s: how long a stalled worker still answers (stalled) before it exits;
+        secret: the deployment's (security/): every socket is CURVE, and only peers
+        holding it get a message through (None: plain sockets, for a loop made alone in
+        a test)."""
         self.name = name
+        self.secret = secret
         self.ctx = zmq.Context()
+        # Before the socket binds: no handshake may come before the guard can answer it.
+        self.guard = PlaneGuard(self.ctx, secret, name) if secret is not None else None
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # A peer restarted under the same name takes its routing id over at once.
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if secret is not None:
+            serve_securely(self.sock, secret)
         self.address = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
+        if self.guard is not None:
+            self.guard.watch(self.sock)
+            self.guard.start()
         self.dealers: dict[str, zmq.Socket] = {}  # peer name -> our socket to it
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
@@ -112,6 +124,8 @@ class WorkerLoop:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
+        if self.secret is not None:
+            connect_securely(sock, self.secret)
         sock.connect(address)
         self.dealers[peer] = sock
         self.poller.register(sock, zmq.POLLIN)
@@ -200,6 +214,11 @@ class WorkerLoop:
         pending work has gone without progress."""
         now = self.clock()
         return {"stalled": self.watchdog.stalled, "no_progress_s": round(self.watchdog.no_progress_s(now), 3)}
+
+    def refused_peers(self, transport: KVTransport) -> int:
+        """For stats replies: peers refused so far by this loop's socket and by the
+        transport's control socket (each without the deployment's secret)."""
+        return (self.guard.refused if self.guard is not None else 0) + transport.control.refused
 
     def run(self, control: ControlChannel) -> None:
         """Until the launcher says stop (or closes the control channel); a "peers"
@@ -333,6 +352,8 @@ class WorkerLoop:
             sock.close(linger_ms)
         self.dealers = {}
         self.sock.close(linger_ms)
+        if self.guard is not None:  # its sockets too, or term() would wait for them
+            self.guard.close()
         self.ctx.term()
 
 

@@ -121,7 +121,7 @@ class LocalSupervisor:
             logger.error("worker %s stays down: started %d times", dead.name, self.restarts[dead.name])
 
     def _start(self, role: str, index: int, dead: Worker) -> bool:
-        new = spawn(self.config, role, index)
+        new = spawn(self.config, role, index, self.workers.secret)  # the deployment's, as before
         with self._lock:
             self._starting[new.name] = new
         try:

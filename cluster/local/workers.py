@@ -14,6 +14,7 @@ from cluster.worker_configs import serve_worker, worker_config
 from engine.distributed.shm_files import sweep_orphans
 from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES, Ready, Serving, Stop, encode
+from security import DeploymentSecret
 
 if TYPE_CHECKING:
     from cluster.local.supervisor import LocalSupervisor
@@ -35,6 +36,9 @@ class LocalWorkers:
     decode: list[Worker] = field(default_factory=list)
     prefill: list[Worker] = field(default_factory=list)
     supervisor: LocalSupervisor | None = None  # set by LocalLauncher.supervise
+    # The deployment's (start_workers makes it): every worker has it, restarted ones
+    # too, and the router gets it from here (cluster/serve.py).
+    secret: DeploymentSecret | None = field(default=None, repr=False)
 
     @property
     def all(self) -> list[Worker]:
@@ -59,11 +63,13 @@ class LocalWorkers:
         sweep_orphans()  # rank caches of a TP worker killed before it said ready
 
 
-def spawn(config: ClusterConfig, role: str, index: int) -> Worker:
-    """Start worker `index` of `role` ("decode" or "prefill") as a process."""
+def spawn(config: ClusterConfig, role: str, index: int, secret: DeploymentSecret | None) -> Worker:
+    """Start worker `index` of `role` ("decode" or "prefill") as a process. `secret`
+    reaches it in its WorkerConfig, pickled into the spawn arguments (a pipe to the
+    child, never its argv, environment or a file)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=serve_worker, args=(worker_config(config, role, index), child),
+    process = ctx.Process(target=serve_worker, args=(worker_config(config, role, index, secret=secret), child),
                           name=f"pdserve-{role}-{index}", daemon=True)
     process.start()
     return Worker(f"{role}-{index}", process, parent)
@@ -96,12 +102,14 @@ def _expect(w: Worker, kind: type[Ready] | type[Serving]) -> Ready | Serving:
 
 
 def start_workers(config: ClusterConfig, timeout: float = 180.0) -> LocalWorkers:
-    """Spawn every worker, wait until each reports ready, then tell each its peers:
-    decode workers get the prefill workers' addresses, prefill workers the decode
-    workers' transport metadata; wait until each reports serving (its handshakes made).
-    Raises (after stopping what started) if any fails."""
-    workers = LocalWorkers(decode=[spawn(config, "decode", i) for i in range(config.decode.replicas)],
-                           prefill=[spawn(config, "prefill", i) for i in range(config.prefill.replicas)])
+    """Make the deployment's secret, spawn every worker with it, wait until each reports
+    ready, then tell each its peers: decode workers get the prefill workers' addresses,
+    prefill workers the decode workers' transport metadata; wait until each reports
+    serving (its handshakes made). Raises (after stopping what started) if any fails."""
+    secret = DeploymentSecret.new()
+    workers = LocalWorkers(decode=[spawn(config, "decode", i, secret) for i in range(config.decode.replicas)],
+                           prefill=[spawn(config, "prefill", i, secret) for i in range(config.prefill.replicas)],
+                           secret=secret)
     try:
         for w in workers.all:
             await_ready(w, timeout)

@@ -24,6 +24,7 @@ import uuid
 from cluster.config import ClusterConfig
 from cluster.worker_configs import serve_worker, worker_config
 from protocol import CONTROL_MESSAGES, Serving, Stop, encode
+from security import DeploymentSecret
 from workers.config import ROLES, WorkerConfig
 from workers.control import QueueControl
 
@@ -31,9 +32,12 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerActor:
-    def __init__(self, role: str, config: ClusterConfig, index: int, host: str | None = None) -> None:
-        """`host`: where the worker's sockets listen; None: this node's address as Ray
-        knows it (looked up here, because a restart may land on another node)."""
+    def __init__(self, role: str, config: ClusterConfig, index: int, host: str | None = None, *,
+                 secret: DeploymentSecret | None) -> None:
+        """`secret`: the deployment's (a constructor argument, so that the process Ray
+        restarts the actor in gets the same one); `host`: where the worker's sockets
+        listen; None: this node's address as Ray knows it (looked up here, because a
+        restart may land on another node)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.name = f"{role}-{index}"
@@ -43,7 +47,7 @@ class WorkerActor:
         self.control = QueueControl()
         self._serving = False  # the first peers message was taken and answered
         self.error = ""  # the worker thread's traceback, if serve() raised
-        worker = worker_config(config, role, index, host or _node_address())
+        worker = worker_config(config, role, index, host or _node_address(), secret=secret)
         self.thread = threading.Thread(target=self._run, args=(worker,), name=f"pdserve-{self.name}", daemon=True)
         self.thread.start()
 

@@ -31,6 +31,7 @@ from cluster.ray.resources import PlacementError, missing_resources, pool_bundle
 from cluster.ray.supervisor import Supervisor
 from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES
+from security import DeploymentSecret
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class RayWorkers:
     groups: list[PlacementGroup] = field(default_factory=list)
     shutdown_ray: bool = False  # this process connected to (or started) Ray: undo it on stop
     supervisor: Supervisor | None = None
+    # The deployment's (start_ray_workers makes it): in every actor's constructor
+    # arguments, so a restarted actor has it too; the router gets it from here.
+    secret: DeploymentSecret | None = field(default=None, repr=False)
 
     def supervise(self, config: RayConfig, router: RouterHooks | None) -> Supervisor:
         """Start watching the workers (cluster/ray/supervisor.py); stop() ends it."""
@@ -178,10 +182,11 @@ def _place(config: ClusterConfig) -> dict[str, list[tuple[PlacementGroup, int]]]
 
 
 def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorkers:
-    """Connect to Ray, place and start every worker, wait until each reports ready, then
-    tell each its peers (as cluster.local.start_workers does). Raises, after stopping
-    whatever started and releasing its resources, if any step fails."""
-    workers = RayWorkers(shutdown_ray=connect(config.ray))
+    """Connect to Ray, make the deployment's secret, place and start every worker with
+    it, wait until each reports ready, then tell each its peers (as
+    cluster.local.start_workers does). Raises, after stopping whatever started and
+    releasing its resources, if any step fails."""
+    workers = RayWorkers(shutdown_ray=connect(config.ray), secret=DeploymentSecret.new())
     try:
         check_capacity(config)
         places = _place(config)
@@ -194,7 +199,7 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
                     num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
                     max_concurrency=ACTOR_CONCURRENCY, max_restarts=config.ray.max_restarts, max_task_retries=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
-                ).remote(role, config, i)
+                ).remote(role, config, i, secret=workers.secret)
                 getattr(workers, role).append(RayWorker(f"{role}-{i}", role, actor))
         replies = [w.actor.ready.remote(timeout) for w in workers.all]
         try:

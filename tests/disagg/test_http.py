@@ -133,7 +133,7 @@ def test_concurrent_requests_complete_and_free_every_block(server, llama_dir: Pa
     llm = LLM(str(llama_dir), num_kv_blocks=80)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert [o.choices[0].text for o in outs] == [o.text for o in llm.generate(prompts, params, use_tqdm=False)]
-    probe = Client(workers.decode[0].address)
+    probe = Client(workers.decode[0].address, workers.secret)
     stats = probe.stats()
     probe.close()
     assert stats["free_blocks"] == stats["num_blocks"] and stats["remote"] >= 1
@@ -153,7 +153,7 @@ def test_client_gone_mid_stream_aborts_the_request(server) -> None:
 def wait_until_aborted(config: ClusterConfig, workers: LocalWorkers, before: float) -> None:
     """The router counts one more request aborted (not finished by length) than
     `before`, and the decode worker has freed everything."""
-    probe = Client(workers.decode[0].address)
+    probe = Client(workers.decode[0].address, workers.secret)
     try:
         end = time.monotonic() + 30
         while True:

@@ -59,7 +59,7 @@ def reference(llama_dir: Path) -> list[list[int]]:
 @pytest.mark.timeout(240)
 def test_a_killed_prefill_worker_is_routed_around_at_once_then_restarted(supervised: Supervised,
                                                                           reference) -> None:
-    client = Client(supervised.workers.decode[0].address)
+    client = Client(supervised.workers.decode[0].address, supervised.workers.secret)
     try:
         supervised.workers.prefill[0].process.kill()
         start = time.monotonic()
@@ -85,7 +85,7 @@ def test_a_killed_decode_worker_is_restarted_and_its_prefill_peer_writes_to_the_
     supervised.wait_for(("down", "decode-0"), 5)
     _, _, address = supervised.wait_for(("moved", "decode-0"), 120)
     assert address != old.address and supervised.workers.decode[0].address == address
-    client = Client(address)
+    client = Client(address, supervised.workers.secret)
     try:
         results = client.generate({"n0": PROMPTS[0], "n1": PROMPTS[1]}, remote=True)
         assert [results["n0"]["tokens"], results["n1"]["tokens"]] == reference

@@ -96,7 +96,7 @@ def wait_exit(process, timeout: float) -> int:
 def test_a_failed_decode_step_fails_its_requests_and_the_worker_serves_on(supervised: Supervised,
                                                                           reference) -> None:
     worker = supervised.workers.decode[0]
-    client = Client(worker.address)
+    client = Client(worker.address, supervised.workers.secret)
     try:
         failed = outcomes(client, {"d-launch": (PROMPTS[0], PARAMS)}, remote=False)["d-launch"]
         assert failed["status"] == 500 and not failed["finished"]
@@ -114,7 +114,7 @@ def test_a_failed_decode_step_fails_its_requests_and_the_worker_serves_on(superv
 @pytest.mark.timeout(180)
 def test_a_failed_prefill_step_is_prefilled_locally_and_the_prefill_worker_serves_on(
         supervised: Supervised, reference) -> None:
-    client = Client(supervised.workers.decode[0].address)
+    client = Client(supervised.workers.decode[0].address, supervised.workers.secret)
     try:
         before = client.stats()
         result = outcomes(client, {"p-launch": (PROMPTS[1], PARAMS)}, remote=True)["p-launch"]
@@ -135,7 +135,7 @@ def test_a_failed_prefill_step_is_prefilled_locally_and_the_prefill_worker_serve
 def test_an_engine_state_error_fails_every_request_and_the_worker_is_restarted(
         supervised: Supervised, reference) -> None:
     old = supervised.workers.decode[0]
-    client = Client(old.address)
+    client = Client(old.address, supervised.workers.secret)
     try:
         long = dict(PARAMS, max_tokens=64)  # still running when d-state is scheduled
         results = outcomes(client, {"bystander": (PROMPTS[0], long), "d-state": (PROMPTS[1], PARAMS)},
@@ -154,7 +154,7 @@ def restarted_serves(supervised: Supervised, request_id: str, prompt: list[int],
     """decode-0 was reported down, is restarted, and serves `prompt` with `expected`."""
     supervised.wait_for(("down", "decode-0"), 10)
     _, _, address = supervised.wait_for(("moved", "decode-0"), 120)
-    client = Client(address)
+    client = Client(address, supervised.workers.secret)
     try:
         result = outcomes(client, {request_id: (prompt, PARAMS)}, remote=True)[request_id]
         assert result["tokens"] == expected
@@ -167,7 +167,7 @@ def test_a_step_that_never_returns_ends_the_process_and_the_worker_is_restarted(
         supervised: Supervised, reference) -> None:
     supervised.events.clear()
     old = supervised.workers.decode[0]
-    client = Client(old.address)
+    client = Client(old.address, supervised.workers.secret)
     try:
         client.send(Generate(request_id="d-hang", prompt=PROMPTS[0], params=PARAMS, remote=False, priority=0))
         start = time.monotonic()

@@ -15,6 +15,7 @@ from cluster.config import ClusterConfig
 from cluster.local.workers import LocalWorkers, start_workers
 from engine import LLM, SamplingParams
 from protocol import WORKER_MESSAGES, Generate, Message, Stats, encode
+from security import DeploymentSecret, connect_securely
 from tests.fidelity.test_hf_fidelity import random_prompts
 
 decode = WORKER_MESSAGES.decode
@@ -24,13 +25,15 @@ PROMPTS = random_prompts([3, 20, 45, 70, 33, 90], seed=11)
 
 
 class Client:
-    """A DEALER to one worker, as the router holds."""
+    """A DEALER to one worker, as the router holds (with the deployment's secret)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: DeploymentSecret | None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTING_ID, b"test-router")
+        if secret is not None:
+            connect_securely(self.sock, secret)
         self.sock.connect(address)
 
     def send(self, message: Message) -> None:
@@ -79,7 +82,7 @@ def workers(llama_dir: Path) -> Iterator[LocalWorkers]:
 
 @pytest.fixture
 def client(workers: LocalWorkers) -> Iterator[Client]:
-    c = Client(workers.decode[0].address)
+    c = Client(workers.decode[0].address, workers.secret)
     yield c
     c.close()
 

@@ -85,7 +85,7 @@ def test_pools_on_their_nodes_push_kv_between_nodes(deployment, llama_dir: Path)
 
     expected = LLM(str(llama_dir), num_kv_blocks=64).generate([LONG_PROMPT], SamplingParams(**PARAMS),
                                                               use_tqdm=False)[0].text
-    stats = Client(workers.decode[0].address)
+    stats = Client(workers.decode[0].address, workers.secret)
     try:
         before = stats.stats()
         start = time.monotonic()

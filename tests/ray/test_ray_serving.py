@@ -60,7 +60,7 @@ def test_greedy_answers_equal_the_offline_engine(served, expected: dict[str, str
     client, workers, model = served
     chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0.0)
     assert chat.choices[0].message.content == expected["chat"] == "The capital of France is Paris."
-    stats = Client(workers.decode[0].address)
+    stats = Client(workers.decode[0].address, workers.secret)
     try:
         remote_before = stats.stats()["remote"]
         out = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=12, temperature=0.0)

@@ -106,7 +106,7 @@ def decode_stats(workers: RayWorkers) -> dict[str, int]:
     """remote / local / fallbacks summed over the live decode workers."""
     total = {"remote": 0, "local": 0, "fallbacks": 0}
     for w in workers.decode:
-        client = Client(w.address)
+        client = Client(w.address, workers.secret)
         try:
             stats = client.stats()
         finally:

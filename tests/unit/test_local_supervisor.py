@@ -13,6 +13,7 @@ import pytest
 import cluster.local.supervisor as supervision
 import cluster.local.workers as local
 from cluster.local.workers import LocalWorkers, Worker
+from security import DeploymentSecret
 
 
 class Process:
@@ -45,9 +46,12 @@ class Harness:
         self.spawned: list[Worker] = []
         self.starting = threading.Event()  # a restarted process waits for its peers
 
-        def spawn(config, role: str, index: int) -> Worker:
+        self.secrets: list[DeploymentSecret | None] = []  # each start's
+
+        def spawn(config, role: str, index: int, secret: DeploymentSecret | None) -> Worker:
             w = Worker(f"{role}-{index}", Process(), Control())
             self.spawned.append(w)
+            self.secrets.append(secret)
             return w
 
         def await_ready(w: Worker, timeout: float) -> None:
@@ -66,7 +70,8 @@ class Harness:
         for module in (supervision, local):
             monkeypatch.setattr(module, "unlink_segment", self.unlinked.append)
         self.workers = LocalWorkers(decode=[Worker("decode-0", Process(False), Control(), "tcp://a", b"old-0"),
-                                            Worker("decode-1", Process(), Control(), "tcp://b", b"old-1")])
+                                            Worker("decode-1", Process(), Control(), "tcp://b", b"old-1")],
+                                    secret=DeploymentSecret.new())
         self.supervisor = supervision.LocalSupervisor(
             None, self.workers, lambda name: self.events.append(("down", name)),
             lambda name, address: self.events.append(("moved", name)), interval_s=0.02, max_restarts=2)
@@ -93,6 +98,7 @@ def test_deaths_are_reported_during_a_restart_and_failed_starts_are_retried_then
                "two starts each, then no more")
         time.sleep(0.2)
         assert len(h.spawned) == 4 and not any(e[0] == "moved" for e in h.events)
+        assert h.secrets == [h.workers.secret] * 4  # a restart joins the same deployment
         assert sorted(h.unlinked) == [b"old-0", b"old-1", b"segment-1", b"segment-2", b"segment-3", b"segment-4"]
         assert all(not w.process.alive for w in h.spawned)
     finally:

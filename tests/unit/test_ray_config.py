@@ -11,6 +11,7 @@ from cluster.config import ClusterConfig, ConfigError, load_cluster_config
 from workers.control import QueueControl
 from cluster.ray.actor import WorkerActor
 from cluster.ray.resources import missing_resources, pool_bundles, rank_bundles
+from security import DeploymentSecret
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {"model": "m", "launcher": "ray", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
@@ -118,8 +119,9 @@ def test_queue_control_waits_until_the_worker_acted_on_a_message() -> None:
 @pytest.mark.timeout(60)
 def test_worker_actor_reports_a_failed_start(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="role must be one of"):
-        WorkerActor("router", ClusterConfig.from_dict({"model": "m"}), 0, "127.0.0.1")
-    actor = WorkerActor("decode", ClusterConfig.from_dict({"model": str(tmp_path / "no-model")}), 0, "127.0.0.1")
+        WorkerActor("router", ClusterConfig.from_dict({"model": "m"}), 0, "127.0.0.1", secret=None)
+    actor = WorkerActor("decode", ClusterConfig.from_dict({"model": str(tmp_path / "no-model")}), 0, "127.0.0.1",
+                        secret=DeploymentSecret.new())
     with pytest.raises(RuntimeError, match="worker decode-0 failed while starting") as err:
         actor.ready(30)
     assert "no-model" in str(err.value)

@@ -72,7 +72,7 @@ local.mp = types.SimpleNamespace(get_context=lambda kind: types.SimpleNamespace(
                                                                                  Process=Process))
 config = ClusterConfig.from_dict({"model": sys.argv[1]})
 launcher_for(config)
-workers = [local.spawn(config, role, 0) for role in ("decode", "prefill")]
+workers = [local.spawn(config, role, 0, None) for role in ("decode", "prefill")]
 router_for(config, {"decode-0": "tcp://127.0.0.1:9"}, {"prefill-0": "tcp://127.0.0.1:10"})
 print(workers[0].process.args[0].name, "torch" in sys.modules)
 """

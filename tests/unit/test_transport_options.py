@@ -11,6 +11,7 @@ import pytest
 from cluster.config import ClusterConfig, ConfigError, TransportOptions, load_cluster_config
 from cluster.worker_configs import worker_config
 from kv_transfer import TransportConfig
+from security import DeploymentSecret
 from workers.start import engine_and_transport
 
 BASE = {"model": "m", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
@@ -48,11 +49,13 @@ def test_a_yaml_value_reaches_each_workers_transport(tmp_path: Path, llama_dir: 
                     "prefill: {engine: {num_kv_blocks: 8}}\ndecode: {engine: {num_kv_blocks: 8}}\n")
     config = load_cluster_config(path)
     for role in ("prefill", "decode"):
-        worker = worker_config(config, role, 0, host="127.0.0.1")
+        secret = DeploymentSecret.new()
+        worker = worker_config(config, role, 0, host="127.0.0.1", secret=secret)
         _, transport = engine_and_transport(worker)
         try:
             assert worker.name == f"{role}-0"
             assert transport.config == TransportConfig(timeout_s=3.5, cancel_grace_s=7.0, host="127.0.0.1",
                                                        progress_thread=True)
+            assert worker.secret is transport.config.secret is secret
         finally:
             transport.close()
