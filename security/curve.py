@@ -39,6 +39,9 @@ def serve_securely(sock: zmq.Socket, secret: DeploymentSecret) -> None:
     sock.curve_secretkey = secret.server_secret
     sock.curve_publickey = secret.server_public
     sock.zap_domain = ZAP_DOMAIN
+    # With no ZAP handler answering (the guard closed, or its thread gone) libzmq would
+    # admit any client that knows the server key; enforced, it admits none.
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
 def connect_securely(sock: zmq.Socket, secret: DeploymentSecret) -> None:

@@ -113,3 +113,17 @@ def test_a_refusal_flood_is_logged_once_per_period(server, caplog: pytest.LogCap
         assert sum("refused a peer" in r.getMessage() for r in caplog.records) == 1
     finally:
         ctx.destroy(0)
+
+
+def test_without_its_guard_a_server_admits_no_one(server) -> None:
+    """A guard gone (closed, or its thread dead) must not leave the door open: libzmq
+    then admits any client with the server key, unless the domain is enforced."""
+    sock, guard, address, secret = server
+    guard.close()
+    ctx = zmq.Context()
+    try:
+        _client(ctx, address, DeploymentSecret.new(), server_key=secret.server_public).send(b"forged")
+        _client(ctx, address, secret).send(b"member")  # no guard: not even a member gets in
+        assert _received(sock, 1000) == []
+    finally:
+        ctx.destroy(0)
