@@ -18,6 +18,7 @@ from collections.abc import Callable
 import uvicorn
 
 from cluster.config import ClusterConfig
+from cluster.http_protocol import with_header_deadline
 from cluster.launcher import RouterHooks, Workers, launcher_for
 from router.app import Router, create_app
 from router.config import ModelLimits
@@ -59,7 +60,10 @@ class HTTPServer:
 
     def __init__(self, router: Router, host: str, port: int, timeout: float = 60.0) -> None:
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(router), host=host, port=port, log_level="warning"))
+        # router.body_timeout_s bounds a request's headers here, and its body in the app.
+        protocol = with_header_deadline(router.config.body_timeout_s)
+        self.server = uvicorn.Server(uvicorn.Config(create_app(router), host=host, port=port, log_level="warning",
+                                                    http=protocol))
         self.thread = threading.Thread(target=self.server.run, name="router", daemon=True)
         self.thread.start()
         end = time.monotonic() + timeout

@@ -10,8 +10,10 @@ Then, while the endpoint reads the body: 413 as soon as the bytes received pass
 max_body_bytes (a chunked body says no length up front), and 408 once the body has
 taken router.body_timeout_s to arrive (a client trickling bytes holds no connection
 longer). Each of these answers closes the connection: the rest of the body is never
-read. A client that hangs up mid-body is counted as 499 (nginx's "client closed"), not
-taken for a server error.
+read, nor is that of a request answered without reading it (e.g. /health). A client
+that hangs up mid-body is counted as 499 (nginx's "client closed"), not taken for a
+server error. The headers' own arrival time is bounded below this, by the HTTP
+protocol (cluster/http_protocol.py).
 
 The body is never read whole before it is bounded, and no key is ever logged.
 """
@@ -85,7 +87,8 @@ class HTTPGuard:
             self.rejected(exc.status)
             await error_response(exc)(scope, receive, send)
             return
-        await self.app(scope, self._bounded(receive), send)
+        body = _Body(scope)
+        await self.app(scope, self._bounded(receive, body), _closing_unless_read(send, body))
 
     def _admit(self, scope: dict[str, Any]) -> None:
         path = scope["path"]
@@ -105,7 +108,7 @@ class HTTPGuard:
             if size > self.settings.max_body_bytes:
                 raise _too_large(f"the request body is {size} bytes", self.settings.max_body_bytes)
 
-    def _bounded(self, receive: ASGIApp) -> ASGIApp:
+    def _bounded(self, receive: ASGIApp, body: "_Body") -> ASGIApp:
         """`receive` that raises APIError 413 once the body passes max_body_bytes and
         408 once it has taken body_timeout_s; after the body, `receive` itself (a
         handler then waits on it for the client's disconnect, without a deadline)."""
@@ -113,11 +116,10 @@ class HTTPGuard:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         received = 0
-        done = False
 
         async def bounded() -> dict[str, Any]:
-            nonlocal received, done
-            if done:
+            nonlocal received
+            if body.done:
                 return await receive()
             try:
                 async with asyncio.timeout(max(0.0, deadline - loop.time())):
@@ -129,7 +131,7 @@ class HTTPGuard:
                 received += len(message.get("body", b""))
                 if received > limit:
                     raise _too_large(f"the request body passed {limit} bytes", limit)
-                done = not message.get("more_body", False)
+                body.done = not message.get("more_body", False)
             else:  # http.disconnect: nothing more will come, and nobody reads an answer
                 raise APIError(499, "the client went away before its request body arrived")
             return message
@@ -139,3 +141,24 @@ class HTTPGuard:
 
 def _too_large(what: str, limit: int) -> APIError:
     return APIError(413, f"{what}; at most {limit} bytes are accepted (router.max_body_bytes)", headers=CLOSE)
+
+
+class _Body:
+    """Whether a request's body has been read whole (a request without one has)."""
+
+    def __init__(self, scope: dict[str, Any]) -> None:
+        headers = dict(scope["headers"])
+        self.done = headers.get(b"content-length", b"0") == b"0" and b"transfer-encoding" not in headers
+
+
+def _closing_unless_read(send: ASGIApp, body: _Body) -> ASGIApp:
+    """`send` that closes the connection after a response given before the request's
+    body was read whole (an endpoint that reads none, e.g. /health): else the server
+    would go on reading and dropping whatever the client still sends, for as long as
+    it sends, with no size or time bound."""
+    async def closing(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start" and not body.done:
+            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+        await send(message)
+
+    return closing

@@ -200,6 +200,41 @@ def test_a_trickling_body_is_408_after_body_timeout_s_and_its_connection_closed(
 
 
 @pytest.mark.timeout(60)
+def test_trickled_headers_are_cut_off_after_body_timeout_s(served: int) -> None:
+    """A slowloris client, one header byte at a time, never gets its request in: the
+    connection closes about body_timeout_s after it opened."""
+    conn = socket.create_connection(("127.0.0.1", served), timeout=10)
+    start = time.monotonic()
+    conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    with pytest.raises(OSError):  # reset or broken pipe, once the server has closed it
+        while time.monotonic() - start < 8:
+            conn.sendall(b"a")
+            time.sleep(0.1)
+    conn.close()
+    assert time.monotonic() - start < 4
+
+
+@pytest.mark.timeout(60)
+def test_a_body_an_endpoint_never_reads_is_not_drained_forever(served: int) -> None:
+    """/health answers without reading a body: the connection then closes, rather than
+    the server reading and dropping a chunked body for as long as the client sends it,
+    past max_body_bytes and body_timeout_s."""
+    conn = socket.create_connection(("127.0.0.1", served), timeout=10)
+    conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    reply = conn.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200 ") and b"connection: close" in reply.lower()
+    chunk = b"%x\r\n%s\r\n" % (64 * 1024, b"x" * 64 * 1024)
+    start, sent = time.monotonic(), 0
+    with pytest.raises(OSError):
+        while time.monotonic() - start < 8:
+            conn.sendall(chunk)
+            sent += 64 * 1024
+            time.sleep(0.01)
+    conn.close()
+    assert sent < 4 * BOUNDS["max_body_bytes"]
+
+
+@pytest.mark.timeout(60)
 def test_a_client_that_hangs_up_mid_body_is_no_server_error(served_router, caplog: pytest.LogCaptureFixture) -> None:
     port, router = served_router
     caplog.set_level(logging.WARNING)
