@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.auth import KeyRing
-from router.bounds import InputBounds
 from router.core import Chunk, Router
 from router.errors import APIError
 from router.http_guard import HTTPGuard, client_of, error_response
@@ -53,7 +52,6 @@ def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.router = router
     app.state.limits = limits = Limits(router.config)
-    router.parser.bounds = InputBounds.of(router.config)
     app.add_middleware(HTTPGuard, keys=KeyRing(router.config.api_keys or ()), limits=limits,
                        settings=router.config, rejected=lambda status: router.metrics.rejected.labels(
                            status=str(status)).inc())

@@ -39,6 +39,9 @@ READ_FIELDS = ("model", "messages", "tools", "tool_choice", "parallel_tool_calls
                "top_logprobs", MAX_TOKENS_ALIAS, *SAMPLING_FIELDS)
 # Where, under `messages`, a string is the conversation's text (bounded by the context
 # length): messages[i].content, its parts' .text, a tool call's function.arguments.
+# A place in a field: (parent place, key or index); None: the field itself.
+Place = tuple[Any, Any] | None
+_CONTAINERS = {dict, list}
 _TEXT_PATHS = {("content",), ("content", "*", "text"), ("tool_calls", "*", "function", "arguments")}
 
 
@@ -57,6 +60,9 @@ class BoundSettings(Protocol):
     @property
     def max_tokenize_queue(self) -> int: ...
 
+    @property
+    def key_tokens_in_flight(self) -> int | None: ...
+
 
 @dataclass(frozen=True)
 class InputBounds:
@@ -64,10 +70,14 @@ class InputBounds:
     max_stop: int
     max_string_chars: int
     max_tokenize_queue: int  # requests waiting for (or in) the tokenizer; beyond: 429
+    # A key's tokens in flight (router/limits.py), which a chat's default max_tokens
+    # must fit; None: no such limit.
+    max_tokens_in_flight: int | None = None
 
     @classmethod
     def of(cls, settings: BoundSettings) -> "InputBounds":
-        return cls(settings.max_messages, settings.max_stop, settings.max_string_chars, settings.max_tokenize_queue)
+        return cls(settings.max_messages, settings.max_stop, settings.max_string_chars, settings.max_tokenize_queue,
+                   settings.key_tokens_in_flight)
 
 
 def check_bounds(body: dict[str, Any], bounds: InputBounds) -> None:
@@ -93,7 +103,7 @@ def _walk(root: Any, name: str, limit: int) -> None:
     if type(root) is str:
         _check_string(root, name, None, limit)
         return
-    stack: list[tuple[Any, Path, int]] = [(root, None, 1)] if type(root) in _CONTAINERS else []
+    stack: list[tuple[Any, Place, int]] = [(root, None, 1)] if type(root) in _CONTAINERS else []
     containers = 0  # seen or on the stack
     too_many = APIError(400, f"{name} holds more than {MAX_CONTAINERS} JSON objects and arrays", name)
     while stack:
@@ -124,11 +134,7 @@ def _walk(root: Any, name: str, limit: int) -> None:
             stack.extend((item, (where, i), depth + 1) for i, item in enumerate(value) if type(item) in _CONTAINERS)
 
 
-Path = tuple[Any, Any] | None  # (parent path, key or index); None: the field itself
-_CONTAINERS = {dict, list}
-
-
-def _keys(where: Path) -> tuple[Any, ...]:
+def _keys(where: Place) -> tuple[Any, ...]:
     keys: list[Any] = []
     while where is not None:
         where, key = where
@@ -136,7 +142,7 @@ def _keys(where: Path) -> tuple[Any, ...]:
     return tuple(reversed(keys))
 
 
-def _check_string(text: str, name: str, where: Path, limit: int, what: str = "") -> None:
+def _check_string(text: str, name: str, where: Place, limit: int, what: str = "") -> None:
     if len(text) <= limit:
         return
     keys = _keys(where)
@@ -146,6 +152,6 @@ def _check_string(text: str, name: str, where: Path, limit: int, what: str = "")
                         "(router.max_string_chars)", name)
 
 
-def _where(name: str, where: Path) -> str:
+def _where(name: str, where: Place) -> str:
     """messages[2].tool_calls[0].function.name"""
     return name + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in _keys(where))

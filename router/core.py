@@ -23,6 +23,7 @@ from engine.detokenizer import Detokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from protocol import Abort, Generate, Rejected, to_wire
+from router.bounds import InputBounds
 from router.config import ModelLimits, RouterSettings
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -56,7 +57,7 @@ class Router:
         self.model_name = limits.model
         self.max_model_len = limits.max_model_len
         self.block_size = limits.block_size
-        self.parser = RequestParser(load_tokenizer(limits.model), limits, self._kv_pool_tokens)
+        self.parser = RequestParser(load_tokenizer(limits.model), limits, self._kv_pool_tokens, InputBounds.of(config))
         # The process's one asyncio context, never collected: a Router's own context,
         # collected together with its still-open sockets, would hang in its finalizer
         # (term() waits on sockets the collector has not closed yet).

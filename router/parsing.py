@@ -64,7 +64,7 @@ class RequestParser:
 
     `kv_pool_tokens` gives the tokens each decode worker's KV pool holds, for those that
     reported it: chat's default max_tokens must fit the smallest. `bounds`: the limits
-    of router/bounds.py and of the tokenizer's queue (the HTTP app sets the config's;
+    of router/bounds.py and of the tokenizer's queue (the Router gives the config's;
     None: unbounded)."""
 
     def __init__(self, tokenizer: Any, limits: ModelLimits, kv_pool_tokens: Callable[[], list[int]],
@@ -133,15 +133,19 @@ class RequestParser:
         decode worker checks again) so the error can name the field. Chat without
         max_tokens generates until EOS or a full context, as vLLM does; completions
         keep OpenAI's default of 16. That default is also capped by the smallest KV pool a
-        decode worker reported, since a request that cannot fit in one is refused."""
+        decode worker reported, since a request that cannot fit in one is refused, and by
+        a key's tokens in flight (router.key_tokens_in_flight), likewise."""
         max_model_len = self.limits.max_model_len
         room = max_model_len - num_prompt_tokens
         if room < 1:
             raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but the model's context length is "
                                 f"{max_model_len} (prompt must leave room for output)", prompt_field)
         default = None
-        if chat:  # prompt + max_tokens must fit in a decode worker's KV pool too
-            default = max(1, min([room] + [tokens - num_prompt_tokens for tokens in self.kv_pool_tokens()]))
+        if chat:  # prompt + max_tokens must fit in a decode worker's KV pool, and a key's tokens in flight
+            fits = [room] + [tokens - num_prompt_tokens for tokens in self.kv_pool_tokens()]
+            if self.bounds is not None and self.bounds.max_tokens_in_flight is not None:
+                fits.append(self.bounds.max_tokens_in_flight - num_prompt_tokens)
+            default = max(1, min(fits))
         params = request_body.sampling_params(body, chat, default)
         if params.max_tokens > room:
             alias = body.get("max_tokens") is None and body.get(request_body.MAX_TOKENS_ALIAS) is not None

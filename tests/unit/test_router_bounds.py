@@ -330,3 +330,25 @@ def test_bad_bodies_are_never_a_5xx(http: TestClient, path: str) -> None:
             r = http.post(path, content=raw, headers={"content-type": "application/json"})
             assert 400 <= r.status_code < 500, (body[:80], r.status_code, r.text[:300])
             assert r.json()["error"]["message"], r.text[:300]
+
+
+def test_a_chats_default_max_tokens_fits_a_keys_tokens_in_flight(llama_dir: Path) -> None:
+    """A chat without max_tokens asks for the rest of the context, unless a key may hold
+    fewer tokens in flight: then for what that leaves, not a 400 about a max_tokens the
+    client never sent."""
+    limits = ModelLimits(str(llama_dir), 256, 384, 16, None)
+    parser = RequestParser(load_tokenizer(str(llama_dir)), limits, lambda: [], InputBounds(3, 2, 20, 8, 100))
+    unbounded = RequestParser(parser.tokenizer, limits, lambda: [], InputBounds(3, 2, 20, 8))
+    body = json.dumps({"messages": [USER]}).encode()
+
+    async def run() -> None:
+        chat = await parser.chat(body)
+        assert chat.params.max_tokens == 100 - len(chat.prompt_ids)
+        assert (await unbounded.chat(body)).params.max_tokens == 256 - len(chat.prompt_ids)
+
+    asyncio.run(run())
+
+
+def test_the_router_bounds_its_parser_without_the_http_app(llama_dir: Path) -> None:
+    router = router_for(config_for(llama_dir, max_messages=5), {"decode-0": "tcp://127.0.0.1:9"})
+    assert router.parser.bounds is not None and router.parser.bounds.max_messages == 5
