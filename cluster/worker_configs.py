@@ -26,6 +26,12 @@ def worker_config(config: ClusterConfig, role: str, index: int, host: str = "127
                         config.router.prefill_max_outstanding)
 
 
+def without_router_secrets(config: ClusterConfig) -> ClusterConfig:
+    """The config as a worker process may hold it: the API keys stay with the router (no
+    worker reads them, and a worker's arguments may be kept, e.g. by Ray)."""
+    return dataclasses.replace(config, router=dataclasses.replace(config.router, api_keys=None))
+
+
 def serve_worker(config: WorkerConfig, control: ControlChannel) -> None:
     """A worker's life, in the process (or Ray actor thread) that runs it: its role's
     serve(). The roles' modules load torch and the engine: imported here, where the

@@ -11,6 +11,7 @@ processes; requests and KV never travel through it.
 
 from __future__ import annotations
 
+
 import logging
 import os
 import socket
@@ -27,6 +28,7 @@ from cluster.config import ClusterConfig, RayConfig
 from cluster.launcher import RouterHooks
 from cluster.peers import peers_messages
 from cluster.ray.actor import WorkerActor
+from cluster.worker_configs import without_router_secrets
 from cluster.ray.resources import PlacementError, missing_resources, pool_bundles, rank_bundles, tp_size
 from cluster.ray.supervisor import Supervisor
 from kv_transfer.shm_segments import unlink_segment
@@ -192,6 +194,7 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
         places = _place(config)
         workers.groups = list(dict.fromkeys(group for role_places in places.values() for group, _ in role_places))
         actor_class = ray.remote(WorkerActor)
+        workers_config = without_router_secrets(config)  # Ray keeps an actor's arguments, for its restarts
         for role, role_places in places.items():
             pool = getattr(config.ray, role)
             for i, (group, bundle) in enumerate(role_places):
@@ -199,7 +202,7 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
                     num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
                     max_concurrency=ACTOR_CONCURRENCY, max_restarts=config.ray.max_restarts, max_task_retries=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
-                ).remote(role, config, i, secret=workers.secret)
+                ).remote(role, workers_config, i, secret=workers.secret)
                 getattr(workers, role).append(RayWorker(f"{role}-{i}", role, actor))
         replies = [w.actor.ready.remote(timeout) for w in workers.all]
         try:

@@ -5,11 +5,14 @@ host without keys refused unless router.allow_unauthenticated says so."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
 
 from cluster.config import ClusterConfig, ConfigError, RouterConfig, load_cluster_config
+from cluster.worker_configs import without_router_secrets
 
 BASE = {"model": "m", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
 SECRET = "sk-secret-0123456789"
@@ -63,6 +66,17 @@ def test_keys_are_in_no_repr(monkeypatch: pytest.MonkeyPatch) -> None:
     config = ClusterConfig.from_dict({**BASE, "router": {"api_keys": "env:PDSERVE_TEST_KEYS"}})
     assert config.router.api_keys == (SECRET,)
     assert SECRET not in repr(config) and SECRET not in repr(config.router) and SECRET not in str(config)
+
+
+def test_what_a_worker_is_handed_holds_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Ray launcher hands each worker actor the cluster config, and Ray keeps an
+    actor's arguments: the keys are not in them."""
+    monkeypatch.setenv("PDSERVE_TEST_KEYS", SECRET)
+    config = ClusterConfig.from_dict({**BASE, "router": {"api_keys": "env:PDSERVE_TEST_KEYS"}})
+    assert SECRET.encode() in pickle.dumps(config)  # what the router's own config holds
+    handed = without_router_secrets(config)
+    assert SECRET.encode() not in pickle.dumps(handed) and handed.router.api_keys is None
+    assert dataclasses.replace(handed, router=config.router) == config  # and nothing else changed
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.10", "::", "my-host.example"])
