@@ -20,6 +20,7 @@ typo never silently falls back to a default).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -194,6 +195,7 @@ class PoolConfig:
 
 def _number(value: Any, path: str, minimum: float, *, strict: bool = False) -> float:
     _check(isinstance(value, (int, float)) and not isinstance(value, bool), path, f"must be a number, got {value!r}")
+    _check(math.isfinite(value), path, f"must be finite, got {value}")
     _check(value > minimum if strict else value >= minimum, path,
            f"must be {'>' if strict else '>='} {minimum}, got {value}")
     return float(value)
