@@ -24,7 +24,6 @@ its own GPU, which this one agent cannot reach: refused (CPU caches only).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import msgpack
@@ -38,11 +37,11 @@ from kv_transfer.rank_pairs import Piece
 from kv_transfer.runs import block_pairs
 from kv_transfer.sender import Write
 from security import DeploymentSecret
+from security.refusals import RefusalLog
 from security.secret import TAG_BYTES
 
 logger = logging.getLogger(__name__)
 
-LOG_EVERY_S = 10.0  # refused notifications are logged at most this often (a flood cannot flood the log)
 
 # A plan as its local list needs it: (src_rank, src_head, num_heads) per piece.
 LocalKey = tuple[tuple[int, int, int], ...]
@@ -71,7 +70,7 @@ class NixlTransport(KVTransport):
         self._local: dict[LocalKey, Any] = {}
         self._remote: dict[str, tuple[Any, Any]] = {}  # peer name -> (its prepared list, ours for its plan)
         self.stats["notifications_refused"] = 0
-        self._unlogged, self._last_log = 0, float("-inf")
+        self._refusals = RefusalLog(logger)
 
     def _mem_type(self) -> str:
         return "VRAM" if self.kv_cache.is_cuda else "DRAM"
@@ -178,14 +177,9 @@ class NixlTransport(KVTransport):
         return found
 
     def _refused(self, sender: str) -> None:
-        self.stats["notifications_refused"] += 1
-        self._unlogged += 1
-        now = time.monotonic()
-        if now - self._last_log >= LOG_EVERY_S:
-            more = f" ({self._unlogged - 1} more since the last report)" if self._unlogged > 1 else ""
-            logger.warning("%s dropped a NIXL notification from %r whose tag does not prove the deployment's "
-                           "secret%s", self.agent_name, sender, more)
-            self._last_log, self._unlogged = now, 0
+        self._refusals.refused("%s dropped a NIXL notification from %r whose tag does not prove the deployment's "
+                               "secret", self.agent_name, sender)
+        self.stats["notifications_refused"] = self._refusals.count
 
     def _abandon(self, write: Write) -> None:
         if write.handle is not None:

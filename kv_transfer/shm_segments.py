@@ -17,7 +17,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "pdserve-kv-"  # engine/distributed/shm_files.py names a TP worker's rank caches so too
 # The shm transport's pdserve-kv-<hex>, a TP worker's pdserve-kv-tp<pid>-<hex>-rank<r>: no
 # dot and no slash, so no '..' and no subdirectory.
-_NAME = re.compile(rf"^{PREFIX}[A-Za-z0-9_-]+$")
+_NAME = re.compile(rf"{PREFIX}[A-Za-z0-9_-]+")
 
 
 def segment_name_problem(path: object) -> str | None:
@@ -26,7 +26,7 @@ def segment_name_problem(path: object) -> str | None:
     if not isinstance(path, str):
         return f"{path!r} is not a path"
     directory, name = os.path.split(path)
-    if directory != SHM_DIR or not _NAME.match(name):
+    if directory != SHM_DIR or not _NAME.fullmatch(name):
         return f"{path!r} is not a file directly under {SHM_DIR} named {PREFIX}<letters, digits, '-' or '_'>"
     return None
 

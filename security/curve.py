@@ -7,27 +7,26 @@ start a handshake, but that alone is not proof: the PlaneGuard, one per ZMQ cont
 with a server socket, answers libzmq's ZAP requests (RFC 27) and admits only a client
 presenting the deployment's client key. A peer without the secret never gets a message
 through: its handshake fails (no server key) or is refused (wrong client key), and the
-guard logs it, at most once per LOG_EVERY_S with a count, so a flood cannot flood the log.
+guard logs it (security/refusals.py: a flood cannot flood the log).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 
 import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from security.refusals import RefusalLog
 from security.secret import DeploymentSecret
 
 logger = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (RFC 27)
 ZAP_DOMAIN = b"pdserve"
-LOG_EVERY_S = 10.0
 POLL_MS = 100  # how often the guard thread looks at its stop flag
 # Handshakes that failed before any ZAP request (no server key, or no CURVE at all).
 _FAILED_HANDSHAKE = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -67,9 +66,12 @@ class PlaneGuard:
         self._monitors: list[tuple[zmq.Socket, zmq.Socket]] = []  # (watched, its monitor)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-plane-guard", daemon=True)
-        self.refused = 0  # peers refused so far (handshakes failed or denied)
-        self._unlogged = 0
-        self._last_log = float("-inf")
+        self._refusals = RefusalLog(logger)  # handshakes failed or denied
+
+    @property
+    def refused(self) -> int:
+        """Peers refused so far (handshakes failed or denied)."""
+        return self._refusals.count
 
     def watch(self, sock: zmq.Socket) -> None:
         """Count and log the failed handshakes of `sock` (a server socket of this context)."""
@@ -93,7 +95,7 @@ class PlaneGuard:
             self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for sock, monitor in self._monitors:
+        for _, monitor in self._monitors:
             monitor.close(0)
         self._monitors = []
         if not self._zap.closed:
@@ -132,10 +134,4 @@ class PlaneGuard:
         self._zap.send_multipart([b"1.0", request_id, *status, b"", b""])
 
     def _refused(self, what: str) -> None:
-        self.refused += 1
-        self._unlogged += 1
-        now = time.monotonic()
-        if now - self._last_log >= LOG_EVERY_S:
-            more = f" ({self._unlogged - 1} more refused since the last report)" if self._unlogged > 1 else ""
-            logger.warning("%s refused a peer: %s%s", self.name, what, more)
-            self._last_log, self._unlogged = now, 0
+        self._refusals.refused("%s refused a peer: %s", self.name, what)

@@ -159,3 +159,9 @@ def test_unlink_segment_removes_only_pdserve_segments(pair) -> None:
 @pytest.mark.parametrize("path", ["/dev/shm/pdserve-kv-abc", "/dev/shm/pdserve-kv-tp12-0af-rank1"])
 def test_segment_names_of_both_makers_are_accepted(path: str) -> None:
     assert segment_name_problem(path) is None
+
+
+@pytest.mark.parametrize("path", ["/dev/shm/pdserve-kv-abc\n", "/dev/shm/pdserve-kv-", "/dev/shm/pdserve-kv-a/b",
+                                  "/dev/shm/pdserve-kv-a.b", "/tmp/pdserve-kv-abc", "/dev/shm/other-kv-abc"])
+def test_other_names_are_refused(path: str) -> None:
+    assert segment_name_problem(path) is not None
