@@ -187,6 +187,11 @@ class KVTransport(ABC):
             self.kv_cache = self.compat = None
             raise
 
+    def refused_peers(self) -> int:
+        """Peers refused so far (without the deployment's secret) by this transport's
+        sockets: its control socket, and any its data plane adds."""
+        return self.control.refused
+
     def metadata(self) -> bytes:
         """The handshake blob for peers: who we are, where we listen, what we hold."""
         if self.compat is None:

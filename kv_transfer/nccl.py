@@ -76,6 +76,10 @@ class NcclTransport(KVTransport):
         self._store = AuthStore(self._store_server.address, secret, self.config.timeout_s)
         return {"store_host": host, "store_port": self._store_server.port, "store_auth": True}
 
+    def refused_peers(self) -> int:
+        store = self._store_server.refused if self._store_server is not None else 0
+        return super().refused_peers() + store
+
     def _peer_store(self, peer: Peer) -> Store:
         """A client of the store `peer` hosts; refused unless it is the kind ours is (a
         peer of another deployment, or one without a secret, cannot meet us)."""

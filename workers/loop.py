@@ -217,8 +217,8 @@ class WorkerLoop:
 
     def refused_peers(self, transport: KVTransport) -> int:
         """For stats replies: peers refused so far by this loop's socket and by the
-        transport's control socket (each without the deployment's secret)."""
-        return (self.guard.refused if self.guard is not None else 0) + transport.control.refused
+        transport's (each without the deployment's secret)."""
+        return (self.guard.refused if self.guard is not None else 0) + transport.refused_peers()
 
     def run(self, control: ControlChannel) -> None:
         """Until the launcher says stop (or closes the control channel); a "peers"

@@ -169,11 +169,22 @@ def nccl_agent(name: str, secret: DeploymentSecret | None) -> KVTransport:
 
 
 @pytest.mark.parametrize("receiver_secret,sender_secret", [(SECRET, None), (None, SECRET)])
-def test_an_nccl_peer_whose_store_is_not_of_our_kind_is_refused(receiver_secret, sender_secret) -> None:
+def test_an_nccl_peer_with_a_secret_on_one_side_only_is_refused(receiver_secret, sender_secret) -> None:
+    """Refused at the handshake (control.py's tag), before the store's own check of its
+    kind (the data plane's, should a blob ever pass the handshake)."""
     receiver, sender = nccl_agent("decode", receiver_secret), nccl_agent("prefill", sender_secret)
     try:
-        with pytest.raises(IncompatiblePeerError, match="rendezvous store is .*a deployment secret on one side only"):
+        with pytest.raises(IncompatiblePeerError, match="deployment('s)? secret"):
             sender.add_peer(receiver.metadata())
+        assert not sender.control.peers
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_an_nccl_peer_announcing_a_bad_store_address_is_refused() -> None:
+    receiver, sender = nccl_agent("decode", None), nccl_agent("prefill", None)
+    try:
         meta = msgpack.unpackb(receiver.metadata(), raw=False)
         meta["data"]["store_port"] = "80"
         with pytest.raises(IncompatiblePeerError, match="announced its rendezvous store at '127.0.0.1':'80'"):
@@ -181,4 +192,21 @@ def test_an_nccl_peer_whose_store_is_not_of_our_kind_is_refused(receiver_secret,
         assert not sender.control.peers
     finally:
         sender.close()
+        receiver.close()
+
+
+def test_an_nccl_agent_counts_the_strangers_its_store_refused() -> None:
+    """A worker's stats (refused_peers) count its rendezvous store's refusals too."""
+    receiver = nccl_agent("decode", SECRET)
+    try:
+        before = receiver.refused_peers()
+        meta = msgpack.unpackb(receiver.metadata(), raw=False)["data"]
+        stranger = AuthStore(f"tcp://{meta['store_host']}:{meta['store_port']}", DeploymentSecret.new(), 0.5)
+        try:
+            with pytest.raises(DistStoreError):
+                stranger.get("pair/key")
+        finally:
+            stranger.close()
+        assert receiver.refused_peers() > before
+    finally:
         receiver.close()
