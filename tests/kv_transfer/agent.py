@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 import torch
 
+from kv_transfer.control import TAG
 from security import DeploymentSecret
 
 SHAPE = dict(num_blocks=64, layers=2, block_size=16, kv_heads=2, head_dim=32)
@@ -34,6 +35,17 @@ class Secured(str):
 
 def secret_of(transport: str) -> DeploymentSecret | None:
     return getattr(transport, "secret", None)
+
+
+def packed(meta: dict, transport: str) -> bytes:
+    """A handshake map packed as its agent would, tagged with the transport's secret if
+    it has one: a blob a peer of the same deployment could send (tests of what the
+    handshake checks beyond the tag)."""
+    secret = secret_of(transport)
+    meta = {k: v for k, v in meta.items() if k != TAG}
+    if secret is not None:
+        meta[TAG] = secret.tag(msgpack.packb(meta, use_bin_type=True))
+    return msgpack.packb(meta, use_bin_type=True)
 
 
 def cache_shape(num_blocks: int = SHAPE["num_blocks"], block_size: int = SHAPE["block_size"]) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import torch
 from kv_transfer import (GPU_ONLY, TRANSPORTS, IncompatiblePeerError, KVTransport,
                          TransportConfig, create_transport)
 from kv_transfer.runs import coalesce
-from tests.kv_transfer.agent import Secured, cache_shape, fill, secret_of
+from tests.kv_transfer.agent import Secured, cache_shape, fill, packed, secret_of
 from tests.kv_transfer.conftest import RemoteAgent
 
 SENTINEL = -7.0
@@ -123,13 +123,13 @@ def test_mismatched_layout_is_refused_naming_the_field(transport: str, decode: K
     meta = msgpack.unpackb(decode.metadata(), raw=False)
     meta["transport"] = other
     with pytest.raises(RuntimeError, match=f"transport is '{other}' there, '{transport}' here"):
-        prefill.call("add_peer", meta=msgpack.packb(meta, use_bin_type=True))
+        prefill.call("add_peer", meta=packed(meta, transport))
     local = local_agent(transport, "other")
     try:
         meta = msgpack.unpackb(decode.metadata(), raw=False)
         meta["compat"]["dtype"] = "bfloat16"
         with pytest.raises(IncompatiblePeerError, match="dtype is 'bfloat16' there, 'float32' here"):
-            local.add_peer(msgpack.packb(meta, use_bin_type=True))
+            local.add_peer(packed(meta, transport))
     finally:
         local.close()
 
