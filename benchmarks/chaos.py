@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
     faults = [f for lane in lanes for f in lane.faults]
     down = decode_down_spans(faults, decode, t_end)
     requests = requests_summary(outcomes, down)
-    rss = rss_summary(d.rss, t0, t_end, args.rss_warmup if args.rss_warmup is not None else min(300.0, 0.3 * seconds))
+    rss = rss_summary(d.rss, t0, t_load, args.rss_warmup if args.rss_warmup is not None else min(300.0, 0.3 * seconds))
     fuzz = [o for o in outcomes if o.kind == "fuzz"]
     report = {
         "command": " ".join(sys.argv), "config": args.config, "seed": args.seed, "load_seconds": t_load - t0,

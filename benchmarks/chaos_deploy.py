@@ -160,8 +160,9 @@ class Deployment:
                     self.samples.append(sample)
 
         def rss_loop() -> None:
+            procs = {"router": self.proc.pid}  # the last pid /status gave each worker
             while not self._stop.wait(rss_interval_s):
-                now, procs = time.monotonic(), {"router": self.proc.pid}
+                now = time.monotonic()
                 if self.samples:
                     procs |= {n: p for n, p in self.latest.pids.items() if p}
                 for name, pid in procs.items():

@@ -12,7 +12,7 @@ Definitions (docs/benchmarks.md, "Reliability", says the same):
   prefix-cache blocks (engine/kv_cache/block_pool.py), so the target is 0.
 - *Bad input* is the fuzz corpus; a 5xx answer to any case misses the target.
 - *Memory flat*: the resident memory of the router, and of each worker process that
-  lived through the whole run after warm-up, grows by at most the tolerance from the
+  lived through the whole load after warm-up, grows by at most the tolerance from the
   median of the first tenth of that span to the median of the last tenth. Resident
   memory here is VmRSS less RssShmem: a decode worker's KV cache is shared memory
   (shm transport), resident once each block is first written, so it grows to the
