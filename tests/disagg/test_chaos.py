@@ -24,7 +24,7 @@ from cluster.demo_model import DEMO_MODELS, default_models_dir
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = default_models_dir() / DEMO_MODELS["smollm2"].dir_name
-MINUTES = 1.0
+MINUTES = 0.75
 HARD_TIMEOUT_S = 420
 
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(),
