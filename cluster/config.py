@@ -15,6 +15,7 @@ typo never silently falls back to a default).
     decode:  {replicas: 1, engine: {max_num_seqs: 64}}
     launcher: local                 # local (processes) | ray (placement groups + actors)
     ray: {address: local, num_cpus: 2, strategy: PACK, decode: {num_cpus: 1, resources: {}}}
+    local: {max_restarts: 3}        # read only by the local launcher
 """
 
 from __future__ import annotations
@@ -296,6 +297,19 @@ def _valid_address(address: str) -> bool:
 
 
 @dataclass(frozen=True)
+class LocalConfig:
+    """What only the local launcher reads (cluster/local/)."""
+    # Supervision (cluster/local/supervisor.py): a worker process that exits is started
+    # again up to this many times over the deployment's life, then stays down.
+    max_restarts: int = 3
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "local") -> "LocalConfig":
+        data = _fields(cls, data, path)
+        return cls(_int(data.get("max_restarts", 3), f"{path}.max_restarts", 0))
+
+
+@dataclass(frozen=True)
 class TransportOptions:
     """The KV transport's settings a config file sets (kv_transfer.TransportConfig, whose
     defaults these are). One section for every worker of both pools: a sender and its
@@ -326,6 +340,7 @@ class ClusterConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     launcher: str = "local"  # how workers start: local processes, or Ray actors
     ray: RayConfig = field(default_factory=RayConfig)  # read only by the ray launcher
+    local: LocalConfig = field(default_factory=LocalConfig)  # read only by the local launcher
 
     @classmethod
     def from_dict(cls, data: Any) -> "ClusterConfig":
@@ -357,7 +372,7 @@ class ClusterConfig:
                   prefill_deadline_s=float(deadline), router=RouterConfig.from_dict(data.get("router", {})),
                   prefill=PoolConfig.from_dict(data.get("prefill", {}), "prefill", minimum=0),
                   decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1),
-                  launcher=launcher, ray=ray)
+                  launcher=launcher, ray=ray, local=LocalConfig.from_dict(data.get("local", {})))
         for role in ("prefill", "decode"):  # Ray hides every GPU from an actor that asks for none
             _check(launcher != "ray" or not on_gpu or getattr(out, role).replicas == 0
                    or getattr(ray, role).num_gpus >= 1, f"ray.{role}.num_gpus",

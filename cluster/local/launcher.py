@@ -23,7 +23,8 @@ class LocalLauncher:
 
     def supervise(self, config: ClusterConfig, workers: LocalWorkers, router: RouterHooks) -> None:
         """Exited workers are reported, routed around, and started again (as Ray does)."""
-        workers.supervisor = LocalSupervisor(config, workers, router.down, router.moved)
+        workers.supervisor = LocalSupervisor(config, workers, router.down, router.moved,
+                                             max_restarts=config.local.max_restarts)
         workers.supervisor.start()
 
     def serve(self, config: ClusterConfig, detach: bool) -> None:

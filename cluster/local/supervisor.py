@@ -11,9 +11,9 @@ with status 1 after telling its clients, workers/loop.py). For each:
   prefill worker was computing (no waiting for the KV deadline), prefill workers end
   their jobs for a dead decode worker.
 - restarted, in a thread of its own (other deaths are reported meanwhile), up to
-  `max_restarts` starts per worker: a new process under the same name gets its peers
-  and starts serving (its handshakes made), then the other pool learns it, and last
-  the router, so no request reaches it before its peers know it. A start that fails
+  `max_restarts` starts per worker (the config's `local.max_restarts`): a new process
+  under the same name gets its peers and starts serving (its handshakes made), then
+  the other pool learns it, and last the router, so no request reaches it before its peers know it. A start that fails
   is stopped (its shared memory removed) and tried again; past `max_restarts` the
   worker stays down (the router's /health says so once no decode worker is left).
 """

@@ -42,6 +42,9 @@ BASE = {"model": "m", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
     ({"router": {"worker_timeout_s": "10s"}}, "router.worker_timeout_s: must be a number, got '10s'"),
     ({"router": {"health_interval_s": 2, "worker_timeout_s": 1}},
      "router.worker_timeout_s: must be > health_interval_s (2)"),
+    ({"local": {"max_restarts": -1}}, "local.max_restarts: must be >= 0, got -1"),
+    ({"local": {"max_restarts": "3"}}, "local.max_restarts: must be an integer, got '3'"),
+    ({"local": {"restarts": 3}}, "local.restarts: unknown key"),
 ])
 def test_mistakes_are_named_with_their_path(change: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:

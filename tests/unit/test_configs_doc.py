@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from cluster.config import (ROLE_FIELDS, ClusterConfig, PoolConfig, RayConfig, RayPoolConfig, RouterConfig,
-                            TransportOptions, load_cluster_config)
+from cluster.config import (ROLE_FIELDS, ClusterConfig, LocalConfig, PoolConfig, RayConfig, RayPoolConfig,
+                            RouterConfig, TransportOptions, load_cluster_config)
 from cluster.ray.resources import pool_bundles
 from engine.config import EngineConfig
 
@@ -21,7 +21,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 SECTIONS: list[tuple[type, str]] = [
     (ClusterConfig, ""), (RouterConfig, "router."), (PoolConfig, "prefill."), (PoolConfig, "decode."),
     (EngineConfig, "<pool>.engine."), (RayConfig, "ray."), (RayPoolConfig, "ray.<pool>."),
-    (TransportOptions, "transport_options."),
+    (TransportOptions, "transport_options."), (LocalConfig, "local."),
 ]
 
 

@@ -118,3 +118,18 @@ def test_a_restart_completes_then_a_shutdown_stops_a_worker_still_starting(monke
     serving.set()
     time.sleep(0.1)
     assert not any(e[0] == "moved" for e in h.events)
+
+
+@pytest.mark.timeout(30)
+def test_the_local_launcher_supervises_with_the_configs_max_restarts() -> None:
+    from cluster.config import ClusterConfig
+    from cluster.launcher import RouterHooks
+    from cluster.local.launcher import LocalLauncher
+
+    config = ClusterConfig.from_dict({"model": "m", "local": {"max_restarts": 7}})
+    workers = LocalWorkers()
+    LocalLauncher().supervise(config, workers, RouterHooks(lambda name: None, lambda name, address: None))
+    try:
+        assert workers.supervisor is not None and workers.supervisor.max_restarts == 7
+    finally:
+        workers.stop()
