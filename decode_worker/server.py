@@ -166,14 +166,16 @@ class DecodeWorker(WorkerLoop):
         self.core.abort(request_id)
         self.core.forget(request_id)
 
-    def _fail(self, request_id: str, error: str, status: int = 500, param: str | None = None) -> None:
+    def _fail(self, request_id: str, error: str, status: int = 500, param: str | None = None,
+              retry: bool = False) -> None:
         """End a request with an error its client is told: a rejection with `status`
-        (500: it failed here; 400: its own parameters made it fail, `param` if one did)."""
+        (500: it failed here; 400: its own parameters made it fail, `param` if one did);
+        `retry`: the router resubmits it instead."""
         client = self.requests.get(request_id)
         self._abort(request_id)
         if client is not None:
             self.send(client.sock, client.sender,
-                      encode(Rejected(request_id=request_id, error=error, status=status, param=param)))
+                      encode(Rejected(request_id=request_id, error=error, status=status, param=param, retry=retry)))
 
     def pending(self) -> bool:
         """Work a step can advance (the stall watchdog's question): requests running,
@@ -247,11 +249,11 @@ class DecodeWorker(WorkerLoop):
 
     def _fail_corrupted(self) -> None:
         """Requests the core aborted because a late KV write overwrote their blocks
-        (decode_worker/remote_kv.py): their clients are told."""
+        (decode_worker/remote_kv.py): the router resubmits each (prompt + the tokens
+        it has streamed), as after a failover; a frozen prefill worker costs none."""
         corrupted, self.core.corrupted = self.core.corrupted, []
         for request_id in corrupted:
-            self._fail(request_id, "its KV cache blocks were overwritten by a late KV write, so its "
-                                   "output could not be trusted")
+            self._fail(request_id, "its KV cache blocks were overwritten by a late KV write", retry=True)
 
     def _phases(self, request: Request, now: float) -> dict[str, float]:
         """Seconds per phase, router/metrics.py defines them. A request whose remote

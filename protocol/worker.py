@@ -77,6 +77,9 @@ class Rejected(Message, frozen=True, tag="rejected"):
     error: str
     status: int  # 400: its own input or parameters; 500: it failed on the worker
     param: str | None = None  # the request parameter at fault, when the error names one
+    # Not the request's fault nor a lasting one (a late KV write overwrote its blocks):
+    # the router resubmits it, as after a failover, instead of failing it.
+    retry: bool = False
 
 
 class RemotePrefill(Message, frozen=True, tag="prefill"):

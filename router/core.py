@@ -45,6 +45,10 @@ class Chunk:
     worker: str = ""  # the decode worker that sent it (another after a failover)
 
 
+# Resubmissions a request's decode workers may ask for (Rejected.retry) before it fails.
+MAX_RETRIES = 3
+
+
 class Router:
     def __init__(self, config: RouterSettings, limits: ModelLimits, decode_workers: dict[str, str],
                  prefill_workers: dict[str, str] | None = None, secret: DeploymentSecret | None = None) -> None:
@@ -129,7 +133,9 @@ class Router:
         token; seeded sampling and presence/frequency penalties restart their state on
         the new worker (the generated tokens count as prompt there), so such a request
         continues validly but not identically. With no live worker left it ends with
-        HTTP 503 (before its first chunk) or a broken stream (after). A request the
+        HTTP 503 (before its first chunk) or a broken stream (after). A worker may also
+        ask for a retry (Rejected.retry: a late KV write overwrote the request's blocks):
+        it is resubmitted the same way, up to MAX_RETRIES times. A request the
         worker failed (its engine step failed, or the worker gave up) ends with HTTP
         500 or, after its first chunk, an error event; bad input with 400."""
         if self.in_flight >= self.config.max_queued_requests:
@@ -142,10 +148,11 @@ class Router:
         worker: WorkerClient | None = None
         request_id = ""
         finished = False
+        retries = 0
         start = last = time.monotonic()
         try:
             while not finished:
-                if worker is not None:  # its worker died: leave it, resubmit elsewhere
+                if worker is not None:  # its worker died (or asked for a retry): leave it, resubmit
                     worker.queues.pop(request_id, None)
                     worker.send(Abort(request_id=request_id))  # in case it was only slow
                     if params.max_tokens - detok.num_tokens < 1:  # cannot happen: the last batch says finished
@@ -157,6 +164,9 @@ class Router:
                     msg = await queue.get()
                     if msg is WORKER_LOST:
                         break
+                    if isinstance(msg, Rejected) and msg.retry and retries < MAX_RETRIES:
+                        retries += 1
+                        break  # resubmitted like a failover (maybe to the same worker)
                     if isinstance(msg, Rejected):
                         finished = True  # nothing to abort: the worker ended it (or never queued it)
                         raise _rejection(msg)

@@ -19,8 +19,9 @@ import zmq
 
 from cluster.config import ClusterConfig
 from cluster.serve import router_for
-from protocol import WORKER_MESSAGES, Message, StatsReply, Tokens, encode
+from protocol import WORKER_MESSAGES, Message, Rejected, StatsReply, Tokens, encode
 from router.app import Router
+from router.core import MAX_RETRIES
 from tests.http_server import free_port, serving
 
 decode = WORKER_MESSAGES.decode
@@ -41,6 +42,7 @@ class FakeDecodeWorker:
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.received: list[dict[str, Any]] = []
         self.stats: dict[str, Any] = {}  # what its stats replies say
+        self.retry_next = 0  # this many next requests get one token, then Rejected(retry=True)
         self.silent = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -67,6 +69,12 @@ class FakeDecodeWorker:
                     continue
                 if msg.kind == "stats":
                     self.sock.send_multipart([sender, encode(StatsReply(seq=msg.seq, stats=self.stats))])
+                elif msg.kind == "generate" and self.retry_next:  # as after a late KV write
+                    self.retry_next -= 1
+                    self.sock.send_multipart([sender, encode(Tokens(request_id=msg.request_id, tokens=[TOKEN],
+                                                                    finished=False, reason="", cached=0))])
+                    self.sock.send_multipart([sender, encode(Rejected(
+                        request_id=msg.request_id, error="blocks overwritten", status=500, retry=True))])
                 elif msg.kind == "generate":
                     active[msg.request_id] = [sender, msg.params.max_tokens]
                 elif msg.kind == "abort":
@@ -222,3 +230,26 @@ def test_chat_without_max_tokens_fits_the_smallest_kv_pool(served) -> None:
     assert status == 200, out
     sent = fake.messages("generate")[-1]
     assert sent.params.max_tokens == 10 * router.block_size - len(sent.prompt) < router.max_model_len
+
+
+# A decode worker that asks for a retry (Rejected.retry: a late KV write overwrote the
+# request's blocks) gets the request back as after a failover; one that keeps asking is bounded.
+@pytest.mark.timeout(60)
+def test_a_retry_resubmits_prompt_and_tokens_so_far(served: tuple) -> None:
+    base, router, fake = served
+    fake.retry_next = 1
+    status, body = request(base, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 5})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+    first, second = fake.messages("generate")
+    assert second.prompt == first.prompt + [TOKEN] and second.params.max_tokens == 4 and second.resumed == 1
+    assert b"pdserve_decode_failovers_total 1.0" in router.metrics.render()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_keeps_asking_fails_the_request(served: tuple) -> None:
+    base, _, fake = served
+    fake.retry_next = MAX_RETRIES + 1
+    status, body = request(base, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 8})
+    assert status == 500 and "blocks overwritten" in body["error"]["message"], body
+    assert len(fake.messages("generate")) == MAX_RETRIES + 1
