@@ -1,0 +1,110 @@
+"""The router's section of the cluster config (`router:`), validated as it loads: where
+it listens and for whom (API keys), how it routes and supervises the workers, and what
+a request may hold (docs/configs.md has a row per field)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.api_keys import is_loopback, resolve_api_keys
+from cluster.config_fields import ConfigError, check, checked_mapping, integer, number
+from router.tool_parsers import TOOL_PARSERS
+
+POLICIES = ("round_robin", "least_loaded", "kv_aware")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "kv_aware"
+    # A request goes to the prefill pool only when this many prompt tokens are not
+    # already cached on its decode worker (conditional disaggregation).
+    remote_prefill_min_tokens: int = 64
+    max_queued_requests: int = 256  # beyond: HTTP 429
+    # A decode worker sends at most this many remote prefills to one prefill worker at
+    # a time; past it (the pool is saturated) it prefills locally instead.
+    prefill_max_outstanding: int = 16
+    # Decode-worker supervision (router/health.py): a `stats` ping every
+    # health_interval_s; a worker silent (no tokens, no ping reply) for worker_timeout_s
+    # is dead: no new requests, and its requests fail over to a live worker. The
+    # timeout must exceed the longest engine step (a long prefill, a first-use kernel
+    # compile), or a busy worker is taken for dead (harmless but wasteful: its requests
+    # move, and it is re-admitted at its next reply).
+    health_interval_s: float = 1.0
+    worker_timeout_s: float = 10.0
+    # A worker (either pool) with work in its engine's queues whose steps compute no
+    # token for this long is stalled: its stats replies say so (the router fails its
+    # requests over), and it exits to be restarted (workers/loop.py). So does one
+    # whose loop does not come round for this long (a step that never returns). Must
+    # exceed the longest engine step, and worker_timeout_s. None or 0: off.
+    stall_timeout_s: float | None = 60.0
+    # How the served model writes a tool call, read back out of its text when a request
+    # with tools lets it choose (tool_choice "auto"): router/tool_parsers.py.
+    tool_call_parser: str = "hermes"
+    # API keys (cluster/api_keys.py: a list, "env:NAME" or "file:PATH"), a tuple once
+    # loaded, never in a repr; router/http_guard.py checks them. Serving a non-loopback
+    # host without keys must be asked for (allow_unauthenticated).
+    api_keys: Any = field(default=None, repr=False)
+    metrics_need_key: bool = True
+    allow_unauthenticated: bool = False
+    # Input bounds (docs/configs.md says why each default): body bytes (413) and arrival
+    # time (408), chat messages, `stop` entries, characters of strings the context length
+    # does not bound (400 each), requests waiting for the tokenizer (429).
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    max_messages: int = 2048
+    max_stop: int = 64
+    max_string_chars: int = 65536
+    max_tokenize_queue: int = 64
+    # Per-key limits (router/limits.py), off when null: requests per second (a bucket of
+    # key_burst, default one second's worth) and tokens in flight (prompt + max_tokens of
+    # the key's running requests). Without api_keys every caller counts as one key.
+    key_requests_per_s: float | None = None
+    key_burst: int | None = None
+    key_tokens_in_flight: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "router") -> "RouterConfig":
+        data = checked_mapping(cls, data, path, {"policy": POLICIES, "tool_call_parser": tuple(TOOL_PARSERS)})
+        try:
+            data = {**data, "api_keys": resolve_api_keys(data.get("api_keys")) or None}
+        except ValueError as exc:
+            raise ConfigError(f"{path}.api_keys: {exc}") from None
+        out = cls(**data)
+        check(isinstance(out.host, str) and out.host != "", f"{path}.host", f"must be a host name, got {out.host!r}")
+        integer(out.port, f"{path}.port", 0, 65535)
+        check(out.policy in POLICIES, f"{path}.policy", f"must be one of {POLICIES}, got {out.policy!r}")
+        check(out.tool_call_parser in TOOL_PARSERS, f"{path}.tool_call_parser",
+              f"must be one of {tuple(TOOL_PARSERS)}, got {out.tool_call_parser!r}")
+        integer(out.remote_prefill_min_tokens, f"{path}.remote_prefill_min_tokens", 1)
+        integer(out.max_queued_requests, f"{path}.max_queued_requests", 1)
+        integer(out.prefill_max_outstanding, f"{path}.prefill_max_outstanding", 1)
+        interval = number(out.health_interval_s, f"{path}.health_interval_s", 0, strict=True)
+        timeout = number(out.worker_timeout_s, f"{path}.worker_timeout_s", 0, strict=True)
+        check(timeout > interval, f"{path}.worker_timeout_s",
+              f"must be > health_interval_s ({interval:g}), or a live worker between pings is taken "
+               f"for dead; got {timeout:g}")
+        stall = out.stall_timeout_s
+        if stall is not None:
+            stall = number(stall, f"{path}.stall_timeout_s", 0)
+            check(stall == 0 or stall > timeout, f"{path}.stall_timeout_s",
+                  f"must be > worker_timeout_s ({timeout:g}), which is sized to exceed the longest engine step "
+                   f"(a worker in a long step would be taken for hung), or 0 (off); got {stall:g}")
+        check(out.api_keys is not None or out.allow_unauthenticated or is_loopback(out.host),
+              f"{path}.allow_unauthenticated", f"must be true to serve {path}.host {out.host!r} (not a loopback "
+               f"address: other machines reach it) without {path}.api_keys; set api_keys (e.g. 'env:PDSERVE_API_KEYS') "
+               "or, to serve anyone who reaches the port, allow_unauthenticated: true")
+        for name in ("max_body_bytes", "max_messages", "max_stop", "max_string_chars", "max_tokenize_queue",
+                     "key_burst", "key_tokens_in_flight"):
+            if getattr(out, name) is not None:  # only the key_* ones may be
+                integer(getattr(out, name), f"{path}.{name}", 1)
+        rate = out.key_requests_per_s
+        rate = None if rate is None else number(rate, f"{path}.key_requests_per_s", 0, strict=True)
+        check(rate is not None or out.key_burst is None, f"{path}.key_burst",
+              "needs key_requests_per_s (the rate its bucket refills at)")
+        return dataclasses.replace(out, health_interval_s=interval, worker_timeout_s=timeout,
+                                   stall_timeout_s=stall or None, key_requests_per_s=rate,
+                                   body_timeout_s=number(out.body_timeout_s, f"{path}.body_timeout_s", 0, strict=True))
