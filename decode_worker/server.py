@@ -179,14 +179,15 @@ class DecodeWorker(WorkerLoop):
 
     def pending(self) -> bool:
         """Work a step can advance (the stall watchdog's question): requests running,
-        or queued. Not requests waiting for pushed KV (their deadline bounds that), nor
+        or queued. Not requests waiting for pushed KV (their deadline bounds that), or
+        for their grammar to compile (engine.grammar_compile_timeout_s bounds that), nor
         a queue that, with nothing running, waits for blocks while KV reservations are
         open: those blocks come back by the reservation's deadline plus the transport's
         cancel grace at the latest."""
         stats = self.core.engine.stats()
         if stats.running:
             return True
-        return bool(stats.waiting) and not self.core.transport.holds_reservations()
+        return stats.waiting > stats.compiling and not self.core.transport.holds_reservations()
 
     def fail_all(self, error: str, fail_over: bool) -> None:
         """The worker gives up. Its prefill workers stop writing into its blocks; its

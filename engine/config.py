@@ -49,6 +49,9 @@ class EngineConfig:
     prepack_cpu_weights: bool = True  # packed linears on CPU fp32: C panel kernel, else oneDNN (model/cpu_linear.py)
     tensor_parallel_size: int = 1  # processes (ranks) the model is sharded over (engine/distributed)
     distributed_timeout_s: float = 60.0  # a tensor-parallel collective longer than this fails the engine
+    # A structured-output grammar not compiled within this long fails its request (400):
+    # compile time grows fast with a schema's size, and a huge one would hold it forever.
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         check_instance_types(self)  # FieldTypeError, naming the field: "512" is no token count
@@ -82,6 +85,8 @@ class EngineConfig:
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         require(self.distributed_timeout_s > 0,
                 f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        require(self.grammar_compile_timeout_s > 0,
+                f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "EngineConfig":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ class EngineStats:
     free_blocks: int
     running: int  # requests scheduled in the last step or about to be
     waiting: int  # queued: waiting for blocks or a slot, or ready to resume
+    compiling: int = 0  # of those, waiting for their grammar (bounded by grammar_compile_timeout_s)
     ranks: tuple[int, ...] = ()  # the process id of each tensor-parallel rank, rank 0 first
 
 
@@ -304,7 +306,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return EngineStats(self.kv.pool.num_blocks, self.kv.num_free_blocks, len(self.scheduler.running),
-                           self.scheduler.num_waiting, (os.getpid(), *(self.tp.pids if self.tp else ())))
+                           self.scheduler.num_waiting, len(self._compiling),
+                           (os.getpid(), *(self.tp.pids if self.tp else ())))
 
     def collect_kv_events(self, max_per_block: int) -> None:
         """Keep prefix-cache events from now on, for take_kv_events(): at most
@@ -395,10 +398,16 @@ class EngineCore:
             if request.status.finished:  # aborted meanwhile
                 del self._compiling[request_id]
                 continue
+            timeout = self.config.grammar_compile_timeout_s
             try:
                 if not request.grammar.ready():
-                    continue
-                error = request.grammar.error()
+                    if time.monotonic() - request.grammar.created <= timeout:
+                        continue
+                    # The compile thread cannot be stopped; it finishes into the cache.
+                    error = ValueError(f"its grammar did not compile within {timeout:g} s "
+                                       "(engine.grammar_compile_timeout_s): the schema is too large or complex")
+                else:
+                    error = request.grammar.error()
             except ValueError as exc:  # its resumed tokens do not follow the grammar
                 error = exc
             del self._compiling[request_id]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from concurrent.futures import Future
 
 import torch
@@ -18,6 +20,7 @@ class GrammarState:
 
     def __init__(self, compiled: Future, resumed: list[int] | None = None) -> None:
         self._compiled = compiled
+        self.created = time.monotonic()  # when its compile was asked for
         self._resumed = list(resumed or ())
         self.matcher: xgr.GrammarMatcher | None = None
 

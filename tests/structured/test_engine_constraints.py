@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -232,6 +233,29 @@ def test_a_request_waits_for_its_grammar_without_holding_up_others(llama_dir: Pa
     for _ in range(10):
         finished |= {r.request_id for r in core.step().finished}
     assert "held" in finished
+
+
+def test_a_grammar_that_compiles_too_long_fails_its_request_at_its_own_fault(llama_dir: Path, monkeypatch) -> None:
+    """A schema whose grammar takes longer than engine.grammar_compile_timeout_s to
+    compile fails its request (a 400 to its client), and it never counts as work a step
+    could advance (a worker waiting for it is not stalled)."""
+    core: EngineCore = LLM(str(llama_dir), grammar_compile_timeout_s=0.3).core
+    core.add_request("warm", [3, 4], SamplingParams(max_tokens=1, structured_outputs=P(regex="a")))
+    while core.has_unfinished():
+        core.step()
+    never: Future = Future()
+    monkeypatch.setattr(core._group.grammars, "compile", lambda params: never)
+    core.add_request("huge", [3, 4], SamplingParams(max_tokens=4, structured_outputs=P(regex="x")))
+    assert core.stats().waiting == core.stats().compiling == 1
+    core.step()  # within the deadline: it waits
+    time.sleep(0.35)
+    with pytest.raises(RequestsFailed) as err:
+        core.step()
+    assert err.value.at_fault and err.value.request_ids == ["huge"] and err.value.param == "structured_outputs"
+    assert "did not compile within 0.3 s (engine.grammar_compile_timeout_s)" in str(err.value)
+    assert core.stats().compiling == 0
+    core.abort(["huge"])
+    assert not core.has_unfinished()
 
 
 def _failing(core: EngineCore, monkeypatch, message: str, param: str) -> Future:
