@@ -26,9 +26,8 @@ from itertools import compress, repeat
 from typing import Any, Protocol
 
 from router.errors import APIError
-from router.request_body import MAX_TOKENS_ALIAS, SAMPLING_FIELDS
+from router.request_body import MAX_DEPTH, MAX_TOKENS_ALIAS, SAMPLING_FIELDS
 
-MAX_DEPTH = 64
 # JSON objects and arrays in one field: far above any request's (a long conversation, a
 # large schema), and it bounds the walk's time on the event loop.
 MAX_CONTAINERS = 100_000

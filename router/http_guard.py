@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse
 
-from router.auth import KeyRing
+from router.auth import REALM, KeyRing, unauthorized
 from router.errors import APIError
 from router.limits import Limits, retry_after
 from router.responses import error_body
@@ -95,6 +95,9 @@ class HTTPGuard:
         headers = dict(scope["headers"])  # names are lower-case bytes (ASGI)
         client = None
         if len(self.keys) and path not in OPEN_PATHS and (path != "/metrics" or self.settings.metrics_need_key):
+            if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
+                # Which one counts would be a guess, and a proxy in front may guess otherwise.
+                raise unauthorized("Send one Authorization header, not several", REALM)
             client = self.keys.identify(headers.get(b"authorization"))
         scope[CLIENT] = client
         if path in GENERATE_PATHS and scope["method"] == "POST":
@@ -158,7 +161,9 @@ def _closing_unless_read(send: ASGIApp, body: _Body) -> ASGIApp:
     it sends, with no size or time bound."""
     async def closing(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start" and not body.done:
-            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            headers = list(message.get("headers", []))
+            if not any(name.lower() == b"connection" for name, _ in headers):  # an error here says it already
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
         await send(message)
 
     return closing

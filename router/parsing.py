@@ -111,7 +111,10 @@ class RequestParser:
             text = self.tokenizer.apply_chat_template(messages, tools=template_tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
             return self.tokenizer.encode(text, add_special_tokens=False)
-        ids = await self._tokenize(tokenize)
+        try:
+            ids = await self._tokenize(tokenize)
+        except RecursionError:  # the template walks what the bounds let through; never a 500
+            raise APIError(400, "messages are nested too deeply for the model's chat template", "messages") from None
         params, source = _constrained(self._sampling_params(body, True, len(ids), "messages"), constraint)
         return ChatRequest(ids, params, stream, include_usage, messages, add_generation_prompt,
                            constraint_source=source, tools=tools)

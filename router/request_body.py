@@ -24,6 +24,10 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "min_tokens", "ignore_eos", "include_stop_str_in_output")
 # Newer OpenAI name of max_tokens (chat); accepted on both endpoints.
 MAX_TOKENS_ALIAS = "max_completion_tokens"
+# JSON nesting a request may hold anywhere (router/bounds.py checks the fields pdserve
+# reads; a history tool call's arguments here): deeper is no request anyone sends, and
+# the code reading it (a schema's checks, the chat template) recurses.
+MAX_DEPTH = 64
 
 
 def _unset(value: Any) -> bool:
@@ -208,6 +212,18 @@ def _list(value: Any, where: str) -> list:
     return value
 
 
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests objects and arrays more than `limit` levels deep."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        items = value.values() if isinstance(value, dict) else value
+        stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
+    return False
+
+
 def _tool_call(where: str, call: Any, tool_names: set[str] | None) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not (isinstance(function, dict) and call.get("type", "function") == "function"
@@ -221,8 +237,12 @@ def _tool_call(where: str, call: Any, tool_names: set[str] | None) -> dict[str, 
                             f"({', '.join(sorted(tool_names))})", "messages")
     try:
         arguments = json.loads(function["arguments"])
+    except RecursionError:
+        arguments = None
     except ValueError as exc:
         raise APIError(400, f"{where}.function.arguments is not valid JSON: {exc}", "messages") from None
+    if arguments is None or _nested_deeper(arguments, MAX_DEPTH):  # the chat template recurses through it
+        raise APIError(400, f"{where}.function.arguments is nested more than {MAX_DEPTH} levels deep", "messages")
     check_text(function["arguments"], "messages", f"{where}.function.arguments")
     call_id = call.get("id")
     if call_id is not None and not isinstance(call_id, str):

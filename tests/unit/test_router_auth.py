@@ -58,6 +58,15 @@ def test_anything_but_a_configured_key_is_a_401(http, headers: dict, message: st
     assert r.headers["www-authenticate"].startswith('Bearer realm="pdserve"') and challenge in r.headers["www-authenticate"]
 
 
+def test_two_authorization_headers_are_a_401_whichever_comes_last(http) -> None:
+    """One proxy in front may read the first header and the server the last: several are
+    refused rather than guessed at."""
+    for pair in ([("authorization", "Bearer sk-wrong"), ("authorization", f"Bearer {KEYS[0]}")],
+                 [("authorization", f"Bearer {KEYS[0]}"), ("authorization", f"Bearer {KEYS[1]}")]):
+        r = http.get("/v1/models", headers=pair)
+        assert r.status_code == 401 and "Send one Authorization header" in r.json()["error"]["message"], r.text
+
+
 def test_each_configured_key_passes(http) -> None:
     for key in KEYS:
         r = http.get("/v1/models", headers=bearer(key))

@@ -80,6 +80,11 @@ def http(llama_dir: Path) -> Iterator[TestClient]:
     ("/v1/chat/completions", {"messages": [USER], "tools": [{"type": "function", "function": {
         "name": "f", "parameters": json.loads('{"a": ' * 300 + "1" + "}" * 300)}}]}, "tools",
      f"is nested more than {MAX_DEPTH} levels deep"),
+    *[("/v1/chat/completions", {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": ' + "[" * n + "]" * n + "}"}}]}],
+        "tools": [{"type": "function", "function": {"name": "f"}}]}, "messages",
+       f"messages[1].tool_calls[0].function.arguments is nested more than {MAX_DEPTH} levels deep")
+      for n in (MAX_DEPTH, 5000)],  # the chat template (at ~500) and json.loads (~3000) recurse too deep
 ])
 def test_what_a_body_holds_is_bounded(http: TestClient, path: str, body: dict, param: str, message: str) -> None:
     r = http.post(path, json=body)
