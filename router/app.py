@@ -25,12 +25,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from router.auth import KeyRing
 from router.core import Chunk, Router
 from router.errors import APIError
-from router.http_guard import HTTPGuard, client_of, error_response
+from router.http_guard import HTTPGuard, client_of
 from router.limits import Limits
 from router.logprobs import LogprobFormatter
 from router import structured
 from router.parsing import ChatRequest, GenerateRequest
-from router.responses import DONE_EVENT, ResponseShaper, error_event
+from router.responses import DONE_EVENT, ResponseShaper, error_event, error_response
 from router.tool_calls import ToolCallStream
 
 __all__ = ["Router", "WORKER_HEADER", "create_app"]

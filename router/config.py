@@ -11,11 +11,29 @@ from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.model.config import ModelConfig, max_model_len
+from router.bounds import BoundSettings
+from router.limits import LimitSettings
 
 
-class RouterSettings(Protocol):
-    """The router's section of the cluster config (cluster.config.RouterConfig, where
-    each field is validated and documented): the fields the router reads."""
+class GuardSettings(Protocol):
+    """The fields router/http_guard.py reads: whether /metrics needs a key, and a
+    request body's bytes and time."""
+
+    @property
+    def metrics_need_key(self) -> bool: ...
+
+    @property
+    def max_body_bytes(self) -> int: ...
+
+    @property
+    def body_timeout_s(self) -> float: ...
+
+
+class RouterSettings(GuardSettings, BoundSettings, LimitSettings, Protocol):
+    """The router's section of the cluster config (cluster/router_config.py, where each
+    field is validated and documented): the fields the router reads, those of its gate
+    (GuardSettings), of what a body may hold (router/bounds.py) and of the per-key
+    limits (router/limits.py) among them."""
 
     @property
     def policy(self) -> str: ...  # router/routing.py
@@ -35,41 +53,9 @@ class RouterSettings(Protocol):
     @property
     def tool_call_parser(self) -> str: ...  # router/tool_parsers.py
 
-    # API keys and the body's bytes and time: router/http_guard.py (GuardSettings).
+    # The API keys (router/auth.py); none: every caller is served.
     @property
     def api_keys(self) -> tuple[str, ...] | None: ...
-
-    @property
-    def metrics_need_key(self) -> bool: ...
-
-    @property
-    def max_body_bytes(self) -> int: ...
-
-    @property
-    def body_timeout_s(self) -> float: ...
-
-    # What a body may hold, and the tokenizer's queue: router/bounds.py (BoundSettings).
-    @property
-    def max_messages(self) -> int: ...
-
-    @property
-    def max_stop(self) -> int: ...
-
-    @property
-    def max_string_chars(self) -> int: ...
-
-    @property
-    def max_tokenize_queue(self) -> int: ...
-
-    # Per-key limits: router/limits.py (LimitSettings).
-    @property
-    def key_requests_per_s(self) -> float | None: ...
-
-    @property
-    def key_burst(self) -> int | None: ...
-
-    @property
-    def key_tokens_in_flight(self) -> int | None: ...
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Protocol
-
-from fastapi.responses import JSONResponse
+from typing import Any
 
 from router.auth import REALM, KeyRing, unauthorized
+from router.config import GuardSettings
 from router.errors import APIError
-from router.limits import Limits, retry_after
-from router.responses import error_body
+from router.limits import Limits
+from router.responses import error_response
 
 OPEN_PATHS = frozenset({"/health"})
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -39,27 +38,6 @@ CLIENT = "pdserve.client"
 CLOSE = {"Connection": "close"}
 
 ASGIApp = Callable[..., Any]
-
-
-class GuardSettings(Protocol):
-    """The fields of cluster.config.RouterConfig read here (documented and validated there)."""
-
-    @property
-    def metrics_need_key(self) -> bool: ...
-
-    @property
-    def max_body_bytes(self) -> int: ...
-
-    @property
-    def body_timeout_s(self) -> float: ...
-
-
-def error_response(exc: APIError) -> JSONResponse:
-    """An APIError as its HTTP response: the OpenAI error body, and Retry-After on 429."""
-    headers = dict(exc.headers or {})
-    if exc.status == 429:
-        headers["Retry-After"] = str(retry_after(exc.retry_after or 1))
-    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
 
 
 def client_of(scope: dict[str, Any]) -> int | None:

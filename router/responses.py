@@ -15,12 +15,23 @@ import time
 import uuid
 from typing import Any
 
+from fastapi.responses import JSONResponse
+
 from router.core import Chunk
 from router.errors import APIError
+from router.limits import retry_after
 from router.logprobs import LogprobFormatter, merge
 from router.tool_calls import ToolCallStream
 
 DONE_EVENT = "data: [DONE]\n\n"
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    """An APIError as its HTTP response: the OpenAI error body, and Retry-After on 429."""
+    headers = dict(exc.headers or {})
+    if exc.status == 429:
+        headers["Retry-After"] = str(retry_after(exc.retry_after or 1))
+    return JSONResponse(error_body(exc), status_code=exc.status, headers=headers)
 
 
 def error_body(exc: APIError) -> dict[str, Any]:
