@@ -11,8 +11,8 @@ Should a one-sided write land after all in blocks already released (Overwritten:
 data plane slower than the transport's bounds), their contents are unknown: step()
 tells the engine (EngineCore.invalidate_blocks: they leave the prefix cache), aborts
 every request holding one (reported among the step's finished requests, status abort),
-and lists those in `corrupted`, which the caller drains to tell each request's client
-it failed.
+and lists those in `corrupted`, which the caller drains to have the router retry each
+(decode_worker/server.py).
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ class DecodeWorkerCore:
         # partial block carries whatever P's block held past the prompt, over the slots
         # of the tokens generated here since.
         holders = self.engine.invalidate_blocks(list(event.blocks))
-        logger.error("a late KV write for %s overwrote blocks %s after their release; failing the requests "
-                     "holding them: %s", event.req, list(event.blocks)[:16], holders)
+        logger.error("a late KV write for %s overwrote blocks %s after their release; ending the requests "
+                     "holding them, for the router to retry: %s", event.req, list(event.blocks)[:16], holders)
         ended = []
         for request_id in holders:
             if request_id not in self.corrupted:
