@@ -45,7 +45,7 @@ _TEXT_PATHS = {("content",), ("content", "*", "text"), ("tool_calls", "*", "func
 
 
 class BoundSettings(Protocol):
-    """The fields of cluster.config.RouterConfig read here (documented and validated there)."""
+    """The fields of cluster.router_config.RouterConfig read here (documented and validated there)."""
 
     @property
     def max_messages(self) -> int: ...

@@ -26,7 +26,7 @@ MAX_RETRY_AFTER_S = 60  # OpenAI's clients wait at most this long on a Retry-Aft
 
 
 class LimitSettings(Protocol):
-    """The fields of cluster.config.RouterConfig read here (documented and validated there)."""
+    """The fields of cluster.router_config.RouterConfig read here (documented and validated there)."""
 
     @property
     def key_requests_per_s(self) -> float | None: ...
