@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 import torch
 
+from kv_transfer import KVTransport, TransportConfig, create_transport
 from kv_transfer.control import TAG
 from security import DeploymentSecret
 
@@ -46,6 +47,23 @@ def packed(meta: dict, transport: str) -> bytes:
     if secret is not None:
         meta[TAG] = secret.tag(msgpack.packb(meta, use_bin_type=True))
     return msgpack.packb(meta, use_bin_type=True)
+
+
+def cpu_agent(transport: str, name: str, secret: DeploymentSecret | None = None) -> KVTransport:
+    """A transport in this process, its (zeroed) CPU cache of SHAPE registered."""
+    t = create_transport(transport, name, TransportConfig(timeout_s=5.0, cancel_grace_s=5.0, secret=secret))
+    t.register_kv_cache(t.allocate_kv_cache(cache_shape(), torch.float32, "cpu"), "test-model")
+    return t
+
+
+def poll_both(sender: KVTransport, receiver: KVTransport, seconds: float) -> tuple[list, list]:
+    """Each agent's events while both poll for `seconds`."""
+    sent, received, end = [], [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        sent += sender.poll()
+        received += receiver.poll()
+        time.sleep(0.002)
+    return sent, received
 
 
 def cache_shape(num_blocks: int = SHAPE["num_blocks"], block_size: int = SHAPE["block_size"]) -> tuple[int, ...]:

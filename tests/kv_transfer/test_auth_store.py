@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch.distributed import DistStoreError, PrefixStore, ProcessGroupGloo, TCPStore
 
-from kv_transfer import IncompatiblePeerError, KVTransport, TransportConfig, create_transport
+from kv_transfer import IncompatiblePeerError
 from kv_transfer.auth_store import AuthStore, StoreServer
 from security import DeploymentSecret
-from tests.kv_transfer.agent import cache_shape
+from tests.kv_transfer.agent import cpu_agent
 
 SECRET = DeploymentSecret.new()
 
@@ -162,17 +162,11 @@ def test_strangers_can_neither_read_nor_write(server: StoreServer, stores: list[
     assert server.refused >= 1
 
 
-def nccl_agent(name: str, secret: DeploymentSecret | None) -> KVTransport:
-    t = create_transport("nccl", name, TransportConfig(timeout_s=5.0, cancel_grace_s=5.0, secret=secret))
-    t.register_kv_cache(t.allocate_kv_cache(cache_shape(), torch.float32, "cpu"), "test-model")
-    return t
-
-
 @pytest.mark.parametrize("receiver_secret,sender_secret", [(SECRET, None), (None, SECRET)])
 def test_an_nccl_peer_with_a_secret_on_one_side_only_is_refused(receiver_secret, sender_secret) -> None:
     """Refused at the handshake (control.py's tag), before the store's own check of its
     kind (the data plane's, should a blob ever pass the handshake)."""
-    receiver, sender = nccl_agent("decode", receiver_secret), nccl_agent("prefill", sender_secret)
+    receiver, sender = cpu_agent("nccl", "decode", receiver_secret), cpu_agent("nccl", "prefill", sender_secret)
     try:
         with pytest.raises(IncompatiblePeerError, match="deployment('s)? secret"):
             sender.add_peer(receiver.metadata())
@@ -183,7 +177,7 @@ def test_an_nccl_peer_with_a_secret_on_one_side_only_is_refused(receiver_secret,
 
 
 def test_an_nccl_peer_announcing_a_bad_store_address_is_refused() -> None:
-    receiver, sender = nccl_agent("decode", None), nccl_agent("prefill", None)
+    receiver, sender = cpu_agent("nccl", "decode", None), cpu_agent("nccl", "prefill", None)
     try:
         meta = msgpack.unpackb(receiver.metadata(), raw=False)
         meta["data"]["store_port"] = "80"
@@ -197,7 +191,7 @@ def test_an_nccl_peer_announcing_a_bad_store_address_is_refused() -> None:
 
 def test_an_nccl_agent_counts_the_strangers_its_store_refused() -> None:
     """A worker's stats (refused_peers) count its rendezvous store's refusals too."""
-    receiver = nccl_agent("decode", SECRET)
+    receiver = cpu_agent("nccl", "decode", SECRET)
     try:
         before = receiver.refused_peers()
         meta = msgpack.unpackb(receiver.metadata(), raw=False)["data"]

@@ -7,18 +7,11 @@ import time
 
 import msgpack
 import pytest
-import torch
 import zmq
 
-from kv_transfer import IncompatiblePeerError, KVTransport, TransportConfig, create_transport
+from kv_transfer import IncompatiblePeerError
 from kv_transfer.messages import CONTROL, MessageError, decode, encode
-from tests.kv_transfer.agent import cache_shape
-
-
-def agent(name: str) -> KVTransport:
-    t = create_transport("shm", name, TransportConfig(timeout_s=5.0, cancel_grace_s=5.0))
-    t.register_kv_cache(t.allocate_kv_cache(cache_shape(), torch.float32, "cpu"), "test-model")
-    return t
+from tests.kv_transfer.agent import cpu_agent
 
 
 @pytest.mark.parametrize("blocks,runs", [([[2], 3], [[2, 2]]), ([2, "3"], [[2, 2]]), ([2, True], [[2, 2]]),
@@ -33,7 +26,7 @@ def test_a_written_message_with_malformed_block_ids_is_refused(blocks, runs) -> 
 
 @pytest.mark.timeout(30)
 def test_the_receiver_drops_a_malformed_write_and_keeps_polling() -> None:
-    receiver = agent("decode")
+    receiver = cpu_agent("shm", "decode")
     sock = receiver.control.ctx.socket(zmq.DEALER)
     try:
         receiver.expect("a", 1, [2, 3], deadline=time.time() + 60)
@@ -51,7 +44,7 @@ def test_the_receiver_drops_a_malformed_write_and_keeps_polling() -> None:
 
 @pytest.mark.parametrize("field", ["name", "control", "compat", "num_blocks", "data"])
 def test_handshake_metadata_without_a_field_is_refused_naming_it(field: str) -> None:
-    receiver, sender = agent("decode"), agent("prefill")
+    receiver, sender = cpu_agent("shm", "decode"), cpu_agent("shm", "prefill")
     try:
         meta = msgpack.unpackb(receiver.metadata(), raw=False)
         del meta[field]
@@ -63,7 +56,7 @@ def test_handshake_metadata_without_a_field_is_refused_naming_it(field: str) -> 
 
 
 def test_closing_after_the_segment_was_removed_closes_everything() -> None:
-    t = agent("decode")
+    t = cpu_agent("shm", "decode")
     from kv_transfer.shm_segments import unlink_segment
 
     unlink_segment(t.metadata())  # as the launcher does once a worker is gone
@@ -76,7 +69,7 @@ def test_a_cancelled_request_is_forgotten_once_its_deadline_passes() -> None:
     """The sender refuses writes of a cancelled (request, epoch) until the reservation's
     deadline (after which it refuses them anyway), then drops the entry: no state kept
     per aborted request forever."""
-    receiver, sender = agent("decode"), agent("prefill")
+    receiver, sender = cpu_agent("shm", "decode"), cpu_agent("shm", "prefill")
     try:
         sender.add_peer(receiver.metadata())
         end = time.monotonic() + 0.3  # the sender's control connection comes up
@@ -102,7 +95,7 @@ def test_a_cancelled_request_is_forgotten_once_its_deadline_passes() -> None:
 
 
 def test_a_peer_speaking_another_control_version_is_refused_naming_it() -> None:
-    receiver, sender = agent("decode"), agent("prefill")
+    receiver, sender = cpu_agent("shm", "decode"), cpu_agent("shm", "prefill")
     try:
         meta = msgpack.unpackb(receiver.metadata(), raw=False)
         meta["control_version"] = CONTROL.version - 1

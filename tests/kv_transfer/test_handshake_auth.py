@@ -12,35 +12,20 @@ import pytest
 import torch
 import zmq
 
-from kv_transfer import IncompatiblePeerError, KVTransport, TransportConfig, create_transport
+from kv_transfer import IncompatiblePeerError
 from kv_transfer.events import Completed, WriteDone
 from kv_transfer.messages import encode
 from security import DeploymentSecret, connect_securely
-from tests.kv_transfer.agent import cache_shape, fill
+from tests.kv_transfer.agent import cpu_agent, fill, poll_both
 
 PAYLOAD_SEED = 5
-
-
-def agent(transport: str, name: str, secret: DeploymentSecret | None) -> KVTransport:
-    t = create_transport(transport, name, TransportConfig(timeout_s=5.0, cancel_grace_s=5.0, secret=secret))
-    t.register_kv_cache(t.allocate_kv_cache(cache_shape(), torch.float32, "cpu"), "test-model")
-    return t
-
-
-def poll_both(a: KVTransport, b: KVTransport, seconds: float) -> tuple[list, list]:
-    got_a, got_b, end = [], [], time.monotonic() + seconds
-    while time.monotonic() < end:
-        got_a += a.poll()
-        got_b += b.poll()
-        time.sleep(0.002)
-    return got_a, got_b
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_agents_sharing_a_secret_transfer_intact(transport: str) -> None:
     secret = DeploymentSecret.new()
-    decode, prefill = agent(transport, "decode", secret), agent(transport, "prefill", secret)
+    decode, prefill = cpu_agent(transport, "decode", secret), cpu_agent(transport, "prefill", secret)
     try:
         fill(prefill.kv_cache, PAYLOAD_SEED)
         assert prefill.add_peer(decode.metadata()) == "decode"
@@ -73,8 +58,8 @@ def _retagged(blob: bytes, **changes) -> bytes:
 @pytest.mark.timeout(60)
 def test_a_forged_handshake_is_refused_naming_why() -> None:
     secret = DeploymentSecret.new()
-    decode, prefill = agent("shm", "decode", secret), agent("shm", "prefill", secret)
-    stranger, plain = agent("shm", "decode", DeploymentSecret.new()), agent("shm", "decode", None)
+    decode, prefill = cpu_agent("shm", "decode", secret), cpu_agent("shm", "prefill", secret)
+    stranger, plain = cpu_agent("shm", "decode", DeploymentSecret.new()), cpu_agent("shm", "decode", None)
     try:
         genuine = decode.metadata()
         forged = {
@@ -102,7 +87,7 @@ def test_a_strangers_written_message_never_arrives() -> None:
     as KV landed (shm is one-sided) from anyone who reached its socket: from a plain
     socket or another deployment's it never arrives; each is refused and counted."""
     secret = DeploymentSecret.new()
-    decode = agent("shm", "decode", secret)
+    decode = cpu_agent("shm", "decode", secret)
     ctx = zmq.Context()
     try:
         decode.expect("a", 1, [2, 3], deadline=time.time() + 60)

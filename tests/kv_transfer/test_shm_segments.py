@@ -16,15 +16,9 @@ import pytest
 import torch
 
 from engine.distributed import shared_cache
-from kv_transfer import IncompatiblePeerError, KVTransport, TransportConfig, create_transport
+from kv_transfer import IncompatiblePeerError, KVTransport, create_transport
 from kv_transfer.shm_segments import SHM_DIR, segment_name_problem, unlink_segment
-from tests.kv_transfer.agent import cache_shape
-
-
-def agent(name: str) -> KVTransport:
-    t = create_transport("shm", name, TransportConfig(timeout_s=5.0, cancel_grace_s=5.0))
-    t.register_kv_cache(t.allocate_kv_cache(cache_shape(), torch.float32, "cpu"), "test-model")
-    return t
+from tests.kv_transfer.agent import cpu_agent
 
 
 def mode(path: str) -> int:
@@ -35,7 +29,7 @@ def mode(path: str) -> int:
 def test_segments_are_created_0600_whatever_the_umask(umask: int) -> None:
     old = os.umask(umask)
     try:
-        t = agent("decode")
+        t = cpu_agent("shm", "decode")
         paths, _ = shared_cache.create_rank_caches((4, 8), torch.float32, 2)
     finally:
         os.umask(old)
@@ -50,7 +44,7 @@ def test_segments_are_created_0600_whatever_the_umask(umask: int) -> None:
 @pytest.fixture
 def pair() -> Iterator[tuple[KVTransport, KVTransport, list[str]]]:
     """(receiver, sender, files to remove after the test)."""
-    receiver, sender, made = agent("decode"), agent("prefill"), []
+    receiver, sender, made = cpu_agent("shm", "decode"), cpu_agent("shm", "prefill"), []
     yield receiver, sender, made
     sender.close()
     receiver.close()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kv_transfer import KVTransport, Released, TransportConfig, WriteFailed, create_transport
-from tests.kv_transfer.agent import cache_shape
+from tests.kv_transfer.agent import cache_shape, poll_both
 
 SENTINEL, PAYLOAD = -7.0, 1.0
 
@@ -37,15 +37,6 @@ def gated_copies(sender: KVTransport, gate: threading.Event, pool: ThreadPoolExe
 
     sender._start = start
     return started
-
-
-def poll_both(sender: KVTransport, receiver: KVTransport, seconds: float) -> tuple[list, list]:
-    sent, received, end = [], [], time.monotonic() + seconds
-    while time.monotonic() < end:
-        sent += sender.poll()
-        received += receiver.poll()
-        time.sleep(0.002)
-    return sent, received
 
 
 @pytest.mark.timeout(60)
