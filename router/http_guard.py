@@ -56,8 +56,9 @@ class HTTPGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        headers = dict(scope["headers"])  # names are lower-case bytes (ASGI)
         try:
-            self._admit(scope)
+            self._admit(scope, headers)
         except APIError as exc:
             # The body is left unread: close, or a client trickling it would hold the
             # connection while the server drains it.
@@ -65,12 +66,11 @@ class HTTPGuard:
             self.rejected(exc.status)
             await error_response(exc)(scope, receive, send)
             return
-        body = _Body(scope)
+        body = _Body(headers)
         await self.app(scope, self._bounded(receive, body), _closing_unless_read(send, body))
 
-    def _admit(self, scope: dict[str, Any]) -> None:
+    def _admit(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> None:
         path = scope["path"]
-        headers = dict(scope["headers"])  # names are lower-case bytes (ASGI)
         client = None
         if len(self.keys) and path not in OPEN_PATHS and (path != "/metrics" or self.settings.metrics_need_key):
             if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
@@ -127,8 +127,7 @@ def _too_large(what: str, limit: int) -> APIError:
 class _Body:
     """Whether a request's body has been read whole (a request without one has)."""
 
-    def __init__(self, scope: dict[str, Any]) -> None:
-        headers = dict(scope["headers"])
+    def __init__(self, headers: dict[bytes, bytes]) -> None:
         self.done = headers.get(b"content-length", b"0") == b"0" and b"transfer-encoding" not in headers
 
 
