@@ -28,6 +28,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kv_transfer import Completed, Expired, KVTransport, Overwritten, Released
 from protocol import RemotePrefill
+from workers.step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class DecodeWorkerCore:
         # request id is never taken for the new one's.
         self._epochs = itertools.count(1)
         self.stats = dict(remote=0, local=0, fallbacks=0)
+        self.steps = StepMetrics()  # its engine steps' time and batch (stats replies)
         # Requests aborted because a late KV write overwrote blocks they hold (their KV is
         # corrupt): the caller takes them from here (and clears it) and fails each one
         # with an error to its client. Already aborted here: nothing more of them runs.
@@ -152,7 +154,7 @@ class DecodeWorkerCore:
                 else:
                     self.stats["fallbacks"] += 1
                     self.engine.remote_kv_failed(event.req)
-        out = self.engine.step() if self.engine.has_unfinished() else StepOutput()
+        out = self.steps.step(self.engine) if self.engine.has_unfinished() else StepOutput()
         out.finished += ended
         return out
 

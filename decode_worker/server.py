@@ -275,7 +275,8 @@ class DecodeWorker(WorkerLoop):
         engine = self.core.engine.stats()
         return {"name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
                 "running": engine.running, "waiting": engine.waiting, "ranks": list(engine.ranks),
-                "waiting_for_kv": len(self.core.waiting_for_kv), **self.core.stats, **self.transfer,
+                "waiting_for_kv": len(self.core.waiting_for_kv), "preemptions": engine.preemptions,
+                **self.core.stats, **self.transfer, **self.core.steps.stats(),
                 "late_writes_dropped": self.core.transport.stats["late_writes_dropped"],
                 "refused_peers": self.refused_peers(self.core.transport), **self.health()}
 

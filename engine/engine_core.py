@@ -45,6 +45,7 @@ class StepOutput:
     advanced: list[Request] = field(default_factory=list)  # got a new token this step
     finished: list[Request] = field(default_factory=list)  # finished this step (blocks freed, or once no queued step writes them)
     num_tokens: int = 0  # tokens computed this step
+    num_requests: int = 0  # requests scheduled in this step (its batch)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class EngineStats:
     waiting: int  # queued: waiting for blocks or a slot, or ready to resume
     compiling: int = 0  # of those, waiting for their grammar (bounded by grammar_compile_timeout_s)
     ranks: tuple[int, ...] = ()  # the process id of each tensor-parallel rank, rank 0 first
+    preemptions: int = 0  # running requests preempted so far (their blocks freed; they recompute)
 
 
 class EngineCore:
@@ -307,7 +309,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(self.kv.pool.num_blocks, self.kv.num_free_blocks, len(self.scheduler.running),
                            self.scheduler.num_waiting, len(self._compiling),
-                           (os.getpid(), *(self.tp.pids if self.tp else ())))
+                           (os.getpid(), *(self.tp.pids if self.tp else ())), self.scheduler.num_preemptions)
 
     def collect_kv_events(self, max_per_block: int) -> None:
         """Keep prefix-cache events from now on, for take_kv_events(): at most
@@ -448,7 +450,7 @@ class EngineCore:
                 if logprobs is not None and not request.status.finished:
                     request.output_logprobs.append(logprobs)
         advanced, finished = self.scheduler.update(out, sampled.token_ids)
-        return StepOutput(advanced, finished, out.num_tokens)
+        return StepOutput(advanced, finished, out.num_tokens, len(out.scheduled))
 
 
 class _GroupResources:

@@ -19,6 +19,7 @@ from engine.kv_cache.manager import cdiv
 from engine.request import RequestStatus
 from kv_transfer import KVTransport, WriteDone, WriteFailed
 from protocol import PrefillDone, RemotePrefill
+from workers.step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class PrefillWorkerCore:
         # abort their request meanwhile, and must not hand them to another one.
         self._held: dict[int, list[KVBlock]] = {}
         self.stats = dict(prefills=0, blocks_written=0, failed=0, tokens_computed=0)
+        self.steps = StepMetrics()  # its engine steps' time and batch (stats replies)
 
     def submit(self, rp: RemotePrefill) -> None:
         end = cdiv(len(rp.prompt_token_ids) - 1, self.block_size)
@@ -90,7 +92,7 @@ class PrefillWorkerCore:
     def step(self) -> list[PrefillDone]:
         """One engine step plus transfer progress. Returns every job that ended: its KV
         written (error None), or failed."""
-        out = self.engine.step() if self.engine.has_unfinished() else StepOutput()
+        out = self.steps.step(self.engine) if self.engine.has_unfinished() else StepOutput()
         self.stats["tokens_computed"] += out.num_tokens
         prefilled = {r.request_id for r in out.finished if r.status == RequestStatus.PREFILLED}
         now = time.monotonic()

@@ -85,7 +85,8 @@ class PrefillWorker(WorkerLoop):
             engine = self.core.engine.stats()
             self.send(sock, sender, encode(StatsReply(seq=msg.seq, stats={
                 "name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
-                "ranks": list(engine.ranks), "jobs": len(self.core.jobs), **self.core.stats,
+                "running": engine.running, "waiting": engine.waiting, "preemptions": engine.preemptions,
+                "ranks": list(engine.ranks), "jobs": len(self.core.jobs), **self.core.stats, **self.core.steps.stats(),
                 "refused_peers": self.refused_peers(self.core.transport), **self.health()})))
 
     def check_engine(self) -> None:

@@ -1,0 +1,96 @@
+"""Histograms of a worker's engine steps (time, requests, tokens), kept cumulatively
+with fixed buckets and sent in its stats replies for the router's /metrics.
+
+Bookkeeping is O(1) per step (one perf_counter pair and a bisect over a dozen
+bounds per histogram), never per token. A histogram goes on the wire as a plain dict
+(msgpack-able; router/worker_metrics.py reads it):
+
+    {"bounds": [b0, b1, ...],   upper bounds, increasing (Prometheus' `le`)
+     "counts": [c0, c1, ..., cN],   observations per bucket, not cumulative: c_i in
+                                    (b_{i-1}, b_i]; the last, cN, above every bound (+Inf)
+     "sum": float, "count": int}
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # `pdserve status` reads histograms with this module: no torch for it
+    from engine.engine_core import EngineCore, StepOutput
+
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+STEP_REQUESTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STEP_TOKENS_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+
+
+class FixedHistogram:
+    """Cumulative counts over fixed upper bounds, Prometheus' way (a value equal to a
+    bound falls in that bound's bucket)."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        if not bounds or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"histogram bounds must be non-empty and increasing, got {bounds}")
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The wire form (module docstring); copies, so a later observe() changes nothing."""
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum, "count": self.count}
+
+
+class StepMetrics:
+    """One worker's step histograms. Its core calls step() in place of engine.step()."""
+
+    def __init__(self) -> None:
+        self.seconds = FixedHistogram(STEP_SECONDS_BUCKETS)
+        self.requests = FixedHistogram(STEP_REQUESTS_BUCKETS)
+        self.tokens = FixedHistogram(STEP_TOKENS_BUCKETS)
+
+    def step(self, engine: EngineCore) -> StepOutput:
+        """engine.step(), timed. Only steps that computed tokens count: an idle call, or
+        one that only waited for a grammar, says nothing about the batch's cost. (With
+        async scheduling a call returns the previous step's output: its time is then
+        the loop's period per step, which is what throughput sees.)"""
+        start = time.perf_counter()
+        out = engine.step()
+        if out.num_tokens:
+            self.observe(time.perf_counter() - start, out.num_requests, out.num_tokens)
+        return out
+
+    def observe(self, seconds: float, requests: int, tokens: int) -> None:
+        self.seconds.observe(seconds)
+        self.requests.observe(requests)
+        self.tokens.observe(tokens)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """For a stats reply: stats key -> histogram (wire form)."""
+        return {"step_seconds": self.seconds.snapshot(), "step_requests": self.requests.snapshot(),
+                "step_tokens": self.tokens.snapshot()}
+
+
+def histogram_quantile(hist: dict[str, Any], q: float) -> float | None:
+    """The q-quantile (0 <= q <= 1) of a wire-form histogram, interpolated linearly
+    within its bucket as Prometheus' histogram_quantile does (the first bucket from 0;
+    past the last bound: that bound). None when it holds no observation."""
+    counts, bounds = hist["counts"], hist["bounds"]
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank, seen = q * total, 0
+    for i, n in enumerate(counts):
+        if n and seen + n >= rank:
+            if i == len(bounds):
+                return float(bounds[-1])
+            low = bounds[i - 1] if i else 0.0
+            return low + (bounds[i] - low) * (rank - seen) / n
+        seen += n
+    return float(bounds[-1])
