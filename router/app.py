@@ -96,11 +96,13 @@ async def status(request: Request) -> dict[str, Any]:
 
 
 async def metrics(request: Request) -> Response:
+    """The router's own metrics, and every live worker's figures of both pools, asked
+    now (a dead one would only time out), labelled by worker and role."""
     router = _router(request)
-    live = [w for w in router.workers if w.alive]  # a dead one would only time out
-    for worker, stats in zip(live, await asyncio.gather(*(w.stats() for w in live))):
+    live = [(w, "decode") for w in router.workers if w.alive] + [(w, "prefill") for w in router.prefill if w.alive]
+    for (worker, role), stats in zip(live, await asyncio.gather(*(w.stats() for w, _ in live))):
         if stats is not None:
-            router.metrics.set_worker(worker.name, stats)
+            router.metrics.set_worker(worker.name, role, stats)
     router.publish_live()
     return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

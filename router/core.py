@@ -149,7 +149,7 @@ class Router:
         request_id = ""
         finished = False
         retries = 0
-        start = last = time.monotonic()
+        start = last = first = time.monotonic()
         try:
             while not finished:
                 if worker is not None:  # its worker died (or asked for a retry): leave it, resubmit
@@ -173,6 +173,7 @@ class Router:
                     now, new = time.monotonic(), len(msg.tokens)
                     if new and detok.num_tokens == 0:
                         m.ttft.observe(now - start)
+                        first = now
                     elif new:  # a batch of tokens from one step: each waited its share
                         for _ in range(new):
                             m.itl.observe((now - last) / new)
@@ -184,7 +185,9 @@ class Router:
                     reason = "stop" if stopped else (msg.reason if msg.finished else None)
                     if finished:
                         delta += detok.flush()
-                        m.e2e.observe(time.monotonic() - start)
+                        e2e = time.monotonic() - start
+                        m.e2e.observe(e2e)
+                        m.observe_tpot(e2e, first - start, detok.num_tokens)
                         m.finished.labels(reason=reason).inc()
                         m.observe_phases(msg.phases)
                         m.prefix_cached_tokens.inc(msg.cached)

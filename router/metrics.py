@@ -14,10 +14,16 @@ worker measured them:
               the notification
     decode    first token -> last token
 
-Worker gauges (KV blocks, queue depths, remote prefills, local fallbacks, saturation,
-KV bytes and transfer seconds and failures, late KV writes dropped) are asked of every
-decode worker on each scrape; the prefix-cache hit rate is
-pdserve_prefix_cache_hit_tokens / pdserve_prompt_tokens.
+Time per output token (TPOT) follows vLLM too: (end-to-end - time to first token) /
+(output tokens - 1), for requests with at least two output tokens.
+
+Worker gauges (KV blocks, queue depths, preemptions; a decode worker's remote
+prefills, local fallbacks, saturation, KV bytes and transfer seconds and failures,
+late KV writes dropped; a prefill worker's jobs, tokens computed, blocks written,
+prefills done and failed) and step histograms (router/worker_metrics.py) are asked of
+every live worker of both pools on each scrape, labelled by worker and role (decode,
+prefill); the prefix-cache hit rate is pdserve_prefix_cache_hit_tokens /
+pdserve_prompt_tokens.
 
 Supervision (router/health.py): decode workers the router considers alive, in total
 and per worker, and requests failed over from a dead decode worker to a live one.
@@ -27,21 +33,33 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.worker_metrics import WorkerHistograms
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-WORKER_GAUGES = {  # stats key -> help
-    "num_blocks": "KV blocks in the worker's pool",
-    "free_blocks": "KV blocks free (or only cached) in the worker's pool",
-    "running": "requests running on the worker",
-    "waiting": "requests waiting on the worker",
-    "waiting_for_kv": "requests waiting for pushed prompt KV",
-    "remote": "requests prefilled on a prefill worker (total)",
-    "local": "requests prefilled on the decode worker (total)",
-    "fallbacks": "remote prefills that fell back to local prefill (total)",
-    "late_writes_dropped": "KV writes refused as late or unreserved (total)",
-    "saturated": "remote prefills kept local because every prefill worker was at its limit (total)",
-    "kv_bytes_received": "prompt KV bytes prefill workers wrote into this worker (total)",
-    "kv_transfer_seconds": "prefill workers' time from KV computed to last write acknowledged (total)",
-    "kv_transfer_failures": "remote prefills that failed (total)",
+WORKER_GAUGES = {  # stats key -> (metric, help); a worker reports those of its role
+    "num_blocks": ("pdserve_worker_num_blocks", "KV blocks in the worker's pool"),
+    "free_blocks": ("pdserve_worker_free_blocks", "KV blocks free (or only cached) in the worker's pool"),
+    "running": ("pdserve_worker_running", "requests running on the worker"),
+    "waiting": ("pdserve_worker_waiting", "requests waiting on the worker"),
+    "preemptions": ("pdserve_worker_preemptions", "running requests preempted to free KV blocks (total)"),
+    "waiting_for_kv": ("pdserve_worker_waiting_for_kv", "requests waiting for pushed prompt KV"),
+    "remote": ("pdserve_worker_remote", "requests prefilled on a prefill worker (total)"),
+    "local": ("pdserve_worker_local", "requests prefilled on the decode worker (total)"),
+    "fallbacks": ("pdserve_worker_fallbacks", "remote prefills that fell back to local prefill (total)"),
+    "late_writes_dropped": ("pdserve_worker_late_writes_dropped", "KV writes refused as late or unreserved (total)"),
+    "saturated": ("pdserve_worker_saturated",
+                  "remote prefills kept local because every prefill worker was at its limit (total)"),
+    "kv_bytes_received": ("pdserve_worker_kv_bytes_received",
+                          "prompt KV bytes prefill workers wrote into this worker (total)"),
+    "kv_transfer_seconds": ("pdserve_worker_kv_transfer_seconds",
+                            "prefill workers' time from KV computed to last write acknowledged (total)"),
+    "kv_transfer_failures": ("pdserve_worker_kv_transfer_failures", "remote prefills that failed (total)"),
+    "jobs": ("pdserve_worker_prefill_jobs", "remote prefills in flight on the prefill worker"),
+    "tokens_computed": ("pdserve_worker_prefill_tokens_computed", "prompt tokens the prefill worker computed (total)"),
+    "blocks_written": ("pdserve_worker_prefill_blocks_written",
+                       "KV blocks the prefill worker wrote to decode workers (total)"),
+    "prefills": ("pdserve_worker_prefills_done", "remote prefills whose KV was all written (total)"),
+    "failed": ("pdserve_worker_prefills_failed", "remote prefills that failed on the prefill worker (total)"),
 }
 PHASES = ("queue", "prefill", "transfer", "decode")
 
@@ -54,6 +72,9 @@ class RouterMetrics:
                               registry=r, buckets=LATENCY_BUCKETS)
         self.itl = Histogram("pdserve_inter_token_latency_seconds", "time between tokens",
                              registry=r, buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds",
+                              "(end-to-end - time to first token) / (output tokens - 1)",
+                              registry=r, buckets=LATENCY_BUCKETS)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "request received to last token",
                              registry=r, buckets=LATENCY_BUCKETS)
         self.requests = Counter("pdserve_requests", "requests routed, by prefill placement",
@@ -80,9 +101,11 @@ class RouterMetrics:
         self.prefill_live = Gauge("pdserve_prefill_workers_live", "prefill workers answering the router's pings",
                                   registry=r)
         self.worker_live = Gauge("pdserve_worker_live", "1 if the router considers the worker (decode or "
-                                 "prefill) alive", ["worker"], registry=r)
-        self.worker = {key: Gauge(f"pdserve_worker_{key}", help_, ["worker"], registry=r)
-                       for key, help_ in WORKER_GAUGES.items()}
+                                 "prefill) alive", ["worker", "role"], registry=r)
+        self.worker = {key: Gauge(name, help_, ["worker", "role"], registry=r)
+                       for key, (name, help_) in WORKER_GAUGES.items()}
+        self.steps = WorkerHistograms()
+        r.register(self.steps)
 
     def observe_phases(self, phases: dict[str, float]) -> None:
         """One finished request's phase times. Only a request whose prompt KV came from a
@@ -93,15 +116,23 @@ class RouterMetrics:
             if name in phases:
                 self.phase.labels(phase=name, prefill="remote" if remote else "local").observe(phases[name])
 
-    def set_worker(self, name: str, stats: dict) -> None:
+    def observe_tpot(self, e2e: float, ttft: float, num_tokens: int) -> None:
+        """A finished request's time per output token; none for a single token."""
+        if num_tokens > 1:
+            self.tpot.observe((e2e - ttft) / (num_tokens - 1))
+
+    def set_worker(self, name: str, role: str, stats: dict) -> None:
+        """One worker's stats reply (role: "decode" or "prefill")."""
         for key, gauge in self.worker.items():
             if key in stats:
-                gauge.labels(worker=name).set(stats[key])
+                gauge.labels(worker=name, role=role).set(stats[key])
+        self.steps.update(name, role, stats)
 
     def set_live(self, decode: dict[str, bool], prefill: dict[str, bool]) -> None:
         """Each worker's health as the router sees it (router/health.py)."""
-        for name, ok in {**decode, **prefill}.items():
-            self.worker_live.labels(worker=name).set(int(ok))
+        for role, workers in (("decode", decode), ("prefill", prefill)):
+            for name, ok in workers.items():
+                self.worker_live.labels(worker=name, role=role).set(int(ok))
         self.live_workers.set(sum(decode.values()))
         self.prefill_live.set(sum(prefill.values()))
 
