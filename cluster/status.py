@@ -5,14 +5,49 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
-# (column, stats key) per pool; "kv_used" is computed: blocks not free / all blocks.
-DECODE_COLUMNS = (("running", "running"), ("waiting", "waiting"), ("waiting_kv", "waiting_for_kv"),
-                  ("kv_used", None), ("remote", "remote"), ("local", "local"), ("fallbacks", "fallbacks"))
-PREFILL_COLUMNS = (("jobs", "jobs"), ("kv_used", None), ("prefills", "prefills"),
-                   ("blocks_sent", "blocks_written"), ("failed", "failed"))
+from workers.step_metrics import histogram_quantile
 
+Cell = Callable[[dict[str, Any]], str]  # a worker's stats -> what its column shows ("?": not reported)
+
+
+def _figure(key: str) -> Cell:
+    return lambda s: str(s.get(key, "?"))
+
+
+def _kv_used(s: dict[str, Any]) -> str:
+    """Blocks not free / all blocks."""
+    return f"{1 - s['free_blocks'] / s['num_blocks']:.0%}" if s.get("num_blocks") else "?"
+
+
+def _step_p50(s: dict[str, Any]) -> str:
+    """The median engine step, from the worker's step-time histogram ("-": no step yet)."""
+    if "step_seconds" not in s:
+        return "?"
+    p50 = histogram_quantile(s["step_seconds"], 0.5)
+    return "-" if p50 is None else f"{p50 * 1e3:.1f}ms"
+
+
+def _mean_batch(s: dict[str, Any]) -> str:
+    """Requests per engine step, on average."""
+    hist = s.get("step_requests")
+    if hist is None:
+        return "?"
+    return f"{hist['sum'] / hist['count']:.1f}" if hist["count"] else "-"
+
+
+DECODE_COLUMNS: tuple[tuple[str, Cell], ...] = (
+    ("running", _figure("running")), ("waiting", _figure("waiting")), ("waiting_kv", _figure("waiting_for_kv")),
+    ("kv_used", _kv_used), ("remote", _figure("remote")), ("local", _figure("local")),
+    ("fallbacks", _figure("fallbacks")), ("step_p50", _step_p50), ("batch", _mean_batch),
+    ("preempted", _figure("preemptions")))
+PREFILL_COLUMNS: tuple[tuple[str, Cell], ...] = (
+    ("jobs", _figure("jobs")), ("kv_used", _kv_used), ("prefills", _figure("prefills")),
+    ("blocks_sent", _figure("blocks_written")), ("failed", _figure("failed")),
+    ("tokens", _figure("tokens_computed")), ("running", _figure("running")), ("waiting", _figure("waiting")),
+    ("step_p50", _step_p50), ("batch", _mean_batch), ("preempted", _figure("preemptions")))
 
 def fetch_status(url: str, timeout: float = 10.0, api_key: str | None = None) -> dict[str, Any]:
     """GET {url}/status (url: the router's base, e.g. http://127.0.0.1:8000), with
@@ -39,18 +74,13 @@ def _ranks(stats: dict[str, Any]) -> str:
     return f"{len(ranks)}:{','.join(map(str, ranks))}" if ranks else "?"
 
 
-def _table(title: str, workers: list[dict[str, Any]], columns: tuple[tuple[str, str | None], ...]) -> list[str]:
+def _table(title: str, workers: list[dict[str, Any]], columns: tuple[tuple[str, Cell], ...]) -> list[str]:
     header = ("worker", "live", "address", "tp", *(c for c, _ in columns))
     rows = []
     for w in workers:
         s = w["stats"] or {}
-        cells = []
-        for _, key in columns:
-            if key is None:
-                cells.append(f"{1 - s['free_blocks'] / s['num_blocks']:.0%}" if s.get("num_blocks") else "?")
-            else:
-                cells.append(str(s.get(key, "?")))
-        rows.append((w["name"], "yes" if w["live"] else "NO", w.get("address", "?"), _ranks(s), *cells))
+        rows.append((w["name"], "yes" if w["live"] else "NO", w.get("address", "?"), _ranks(s),
+                     *(cell(s) for _, cell in columns)))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(header)]
     return [title, "  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip()] + [
         "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
