@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from cluster.serve import build
 from engine import LLM, SamplingParams
 from tests.disagg.test_worker_processes import Client
 from tests.http_server import free_port, serving
+from tests.unit.test_grafana_dashboard import load_dashboard, missing_metrics
 
 PROMPTS = ["The quick brown fox", "Paged attention stores keys and values in fixed-size blocks. " * 2]
 
@@ -169,7 +171,6 @@ def wait_until_aborted(config: ClusterConfig, workers: LocalWorkers, before: flo
 
 def aborted(port: int) -> float:
     """The router's count of requests aborted because their client went away."""
-    import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     line = next((x for x in text.splitlines() if x.startswith('pdserve_requests_finished_total{reason="abort"}')), "")
@@ -206,7 +207,6 @@ def test_stop_token_ids_end_the_output(server, llama_dir: Path) -> None:
 def test_metrics_count_requests_latencies_and_worker_blocks(server) -> None:
     client, config, _ = server
     client.completions.create(model=config.model, prompt="Hello metrics", max_tokens=3, temperature=0.0)
-    import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{config.router.port}/metrics", timeout=30).read().decode()
     values = {}
@@ -218,13 +218,49 @@ def test_metrics_count_requests_latencies_and_worker_blocks(server) -> None:
     assert values["pdserve_e2e_request_latency_seconds_count"] >= 1
     assert values['pdserve_requests_finished_total{reason="length"}'] >= 1
     assert values['pdserve_requests_rejected_total{status="400"}'] >= 1  # from the 400 tests
-    assert values['pdserve_worker_free_blocks{worker="decode-0"}'] == values['pdserve_worker_num_blocks{worker="decode-0"}']
-    assert values['pdserve_worker_remote{worker="decode-0"}'] >= 1
-    assert values['pdserve_worker_kv_bytes_received{worker="decode-0"}'] > 0
+    decode = '{role="decode",worker="decode-0"}'
+    assert values[f"pdserve_worker_free_blocks{decode}"] == values[f"pdserve_worker_num_blocks{decode}"]
+    assert values[f"pdserve_worker_remote{decode}"] >= 1
+    assert values[f"pdserve_worker_kv_bytes_received{decode}"] > 0
     assert values["pdserve_prompt_tokens_total"] >= values["pdserve_prefix_cache_hit_tokens_total"] >= 0
     for phase in ("queue", "prefill", "transfer", "decode"):  # from the remote prefills of earlier tests
         assert values[f'pdserve_request_phase_seconds_count{{phase="{phase}",prefill="remote"}}'] >= 1
     assert values['pdserve_request_phase_seconds_count{phase="prefill",prefill="local"}'] >= 1
+
+
+def scrape(port: int) -> tuple[dict[str, float], set[str]]:
+    """/metrics: sample (name with labels, as exposed) -> value, and the sample names."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    values = {name: float(value) for name, value in
+              (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+    return values, {name.split("{")[0] for name in values}
+
+
+@pytest.mark.timeout(60)
+def test_every_worker_reports_its_steps_and_figures_by_role(server) -> None:
+    client, config, _ = server
+    # Long enough to be prefilled on the prefill worker (remote_prefill_min_tokens 8).
+    out = client.completions.create(model=config.model, prompt=PROMPTS[1], max_tokens=4, temperature=0.0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4
+    values, names = scrape(config.router.port)
+    decode, prefill = '{role="decode",worker="decode-0"}', '{role="prefill",worker="prefill-0"}'
+    for labels in (decode, prefill):
+        assert values[f"pdserve_worker_step_seconds_count{labels}"] > 0
+        assert values[f"pdserve_worker_step_seconds_sum{labels}"] > 0
+        assert values[f"pdserve_worker_step_requests_sum{labels}"] >= values[f"pdserve_worker_step_requests_count{labels}"]
+        assert values[f"pdserve_worker_step_tokens_sum{labels}"] > 0
+        assert values[f"pdserve_worker_preemptions{labels}"] == 0
+        assert values[f"pdserve_worker_running{labels}"] == 0 and values[f"pdserve_worker_waiting{labels}"] == 0
+        assert values[f"pdserve_worker_live{labels}"] == 1
+    assert values[f"pdserve_worker_waiting_for_kv{decode}"] == 0
+    assert values[f"pdserve_worker_prefill_tokens_computed{prefill}"] >= len(PROMPTS[1].split())
+    assert values[f"pdserve_worker_prefill_blocks_written{prefill}"] > 0
+    assert values[f"pdserve_worker_prefills_done{prefill}"] >= 1
+    assert values[f"pdserve_worker_prefills_failed{prefill}"] == 0 and values[f"pdserve_worker_prefill_jobs{prefill}"] == 0
+    assert values["pdserve_time_per_output_token_seconds_count"] >= 1
+    assert f"pdserve_worker_prefill_jobs{decode}" not in values  # a worker reports its role's figures only
+    assert missing_metrics(load_dashboard(), names) == []  # docs/grafana/pdserve.json reads only these
 
 
 @pytest.mark.timeout(60)
@@ -240,8 +276,14 @@ def test_pdserve_status_lists_the_workers_of_both_pools(server, capsys) -> None:
     assert row[:2] == ["decode-0", "yes"] and row[2].startswith("tcp://127.0.0.1:")
     assert row[3].startswith("1:") and row[3][2:].isdigit()  # one rank: the worker's own process
     assert row[7] == "0%" and int(row[8]) >= 1  # idle: no blocks held; remote prefills so far
-    assert out[6] == "prefill pool" and out[7].split()[3:] == ["tp", "jobs", "kv_used", "prefills", "blocks_sent", "failed"]
+    assert out[3].split()[-3:] == ["step_p50", "batch", "preempted"]
+    assert row[-3].endswith("ms") and float(row[-2]) >= 1 and row[-1] == "0"  # steps have run; none preempted
+    assert out[6] == "prefill pool" and out[7].split()[3:] == ["tp", "jobs", "kv_used", "prefills", "blocks_sent", "failed",
+                                                              "tokens", "running", "waiting", "step_p50", "batch",
+                                                              "preempted"]
     row = out[8].split()
     assert row[:2] == ["prefill-0", "yes"] and row[4:6] == ["0", "0%"] and int(row[6]) >= 1
+    assert int(row[9]) > 0 and row[10:12] == ["0", "0"]  # prompt tokens computed; nothing queued
+    assert row[12].endswith("ms") and float(row[13]) >= 1 and row[14] == "0"
     assert main(["status", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "no pdserve router answers at" in capsys.readouterr().err
