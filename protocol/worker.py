@@ -52,7 +52,7 @@ class Stats(Message, frozen=True, tag="stats"):
 class StatsReply(Message, frozen=True, tag="stats_reply"):
     seq: int
     # The worker's figures (docs/api.md, /status), with `stalled` and `no_progress_s`
-    # (workers/loop.py).
+    # (workers/loop.py), and its step histograms as plain maps (workers/step_metrics.py).
     stats: dict[str, Any]
     # Prefix-cache events since the last reply, in order: (block hash, cached?), for
     # the router's kv_aware index. kv_reset: some were dropped; start the index over.

@@ -5,6 +5,7 @@ by worker and role; a malformed histogram is left out, never a failed scrape; TP
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -101,3 +102,10 @@ def test_tpot_is_the_decode_time_per_token_after_the_first() -> None:
     got = samples(m)
     assert got[("pdserve_time_per_output_token_seconds_count", ())] == 1
     assert got[("pdserve_time_per_output_token_seconds_sum", ())] == pytest.approx(0.2)
+
+
+def test_docs_api_lists_every_metric_the_router_exports() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    families = list(RouterMetrics().registry.collect())
+    undocumented = [f.name for f in families if f"`{f.name}`" not in doc and f"`{f.name}_total`" not in doc]
+    assert families and undocumented == []
