@@ -243,6 +243,8 @@ def test_every_worker_reports_its_steps_and_figures_by_role(server) -> None:
     out = client.completions.create(model=config.model, prompt=PROMPTS[1], max_tokens=4, temperature=0.0,
                                     extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError):  # a rejection too, for the dashboard's rejected rate
+        client.completions.create(model=config.model, prompt="x", max_tokens=-1)
     values, names = scrape(config.router.port)
     decode, prefill = '{role="decode",worker="decode-0"}', '{role="prefill",worker="prefill-0"}'
     for labels in (decode, prefill):
