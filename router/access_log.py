@@ -111,9 +111,9 @@ class AccessLog:
         async def sending(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 record.status = message["status"]
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                record.complete = True
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                record.complete = True  # sent: a client that left before this is gone
 
         try:
             await self.app(scope, receive, sending)
@@ -121,9 +121,10 @@ class AccessLog:
             record.status = CLIENT_GONE if record.status in (None, 200) else record.status
             raise
         finally:
-            client = client_of(scope)
-            record.key = None if client is None else self.keys.fingerprint(client)
-            logger.info("%s", record.line(time.monotonic()))
+            if logger.isEnabledFor(logging.INFO):
+                client = client_of(scope)
+                record.key = None if client is None else self.keys.fingerprint(client)
+                logger.info("%s", record.line(time.monotonic()))
 
 
 def track(scope: dict[str, Any], request_id: str, prompt_tokens: int,

@@ -110,6 +110,25 @@ def test_a_stream_whose_client_leaves_is_logged_as_499(llama_dir: Path, fake: Fa
 
 
 @pytest.mark.timeout(60)
+def test_a_stream_broken_after_its_first_event_says_the_error(llama_dir: Path, fake: FakeDecodeWorker,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with served(llama_dir, fake, health_interval_s=0.1, worker_timeout_s=0.6) as base:
+        response = open_request(base, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1000, "stream": True},
+                                timeout=20)
+        events: list[bytes] = []
+        for raw in response:  # to the end of the body
+            if raw.startswith(b"data: "):
+                events.append(raw)
+                if len(events) == 2:
+                    fake.silent.set()  # dies, with no other worker to fail over to
+        line = next_line(caplog, 0)
+    assert b"[DONE]" in events[-1]
+    assert (line["status"], line["finish"], line["prefill"]) == ("200", "error(503)", "-")
+    assert int(line["output_tokens"]) >= 1
+
+
+@pytest.mark.timeout(60)
 def test_rejected_requests_are_logged_and_a_key_only_by_its_fingerprint(llama_dir: Path, fake: FakeDecodeWorker,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
