@@ -36,10 +36,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from cluster import console
     from cluster.config import load_cluster_config
     from cluster.launcher import launcher_for
     from cluster.serve import serve
 
+    console.configure()  # each worker's start and every request, as they happen (stderr)
     config = load_cluster_config(args.config)
     if args.port is not None:
         config = dataclasses.replace(config, router=dataclasses.replace(config.router, port=args.port))

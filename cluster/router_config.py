@@ -44,6 +44,8 @@ class RouterConfig:
     # How the served model writes a tool call, read back out of its text when a request
     # with tools lets it choose (tool_choice "auto"): router/tool_parsers.py.
     tool_call_parser: str = "hermes"
+    # A line per request on the `pdserve.access` logger (router/access_log.py).
+    access_log: bool = True
     # API keys (cluster/api_keys.py: a list, "env:NAME" or "file:PATH"), a tuple once
     # loaded, never in a repr; router/http_guard.py checks them. Serving a non-loopback
     # host without keys must be asked for (allow_unauthenticated).

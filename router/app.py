@@ -7,7 +7,8 @@ shaped by router/responses.py.
 Bad input is HTTP 400 with an OpenAI-style error naming the field; a full queue is
 HTTP 429 with Retry-After; no live decode worker is 503. API keys, the per-key request
 rate and the body's size and arrival time are checked before any endpoint runs
-(router/http_guard.py); a key's tokens in flight once its request is parsed.
+(router/http_guard.py); a key's tokens in flight once its request is parsed. Every
+request's outcome goes to the access log (router/access_log.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from router.access_log import AccessLog, track
 from router.auth import KeyRing
 from router.core import Chunk, Router
 from router.errors import APIError
@@ -55,6 +57,8 @@ def create_app(router: Router) -> FastAPI:
     app.add_middleware(HTTPGuard, keys=KeyRing(router.config.api_keys or ()), limits=limits,
                        settings=router.config, rejected=lambda status: router.metrics.rejected.labels(
                            status=str(status)).inc())
+    if router.config.access_log:  # added last: outside the guard, whose answers it logs too
+        app.add_middleware(AccessLog, keys=KeyRing(router.config.api_keys or ()))
     app.add_exception_handler(APIError, _api_error)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/status", status, methods=["GET"])
@@ -129,6 +133,7 @@ async def _respond(request: Request, parsed: GenerateRequest) -> Response:
     formatter = LogprobFormatter(router.tokenizer, parsed.chat) if parsed.params.logprobs is not None else None
     shaper = ResponseShaper(parsed.chat, router.model_name, len(parsed.prompt_ids), formatter,
                             _tool_calls(parsed, router.config.tool_call_parser))
+    stream = track(request.scope, shaper.id, len(parsed.prompt_ids), stream)  # for its access log line
     if not parsed.stream:
         chunks = await _all_unless_disconnected(request, stream)
         if chunks is None:  # nobody is left to read an answer (499: nginx's "client closed")

@@ -53,6 +53,11 @@ class KeyRing:
             raise unauthorized("Incorrect API key provided", f'{REALM}, error="invalid_token"')
         return found
 
+    def fingerprint(self, index: int) -> str:
+        """What a log line may name key `index` by: the first 8 hex digits of its SHA-256
+        (`printf %s "$KEY" | sha256sum | cut -c1-8`), never the key."""
+        return self._digests[index].hex()[:8]
+
 
 def unauthorized(message: str, challenge: str) -> APIError:
     """OpenAI's answer to a bad key: 401, type invalid_request_error, code invalid_api_key."""

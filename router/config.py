@@ -53,6 +53,9 @@ class RouterSettings(GuardSettings, BoundSettings, LimitSettings, Protocol):
     @property
     def tool_call_parser(self) -> str: ...  # router/tool_parsers.py
 
+    @property
+    def access_log(self) -> bool: ...  # a line per request (router/access_log.py)
+
     # The API keys (router/auth.py); none: every caller is served.
     @property
     def api_keys(self) -> tuple[str, ...] | None: ...

@@ -43,6 +43,10 @@ class Chunk:
     token_ids: list[int] = field(default_factory=list)  # this step's
     logprobs: list[list] = field(default_factory=list)  # per token of this step, when asked
     worker: str = ""  # the decode worker that sent it (another after a failover)
+    # On the last chunk: whether the prompt was prefilled on a prefill worker (the decode
+    # worker's phases say so, "transfer" being a remote prefill's; without them, as
+    # when the router ended the request at a stop string: what the router asked for).
+    remote_prefill: bool | None = None
 
 
 # Resubmissions a request's decode workers may ask for (Rejected.retry) before it fails.
@@ -159,7 +163,8 @@ class Router:
                         finished = True
                         yield Chunk(detok.flush(), "length", detok.num_tokens, worker=worker.name)
                         break
-                worker, request_id, queue = self._submit(prompt, detok.ids, params, failover=worker is not None)
+                worker, request_id, queue, remote = self._submit(prompt, detok.ids, params,
+                                                                 failover=worker is not None)
                 while not finished:
                     msg = await queue.get()
                     if msg is WORKER_LOST:
@@ -191,7 +196,8 @@ class Router:
                         m.finished.labels(reason=reason).inc()
                         m.observe_phases(msg.phases)
                         m.prefix_cached_tokens.inc(msg.cached)
-                    yield Chunk(delta, reason, detok.num_tokens, msg.tokens, msg.logprobs, worker.name)
+                    yield Chunk(delta, reason, detok.num_tokens, msg.tokens, msg.logprobs, worker.name,
+                                ("transfer" in msg.phases if msg.phases else remote) if finished else None)
         finally:
             self.in_flight -= 1
             m.in_flight.set(self.in_flight)
@@ -204,9 +210,10 @@ class Router:
                     worker.send(Abort(request_id=request_id))
 
     def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams,
-                failover: bool) -> tuple[WorkerClient, str, asyncio.Queue]:
+                failover: bool) -> tuple[WorkerClient, str, asyncio.Queue, bool]:
         """Send prompt + generated to a live decode worker, asking for what remains of
-        params.max_tokens; the worker, the request's id there, and its message queue."""
+        params.max_tokens; the worker, the request's id there, its message queue, and
+        whether it was asked to prefill on a prefill worker."""
         live = [w.alive for w in self.workers]
         if not any(live):
             raise self.no_live_worker()
@@ -233,7 +240,7 @@ class Router:
                            kind="service_unavailable")
         queue: asyncio.Queue = asyncio.Queue()
         worker.queues[request_id] = queue
-        return worker, request_id, queue
+        return worker, request_id, queue, remote
 
     def no_live_worker(self) -> APIError:
         return APIError(503, f"no decode worker is alive (all {len(self.workers)} silent for more than "

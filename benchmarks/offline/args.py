@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None, doc: str) -> argparse.Namespace:
                    help="run HF only on the first N requests (HF tok/s computed on that subset)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each measurement; medians reported")
     p.add_argument("--json", dest="json_path", default=None, help="write all results to this JSON file")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--quiet", action="store_true", help="no progress lines or bars on stderr")
     eng = p.add_argument_group("pdserve engine options (unset: engine defaults)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=None)
     eng.add_argument("--max-num-seqs", type=int, default=None)

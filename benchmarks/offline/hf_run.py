@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from benchmarks.offline.args import log
 from benchmarks.offline.timing import median, sync
@@ -16,10 +18,13 @@ from benchmarks.offline.workload import warmup_prompts
 
 
 def hf_generate_all(model: Any, prompts: list[list[int]], out_lens: list[int], batch_size: int,
-                    device: str, eos_ids: list[int]) -> tuple[list[list[int]], int]:
-    """Arrival-order batches, left-padded with 0; returns (useful tokens per request, tokens generated)."""
+                    device: str, eos_ids: list[int], progress: str | None = None) -> tuple[list[list[int]], int]:
+    """Arrival-order batches, left-padded with 0; returns (useful tokens per request, tokens
+    generated). `progress`: the description of a bar (stderr) of the requests done, batch
+    by batch; None: no bar."""
     results: list[list[int]] = []
     generated = 0
+    bar = tqdm(total=len(prompts), desc=progress, unit="req", file=sys.stderr, disable=progress is None)
     for s in range(0, len(prompts), batch_size):
         batch, lens = prompts[s:s + batch_size], out_lens[s:s + batch_size]
         width, new = max(map(len, batch)), max(lens)
@@ -36,6 +41,8 @@ def hf_generate_all(model: Any, prompts: list[list[int]], out_lens: list[int], b
             raise RuntimeError(f"HF generated {gen.shape[1]} tokens for a batch, expected {new}")
         generated += gen.numel()
         results.extend(gen[row, :o].tolist() for row, o in enumerate(lens))
+        bar.update(len(batch))
+    bar.close()
     return results, generated
 
 
@@ -58,7 +65,8 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]], out_lens: list[in
             sync(args.device)
             start = time.perf_counter()
             with torch.inference_mode():
-                tokens, generated = hf_generate_all(model, prompts, out_lens, bs, args.device, eos_ids)
+                tokens, generated = hf_generate_all(model, prompts, out_lens, bs, args.device, eos_ids,
+                                                    None if args.quiet else f"hf batch size {bs}")
             sync(args.device)
             seconds = time.perf_counter() - start
             runs.append({"seconds": seconds, "output_tok_s": n_out / seconds,

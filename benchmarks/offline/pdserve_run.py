@@ -29,7 +29,7 @@ def run_pdserve(args: argparse.Namespace, prompts: list[list[int]], out_lens: li
         sync(args.device)
         log(args, f"[pdserve] run {r + 1}/{args.repeats}: {len(prompts)} requests ...")
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=not args.quiet)  # a bar of requests done (stderr)
         sync(args.device)
         seconds = time.perf_counter() - start
         got = [len(o.token_ids) for o in outs]

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
+from cluster import console
 from cluster.config import ClusterConfig
 from cluster.local.workers import LocalWorkers, Worker, await_ready, await_serving, spawn
 from cluster.peers import peers_messages
@@ -145,5 +147,6 @@ class LocalSupervisor:
             self.gone.discard(new.name)
         self._tell_peers()  # the other pool learns it (a prefill worker makes its handshake)
         self.moved(new.name, new.address)
-        logger.warning("worker %s restarted at %s", new.name, new.address)
+        console.worker_back(new.name, new.address, time.monotonic() - new.started, self.restarts[dead.name],
+                            self.max_restarts)
         return True

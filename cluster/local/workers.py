@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait as wait_for_any
 from typing import TYPE_CHECKING
 
+from cluster import console
 from cluster.config import ClusterConfig
 from cluster.peers import peers_messages
 from cluster.worker_configs import serve_worker, worker_config
@@ -29,6 +31,7 @@ class Worker:
     control: Connection
     address: str = ""
     metadata: bytes = b""
+    started: float = field(default_factory=time.monotonic)  # when its process was started
 
 
 @dataclass
@@ -69,19 +72,40 @@ def spawn(config: ClusterConfig, role: str, index: int, secret: DeploymentSecret
     child, never its argv, environment or a file)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=serve_worker, args=(worker_config(config, role, index, secret=secret), child),
-                          name=f"pdserve-{role}-{index}", daemon=True)
+    worker = worker_config(config, role, index, secret=secret)
+    process = ctx.Process(target=serve_worker, args=(worker, child), name=f"pdserve-{role}-{index}", daemon=True)
+    started = time.monotonic()
     process.start()
-    return Worker(f"{role}-{index}", process, parent)
+    console.worker_starting(worker.name, worker.engine)
+    return Worker(worker.name, process, parent, started=started)
 
 
 def await_ready(w: Worker, timeout: float) -> None:
     """Wait for the worker's "ready" (its ZMQ address and transport metadata)."""
     if not w.control.poll(timeout):
-        alive = "still starting" if w.process.is_alive() else f"exited with {w.process.exitcode}"
-        raise RuntimeError(f"worker {w.name} did not become ready within {timeout} s ({alive})")
+        raise _not_ready(w, timeout)
     ready = _expect(w, Ready)
     w.address, w.metadata = ready.address, ready.metadata
+
+
+def await_all_ready(workers: list[Worker], timeout: float) -> None:
+    """await_ready for each, taken as each comes (workers load side by side), so that
+    its line says when it was ready."""
+    end = time.monotonic() + timeout
+    waiting = {w.control: w for w in workers}
+    while waiting:
+        arrived = wait_for_any(list(waiting), max(0.0, end - time.monotonic()))
+        if not arrived:
+            raise _not_ready(next(iter(waiting.values())), timeout)
+        for control in arrived:
+            w = waiting.pop(control)
+            await_ready(w, 0.0)
+            console.worker_ready(w.name, w.address, time.monotonic() - w.started)
+
+
+def _not_ready(w: Worker, timeout: float) -> RuntimeError:
+    alive = "still starting" if w.process.is_alive() else f"exited with {w.process.exitcode}"
+    return RuntimeError(f"worker {w.name} did not become ready within {timeout} s ({alive})")
 
 
 def await_serving(w: Worker, timeout: float) -> None:
@@ -111,8 +135,7 @@ def start_workers(config: ClusterConfig, timeout: float = 180.0) -> LocalWorkers
                            prefill=[spawn(config, "prefill", i, secret) for i in range(config.prefill.replicas)],
                            secret=secret)
     try:
-        for w in workers.all:
-            await_ready(w, timeout)
+        await_all_ready(workers.all, timeout)
         to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)
         for w in workers.decode:  # first: the prefill workers' handshakes need them polling
             w.control.send_bytes(to_decode)

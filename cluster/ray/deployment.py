@@ -48,8 +48,11 @@ class DeploymentActor:
 
     def start(self) -> str:
         """Start the workers and the router; returns the endpoint's URL."""
+        from cluster import console
         from cluster.serve import HTTPServer, build  # the router's imports, in the actor only
 
+        # This actor's stderr is what Ray forwards to the `pdserve serve` terminal.
+        console.configure()
         self.workers, router = build(self.config)
         try:
             self.http = HTTPServer(router, self.config.router.host, self.config.router.port)

@@ -11,11 +11,11 @@ processes; requests and KV never travel through it.
 
 from __future__ import annotations
 
-
 import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from ray._private import services
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster import console
 from cluster.config import ClusterConfig, RayConfig
 from cluster.launcher import RouterHooks
 from cluster.peers import peers_messages
@@ -183,6 +184,22 @@ def _place(config: ClusterConfig) -> dict[str, list[tuple[PlacementGroup, int]]]
     return places
 
 
+def _await_all_ready(workers: list[RayWorker], timeout: float, started: float) -> None:
+    """Each worker's "ready" (address, metadata), taken as each comes, so that its line
+    says when it was ready (of `started`, when its actor was created). Raises RayError
+    (a worker failed) or TimeoutError."""
+    end = time.monotonic() + timeout + 30  # the actor's own wait, then Ray's round trip
+    pending = {w.actor.ready.remote(timeout): w for w in workers}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, end - time.monotonic()))
+        if not done:
+            raise TimeoutError(f"{', '.join(w.name for w in pending.values())} not ready within {timeout:g} s")
+        w = pending.pop(done[0])
+        ready = CONTROL_MESSAGES.decode(ray.get(done[0]))
+        w.address, w.metadata = ready.address, ready.metadata
+        console.worker_ready(w.name, w.address, time.monotonic() - started)
+
+
 def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorkers:
     """Connect to Ray, make the deployment's secret, place and start every worker with
     it, wait until each reports ready, then tell each its peers (as
@@ -195,6 +212,7 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
         workers.groups = list(dict.fromkeys(group for role_places in places.values() for group, _ in role_places))
         actor_class = ray.remote(WorkerActor)
         workers_config = without_router_secrets(config)  # Ray keeps an actor's arguments, for its restarts
+        started = time.monotonic()
         for role, role_places in places.items():
             pool = getattr(config.ray, role)
             for i, (group, bundle) in enumerate(role_places):
@@ -204,15 +222,14 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
                 ).remote(role, workers_config, i, secret=workers.secret)
                 getattr(workers, role).append(RayWorker(f"{role}-{i}", role, actor))
-        replies = [w.actor.ready.remote(timeout) for w in workers.all]
+                console.worker_starting(f"{role}-{i}", config.engine_config(role))
         try:
-            messages = ray.get(replies, timeout=timeout + 30)
+            _await_all_ready(workers.all, timeout, started)
             incarnations = ray.get([w.actor.incarnation.remote() for w in workers.all], timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise RuntimeError(f"a Ray worker did not start: {exc}") from None
-        for w, message, incarnation in zip(workers.all, messages, incarnations):
-            ready = CONTROL_MESSAGES.decode(message)
-            w.address, w.metadata, w.incarnation = ready.address, ready.metadata, incarnation
+        for w, incarnation in zip(workers.all, incarnations):
+            w.incarnation = incarnation
         to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)
         cold = ray.get([w.actor.start_serving.remote(to_decode if w.role == "decode" else to_prefill, w.incarnation)
                         for w in workers.all], timeout=90)

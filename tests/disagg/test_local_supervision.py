@@ -4,6 +4,8 @@ wired back in, for either pool."""
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +22,30 @@ from tests.fidelity.test_hf_fidelity import random_prompts
 PROMPTS = random_prompts([40, 70], seed=12)
 
 
+class Lines(logging.Handler):
+    """What `pdserve serve` would print of the workers' starts (cluster/console.py)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.logger = logging.getLogger("pdserve.startup")
+        self.level_before = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def close(self) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
+        super().close()
+
+
 class Supervised:
     def __init__(self, config: ClusterConfig) -> None:
         self.events: list[tuple] = []
+        self.startup = Lines()
         self.workers: LocalWorkers = start_workers(config)
         self.supervisor = LocalSupervisor(config, self.workers, lambda n: self.events.append(("down", n)),
                                           lambda n, a: self.events.append(("moved", n, a)), interval_s=0.2)
@@ -48,6 +71,28 @@ def supervised(llama_dir: Path) -> Iterator[Supervised]:
     yield s
     s.supervisor.stop()
     s.workers.stop()
+    s.startup.close()
+
+
+def back_in_service(supervised: Supervised, name: str, address: str, timeout: float = 5.0) -> str:
+    """The line saying that restarted worker `name` serves again at `address`."""
+    pattern = re.compile(rf"^{name}: back in service at {re.escape(address)}, [0-9.]+ s after restart 1 of 3$")
+    end = time.monotonic() + timeout
+    while not any(pattern.match(line) for line in supervised.startup.lines):
+        assert time.monotonic() < end, supervised.startup.lines
+        time.sleep(0.05)
+    return address
+
+
+def test_the_start_says_each_worker_loading_then_ready(supervised: Supervised, llama_dir: Path) -> None:
+    lines = supervised.startup.lines
+    for w in supervised.workers.all:
+        role = w.name.split("-")[0]
+        starting = f"{w.name}: starting ({role} worker): model {llama_dir}, device cpu, tensor parallel size 1"
+        ready = re.compile(rf"^{w.name}: ready at {re.escape(w.address)} after [0-9.]+ s$")
+        assert starting in lines, lines
+        index = lines.index(starting)
+        assert any(ready.match(line) for line in lines[index + 1:]), lines
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +112,8 @@ def test_a_killed_prefill_worker_is_routed_around_at_once_then_restarted(supervi
         assert results["k0"]["tokens"] == reference[0]
         assert time.monotonic() - start < 30, "waited for the KV deadline"
         supervised.wait_for(("down", "prefill-0"), 5)
-        supervised.wait_for(("moved", "prefill-0"), 120)
+        _, _, address = supervised.wait_for(("moved", "prefill-0"), 120)
+        back_in_service(supervised, "prefill-0", address)
         remote = client.stats()["remote"]
         results = client.generate({"r0": PROMPTS[1]}, remote=True)
         assert results["r0"]["tokens"] == reference[1]
@@ -85,6 +131,7 @@ def test_a_killed_decode_worker_is_restarted_and_its_prefill_peer_writes_to_the_
     supervised.wait_for(("down", "decode-0"), 5)
     _, _, address = supervised.wait_for(("moved", "decode-0"), 120)
     assert address != old.address and supervised.workers.decode[0].address == address
+    back_in_service(supervised, "decode-0", address)
     client = Client(address, supervised.workers.secret)
     try:
         results = client.generate({"n0": PROMPTS[0], "n1": PROMPTS[1]}, remote=True)

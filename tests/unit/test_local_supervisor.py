@@ -5,6 +5,7 @@ tests/disagg/test_local_supervision.py."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -133,3 +134,25 @@ def test_the_local_launcher_supervises_with_the_configs_max_restarts() -> None:
         assert workers.supervisor is not None and workers.supervisor.max_restarts == 7
     finally:
         workers.stop()
+
+
+@pytest.mark.timeout(30)
+def test_workers_are_ready_as_each_says_so_and_a_late_one_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    """start_workers' wait (local.await_all_ready): each worker's "ready" line comes when
+    its own Ready does, not in the order they were started."""
+    import multiprocessing
+
+    from protocol import Ready, encode
+
+    caplog.set_level(logging.INFO, logger="pdserve.startup")
+    pipes = [multiprocessing.Pipe() for _ in range(3)]
+    names = ["decode-0", "prefill-0", "prefill-1"]
+    workers = [Worker(name, Process(), parent) for name, (parent, _) in zip(names, pipes)]
+    pipes[1][1].send_bytes(encode(Ready(name="prefill-0", address="tcp://p0", metadata=b"")))
+    threading.Timer(0.2, lambda: pipes[0][1].send_bytes(encode(Ready(name="decode-0", address="tcp://d0",
+                                                                     metadata=b"m")))).start()
+    with pytest.raises(RuntimeError, match=r"^worker prefill-1 did not become ready within 1.0 s \(still starting\)$"):
+        local.await_all_ready(workers, 1.0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "pdserve.startup"]
+    assert [line.split(" after ")[0] for line in lines] == ["prefill-0: ready at tcp://p0", "decode-0: ready at tcp://d0"]
+    assert (workers[0].address, workers[0].metadata) == ("tcp://d0", b"m")

@@ -121,6 +121,7 @@ def test_the_yaml_file_refuses_0_0_0_0_without_keys(tmp_path: Path) -> None:
     ({"key_tokens_in_flight": 0}, "router.key_tokens_in_flight: must be >= 1, got 0"),
     ({"metrics_need_key": "no"}, "router.metrics_need_key: must be true or false, got 'no'"),
     ({"allow_unauthenticated": 1}, "router.allow_unauthenticated: must be true or false, got 1"),
+    ({"access_log": "off"}, "router.access_log: must be true or false, got 'off'"),
 ])
 def test_bounds_and_limits_are_validated(fields: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -130,6 +131,7 @@ def test_bounds_and_limits_are_validated(fields: dict, message: str) -> None:
 
 def test_limits_are_off_by_default_and_bounds_on() -> None:
     config = router()
+    assert config.access_log is True and router(access_log=False).access_log is False
     assert (config.key_requests_per_s, config.key_burst, config.key_tokens_in_flight) == (None, None, None)
     assert config.max_body_bytes == 8 * 1024 * 1024 and config.body_timeout_s == 30.0
     assert router(key_requests_per_s=2, key_burst=4).key_requests_per_s == 2.0

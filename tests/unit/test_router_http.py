@@ -43,6 +43,7 @@ class FakeDecodeWorker:
         self.received: list[dict[str, Any]] = []
         self.stats: dict[str, Any] = {}  # what its stats replies say
         self.retry_next = 0  # this many next requests get one token, then Rejected(retry=True)
+        self.phases = {"queue": 0.0, "prefill": 0.0, "decode": 0.0}  # with each request's last tokens
         self.silent = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -87,7 +88,7 @@ class FakeDecodeWorker:
                     done = state[1] == 0
                     self.sock.send_multipart([state[0], encode(Tokens(
                         request_id=rid, tokens=[TOKEN] * n, finished=done, reason="length" if done else "",
-                        cached=0, phases={"queue": 0.0, "prefill": 0.0, "decode": 0.0} if done else {}))])
+                        cached=0, phases=dict(self.phases) if done else {}))])
                     if done:
                         del active[rid]
 
@@ -116,11 +117,11 @@ def request(base: str, method: str, path: str, body: dict[str, Any] | None = Non
 
 
 def open_request(base: str, method: str, path: str, body: dict[str, Any] | None,
-                 timeout: float) -> http.client.HTTPResponse:
+                 timeout: float, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
     url = urlsplit(base)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     conn.request(method, path, body=None if body is None else json.dumps(body),
-                 headers={"Content-Type": "application/json"})
+                 headers={"Content-Type": "application/json", **(headers or {})})
     return conn.getresponse()
 
 
