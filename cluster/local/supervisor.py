@@ -10,6 +10,8 @@ with status 1 after telling its clients, workers/loop.py). For each:
   pool gets peers without it: decode workers prefill locally the prompts a dead
   prefill worker was computing (no waiting for the KV deadline), prefill workers end
   their jobs for a dead decode worker.
+- A worker that died of SIGTERM is taken for down only once SIGTERM_GRACE_S passed
+  without the launcher stopping: a signal to the whole process group is a shutdown.
 - restarted, in a thread of its own (other deaths are reported meanwhile), up to
   `max_restarts` starts per worker (the config's `local.max_restarts`): a new process
   under the same name gets its peers and starts serving (its handshakes made), then
@@ -21,6 +23,7 @@ with status 1 after telling its clients, workers/loop.py). For each:
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections import Counter
@@ -34,6 +37,12 @@ from engine.distributed.shm_files import sweep_orphans
 from kv_transfer.shm_segments import unlink_segment
 
 logger = logging.getLogger(__name__)
+
+# A worker killed by SIGTERM may have got it with the launcher: `timeout`, `kill -TERM
+# -PGID` and systemd signal the whole process group at once, and the workers, unlike
+# the launcher, do not catch it. This long, the watch waits for the launcher's own
+# shutdown to begin before taking such a death for a crash (and restarting it).
+SIGTERM_GRACE_S = 2.0
 
 
 class LocalSupervisor:
@@ -75,6 +84,8 @@ class LocalSupervisor:
                 for index, w in enumerate(pool):
                     if w.name in self.gone or w.process.is_alive() or self._stop.is_set():
                         continue
+                    if w.process.exitcode == -signal.SIGTERM and self._stop.wait(SIGTERM_GRACE_S):
+                        return  # the deployment is stopping: not a crash
                     try:
                         self._report_down(w)
                     except Exception:  # supervision must outlive any one failure

@@ -156,3 +156,37 @@ def test_workers_are_ready_as_each_says_so_and_a_late_one_is_named(caplog: pytes
     lines = [r.getMessage() for r in caplog.records if r.name == "pdserve.startup"]
     assert [line.split(" after ")[0] for line in lines] == ["prefill-0: ready at tcp://p0", "decode-0: ready at tcp://d0"]
     assert (workers[0].address, workers[0].metadata) == ("tcp://d0", b"m")
+
+
+@pytest.mark.timeout(30)
+def test_a_sigterm_death_during_shutdown_is_not_taken_for_a_crash(monkeypatch) -> None:
+    """A SIGTERM to the whole process group (timeout, kill -TERM -PGID, systemd) kills
+    the workers as it reaches the launcher: the watch must not report them down and
+    restart them while the launcher stops. Repro: /work/shared/repro/issue19/."""
+    import signal
+
+    monkeypatch.setattr(supervision, "SIGTERM_GRACE_S", 5.0)
+    h = Harness(monkeypatch, threading.Event(), ok=True)
+    h.workers.decode[0].process.alive = True
+    h.workers.decode[1].process.alive, h.workers.decode[1].process.exitcode = False, -signal.SIGTERM
+    h.supervisor.start()
+    time.sleep(0.2)  # several watch intervals
+    h.supervisor.stop()  # the launcher's own SIGTERM handler
+    assert h.events == [] and h.spawned == []
+
+
+@pytest.mark.timeout(30)
+def test_a_lone_sigterm_death_is_a_crash_after_the_grace(monkeypatch) -> None:
+    import signal
+
+    monkeypatch.setattr(supervision, "SIGTERM_GRACE_S", 0.2)
+    serving = threading.Event()
+    h = Harness(monkeypatch, serving, ok=True)
+    h.workers.decode[0].process.alive = True
+    h.workers.decode[1].process.alive, h.workers.decode[1].process.exitcode = False, -signal.SIGTERM
+    h.supervisor.start()
+    try:
+        h.wait(lambda: ("down", "decode-1") in h.events and h.starting.is_set(), "decode-1 down and restarting")
+    finally:
+        serving.set()
+        h.supervisor.stop()
