@@ -88,7 +88,8 @@ from benchmarks.gpu.bitmask import check_bitmask  # noqa: E402
 from benchmarks.gpu.engine_rows import check_engine  # noqa: E402
 from benchmarks.gpu.fidelity import check_fp32_fidelity  # noqa: E402
 from benchmarks.gpu.kernels import check_kernels  # noqa: E402
-from benchmarks.gpu.report import print_table, section  # noqa: E402
+from benchmarks.gpu.report import judge_timings, print_table, section  # noqa: E402
+from benchmarks.gpu.serving import check_serving  # noqa: E402
 from benchmarks.gpu.shapes import H200, SMOKE  # noqa: E402
 from benchmarks.gpu.step_profile import check_profile  # noqa: E402
 from benchmarks.gpu.transfer import check_copy_kernels, check_transfer  # noqa: E402
@@ -99,12 +100,13 @@ from benchmarks.gpu.ucx import check_ucx  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    p.add_argument("--only", default="kernels,fp32,bandwidth,engine,transfer",
+    p.add_argument("--only", default="kernels,fp32,bandwidth,engine,transfer,serve",
                    help="comma-separated sections; add tune to sweep the kernels' tiles; "
                         "profile and ucx are diagnostics (see the module docstring)")
     args = p.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+        judge_timings(False)
     s = SMOKE if args.smoke else H200
     only = set(args.only.split(","))
     import torch
@@ -128,6 +130,8 @@ def main() -> None:
         if "transfer" in only and s.device != "cpu":
             section("copy kernels", lambda: check_copy_kernels(s))
             section("KV transfer", lambda: check_transfer(s))
+        if "serve" in only:
+            section("serve", lambda: check_serving(s, work))
         if "ucx" in only:  # on CPU too: nixl moves DRAM there
             section("nixl under UCX settings", lambda: check_ucx(s))
     sys.exit(1 if print_table() else 0)
