@@ -1,17 +1,24 @@
 """The one-shot GPU check: correctness first, then timings, as one short table.
 
-    python benchmarks/gpu_check.py                 # on an H200: about 5 minutes
-    python benchmarks/gpu_check.py --smoke         # on CPU, tiny shapes, Triton interpreter:
-                                                   # checks this script, not the GPU
+    python benchmarks/gpu_check.py                 # on an H200: about 8 minutes, models built included
+    python benchmarks/gpu_check.py --smoke         # on CPU, tiny shapes, Triton interpreter for
+                                                   # the kernels: checks this script, not the GPU
+    python benchmarks/gpu_check.py --only serve    # one section again
 
 Rows 1-5 need only torch, triton, transformers and numpy (what the H200 image has).
-Row 6 also needs pyzmq and msgpack (and nixl for its nixl row), carried as cp312 wheels
-(see the device README), e.g.:
+Row 6 also needs pyzmq and msgpack (and nixl for its nixl row); row 7 (the served
+benchmark: the router and its worker processes) also msgspec, fastapi, uvicorn, httpx2,
+prometheus-client, xxhash, pyyaml, tqdm and their dependencies (pip resolves those in
+the second download). All are carried as cp312 wheels (see the device README), e.g.:
 
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
         --platform manylinux2014_x86_64 -d .whl pyzmq==27.3.0 msgpack==1.2.4
+    python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 -d .whl msgspec==0.22.0 fastapi==0.165.0 uvicorn==0.54.0 \
+        httpx2==2.16.2 prometheus-client==0.26.0 xxhash==4.1.0 pyyaml tqdm
     # on the device, carrying .whl:
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
         && PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py
@@ -33,6 +40,17 @@ Rows:
     16k-token steps
  6. KV transfer between two processes on the GPU, 256 MiB in 2 MiB descriptors:
     cuda_ipc, and nixl if its wheel came along (>= 150 GB/s)
+ 7. serve: configs/gpu-1p1d.yaml (a prefill and a decode worker sharing the GPU, KV over
+    cuda_ipc) against its colocated twin configs/gpu-colocated.yaml, behind the router,
+    on a Llama-3.2-1B-shaped model with weights generated on the device (load_format
+    dummy) and a synthetic one-word-per-id tokenizer: greedy text identical; Poisson
+    arrivals at 2, 12 and 36 req/s (30, 90, 180 requests; prompts of 1536-2560 tokens, 128
+    output tokens), TTFT/TPOT/ITL p50/p99 and the KV transfer time per request from the
+    router's metrics; P5 (at 2/s, TTFT p50 and p99 <= 1.15x colocated) and P6 (at 36/s,
+    p99 TPOT <= 0.5x colocated, both throughputs shown); the nixl config's greedy text
+    and 2/s run if nixl imports. Sized to about 3 minutes (three service starts of ~30 s,
+    ~30 s of load per setup): see benchmarks/gpu/shapes.py. The long P5/P6 measurement
+    (200+ requests per setup, 3 seeds) is benchmarks/serve.py's (docs/benchmarks.md).
 A failing section prints FAIL with its error and the script goes on to the next.
 
 Diagnostics, not in the default run (helpers in benchmarks/gpu_profile.py):
@@ -64,7 +82,11 @@ Both also run on CPU with --smoke (tiny model; nixl over DRAM), which checks the
 Layout: this file is the command line; each section is a module of benchmarks/gpu/
 (kernels.py row 1, bandwidth.py row 2, tuning.py the tile sweep, fidelity.py and
 engine_rows.py rows 3-5b with decode_step.py and model.py, transfer.py row 6,
-step_profile.py and ucx.py the diagnostics, report.py the rows and the table).
+serving.py row 7, step_profile.py and ucx.py the diagnostics, report.py the rows and the
+table). --smoke runs every default section on CPU in about a minute (tests/benchmarks/
+test_gpu_check_smoke.py, in make test): the kernels under the Triton interpreter, the
+engines on the torch attention backend, the served model tiny over shm; timing targets
+are shown there but not judged.
 """
 
 from __future__ import annotations
@@ -88,7 +110,8 @@ from benchmarks.gpu.bitmask import check_bitmask  # noqa: E402
 from benchmarks.gpu.engine_rows import check_engine  # noqa: E402
 from benchmarks.gpu.fidelity import check_fp32_fidelity  # noqa: E402
 from benchmarks.gpu.kernels import check_kernels  # noqa: E402
-from benchmarks.gpu.report import print_table, section  # noqa: E402
+from benchmarks.gpu.report import judge_timings, print_table, section  # noqa: E402
+from benchmarks.gpu.serving import check_serving  # noqa: E402
 from benchmarks.gpu.shapes import H200, SMOKE  # noqa: E402
 from benchmarks.gpu.step_profile import check_profile  # noqa: E402
 from benchmarks.gpu.transfer import check_copy_kernels, check_transfer  # noqa: E402
@@ -99,12 +122,13 @@ from benchmarks.gpu.ucx import check_ucx  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    p.add_argument("--only", default="kernels,fp32,bandwidth,engine,transfer",
+    p.add_argument("--only", default="kernels,fp32,bandwidth,engine,transfer,serve",
                    help="comma-separated sections; add tune to sweep the kernels' tiles; "
                         "profile and ucx are diagnostics (see the module docstring)")
     args = p.parse_args()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+        judge_timings(False)
     s = SMOKE if args.smoke else H200
     only = set(args.only.split(","))
     import torch
@@ -128,6 +152,8 @@ def main() -> None:
         if "transfer" in only and s.device != "cpu":
             section("copy kernels", lambda: check_copy_kernels(s))
             section("KV transfer", lambda: check_transfer(s))
+        if "serve" in only:
+            section("serve", lambda: check_serving(s, work))
         if "ucx" in only:  # on CPU too: nixl moves DRAM there
             section("nixl under UCX settings", lambda: check_ucx(s))
     sys.exit(1 if print_table() else 0)

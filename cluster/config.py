@@ -8,6 +8,7 @@ typo never silently falls back to a default).
     model: models/SmolLM2-135M-Instruct
     dtype: float32
     device: cpu
+    load_format: safetensors        # or dummy: weights generated from the seed (engine/model/dummy_weights.py)
     transport: shm                  # kv_transfer/ name: nixl | shm | nccl | tcp | cuda_ipc
     transport_options: {timeout_s: 10.0, cancel_grace_s: 10.0}
     router: {host: 127.0.0.1, port: 8000, policy: kv_aware, remote_prefill_min_tokens: 64}
@@ -31,7 +32,7 @@ import yaml
 
 from cluster.config_fields import ConfigError, check, checked_mapping, integer, number
 from cluster.router_config import POLICIES, RouterConfig
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
 from engine.config_check import FieldTypeError
 from engine.distributed.sharding import check_shardable
 from engine.model.config import ModelConfig
@@ -44,7 +45,8 @@ LAUNCHERS = ("local", "ray")
 # Ray placement strategies between the workers of a pool (a worker is one bundle, and a
 # bundle is always on one node, so each worker is packed by construction).
 STRATEGIES = ("PACK", "SPREAD")
-ROLE_FIELDS = ("model", "dtype", "device")  # set once at the top, not per pool
+# Set once at the top, not per pool: a prefill and a decode worker must run the same model.
+ROLE_FIELDS = ("model", "dtype", "device", "load_format")
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,7 @@ class ClusterConfig:
     model: str
     dtype: str = "float32"
     device: str = "cpu"
+    load_format: str = "safetensors"
     transport: str = "shm"
     transport_options: TransportOptions = field(default_factory=TransportOptions)
     # A decode worker waits this long for pushed KV before prefilling locally.
@@ -205,7 +208,8 @@ class ClusterConfig:
 
     @classmethod
     def from_dict(cls, data: Any) -> "ClusterConfig":
-        data = checked_mapping(cls, data, "", {"dtype": DTYPES, "transport": sorted(TRANSPORTS), "launcher": LAUNCHERS})
+        data = checked_mapping(cls, data, "", {"dtype": DTYPES, "transport": sorted(TRANSPORTS), "launcher": LAUNCHERS,
+                                               "load_format": LOAD_FORMATS})
         check("model" in data, "model", "is required (a Hugging Face model directory)")
         check(isinstance(data["model"], str) and data["model"] != "", "model",
               f"must be a model directory path, got {data['model']!r}")
@@ -215,6 +219,8 @@ class ClusterConfig:
               f"must be one of {DTYPES}, got {data.get('dtype')!r}")
         check(isinstance(device, str) and (device == "cpu" or device.startswith("cuda")), "device",
               f"must be 'cpu' or 'cuda[:N]', got {device!r}")
+        load_format = data.get("load_format", "safetensors")
+        check(load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}, got {load_format!r}")
         check(transport in TRANSPORTS, "transport", f"must be one of {sorted(TRANSPORTS)}, got {transport!r}")
         on_gpu = isinstance(device, str) and device.startswith("cuda")
         check(not (on_gpu and transport in CPU_ONLY), "transport",
@@ -229,7 +235,7 @@ class ClusterConfig:
         check(launcher in LAUNCHERS, "launcher", f"must be one of {LAUNCHERS}, got {launcher!r}")
         ray = RayConfig.from_dict(data.get("ray", {}))
         out = cls(model=data["model"], dtype=data.get("dtype", "float32"), device=device,
-                  transport=transport, transport_options=TransportOptions.from_dict(data.get("transport_options", {})),
+                  load_format=load_format, transport=transport, transport_options=TransportOptions.from_dict(data.get("transport_options", {})),
                   prefill_deadline_s=float(deadline), router=RouterConfig.from_dict(data.get("router", {})),
                   prefill=PoolConfig.from_dict(data.get("prefill", {}), "prefill", minimum=0),
                   decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1),
@@ -247,11 +253,17 @@ class ClusterConfig:
                 raise ConfigError(f"{role}.engine: {exc}") from None
             if getattr(out, role).replicas and engine.tensor_parallel_size > 1:
                 _check_shardable(out.model, engine.tensor_parallel_size, f"{role}.engine.tensor_parallel_size")
+        if load_format == "dummy" and out.prefill.replicas:  # the seed draws the weights: one model for both pools
+            seeds = {role: out.engine_config(role).seed for role in ("prefill", "decode")}
+            check(seeds["prefill"] == seeds["decode"], "decode.engine.seed",
+                  f"must equal prefill.engine.seed with load_format dummy (the seed generates the weights), "
+                  f"got {seeds['decode']} and {seeds['prefill']}")
         return out
 
     def engine_config(self, role: str) -> EngineConfig:
         pool: PoolConfig = getattr(self, role)
-        return EngineConfig.from_options(self.model, dtype=self.dtype, device=self.device, **pool.engine)
+        return EngineConfig.from_options(self.model, dtype=self.dtype, device=self.device,
+                                         load_format=self.load_format, **pool.engine)
 
     def transport_config(self, host: str) -> TransportConfig:
         """The KV transport's config of a worker whose control socket listens on host."""

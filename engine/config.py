@@ -10,6 +10,7 @@ from engine.config_check import check_instance_types
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "reference", "triton")  # engine/attention/backend.py
+LOAD_FORMATS = ("safetensors", "dummy")  # engine/model/dummy_weights.py
 
 
 @dataclass
@@ -23,6 +24,10 @@ class EngineConfig:
     reach the host, so the host's work overlaps the device's (engine_core.py); greedy
     outputs are identical.
     max_model_len None takes the model's max_position_embeddings.
+    load_format "dummy" generates the weights on the device instead of reading them
+    (the directory needs only config.json, and a tokenizer to serve): the same seed gives
+    the same weights in every process and at every tensor-parallel size
+    (engine/model/dummy_weights.py).
     tensor_parallel_size > 1 shards the model over that many processes, one per rank
     (on CUDA one device each, from `device` on); num_threads and kv_cache_memory_gib
     are then per rank.
@@ -45,6 +50,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    load_format: str = "safetensors"
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
     prepack_cpu_weights: bool = True  # packed linears on CPU fp32: C panel kernel, else oneDNN (model/cpu_linear.py)
     tensor_parallel_size: int = 1  # processes (ranks) the model is sharded over (engine/distributed)
@@ -79,6 +85,8 @@ class EngineConfig:
                 f"max_model_len must be None or >= 2, got {self.max_model_len}")
         require(self.attention_backend in ATTENTION_BACKENDS,
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        require(self.load_format in LOAD_FORMATS,
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         require(self.num_threads is None or self.num_threads >= 1,
                 f"num_threads must be None or >= 1, got {self.num_threads}")
         require(self.tensor_parallel_size >= 1,

@@ -1,4 +1,12 @@
-"""Size the KV pool on a GPU from what a profiling forward pass leaves free."""
+"""Size the KV pool on a GPU from what a profiling forward pass leaves free.
+
+gpu_memory_utilization is this engine's own share of the device (vLLM v1's meaning):
+its weights, activation peak and KV pool together stay within that fraction, whatever
+other processes hold. So two workers sharing one GPU (a prefill and a decode worker,
+each sized by its own fraction) get the same pools whichever starts first; their
+fractions must sum below 1, leaving room for each process's CUDA context, which is not
+counted. A share that is not free now is an error naming the other processes' use,
+never a smaller pool than asked for."""
 
 from __future__ import annotations
 
@@ -40,9 +48,9 @@ def profiling_inputs(max_tokens: int, max_seq_len: int, block_size: int, max_log
 def profile_num_kv_blocks(model: LlamaForCausalLM, cfg: ModelConfig, backend: AttentionBackend,
                           device: str, dtype: torch.dtype, block_size: int, max_tokens: int,
                           max_seq_len: int, max_logits: int, gpu_memory_utilization: float) -> int:
-    """KV blocks that fit in gpu_memory_utilization of the device's memory, after the
-    weights, other processes, and the activation peak of the largest step: max_tokens
-    new tokens in prompts of at most max_seq_len, sampling max_logits rows."""
+    """KV blocks that fit in gpu_memory_utilization of the device's memory, after this
+    engine's weights and the activation peak of the largest step: max_tokens new tokens
+    in prompts of at most max_seq_len, sampling max_logits rows."""
     dev = torch.device(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
@@ -56,13 +64,19 @@ def profile_num_kv_blocks(model: LlamaForCausalLM, cfg: ModelConfig, backend: At
     del runner, scratch
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
-    budget = total * gpu_memory_utilization - (total - free) - activations
+    share = total * gpu_memory_utilization
+    budget = share - baseline - activations  # the weights and activations are this engine's
     block_bytes = cfg.kv_bytes_per_token(dtype.itemsize) * block_size
     if budget < block_bytes:
         raise ValueError(
-            f"gpu_memory_utilization={gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves no "
-            f"room for the KV cache: {(total - free) / 2**30:.2f} GiB in use (weights, other "
-            f"processes), {activations / 2**30:.2f} GiB activation peak")
+            f"gpu_memory_utilization={gpu_memory_utilization} ({share / 2**30:.2f} GiB of "
+            f"{total / 2**30:.1f} GiB) leaves no room for the KV cache after this engine's "
+            f"{baseline / 2**30:.2f} GiB of weights and {activations / 2**30:.2f} GiB activation peak")
+    if budget > free - activations:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} asks for a {budget / 2**30:.2f} GiB KV cache, "
+            f"but only {free / 2**30:.2f} GiB of {total / 2**30:.1f} GiB is free ({(total - free) / 2**30:.2f} "
+            f"GiB in use, by this engine's weights and other processes): lower it, or free the device")
     logger.info("KV cache: %.2f GiB free for blocks after a %d-token profiling step "
                 "(activation peak %.2f GiB)", budget / 2**30, max_tokens, activations / 2**30)
     return int(budget // block_bytes)

@@ -71,5 +71,5 @@ def make_llm(model_dir: Path, s: Setup, dtype: str, **options):
     from engine import LLM
 
     if s.device == "cpu":
-        options.update(attention_backend="triton", kv_cache_memory_gib=0.25)
+        options.update(attention_backend=s.cpu_attention_backend, kv_cache_memory_gib=0.25)
     return LLM(model=str(model_dir), dtype=dtype, device=s.device, **options)

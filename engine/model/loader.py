@@ -1,4 +1,6 @@
-"""Load a Hugging Face model directory (config.json + safetensors) into the engine model."""
+"""Load a Hugging Face model directory (config.json + safetensors) into the engine model,
+or with load_format "dummy" fill it with generated weights (dummy_weights.py) read
+through the same code, so a rank's slice of a generated tensor is cut as a read one's."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from engine.attention.backend import AttentionBackend
 from engine.distributed.group import SINGLE, Group
 from engine.distributed.sharding import Shard
 from engine.model.config import ModelConfig
+from engine.config import LOAD_FORMATS
+from engine.model.dummy_weights import DummyCheckpoint, checkpoint_shapes
 from engine.model.llama import LlamaForCausalLM
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,14 +105,27 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int]:
     return name, 0
 
 
+def _dummy_checkpoint(cfg: ModelConfig, backend: AttentionBackend, max_positions: int, device: str,
+                      dtype: torch.dtype, seed: int) -> DummyCheckpoint:
+    """Generated tensors named and shaped as the unsharded model's checkpoint."""
+    full = Shard.of(cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend, max_positions, device, full)
+    params = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied lm_head once
+    rows = {name: _shard_sizes(name, cfg, full) for name in params}
+    return DummyCheckpoint(checkpoint_shapes(params, _FUSED, rows), seed, dtype, device)
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
                backend: AttentionBackend, max_positions: int, shard: Shard | None = None,
-               group: Group = SINGLE) -> LlamaForCausalLM:
+               group: Group = SINGLE, load_format: str = "safetensors", seed: int = 0) -> LlamaForCausalLM:
     """Build the model for `cfg` (this rank's part of it, for a tensor-parallel
-    `shard`) and fill every parameter from the directory's safetensors."""
+    `shard`) and fill every parameter from the directory's safetensors, or with
+    load_format "dummy" from tensors generated from `seed` on `device`."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     shard = shard or Shard.of(cfg)
     path = Path(model_dir)
-    files = safetensors_files(path)
     torch_dtype = TORCH_DTYPES[dtype]
     # Build without initialising weights: every parameter is overwritten from the checkpoint.
     with torch.device("meta"):
@@ -119,30 +136,13 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
         model.lm_head.weight = model.embed_tokens.weight  # to_empty() unties shared parameters
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, set[int]] = {name: set() for name in params}
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if _IGNORED.search(name):
-                    continue
-                ours, index = _target(name, cfg)
-                if ours not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in {file.name}: not part of a "
-                                     f"{cfg.architecture} with this config")
-                dest = params[ours].data
-                sizes = _shard_sizes(ours, cfg, shard)
-                if sizes != [-1]:
-                    start = sum(sizes[:index])
-                    dest = dest[start:start + sizes[index]]
-                if ours.endswith("o_proj.bias") and shard.rank > 0:
-                    dest.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
-                else:
-                    source = _source_range(ours, index, cfg, shard)
-                    tensor = _read(f, name, dest, source)
-                    if source is not None and dest.shape[source[0]] != tensor.shape[source[0]]:
-                        dest.zero_()  # the vocabulary's padding rows
-                        dest = dest.narrow(source[0], 0, tensor.shape[source[0]])
-                    dest.copy_(tensor)
-                loaded[ours].add(index)
+    if load_format == "dummy":
+        dummy = _dummy_checkpoint(cfg, backend, max_positions, device, torch_dtype, seed)
+        _fill(dummy, "generated weights", cfg, shard, params, loaded)
+    else:
+        for file in safetensors_files(path):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                _fill(f, file.name, cfg, shard, params, loaded)
     if cfg.tie_word_embeddings:
         loaded["lm_head.weight"] = loaded["embed_tokens.weight"]
     missing = sorted(n for n, shards in loaded.items() if len(shards) < len(_shard_sizes(n, cfg, shard)))
@@ -151,3 +151,31 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
                          f"{' ...' if len(missing) > 8 else ''}")
     model.eval()
     return model
+
+
+def _fill(f, source_name: str, cfg: ModelConfig, shard: Shard, params: dict[str, torch.nn.Parameter],
+          loaded: dict[str, set[int]]) -> None:
+    """Copy this rank's part of every tensor in checkpoint `f` (a safetensors file, or
+    a DummyCheckpoint) into params, recording in `loaded` which pieces arrived."""
+    for name in f.keys():
+        if _IGNORED.search(name):
+            continue
+        ours, index = _target(name, cfg)
+        if ours not in params:
+            raise ValueError(f"unexpected tensor {name!r} in {source_name}: not part of a "
+                             f"{cfg.architecture} with this config")
+        dest = params[ours].data
+        sizes = _shard_sizes(ours, cfg, shard)
+        if sizes != [-1]:
+            start = sum(sizes[:index])
+            dest = dest[start:start + sizes[index]]
+        if ours.endswith("o_proj.bias") and shard.rank > 0:
+            dest.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
+        else:
+            source = _source_range(ours, index, cfg, shard)
+            tensor = _read(f, name, dest, source)
+            if source is not None and dest.shape[source[0]] != tensor.shape[source[0]]:
+                dest.zero_()  # the vocabulary's padding rows
+                dest = dest.narrow(source[0], 0, tensor.shape[source[0]])
+            dest.copy_(tensor)
+        loaded[ours].add(index)

@@ -31,11 +31,43 @@ def test_profile_runs_a_step_larger_than_the_context(llama_dir: Path, monkeypatc
     gib = 2**30
     for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
         monkeypatch.setattr(torch.cuda, name, lambda *args: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: 0)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: gib)
+    # The 2 GiB in use are this engine's weights; the step's peak is 1 GiB above them.
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: 2 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 3 * gib)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (8 * gib, 10 * gib))
     blocks = profile_num_kv_blocks(core.model, core.model_config, core.runner.attention_backend, "cpu",
                                    torch.float32, 16, 300, core.max_model_len, 64, 0.9)
     block_bytes = core.model_config.kv_bytes_per_token(4) * 16
     scratch = 19 * block_bytes  # 8 + 8 + 3 blocks
     assert blocks == int((9 * gib - 2 * gib - (gib - scratch)) // block_bytes)
+
+
+def test_two_engines_sharing_a_gpu_get_their_own_share_whichever_starts_first(
+        llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill and a decode worker on one GPU, each sized by its own fraction: the one
+    that profiles second sees the first's whole share in use, and still gets its own."""
+    llm = LLM(str(llama_dir), max_model_len=128)
+    core = llm.core
+    gib = 2**30
+    total, weights, peak = 100 * gib, 2 * gib, 3 * gib
+    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: weights)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: peak)
+    block_bytes = core.model_config.kv_bytes_per_token(4) * 16
+
+    def blocks(free: float, share: float) -> int:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (int(free), total))
+        return profile_num_kv_blocks(core.model, core.model_config, core.runner.attention_backend, "cpu",
+                                     torch.float32, 16, 64, core.max_model_len, 64, share)
+
+    first = blocks(total - weights, 0.5)  # only its own weights in use yet
+    second = blocks(total - 0.5 * total - weights, 0.4)  # the first's whole share, and its own weights
+    scratch = 4 * block_bytes  # the profiling step's 64 tokens
+    assert first == int((0.5 * total - weights - (peak - weights - scratch)) // block_bytes)
+    assert second == int((0.4 * total - weights - (peak - weights - scratch)) // block_bytes)
+    assert blocks(total - 0.4 * total - weights, 0.5) == first  # the other order: the same pools
+    # A share that is not free is refused, naming what holds the device.
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.6 asks for a .* GiB KV cache, but only "
+                                         r"47.00 GiB of 100.0 GiB is free"):
+        blocks(total - 0.5 * total - 3 * gib, 0.6)

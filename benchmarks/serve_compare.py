@@ -1,0 +1,43 @@
+"""P5 and P6, disaggregated against colocated, from two benchmarks/serve.py JSONs of the
+same command (same seeds and load points), as a markdown table for docs/benchmarks.md:
+
+    .venv/bin/python benchmarks/serve_compare.py results/disagg.json results/coloc.json
+    .venv/bin/python benchmarks/serve_compare.py D.json C.json --p5 "rate 0.1/s" --p6 "concurrency 8"
+
+P5: TTFT p50 and p99 ratio at the low load point (default: the first both ran); P6:
+p99 TPOT ratio at the high one (default: the last), with both throughputs, since P6
+compares at equal throughput. Per seed, pooled over seeds, and the seeds' spread
+(benchmarks/serving/compare.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != _REPO_ROOT / "benchmarks"]
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+from benchmarks.serving.compare import compare  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("disaggregated", help="serve.py --json of the disaggregated setup")
+    p.add_argument("colocated", help="serve.py --json of the colocated twin, same command")
+    p.add_argument("--p5", default=None, help='P5\'s load point, e.g. "rate 0.1/s" (default: the first)')
+    p.add_argument("--p6", default=None, help='P6\'s load point, e.g. "concurrency 8" (default: the last)')
+    args = p.parse_args(argv)
+    reports = [json.loads(Path(path).read_text()) for path in (args.disaggregated, args.colocated)]
+    try:
+        print(compare(*reports, args.p5, args.p6))
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+if __name__ == "__main__":
+    main()

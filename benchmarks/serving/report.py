@@ -1,0 +1,46 @@
+"""A run's summary (vLLM `bench serve`'s definitions) and its one printed line."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from benchmarks.serving.load import Result
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"p50": qs[49], "p90": qs[89], "p99": qs[98]}
+
+
+def summarize(results: list[Result], elapsed: float, slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    good = [r for r in ok if r.ttft <= slo_ttft and (r.tpot or 0.0) <= slo_tpot]
+    return {
+        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5], "seconds": elapsed,
+        "request_throughput": len(ok) / elapsed, "output_throughput": sum(r.output_tokens for r in ok) / elapsed,
+        "goodput": len(good) / elapsed,
+        "ttft": percentiles([r.ttft for r in ok]), "tpot": percentiles(tpots),
+        "itl": percentiles([x for r in ok for x in r.itl]), "e2e": percentiles([r.e2e for r in ok]),
+    }
+
+
+def _ms(p: dict[str, float]) -> str:
+    return f"{p['p50'] * 1e3:.0f}/{p['p90'] * 1e3:.0f}/{p['p99'] * 1e3:.0f} ms"
+
+
+def line(label: str, s: dict[str, Any]) -> str:
+    kv = s.get("kv_transfer")
+    transfer = ("" if not kv or not kv["count"] or math.isnan(kv["mean"]) else
+                f" | KV transfer mean/p50/p99 {kv['mean'] * 1e3:.1f}/{kv['p50'] * 1e3:.1f}/"
+                f"{kv['p99'] * 1e3:.1f} ms over {kv['count']:.0f}")
+    return (f"{label}: {s['completed']}/{s['requests']} ok, {s['request_throughput']:.2f} req/s, "
+            f"{s['output_throughput']:.1f} output tok/s, goodput {s['goodput']:.2f} req/s | "
+            f"TTFT p50/p90/p99 {s['ttft']['p50']:.2f}/{s['ttft']['p90']:.2f}/{s['ttft']['p99']:.2f} s | "
+            f"TPOT {_ms(s['tpot'])} | ITL {_ms(s['itl'])}" + transfer
+            + (f" | errors: {s['errors']}" if s["errors"] else ""))
