@@ -51,6 +51,10 @@ def make_engine(model_dir: str, device: str, dtype: str, max_batch: int, max_tok
 
 def decode_steps(core, device: str, batches: Sequence[int], contexts: Sequence[int], vocab: int,
                  steps: int, windows: int, progress: Callable[[Measured], None] | None = None) -> list[Measured]:
+    # Each batch size once at a short context first: the first steps an engine runs at a
+    # new batch size carry one-time costs that one settling step does not absorb.
+    for b in batches:
+        release_batch(core, _steady(core, b, 16, vocab, steps=3))
     out = []
     for context in contexts:
         for b in batches:
@@ -67,6 +71,13 @@ def decode_steps(core, device: str, batches: Sequence[int], contexts: Sequence[i
             if progress is not None:
                 progress(out[-1])
     return out
+
+
+def _steady(core, b: int, context: int, vocab: int, steps: int) -> list[str]:
+    ids = fill_decode_batch(core, random_prompts(b, context, vocab, seed=b), tag="warm")
+    for _ in range(steps):
+        core.step()
+    return ids
 
 
 def prefill_steps(core, device: str, chunk: int, context: int, vocab: int, repeats: int) -> Measured:

@@ -52,8 +52,9 @@ def plot_roofline(report: dict[str, Any], path: str | Path) -> Path:
         colour = f"C{contexts.index(r['context'])}" if r["kind"] == "decode" else "black"
         ax.scatter(x, r["flops"] / r["measured_s"], marker=markers[r["kind"]], color=colour, zorder=3)
         label = f"b{r['batch']}" if r["kind"] == "decode" else f"prefill {r['new_tokens']}"
-        ax.annotate(label, (x, r["flops"] / r["measured_s"]), textcoords="offset points", xytext=(4, -10),
-                    fontsize=7)
+        below = r["kind"] != "decode" or contexts.index(r["context"]) % 2 == 0  # neighbours' labels apart
+        ax.annotate(label, (x, r["flops"] / r["measured_s"]), textcoords="offset points",
+                    xytext=(4, -10) if below else (-18, 4), fontsize=7, color=colour)
     for i, c in enumerate(contexts):
         ax.scatter([], [], marker="o", color=f"C{i}", label=f"decode, context {c}")
     if any(r["kind"] == "prefill" for r in rows):
