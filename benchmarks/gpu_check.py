@@ -29,8 +29,9 @@ Rows:
     half of a batch of 256 rows over the 128k vocabulary (<= 50 us)
  2. decode-attention bandwidth: bytes it must read / its time, vs 4.23 TB/s (>= 70% at
     batch 64, context 2k)
- 3. engine decode step at batch 64 and 256, context ~1k, vs the memory floor (weights + KV
-    bytes at 4.23 TB/s; <= 1.5x at batch 256)
+ 3. engine decode step at batch 64 and 256, context ~1k, vs the roofline floor: per kernel
+    class (benchmarks/roofline/analytic.py) the larger of bytes / 4.23 TB/s and FLOPs /
+    760 TFLOP/s, summed over classes (<= 1.3x at batch 256)
  4. offline throughput of LLM.generate vs HF generate, Llama-3.2-1B-shaped random bf16
     model, 512-token prompts, 128 new tokens (>= 20x)
  5. greedy tokens equal to HF in float32 (exact); in bf16 the fraction that match; CUDA

@@ -7,7 +7,7 @@ import functools
 from pathlib import Path
 
 from benchmarks.gpu.decode_step import fill_decode_batch, mean_step_seconds, replay_seconds
-from benchmarks.gpu.model import build_model, free_memory, make_llm
+from benchmarks.gpu.model import build_model, free_memory, make_llm, prompts
 from benchmarks.gpu.report import row
 from benchmarks.gpu.shapes import Setup
 
@@ -28,7 +28,7 @@ def check_profile(s: Setup, work: Path) -> None:
                    max_num_batched_tokens=8192 if s.device != "cpu" else 64)
     core = llm.core
     graphs = core.runner.graphs
-    ids = fill_decode_batch(core, s, b, tag="profile")
+    ids = fill_decode_batch(core, prompts(s, b, s.step_context, seed=4 + b), tag="profile")
     modes = [("eager", None)] + ([("graph", graphs)] if graphs is not None else [])
     walls: dict[str, float] = {}
     try:
