@@ -9,6 +9,7 @@ Load, one run per seed and load point:
   --rates R1,R2       Poisson arrivals at each rate (requests/s), for --duration seconds,
                       or until --num-requests requests have arrived (open loop)
   --concurrency N1,N2 N requests outstanding at all times, --num-requests in all (closed loop)
+Both may be given: the concurrency points run first, then the rates (default: rates 0.5,1).
 Prompts are random words, U[--prompt-len] of them (with --shared-prefix N every prompt
 starts with the same N words), or with --prompt-tokens MIN MAX that many random token
 ids sent as the prompt itself; output lengths U[--output-len] (ignore_eos, so each
@@ -82,9 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     where.add_argument("--config", help="start this cluster config, benchmark it, stop it")
     where.add_argument("--url", help="a running server's base URL, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", default=None, help="model name (default: the config's, or the server's)")
-    load = p.add_mutually_exclusive_group()
-    load.add_argument("--rates", default="0.5,1", help="comma-separated Poisson request rates (requests/s)")
-    load.add_argument("--concurrency", default=None, help="comma-separated counts of requests kept outstanding")
+    p.add_argument("--rates", default=None,
+                   help="comma-separated Poisson request rates (requests/s); default 0.5,1 unless --concurrency")
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated counts of requests kept outstanding (run before any --rates)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of Poisson arrivals per rate")
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per run (Poisson: instead of --duration; required with --concurrency)")
@@ -105,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     args.seeds = [args.seed] if args.seed is not None else [int(s) for s in args.seeds.split(",")]
+    if args.rates is None and args.concurrency is None:
+        args.rates = "0.5,1"
     if args.concurrency is not None and args.num_requests is None:
         p.error("--concurrency needs --num-requests (the closed loop's stop)")
     for name in ("num_requests",):
@@ -122,10 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     api_key = os.environ.get("PDSERVE_API_KEY") or None
     workload = Workload(tuple(args.prompt_len), tuple(args.output_len), args.shared_prefix,
                         tuple(args.prompt_tokens) if args.prompt_tokens else None, tuple(args.token_ids))
-    if args.concurrency is not None:
-        points = [{"concurrency": int(c)} for c in args.concurrency.split(",")]
-    else:
-        points = [{"rate": float(r)} for r in args.rates.split(",")]
+    points = [{"concurrency": int(c)} for c in (args.concurrency or "").split(",") if c]
+    points += [{"rate": float(r)} for r in (args.rates or "").split(",") if r]
     with serving(args.config, args.url, args.model, args.port, api_key) as (url, model):
         report = {"url": url, "model": model, "args": vars(args), "runs": []}
         for seed in args.seeds:

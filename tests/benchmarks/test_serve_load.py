@@ -85,7 +85,11 @@ def test_arguments() -> None:
                        "--seeds", "0,1,2", "--prompt-tokens", "1500", "2500"])
     assert args.seeds == [0, 1, 2] and args.prompt_tokens == [1500, 2500]
     assert parse_args(["--url", "u", "--seed", "2"]).seeds == [2]
+    assert parse_args(["--url", "u"]).rates == "0.5,1" and parse_args(["--url", "u"]).concurrency is None
+    both = parse_args(["--url", "u", "--rates", "0.2", "--concurrency", "1", "--num-requests", "5"])
+    assert (both.rates, both.concurrency) == ("0.2", "1")  # P5's closed loop and P6's rate, one command
+    assert parse_args(["--url", "u", "--concurrency", "1", "--num-requests", "5"]).rates is None
     for bad in (["--concurrency", "4"], ["--prompt-tokens", "9", "3"], ["--num-requests", "0"],
-                ["--rates", "1", "--concurrency", "2", "--num-requests", "5"]):
+                ["--rates", "1", "--concurrency", "2"]):
         with pytest.raises(SystemExit):
             parse_args(["--url", "u", *bad])
