@@ -73,6 +73,8 @@ def cdf_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", required=True, help="comma-separated, one per report")
     p.add_argument("--out", required=True, help="PNG path")
     p.add_argument("--title", default="")
+    p.add_argument("--point", default=None,
+                   help='only the runs at this load point, e.g. "rate 0.3/s" or "concurrency 1" (default: all)')
     return p
 
 
@@ -101,9 +103,9 @@ def cdf_main(argv: list[str]) -> None:
         except (OSError, json.JSONDecodeError) as exc:
             p.error(f"cannot read serve report {path}: {exc}")
     try:
-        out = plot_serve_cdfs(reports, labels, args.out, args.title)
+        out = plot_serve_cdfs(reports, labels, args.out, args.title, args.point)
     except (ValueError, KeyError, TypeError) as exc:
-        p.error(f"not a serve.py --json report: {exc}")
+        p.error(f"cannot plot these serve.py --json reports: {exc}")
     print(f"wrote {out}")
 
 

@@ -103,16 +103,28 @@ def plot_step_times(report: dict[str, Any], path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def serve_latencies(report: dict[str, Any]) -> tuple[list[float], list[float]]:
-    """(TTFT seconds, TPOT seconds) of every completed request, over all rates, from
-    benchmarks/serve.py's --json report; TPOT only for requests of > 1 output token."""
-    if not isinstance(report.get("rates"), dict):
-        raise ValueError("not a benchmarks/serve.py --json report: it has no 'rates' object")
+def serve_latencies(report: dict[str, Any], point: str | None = None) -> tuple[list[float], list[float]]:
+    """(TTFT seconds, TPOT seconds) of every completed request, from benchmarks/serve.py's
+    --json report: over every run of its load point `point` (e.g. "rate 0.3/s",
+    "concurrency 1"; every seed pooled), or of every run when None; TPOT only for
+    requests of > 1 output token. Reads the "runs" list, else the older "rates" object."""
+    from benchmarks.serving.compare import load_point
+
+    if isinstance(report.get("runs"), list):
+        runs = [(load_point(run), run) for run in report["runs"]]
+    elif isinstance(report.get("rates"), dict):
+        runs = [(f"rate {rate}/s", block) for rate, block in report["rates"].items()]
+    else:
+        raise ValueError("not a benchmarks/serve.py --json report: it has no 'runs' list nor 'rates' object")
+    if point is not None:
+        runs = [(name, run) for name, run in runs if name == point]
+        if not runs:
+            raise ValueError(f"the serve report has no run at {point!r}")
     ttft, tpot = [], []
-    for rate, block in report["rates"].items():
-        if "results" not in block:
-            raise ValueError(f"rate {rate} of the serve report has no per-request 'results'")
-        for r in block["results"]:
+    for name, run in runs:
+        if "results" not in run:
+            raise ValueError(f"{name} of the serve report has no per-request 'results'")
+        for r in run["results"]:
             if not r["ok"]:
                 continue
             ttft.append(r["ttft"])
@@ -122,14 +134,14 @@ def serve_latencies(report: dict[str, Any]) -> tuple[list[float], list[float]]:
 
 
 def plot_serve_cdfs(reports: Sequence[dict[str, Any]], labels: Sequence[str], path: str | Path,
-                    title: str = "") -> Path:
-    """TTFT and TPOT CDFs, one line per serve report."""
+                    title: str = "", point: str | None = None) -> Path:
+    """TTFT and TPOT CDFs, one line per serve report (its runs at load point `point`, or all)."""
     if len(reports) != len(labels):
         raise ValueError(f"{len(reports)} serve reports but {len(labels)} labels")
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
     for report, label in zip(reports, labels):
-        ttft, tpot = serve_latencies(report)
+        ttft, tpot = serve_latencies(report, point)
         for ax, values, scale in ((left, ttft, 1.0), (right, tpot, 1e3)):
             xs = sorted(v * scale for v in values)
             ax.step(xs, [(k + 1) / len(xs) for k in range(len(xs))], where="post", label=f"{label} (n={len(xs)})")

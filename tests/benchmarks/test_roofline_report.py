@@ -60,6 +60,21 @@ def test_plots_are_written(tmp_path: Path) -> None:
     assert_png(plots.plot_serve_cdfs(serve, ["disaggregated", "colocated"], tmp_path / "cdf.png"))
 
 
+def test_serve_latencies_of_one_load_point_of_a_runs_report() -> None:
+    """serve.py's "runs" format (seeds x load points): every seed of the chosen point."""
+    def run(seed: int, load: dict, ttfts: list[float]) -> dict:
+        return {"seed": seed, **load, "results": serve_report(ttfts)["rates"]["0.5"]["results"]}
+
+    closed, poisson = {"load": "concurrency", "concurrency": 1}, {"load": "poisson", "rate": 0.3}
+    report = {"runs": [run(0, closed, [0.1]), run(0, poisson, [0.5, 0.6]), run(1, closed, [0.2]),
+                       run(1, poisson, [0.7])]}
+    assert sorted(plots.serve_latencies(report, "rate 0.3/s")[0]) == [0.5, 0.6, 0.7]
+    assert sorted(plots.serve_latencies(report, "concurrency 1")[0]) == [0.1, 0.2]
+    assert len(plots.serve_latencies(report)[0]) == 5
+    with pytest.raises(ValueError, match="no run at 'rate 9.0/s'"):
+        plots.serve_latencies(report, "rate 9.0/s")
+
+
 def test_serve_latencies_skip_failed_requests() -> None:
     ttft, tpot = plots.serve_latencies(serve_report([0.5, 0.7], tokens=3))
     assert ttft == [0.5, 0.7]
@@ -127,4 +142,4 @@ def test_cdf_rejects_a_report_that_is_not_serves(tmp_path: Path, capsys: pytest.
     bad.write_text(json.dumps({"rows": []}))
     with pytest.raises(SystemExit):
         cli.main(["cdf", "--json", str(good), str(bad), "--labels", "a,b", "--out", str(tmp_path / "x.png")])
-    assert "no 'rates' object" in capsys.readouterr().err
+    assert "not a benchmarks/serve.py --json report: it has no 'runs' list nor 'rates' object" in capsys.readouterr().err
