@@ -45,9 +45,12 @@ class LocalLauncher:
                   "Ctrl-C stops", flush=True)
             wait_for_signal(http.alive)
         finally:
+            # Before the HTTP server drains its requests (which may take a while): a
+            # SIGTERM to the process group is killing the workers now, not crashing them.
+            workers.stop_supervising()
             if http is not None:
                 http.stop()
-            workers.stop()  # its supervisor first: workers stopped now are not restarted
+            workers.stop()
             print("pdserve: stopped", flush=True)
 
     def down(self, config: ClusterConfig) -> str:

@@ -63,6 +63,7 @@ class LocalSupervisor:
         self._lock = threading.Lock()
         self._starting: dict[str, Worker] = {}  # restarted processes not yet serving
         self._stop = threading.Event()
+        self._sigterm_seen: dict[int, float] = {}  # id(process) -> when its SIGTERM death was seen
         self._thread = threading.Thread(target=self._run, name="local-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -84,8 +85,8 @@ class LocalSupervisor:
                 for index, w in enumerate(pool):
                     if w.name in self.gone or w.process.is_alive() or self._stop.is_set():
                         continue
-                    if w.process.exitcode == -signal.SIGTERM and self._stop.wait(SIGTERM_GRACE_S):
-                        return  # the deployment is stopping: not a crash
+                    if w.process.exitcode == -signal.SIGTERM and not self._grace_over(w):
+                        continue  # maybe the deployment is stopping: not a crash yet
                     try:
                         self._report_down(w)
                     except Exception:  # supervision must outlive any one failure
@@ -94,6 +95,12 @@ class LocalSupervisor:
                     # workers' deaths must be reported meanwhile.
                     threading.Thread(target=self._restart, args=(role, index, w), daemon=True,
                                      name=f"restart-{w.name}").start()
+
+    def _grace_over(self, w: Worker) -> bool:
+        """Whether SIGTERM_GRACE_S passed since this sweep first saw `w` dead (others'
+        deaths are handled meanwhile)."""
+        first = self._sigterm_seen.setdefault(id(w.process), time.monotonic())
+        return time.monotonic() - first >= SIGTERM_GRACE_S
 
     def _live(self, pool: list[Worker]) -> list[Worker]:
         return [w for w in pool if w.name not in self.gone and w.process.is_alive()]

@@ -47,10 +47,15 @@ class LocalWorkers:
     def all(self) -> list[Worker]:
         return self.decode + self.prefill
 
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.supervisor is not None:  # first: a worker stopped now is not restarted
+    def stop_supervising(self, timeout: float = 10.0) -> None:
+        """From now on no exit is taken for a crash, nor restarted: the first thing a
+        shutdown does (a signal to the process group may be killing the workers now)."""
+        if self.supervisor is not None:
             self.supervisor.stop(timeout)
             self.supervisor = None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.stop_supervising(timeout)  # first: a worker stopped now is not restarted
         for w in self.all:
             try:
                 w.control.send_bytes(encode(Stop()))

@@ -166,13 +166,55 @@ def test_a_sigterm_death_during_shutdown_is_not_taken_for_a_crash(monkeypatch) -
     import signal
 
     monkeypatch.setattr(supervision, "SIGTERM_GRACE_S", 5.0)
-    h = Harness(monkeypatch, threading.Event(), ok=True)
+    serving = threading.Event()
+    h = Harness(monkeypatch, serving, ok=True)
     h.workers.decode[0].process.alive = True
     h.workers.decode[1].process.alive, h.workers.decode[1].process.exitcode = False, -signal.SIGTERM
     h.supervisor.start()
     time.sleep(0.2)  # several watch intervals
-    h.supervisor.stop()  # the launcher's own SIGTERM handler
-    assert h.events == [] and h.spawned == []
+    h.workers.decode[0].process.alive, h.workers.decode[0].process.exitcode = False, 1  # a crash meanwhile
+    h.wait(lambda: ("down", "decode-0") in h.events, "a crash is handled while decode-1's grace runs")
+    h.workers.stop_supervising()  # the launcher's shutdown, first of all
+    serving.set()
+    assert ("down", "decode-1") not in h.events and len(h.spawned) <= 1
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_stops_supervising_before_draining_its_http_requests(monkeypatch) -> None:
+    """A group SIGTERM with a request in flight: the HTTP server's drain waits for it
+    (its workers died of the same signal), longer than SIGTERM_GRACE_S; the supervisor
+    must be stopped before that drain, not after."""
+    import cluster.serve as serve_module
+    from cluster.local.launcher import LocalLauncher
+
+    order: list[str] = []
+
+    class Supervisor:
+        def stop(self, timeout: float = 10.0) -> None:
+            order.append("supervisor stopped")
+
+    class HTTP:
+        url = "http://127.0.0.1:1"
+
+        def __init__(self, *args) -> None:
+            pass
+
+        def alive(self) -> bool:
+            return False
+
+        def stop(self) -> None:
+            order.append("http drained")
+
+    workers = LocalWorkers()
+    workers.supervisor = Supervisor()
+    monkeypatch.setattr(serve_module, "build", lambda config: (workers, type("R", (), {
+        "worker_down": None, "worker_moved": None})()))
+    monkeypatch.setattr(serve_module, "HTTPServer", HTTP)
+    monkeypatch.setattr(serve_module, "wait_for_signal", lambda alive: None)
+    monkeypatch.setattr(LocalLauncher, "supervise", lambda self, config, w, hooks: None)
+    config = type("C", (), {"model": "m", "transport": "shm", "router": type("R", (), {"host": "h", "port": 1})()})()
+    LocalLauncher().serve(config, detach=False)
+    assert order == ["supervisor stopped", "http drained"]
 
 
 @pytest.mark.timeout(30)
