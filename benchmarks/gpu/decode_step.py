@@ -17,15 +17,16 @@ from benchmarks.roofline.roofs import H200
 STEPS = 20  # timed decode steps per batch
 
 
-def fill_decode_batch(core, batch_prompts: list[list[int]], tag: str = "step") -> list[str]:
+def fill_decode_batch(core, batch_prompts: list[list[int]], tag: str = "step", steps: int = 63) -> list[str]:
     """Add one request per prompt and step until every one has its first token: a
-    steady decode batch whose next step runs at context len(prompt). Returns their ids."""
+    steady decode batch whose next step runs at context len(prompt), for `steps` steps
+    at least (then its requests may finish). Returns their ids."""
     from engine import SamplingParams
 
     b = len(batch_prompts)
     ids = [f"{tag}{b}-{i}" for i in range(b)]
     for rid, p in zip(ids, batch_prompts):
-        core.add_request(rid, p, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        core.add_request(rid, p, SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
     while any(r.num_output_tokens == 0 for r in core.scheduler.running) or core.scheduler.waiting:
         core.step()
     return ids

@@ -59,7 +59,7 @@ def decode_steps(core, device: str, batches: Sequence[int], contexts: Sequence[i
     for context in contexts:
         for b in batches:
             ids = fill_decode_batch(core, random_prompts(b, context, vocab, seed=1000 * b + context),
-                                    tag=f"roof{context}-")
+                                    tag=f"roof{context}-", steps=1 + steps * windows)  # never drains while timed
             try:
                 mean_step_seconds(core, device, 1)  # settle: the first step after a prefill
                 times = [mean_step_seconds(core, device, steps) for _ in range(windows)]

@@ -24,6 +24,23 @@ def test_decode_steps(core) -> None:
     assert not core.has_unfinished()
 
 
+def test_every_timed_decode_step_runs_the_whole_batch(core, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More timed steps than a request's default 63: the batch must not drain while timed
+    (the floor assumes the whole batch in every step)."""
+    sizes: list[int] = []
+    step = core.step
+
+    def counted():
+        out = step()
+        sizes.append(out.num_requests)
+        return out
+
+    monkeypatch.setattr(core, "step", counted)
+    decode_steps(core, "cpu", [2], [8], VOCAB_SIZE, steps=20, windows=4)
+    timed = sizes[-80:]  # the last 80 steps are the 4 timed windows
+    assert timed == [2] * 80, f"{timed.count(0)} of 80 timed steps ran an empty batch"
+
+
 def test_prefill_step_after_a_cached_context(core) -> None:
     m = prefill_steps(core, "cpu", chunk=24, context=16, vocab=VOCAB_SIZE, repeats=2)
     assert (m.kind, m.batch, m.new_tokens, m.context, m.timed_contexts) == ("prefill", 1, 24, 16, (16,))
