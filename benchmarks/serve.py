@@ -21,8 +21,10 @@ same requests. Each request is streamed, and the definitions are vLLM's `bench s
   ITL   time between consecutive streamed chunks (the router sends one per engine step)
   goodput  requests/s that met both SLOs (--slo-ttft, --slo-tpot)
   KV transfer  per remote prefill, the router's pdserve_request_phase_seconds{phase=
-        "transfer"} scraped before and after the run: mean, and p50/p99 at its buckets'
-        resolution
+        "kv_write"} (the prefill worker's KV computed -> last write acknowledged)
+        scraped before and after the run: mean, and p50/p99 at its buckets' resolution;
+        "hop" the same for phase="transfer" (also the trip to the prefill worker, its
+        wait for the step it was in, and the notification back)
 It prints p50/p90/p99 of each, request and token throughput, and writes JSON with
 --json (its "runs"; benchmarks/serve_compare.py reads two of them). With --config it
 starts that cluster itself (`pdserve serve`'s code) and stops it. $PDSERVE_API_KEY, if
@@ -49,7 +51,7 @@ if str(_REPO_ROOT) not in sys.path:
 
 from benchmarks.serving.load import (WORDS, Result, Workload, auth_headers, one_request,  # noqa: E402
                                      run_concurrency, run_poisson)
-from benchmarks.serving.metrics_scrape import scrape, transfer_delta  # noqa: E402
+from benchmarks.serving.metrics_scrape import KV_HOP, KV_WRITE, scrape, transfer_delta  # noqa: E402
 from benchmarks.serving.report import line, percentiles, summarize  # noqa: E402
 from benchmarks.serving.server import serving  # noqa: E402
 
@@ -70,7 +72,8 @@ def run_load(url: str, model: str, workload: Workload, seed: int, index: int = 0
     else:
         results, elapsed = asyncio.run(run_concurrency(url, model, schedule, concurrency, label, api_key))
     s = summarize(results, elapsed, *slo)
-    s["kv_transfer"] = transfer_delta(before, scrape(url, auth_headers(api_key)))
+    after = scrape(url, auth_headers(api_key))
+    s["kv_transfer"], s["kv_hop"] = transfer_delta(before, after, KV_WRITE), transfer_delta(before, after, KV_HOP)
     print(line(label, s), flush=True)
     load = {"load": "poisson", "rate": rate} if rate is not None else {"load": "concurrency",
                                                                        "concurrency": concurrency}

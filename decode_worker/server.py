@@ -267,6 +267,8 @@ class DecodeWorker(WorkerLoop):
         if kv_ready is not None and t.remote_compute_s is not None:
             phases.update(queue=max(0.0, scheduled - kv_ready), prefill=t.remote_compute_s,
                           transfer=max(0.0, kv_ready - t.arrived - t.remote_compute_s))
+            if t.remote_transfer_s is not None:
+                phases["kv_write"] = t.remote_transfer_s
         else:
             phases.update(queue=max(0.0, scheduled - t.arrived), prefill=max(0.0, first_token - scheduled))
         return phases

@@ -10,9 +10,15 @@ worker measured them:
     prefill   local: first scheduled -> first token; remote: the prefill worker's
               time from receiving it to its KV computed (its queue included)
     transfer  remote only: received -> KV complete on the decode worker, minus the
-              prefill: the hop to the prefill worker, writes compute did not hide,
-              the notification
+              prefill: the hop to the prefill worker (and its wait there for the
+              step it was computing to end), writes compute did not hide, the
+              notification
     decode    first token -> last token
+
+and, a part of transfer, not added to the others:
+
+    kv_write  remote only: the prefill worker's time from the prompt's KV computed to
+              its last write acknowledged (the writes compute did not hide)
 
 Time per output token (TPOT) follows vLLM too: (end-to-end - time to first token) /
 (output tokens - 1), for requests with at least two output tokens.
@@ -35,7 +41,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from router.worker_metrics import WorkerHistograms
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# From 0.1 ms: a KV transfer on one GPU (phase kv_write) takes well under 5 ms, and
+# a quantile read from buckets is only as fine as they are.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 WORKER_GAUGES = {  # stats key -> (metric, help); a worker reports those of its role
     "num_blocks": ("pdserve_worker_num_blocks", "KV blocks in the worker's pool"),
     "free_blocks": ("pdserve_worker_free_blocks", "KV blocks free (or only cached) in the worker's pool"),
@@ -61,7 +69,7 @@ WORKER_GAUGES = {  # stats key -> (metric, help); a worker reports those of its 
     "prefills": ("pdserve_worker_prefills_done", "remote prefills whose KV was all written (total)"),
     "failed": ("pdserve_worker_prefills_failed", "remote prefills that failed on the prefill worker (total)"),
 }
-PHASES = ("queue", "prefill", "transfer", "decode")
+PHASES = ("queue", "prefill", "transfer", "decode", "kv_write")
 
 
 class RouterMetrics:

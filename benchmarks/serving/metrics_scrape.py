@@ -1,6 +1,7 @@
 """One histogram of the router's /metrics, scraped before and after a run: the run's
 own observations are the difference. Used for the KV transfer time per request
-(pdserve_request_phase_seconds{phase="transfer"}), which only the decode worker sees.
+(pdserve_request_phase_seconds{phase="kv_write"}, and the whole hop, phase="transfer"),
+which only the workers see.
 Quantiles come from the bucket counts as Prometheus' histogram_quantile computes them
 (linear within a bucket), so they are as coarse as the router's buckets."""
 
@@ -69,7 +70,11 @@ def parse_histogram(text: str, name: str, labels: dict[str, str]) -> Histogram:
     return out
 
 
-TRANSFER = ("pdserve_request_phase_seconds", {"phase": "transfer"})
+# The KV transfer proper: computed -> last write acknowledged, on the prefill worker.
+KV_WRITE = ("pdserve_request_phase_seconds", {"phase": "kv_write"})
+# All of a remote prefill's time on neither worker's compute: the hop to the prefill
+# worker and its wait for the step it was in, the writes, the notification.
+KV_HOP = ("pdserve_request_phase_seconds", {"phase": "transfer"})
 
 
 def scrape(base_url: str, headers: dict[str, str] | None = None) -> str | None:
@@ -83,10 +88,12 @@ def scrape(base_url: str, headers: dict[str, str] | None = None) -> str | None:
     return response.text if response.status_code == 200 else None
 
 
-def transfer_delta(before: str | None, after: str | None) -> dict[str, float] | None:
-    """The KV transfer time per request of what ran between two scrapes: count, mean,
-    p50, p99 (seconds); None if either scrape failed."""
+def transfer_delta(before: str | None, after: str | None,
+                   phase: tuple[str, dict[str, str]] = KV_WRITE) -> dict[str, float] | None:
+    """A remote prefill's phase per request (KV_WRITE: the KV transfer time; KV_HOP) of
+    what ran between two scrapes: count, mean, p50, p99 (seconds); None if either
+    scrape failed."""
     if before is None or after is None:
         return None
-    name, labels = TRANSFER
+    name, labels = phase
     return parse_histogram(after, name, labels).minus(parse_histogram(before, name, labels)).summary()

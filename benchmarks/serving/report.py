@@ -34,11 +34,14 @@ def _ms(p: dict[str, float]) -> str:
     return f"{p['p50'] * 1e3:.0f}/{p['p90'] * 1e3:.0f}/{p['p99'] * 1e3:.0f} ms"
 
 
+def _phase(title: str, kv: dict[str, float] | None) -> str:
+    return ("" if not kv or not kv["count"] or math.isnan(kv["mean"]) else
+            f" | {title} mean/p50/p99 {kv['mean'] * 1e3:.1f}/{kv['p50'] * 1e3:.1f}/"
+            f"{kv['p99'] * 1e3:.1f} ms over {kv['count']:.0f}")
+
+
 def line(label: str, s: dict[str, Any]) -> str:
-    kv = s.get("kv_transfer")
-    transfer = ("" if not kv or not kv["count"] or math.isnan(kv["mean"]) else
-                f" | KV transfer mean/p50/p99 {kv['mean'] * 1e3:.1f}/{kv['p50'] * 1e3:.1f}/"
-                f"{kv['p99'] * 1e3:.1f} ms over {kv['count']:.0f}")
+    transfer = _phase("KV transfer", s.get("kv_transfer")) + _phase("hop", s.get("kv_hop"))
     return (f"{label}: {s['completed']}/{s['requests']} ok, {s['request_throughput']:.2f} req/s, "
             f"{s['output_throughput']:.1f} output tok/s, goodput {s['goodput']:.2f} req/s | "
             f"TTFT p50/p90/p99 {s['ttft']['p50']:.2f}/{s['ttft']['p90']:.2f}/{s['ttft']['p99']:.2f} s | "

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.serve import parse_args
 from benchmarks.serving import load
 from benchmarks.serving.load import Result, Workload, run_concurrency, run_poisson
-from benchmarks.serving.metrics_scrape import parse_histogram, transfer_delta
+from benchmarks.serving.metrics_scrape import KV_HOP, parse_histogram, transfer_delta
 from router.metrics import RouterMetrics
 
 
@@ -68,10 +68,11 @@ def test_transfer_time_is_the_difference_of_two_scrapes() -> None:
     metrics.observe_phases({"queue": 0.001, "prefill": 0.2, "decode": 1.0})  # local: no transfer
     before = metrics.render().decode()
     for seconds in (0.02, 0.02, 0.03, 0.2):
-        metrics.observe_phases({"prefill": 0.5, "transfer": seconds, "decode": 1.0})
+        metrics.observe_phases({"prefill": 0.5, "transfer": seconds + 0.5, "decode": 1.0, "kv_write": seconds})
     after = metrics.render().decode()
     assert parse_histogram(before, "pdserve_request_phase_seconds", {"phase": "transfer"}).count == 1
-    got = transfer_delta(before, after)
+    assert transfer_delta(before, after, KV_HOP)["mean"] == pytest.approx(0.5675)  # the whole hop
+    got = transfer_delta(before, after)  # the KV writes' own time
     assert got["count"] == 4 and got["mean"] == pytest.approx(0.0675)
     # Buckets (0.01, 0.025], (0.025, 0.05], (0.1, 0.25]: the median lies in the first,
     # interpolated as Prometheus does; p99 in the last.
@@ -93,3 +94,14 @@ def test_arguments() -> None:
                 ["--rates", "1", "--concurrency", "2"]):
         with pytest.raises(SystemExit):
             parse_args(["--url", "u", *bad])
+
+
+def test_a_sub_millisecond_kv_transfer_reads_as_such() -> None:
+    """A KV write on one GPU takes well under 5 ms: the quantiles must not be an artifact
+    of a coarse first bucket (they were 2.5 / 4.95 ms whatever the time)."""
+    metrics = RouterMetrics()
+    before = metrics.render().decode()
+    for _ in range(100):
+        metrics.observe_phases({"prefill": 0.5, "transfer": 0.002, "decode": 1.0, "kv_write": 0.0008})
+    got = transfer_delta(before, metrics.render().decode())
+    assert 0.0005 < got["p50"] <= 0.001 and 0.0005 < got["p99"] <= 0.001

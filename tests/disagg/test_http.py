@@ -223,9 +223,10 @@ def test_metrics_count_requests_latencies_and_worker_blocks(server) -> None:
     assert values[f"pdserve_worker_remote{decode}"] >= 1
     assert values[f"pdserve_worker_kv_bytes_received{decode}"] > 0
     assert values["pdserve_prompt_tokens_total"] >= values["pdserve_prefix_cache_hit_tokens_total"] >= 0
-    for phase in ("queue", "prefill", "transfer", "decode"):  # from the remote prefills of earlier tests
+    for phase in ("queue", "prefill", "transfer", "decode", "kv_write"):  # from the remote prefills of earlier tests
         assert values[f'pdserve_request_phase_seconds_count{{phase="{phase}",prefill="remote"}}'] >= 1
     assert values['pdserve_request_phase_seconds_count{phase="prefill",prefill="local"}'] >= 1
+    assert 'pdserve_request_phase_seconds_count{phase="kv_write",prefill="local"}' not in values  # remote only
 
 
 def scrape(port: int) -> tuple[dict[str, float], set[str]]:
