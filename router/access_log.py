@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -105,7 +106,9 @@ class AccessLog:
             return
         host, port = scope.get("client") or ("-", 0)
         method, path = scope["method"], scope["path"]
-        record = scope[RECORD] = AccessRecord(method, path, f"{host}:{port}", time.monotonic(),
+        # Percent-encoded again, as uvicorn's log does: the decoded path may hold a newline
+        # or a quote, and a client must not be able to write a line of its own.
+        record = scope[RECORD] = AccessRecord(method, urllib.parse.quote(path), f"{host}:{port}", time.monotonic(),
                                               generation=method == "POST" and path in GENERATE_PATHS)
 
         async def sending(message: dict[str, Any]) -> None:

@@ -159,6 +159,12 @@ def test_other_endpoints_get_a_short_line_and_access_log_false_silences_all(
         health = next_line(caplog, 0)
     assert (health["method"], health["path"], health["status"]) == ("GET", "/health", "200")
     assert set(health) - {"client", "method", "path", "status", "fields", "line"} == {"total"}
+    with served(llama_dir, fake) as base:  # a path that would write a line of its own
+        forged = '/x%0d%0aINFO%20pdserve.access:%2010.9.9.9:1%20%22POST%20/v1/completions%22%20200'
+        assert open_request(base, "GET", forged, None, timeout=20).status == 404
+        line = next_line(caplog, 1)
+    assert "\n" not in line["line"] and "\r" not in line["line"] and line["status"] == "404"
+    assert line["path"] == "/x%0D%0AINFO%20pdserve.access%3A%2010.9.9.9%3A1%20%22POST%20/v1/completions%22%20200"
     caplog.clear()
     with served(llama_dir, fake, access_log=False) as base:
         assert post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
