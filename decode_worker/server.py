@@ -243,7 +243,8 @@ class DecodeWorker(WorkerLoop):
             done = rid in finished
             self.send(client.sock, client.sender, encode(Tokens(
                 request_id=rid, tokens=new, finished=done, reason=request.status.value if done else "",
-                cached=request.num_cached_tokens, logprobs=logprobs, phases=self._phases(request, now) if done else {})))
+                cached=request.num_cached_tokens, logprobs=logprobs, phases=self._phases(request, now) if done else {},
+                remote=done and self.core.kv_ready_at(rid) is not None)))
             if done:
                 del self.requests[rid]
                 self.core.forget(rid)
@@ -264,11 +265,11 @@ class DecodeWorker(WorkerLoop):
         scheduled = request.first_scheduled_time or now
         kv_ready = self.core.kv_ready_at(request.request_id)
         phases = {"decode": now - first_token}
-        if kv_ready is not None and t.remote_compute_s is not None:
-            phases.update(queue=max(0.0, scheduled - kv_ready), prefill=t.remote_compute_s,
-                          transfer=max(0.0, kv_ready - t.arrived - t.remote_compute_s))
-            if t.remote_transfer_s is not None:
-                phases["kv_write"] = t.remote_transfer_s
+        if kv_ready is not None:
+            phases["queue"] = max(0.0, scheduled - kv_ready)
+            if t.remote_compute_s is not None:  # else its prefill_done is still on the way
+                phases.update(prefill=t.remote_compute_s, kv_write=t.remote_transfer_s,
+                              transfer=max(0.0, kv_ready - t.arrived - t.remote_compute_s))
         else:
             phases.update(queue=max(0.0, scheduled - t.arrived), prefill=max(0.0, first_token - scheduled))
         return phases

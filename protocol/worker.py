@@ -68,6 +68,10 @@ class Tokens(Message, frozen=True, tag="tokens"):
     cached: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked
     phases: dict[str, float] = {}  # with the last: seconds per phase (router/metrics.py)
+    # With the last: its prompt KV came from a prefill worker. (Its phases may lack
+    # prefill and transfer: the prefill worker's prefill_done can come after the end of
+    # a request whose one token needed only the pushed KV.)
+    remote: bool = False
 
 
 class Rejected(Message, frozen=True, tag="rejected"):

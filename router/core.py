@@ -44,8 +44,8 @@ class Chunk:
     logprobs: list[list] = field(default_factory=list)  # per token of this step, when asked
     worker: str = ""  # the decode worker that sent it (another after a failover)
     # On the last chunk: whether the prompt was prefilled on a prefill worker (the decode
-    # worker's phases say so, "transfer" being a remote prefill's; without them, as
-    # when the router ended the request at a stop string: what the router asked for).
+    # worker's last Tokens says so; without it, as when the router ended the request at
+    # a stop string: what the router asked for).
     remote_prefill: bool | None = None
 
 
@@ -194,10 +194,10 @@ class Router:
                         m.e2e.observe(e2e)
                         m.observe_tpot(e2e, first - start, detok.num_tokens)
                         m.finished.labels(reason=reason).inc()
-                        m.observe_phases(msg.phases)
+                        m.observe_phases(msg.phases, msg.remote)
                         m.prefix_cached_tokens.inc(msg.cached)
                     yield Chunk(delta, reason, detok.num_tokens, msg.tokens, msg.logprobs, worker.name,
-                                ("transfer" in msg.phases if msg.phases else remote) if finished else None)
+                                (msg.remote if msg.phases else remote) if finished else None)
         finally:
             self.in_flight -= 1
             m.in_flight.set(self.in_flight)

@@ -115,11 +115,12 @@ class RouterMetrics:
         self.steps = WorkerHistograms()
         r.register(self.steps)
 
-    def observe_phases(self, phases: dict[str, float]) -> None:
-        """One finished request's phase times. Only a request whose prompt KV came from a
-        prefill worker has a transfer phase (the router's plan may have changed there:
-        saturation, fallback), so that labels it."""
-        remote = "transfer" in phases
+    def observe_phases(self, phases: dict[str, float], remote: bool | None = None) -> None:
+        """One finished request's phase times, labelled by where its prompt KV was
+        computed, as its decode worker says (the router's plan may have changed there:
+        saturation, fallback); None: a request with a transfer phase was remote."""
+        if remote is None:
+            remote = "transfer" in phases
         for name in PHASES:
             if name in phases:
                 self.phase.labels(phase=name, prefill="remote" if remote else "local").observe(phases[name])

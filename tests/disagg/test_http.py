@@ -267,6 +267,25 @@ def test_every_worker_reports_its_steps_and_figures_by_role(server) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_one_token_answer_to_a_remote_prefill_counts_as_remote(server) -> None:
+    """Its one token needs only the pushed KV, so it may end before the prefill worker's
+    prefill_done reaches the decode worker: still a remote prefill, in the metrics."""
+    client, config, _ = server
+    def counts() -> tuple[float, float]:
+        values, _ = scrape(config.router.port)
+        return tuple(values.get(f'pdserve_request_phase_seconds_count{{phase="decode",prefill="{where}"}}', 0.0)
+                     for where in ("remote", "local"))
+
+    before = counts()
+    for i in range(3):
+        prompt = " ".join(f"w{j}x{i}" for j in range(40))  # new each time: no prefix-cache hit
+        out = client.completions.create(model=config.model, prompt=prompt, max_tokens=1, temperature=0.0)
+        assert out.usage.completion_tokens == 1
+    remote, local = counts()
+    assert (remote - before[0], local - before[1]) == (3, 0)
+
+
+@pytest.mark.timeout(60)
 def test_pdserve_status_lists_the_workers_of_both_pools(server, capsys) -> None:
     from cluster.cli import main
 

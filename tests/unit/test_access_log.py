@@ -75,7 +75,7 @@ def test_a_served_request_is_one_line_when_it_ends(llama_dir: Path, fake: FakeDe
                                                     caplog: pytest.LogCaptureFixture, stream: bool,
                                                     phases: dict[str, float], prefill: str) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
-    fake.phases = phases
+    fake.phases, fake.remote = phases, prefill == "remote"
     with served(llama_dir, fake) as base:
         status, body = post(base, "/v1/completions", {"prompt": "Hello there", "max_tokens": 3, "stream": stream})
         assert status == 200

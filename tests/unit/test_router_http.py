@@ -44,6 +44,7 @@ class FakeDecodeWorker:
         self.stats: dict[str, Any] = {}  # what its stats replies say
         self.retry_next = 0  # this many next requests get one token, then Rejected(retry=True)
         self.phases = {"queue": 0.0, "prefill": 0.0, "decode": 0.0}  # with each request's last tokens
+        self.remote = False  # with each request's last tokens: its prompt KV came from a prefill worker
         self.silent = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -88,7 +89,8 @@ class FakeDecodeWorker:
                     done = state[1] == 0
                     self.sock.send_multipart([state[0], encode(Tokens(
                         request_id=rid, tokens=[TOKEN] * n, finished=done, reason="length" if done else "",
-                        cached=0, phases=dict(self.phases) if done else {}))])
+                        cached=0, phases=dict(self.phases) if done else {},
+                                          remote=done and self.remote))])
                     if done:
                         del active[rid]
 
