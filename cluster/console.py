@@ -47,8 +47,9 @@ class _Stderr(logging.StreamHandler):
 def worker_starting(name: str, engine: EngineConfig) -> None:
     """A worker process (or Ray actor) was started and now loads its model."""
     role = name.rsplit("-", 1)[0]
-    startup.info("%s: starting (%s worker): model %s, device %s, tensor parallel size %d", name, role,
-                 engine.model, engine.device, engine.tensor_parallel_size)
+    startup.info("%s: starting (%s worker): model %s%s, device %s, tensor parallel size %d", name, role,
+                 engine.model, " (dummy weights, from seed %d)" % engine.seed if engine.load_format == "dummy" else "",
+                 engine.device, engine.tensor_parallel_size)
 
 
 def worker_ready(name: str, address: str, seconds: float) -> None:

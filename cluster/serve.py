@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import uvicorn
 
 from cluster.config import ClusterConfig
 from cluster.http_protocol import with_header_deadline
 from cluster.launcher import RouterHooks, Workers, launcher_for
+from engine.tokenizer import TOKENIZER_FILES, has_tokenizer
 from router.app import Router, create_app
 from router.config import ModelLimits
 from security import DeploymentSecret
@@ -40,7 +43,9 @@ def build(config: ClusterConfig) -> tuple[Workers, Router]:
     """The config's workers, started by its launcher (each with .name and .address),
     and the router in front of them. Workers that Ray restarts are supervised at once
     (a restart is wired back in, cluster/ray/supervisor.py); local ones only by
-    `serve`, once it serves."""
+    `serve`, once it serves. Raises ValueError, before any worker starts, for a model
+    directory the router cannot serve text from."""
+    check_servable(config)
     launcher = launcher_for(config)
     workers = launcher.start(config)
     try:
@@ -52,6 +57,26 @@ def build(config: ClusterConfig) -> tuple[Workers, Router]:
         workers.stop()
         raise
     return workers, router
+
+def check_servable(config: ClusterConfig) -> None:
+    """What would otherwise fail only once every worker has loaded: the router reads
+    prompts and writes text with the model directory's tokenizer."""
+    if Path(config.model).is_dir() and not has_tokenizer(config.model):
+        raise ValueError(f"model {config.model!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}): the router "
+                         "needs one to read prompts and write text (with load_format dummy too: put the "
+                         "tokenizer's files beside its config.json)")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """router.host:port can be bound now (as uvicorn binds it), so that a port in use is
+    said before the workers spend their time loading."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"router.port {port} on {host} cannot be bound: {exc.strerror or exc} "
+                             "(another server there? pass --port)") from None
 
 
 class HTTPServer:

@@ -20,12 +20,19 @@ from typing import Any
 _GENERIC = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    """Whether the directory ships a tokenizer (one of TOKENIZER_FILES)."""
+    return any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(model_dir: str) -> Any | None:
     """The directory's Hugging Face tokenizer, or None if it ships none."""
-    path = Path(model_dir)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    if not has_tokenizer(model_dir):
         return None
-    name = tokenizer_class_name(path)
+    name = tokenizer_class_name(Path(model_dir))
     if name is None:
         from transformers import AutoTokenizer  # imports torch where it is installed
 

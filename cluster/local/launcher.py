@@ -31,10 +31,11 @@ class LocalLauncher:
         """Serve until Ctrl-C (or SIGTERM), then stop the router and every worker."""
         # cluster/serve.py sits above the launchers (its build() picks this class), so
         # its HTTP server and build() are imported when serving, not with this module.
-        from cluster.serve import HTTPServer, build, wait_for_signal
+        from cluster.serve import HTTPServer, build, check_port_free, wait_for_signal
 
         if detach:
             raise ValueError("--detach needs launcher: ray (local workers end with this command)")
+        check_port_free(config.router.host, config.router.port)
         workers, router = build(config)
         http = None
         try:
