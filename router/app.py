@@ -242,5 +242,4 @@ def _error_event(router: Router, exc: Exception) -> str:
     if not isinstance(exc, APIError):
         logger.exception("a stream failed", exc_info=exc)
         exc = APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_server_error")
-    router.metrics.rejected.labels(status=str(exc.status)).inc()
-    return error_event(exc)
+    return error_event(exc)  # counted as finished with reason "error" (Router.run), not as rejected

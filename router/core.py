@@ -152,6 +152,8 @@ class Router:
         worker: WorkerClient | None = None
         request_id = ""
         finished = False
+        yielded = False  # a chunk went out: an error now breaks a started answer
+        error = False
         retries = 0
         start = last = first = time.monotonic()
         try:
@@ -196,15 +198,24 @@ class Router:
                         m.finished.labels(reason=reason).inc()
                         m.observe_phases(msg.phases, msg.remote)
                         m.prefix_cached_tokens.inc(msg.cached)
+                    yielded = True
                     yield Chunk(delta, reason, detok.num_tokens, msg.tokens, msg.logprobs, worker.name,
                                 (msg.remote if msg.phases else remote) if finished else None)
+        except Exception:
+            # Before its first chunk, an error is the answer's status (the rejected
+            # count); after, it ends an answer already under way.
+            error = True
+            if yielded:
+                m.finished.labels(reason="error").inc()
+            raise
         finally:
             self.in_flight -= 1
             m.in_flight.set(self.in_flight)
             if worker is not None:
                 worker.queues.pop(request_id, None)
-                if not finished:  # the client went away: free the worker's blocks
-                    m.finished.labels(reason="abort").inc()
+                if not finished:  # the client went away (or the request failed): free the worker's blocks
+                    if not error:
+                        m.finished.labels(reason="abort").inc()
                     worker.send(Abort(request_id=request_id))
                 elif detok.stopped:
                     worker.send(Abort(request_id=request_id))
@@ -243,8 +254,8 @@ class Router:
         return worker, request_id, queue, remote
 
     def no_live_worker(self) -> APIError:
-        return APIError(503, f"no decode worker is alive (all {len(self.workers)} silent for more than "
-                             f"router.worker_timeout_s); retry later", kind="service_unavailable")
+        why = "; ".join(f"{w.name} {w.down_reason}" for w in self.workers)
+        return APIError(503, f"no decode worker is alive ({why}); retry later", kind="service_unavailable")
 
     # --- from a supervisor's thread (cluster/ray/supervisor.py on Ray, cluster/local/supervisor.py) ---
 

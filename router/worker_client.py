@@ -53,6 +53,7 @@ class WorkerClient:
         self.on_kv_events: Callable[[list, bool], None] | None = None
         self.num_kv_blocks: int | None = None  # its KV pool, once a stats reply said
         self._seq = 0
+        self.down_reason = "not answering yet"  # why it was last declared dead (the 503's message)
 
     @property
     def alive(self) -> bool:
@@ -137,12 +138,14 @@ class WorkerClient:
         back, so any request still waiting on it fails over."""
         if self.queues:
             self._lose_requests("restarted")
+        self.down_reason = "was restarted and has not answered yet"
         self.health.kill()
         self.sock.disconnect(self.address)
         self.address = address
         self.sock.connect(address)
 
     def _lose_requests(self, reason: str) -> None:
+        self.down_reason = reason
         logger.warning("worker %s (%s) %s: declared dead%s", self.name, self.address, reason,
                        f"; {len(self.queues)} request(s) fail over" if self.queues else "")
         for queue in self.queues.values():

@@ -123,9 +123,14 @@ def test_a_stream_broken_after_its_first_event_says_the_error(llama_dir: Path, f
                 if len(events) == 2:
                     fake.silent.set()  # dies, with no other worker to fail over to
         line = next_line(caplog, 0)
+        metrics = open_request(base, "GET", "/metrics", None, timeout=20).read().decode()
     assert b"[DONE]" in events[-1]
+    assert b"no decode worker is alive (decode-0 sent nothing for 0.6 s); retry later" in events[-2]
     assert (line["status"], line["finish"], line["prefill"]) == ("200", "error(503)", "-")
     assert int(line["output_tokens"]) >= 1
+    # One outcome: finished with an error (neither aborted by its client nor refused).
+    assert 'pdserve_requests_finished_total{reason="error"} 1.0' in metrics
+    assert 'reason="abort"' not in metrics and "pdserve_requests_rejected_total{" not in metrics
 
 
 @pytest.mark.timeout(60)
