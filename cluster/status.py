@@ -19,7 +19,8 @@ def _figure(key: str) -> Cell:
 
 def _kv_used(s: dict[str, Any]) -> str:
     """Blocks not free / all blocks."""
-    return f"{1 - s['free_blocks'] / s['num_blocks']:.0%}" if s.get("num_blocks") else "?"
+    # One decimal: a few requests' blocks in a large pool are well under 1%, not 0.
+    return f"{1 - s['free_blocks'] / s['num_blocks']:.1%}" if s.get("num_blocks") else "?"
 
 
 def _step_p50(s: dict[str, Any]) -> str:
@@ -50,13 +51,13 @@ PREFILL_COLUMNS: tuple[tuple[str, Cell], ...] = (
     ("step_p50", _step_p50), ("batch", _mean_batch), ("preempted", _figure("preemptions")))
 
 def fetch_status(url: str, timeout: float = 10.0, api_key: str | None = None) -> dict[str, Any]:
-    """GET {url}/status (url: the router's base, e.g. http://127.0.0.1:8000), with
-    `Authorization: Bearer api_key` when given. PermissionError if the router refuses
-    the key (or asks for one)."""
+    """GET {url}/status (url: the router's base, e.g. http://127.0.0.1:8000, or the API's
+    that `pdserve serve` prints, ending in /v1), with `Authorization: Bearer api_key`
+    when given. PermissionError if the router refuses the key (or asks for one)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    status_url = f"{url.rstrip('/').removesuffix('/v1')}/status"
     try:
-        with urllib.request.urlopen(urllib.request.Request(f"{url.rstrip('/')}/status", headers=headers),
-                                    timeout=timeout) as response:
+        with urllib.request.urlopen(urllib.request.Request(status_url, headers=headers), timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:
         if exc.code == 401:
