@@ -158,19 +158,25 @@ def test_workers_are_ready_as_each_says_so_and_a_late_one_is_named(caplog: pytes
     assert (workers[0].address, workers[0].metadata) == ("tcp://d0", b"m")
 
 
+def sigterm_death(monkeypatch: pytest.MonkeyPatch, serving: threading.Event, grace_s: float) -> Harness:
+    """decode-1 found dead of SIGTERM, decode-0 alive, the watch started."""
+    import signal
+
+    monkeypatch.setattr(supervision, "SIGTERM_GRACE_S", grace_s)
+    h = Harness(monkeypatch, serving, ok=True)
+    h.workers.decode[0].process.alive = True
+    h.workers.decode[1].process.alive, h.workers.decode[1].process.exitcode = False, -signal.SIGTERM
+    h.supervisor.start()
+    return h
+
+
 @pytest.mark.timeout(30)
 def test_a_sigterm_death_during_shutdown_is_not_taken_for_a_crash(monkeypatch) -> None:
     """A SIGTERM to the whole process group (timeout, kill -TERM -PGID, systemd) kills
     the workers as it reaches the launcher: the watch must not report them down and
     restart them while the launcher stops. Repro: /work/shared/repro/issue19/."""
-    import signal
-
-    monkeypatch.setattr(supervision, "SIGTERM_GRACE_S", 5.0)
     serving = threading.Event()
-    h = Harness(monkeypatch, serving, ok=True)
-    h.workers.decode[0].process.alive = True
-    h.workers.decode[1].process.alive, h.workers.decode[1].process.exitcode = False, -signal.SIGTERM
-    h.supervisor.start()
+    h = sigterm_death(monkeypatch, serving, grace_s=5.0)
     time.sleep(0.2)  # several watch intervals
     h.workers.decode[0].process.alive, h.workers.decode[0].process.exitcode = False, 1  # a crash meanwhile
     h.wait(lambda: ("down", "decode-0") in h.events, "a crash is handled while decode-1's grace runs")
@@ -211,6 +217,7 @@ def test_the_launcher_stops_supervising_before_draining_its_http_requests(monkey
         "worker_down": None, "worker_moved": None})()))
     monkeypatch.setattr(serve_module, "HTTPServer", HTTP)
     monkeypatch.setattr(serve_module, "wait_for_signal", lambda alive: None)
+    monkeypatch.setattr(serve_module, "check_port_free", lambda host, port: None)
     monkeypatch.setattr(LocalLauncher, "supervise", lambda self, config, w, hooks: None)
     config = type("C", (), {"model": "m", "transport": "shm", "router": type("R", (), {"host": "h", "port": 1})()})()
     LocalLauncher().serve(config, detach=False)
@@ -219,14 +226,8 @@ def test_the_launcher_stops_supervising_before_draining_its_http_requests(monkey
 
 @pytest.mark.timeout(30)
 def test_a_lone_sigterm_death_is_a_crash_after_the_grace(monkeypatch) -> None:
-    import signal
-
-    monkeypatch.setattr(supervision, "SIGTERM_GRACE_S", 0.2)
     serving = threading.Event()
-    h = Harness(monkeypatch, serving, ok=True)
-    h.workers.decode[0].process.alive = True
-    h.workers.decode[1].process.alive, h.workers.decode[1].process.exitcode = False, -signal.SIGTERM
-    h.supervisor.start()
+    h = sigterm_death(monkeypatch, serving, grace_s=0.2)
     try:
         h.wait(lambda: ("down", "decode-1") in h.events and h.starting.is_set(), "decode-1 down and restarting")
     finally:
