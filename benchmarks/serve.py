@@ -26,7 +26,8 @@ same requests. Each request is streamed, and the definitions are vLLM's `bench s
         "hop" the same for phase="transfer" (also the trip to the prefill worker, its
         wait for the step it was in, and the notification back)
 It prints p50/p90/p99 of each, request and token throughput, and writes JSON with
---json (its "runs"; benchmarks/serve_compare.py reads two of them). With --config it
+--json (its "runs"; benchmarks/serve_compare.py reads two of them; null for a value with
+no data, e.g. the KV transfer of a run without remote prefill). With --config it
 starts that cluster itself (`pdserve serve`'s code) and stops it. $PDSERVE_API_KEY, if
 set, goes with every request as a bearer key.
 """
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import math
 import os
 import sys
 from dataclasses import asdict
@@ -52,10 +53,32 @@ if str(_REPO_ROOT) not in sys.path:
 from benchmarks.serving.load import (WORDS, Result, Workload, auth_headers, one_request,  # noqa: E402
                                      run_concurrency, run_poisson)
 from benchmarks.serving.metrics_scrape import KV_HOP, KV_WRITE, scrape, transfer_delta  # noqa: E402
-from benchmarks.serving.report import line, percentiles, summarize  # noqa: E402
-from benchmarks.serving.server import serving  # noqa: E402
+from benchmarks.serving.report import json_text, line, percentiles, summarize  # noqa: E402
+from benchmarks.serving.server import ServerError, serving  # noqa: E402
 
 __all__ = ["WORDS", "Result", "one_request", "percentiles", "run_load", "serving", "summarize"]
+
+
+def numbers(text: str, kind: type[int] | type[float], option: str, lowest: float | None = 0) -> list:
+    """A comma-separated list of distinct numbers, each > lowest (None: any); ValueError
+    naming the option and the bad item."""
+    out = []
+    for item in text.split(","):
+        if not item.strip():
+            raise ValueError(f"{option}: {text!r} has an empty item")
+        try:
+            value = kind(item.strip())
+        except ValueError:
+            what = "whole number" if kind is int else "number"
+            raise ValueError(f"{option}: {item.strip()!r} in {text!r} is not a {what}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{option}: {item.strip()} is not a finite number")
+        if lowest is not None and value <= lowest:
+            raise ValueError(f"{option}: {item.strip()} must be > {lowest}")
+        if value in out:
+            raise ValueError(f"{option}: {item.strip()} is given twice in {text!r}")
+        out.append(value)
+    return out
 
 
 def run_load(url: str, model: str, workload: Workload, seed: int, index: int = 0, *,
@@ -81,7 +104,7 @@ def run_load(url: str, model: str, workload: Workload, seed: int, index: int = 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--config", help="start this cluster config, benchmark it, stop it")
     where.add_argument("--url", help="a running server's base URL, e.g. http://127.0.0.1:8000/v1")
@@ -109,16 +132,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None, help="with --config: override router.port")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
-    args.seeds = [args.seed] if args.seed is not None else [int(s) for s in args.seeds.split(",")]
+    try:
+        args.seeds = [args.seed] if args.seed is not None else numbers(args.seeds, int, "--seeds", lowest=None)
+        if args.concurrency is not None:
+            numbers(args.concurrency, int, "--concurrency")
+        if args.rates is not None:
+            numbers(args.rates, float, "--rates")
+    except ValueError as exc:
+        p.error(str(exc))
     if args.rates is None and args.concurrency is None:
         args.rates = "0.5,1"
     if args.concurrency is not None and args.num_requests is None:
         p.error("--concurrency needs --num-requests (the closed loop's stop)")
-    for name in ("num_requests",):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.prompt_tokens is not None and not 1 <= args.prompt_tokens[0] <= args.prompt_tokens[1]:
-        p.error(f"--prompt-tokens needs 1 <= MIN <= MAX, got {args.prompt_tokens}")
+    if args.num_requests is not None and args.num_requests < 1:
+        p.error(f"--num-requests must be >= 1, got {args.num_requests}")
+    for option, value in (("--duration", args.duration), ("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot)):
+        if not (math.isfinite(value) and value > 0):
+            p.error(f"{option} must be a number of seconds > 0, got {value}")
+    if args.shared_prefix < 0:
+        p.error(f"--shared-prefix must be >= 0, got {args.shared_prefix}")
+    # Without a shared prefix a prompt of 0 words would be empty.
+    ranges = [("--prompt-len", args.prompt_len, 0 if args.shared_prefix else 1), ("--output-len", args.output_len, 1)]
+    if args.prompt_tokens is not None:
+        ranges.append(("--prompt-tokens", args.prompt_tokens, 1))
+    for option, (lo, hi), least in ranges:
+        if not least <= lo <= hi:
+            p.error(f"{option} needs {least} <= MIN <= MAX, got {lo} {hi}")
     if not 0 <= args.token_ids[0] < args.token_ids[1]:
         p.error(f"--token-ids needs 0 <= LOW < HIGH, got {args.token_ids}")
     return args
@@ -129,20 +168,23 @@ def main(argv: list[str] | None = None) -> None:
     api_key = os.environ.get("PDSERVE_API_KEY") or None
     workload = Workload(tuple(args.prompt_len), tuple(args.output_len), args.shared_prefix,
                         tuple(args.prompt_tokens) if args.prompt_tokens else None, tuple(args.token_ids))
-    points = [{"concurrency": int(c)} for c in (args.concurrency or "").split(",") if c]
-    points += [{"rate": float(r)} for r in (args.rates or "").split(",") if r]
-    with serving(args.config, args.url, args.model, args.port, api_key) as (url, model):
-        report = {"url": url, "model": model, "args": vars(args), "runs": []}
-        for seed in args.seeds:
-            for i, point in enumerate(points):
-                report["runs"].append(run_load(url, model, workload, seed, i, **point,
-                                               num_requests=args.num_requests, duration=args.duration,
-                                               slo=(args.slo_ttft, args.slo_tpot), api_key=api_key))
-        if len(args.seeds) == 1 and args.concurrency is None:  # the format before "runs"
-            report["rates"] = {run["rate"]: run for run in report["runs"]}
-        if args.json_path:
-            Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json_path).write_text(json.dumps(report, indent=1))
+    points = [{"concurrency": c} for c in numbers(args.concurrency, int, "--concurrency")] if args.concurrency else []
+    points += [{"rate": r} for r in numbers(args.rates, float, "--rates")] if args.rates else []
+    try:
+        with serving(args.config, args.url, args.model, args.port, api_key) as (url, model):
+            report = {"url": url, "model": model, "args": vars(args), "runs": []}
+            for seed in args.seeds:
+                for i, point in enumerate(points):
+                    report["runs"].append(run_load(url, model, workload, seed, i, **point,
+                                                   num_requests=args.num_requests, duration=args.duration,
+                                                   slo=(args.slo_ttft, args.slo_tpot), api_key=api_key))
+    except ServerError as exc:
+        sys.exit(f"serve.py: error: {exc}")
+    if len(args.seeds) == 1 and args.concurrency is None:  # the format before "runs"
+        report["rates"] = {run["rate"]: run for run in report["runs"]}
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json_text(report))
 
 
 if __name__ == "__main__":

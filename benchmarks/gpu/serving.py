@@ -93,6 +93,7 @@ def run_setup(s: Setup, name: str, model_dir: Path, rates: tuple[float, ...]) ->
     each rate; (the greedy texts, one run summary per rate)."""
     from benchmarks.serve import run_load
     from benchmarks.serving.load import Workload
+    from benchmarks.serving.report import number
     from benchmarks.serving.server import serving
 
     check = [[(7 * i + 13 * j) % (s.vocab - 200) + 100 for j in range(s.serve_check_len)]
@@ -106,22 +107,27 @@ def run_setup(s: Setup, name: str, model_dir: Path, rates: tuple[float, ...]) ->
     for rate, run in zip(rates, runs):
         kv = run["kv_transfer"]
         transfer = ("" if not kv or not kv["count"] else
-                    f", KV transfer mean {kv['mean'] * 1e3:.1f} ms p50 {kv['p50'] * 1e3:.1f} p99 "
-                    f"{kv['p99'] * 1e3:.1f} (buckets) over {kv['count']:.0f}")
+                    f", KV transfer mean {number(kv['mean'], 1e3, 1)} ms p50 {number(kv['p50'], 1e3, 1)} p99 "
+                    f"{number(kv['p99'], 1e3, 1)} (buckets) over {kv['count']:.0f}")
         row(f"{name} at {rate}/s: {run['completed']}/{run['requests']} ok, {run['request_throughput']:.2f} req/s",
             f"TTFT {_ms(run['ttft'])}, TPOT {_ms(run['tpot'])}, ITL {_ms(run['itl'])}{transfer}", "(info)",
             None if run["completed"] == run["requests"] else False)
     return texts, runs
 
 
-def _ms(p: dict[str, float]) -> str:
-    return f"{p['p50'] * 1e3:.1f}/{p['p99'] * 1e3:.1f} ms"
+def _ms(p: dict[str, float | None]) -> str:
+    """p50/p99 in ms; "-" for a value with no data (NaN in memory, null in a JSON)."""
+    from benchmarks.serving.report import number
+
+    return f"{number(p['p50'], 1e3, 1)}/{number(p['p99'], 1e3, 1)} ms"
 
 
-def _ratio_row(name: str, what: str, a: float, b: float, bound: float, extra: str = "") -> None:
-    ratio = a / b if b > 0 else math.nan
-    row(f"{name}: {what}, disaggregated / colocated", f"{a * 1e3:.1f} / {b * 1e3:.1f} ms = {ratio:.2f}x{extra}",
-        f"<= {bound}x", ratio <= bound)
+def _ratio_row(name: str, what: str, a: float | None, b: float | None, bound: float, extra: str = "") -> None:
+    from benchmarks.serving.report import known, number
+
+    ratio = a / b if known(a) and known(b) and b > 0 else math.nan
+    row(f"{name}: {what}, disaggregated / colocated",
+        f"{number(a, 1e3, 1)} / {number(b, 1e3, 1)} ms = {ratio:.2f}x{extra}", f"<= {bound}x", ratio <= bound)
 
 
 def check_serving(s: Setup, work: Path) -> None:

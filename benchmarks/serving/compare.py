@@ -6,14 +6,20 @@ the same command (same seeds, same load points):
       throughputs beside it, since the target holds "at equal throughput"
 
 Each ratio per seed, then pooled (the percentile of every request of every seed), with
-the spread (min-max) of the per-seed ratios."""
+the spread (min-max) of the per-seed ratios. The ratios are of completed requests only,
+so a load point where any request failed (a refusal, a timeout) gets no verdict: the
+survivors of an overloaded setup are not its latency. Two reports of different
+commands are refused (compare_inputs.py)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+from benchmarks.serving.compare_inputs import check_same_command
 from benchmarks.serving.report import percentiles
+
+NO_VERDICT = "no verdict"
 
 
 def load_point(run: dict[str, Any]) -> str:
@@ -57,10 +63,21 @@ def ratio_rows(disagg: dict[str, Any], coloc: dict[str, Any], point: str, metric
     a = percentiles(_values([d[s] for s in seeds], metric))[stat]
     b = percentiles(_values([c[s] for s in seeds], metric))[stat]
     ratios = [r for _, _, r in per_seed.values()]
+    sent = [sum(len(runs[s]["results"]) for s in seeds) for runs in (d, c)]
+    completed = [sum(r["ok"] for s in seeds for r in runs[s]["results"]) for runs in (d, c)]
     return {"point": point, "metric": metric, "stat": stat, "per_seed": per_seed,
             "pooled": (a, b, a / b if b > 0 else math.nan), "spread": (min(ratios), max(ratios)),
-            "requests": (sum(len(d[s]["results"]) for s in seeds), sum(len(c[s]["results"]) for s in seeds)),
+            "requests": tuple(completed), "failed": (sent[0] - completed[0], sent[1] - completed[1]),
+            "sent": tuple(sent),
             "throughput": {s: (d[s]["request_throughput"], c[s]["request_throughput"]) for s in seeds}}
+
+
+def _verdict(r: dict[str, Any], bound: float) -> str:
+    (fd, fc), (nd, nc) = r["failed"], r["sent"]
+    if fd or fc:
+        return (f"**{NO_VERDICT}: requests failed, disaggregated {fd} of {nd}, colocated {fc} of {nc}** "
+                f"(<= {bound}x)")
+    return ("met" if r["pooled"][2] <= bound else "not met") + f" (<= {bound}x)"
 
 
 def _fmt(seconds: float, metric: str) -> str:
@@ -68,7 +85,8 @@ def _fmt(seconds: float, metric: str) -> str:
 
 
 def markdown(rows: list[tuple[str, float, dict[str, Any]]]) -> str:
-    """(target name, bound, ratio_rows()) -> a table: one line per seed and one pooled."""
+    """(target name, bound, ratio_rows()) -> a table: one line per seed and one pooled,
+    whose verdict is NO_VERDICT where a request failed. "(n / n req)": completed ones."""
     out = ["| target | load | metric | seed | disaggregated | colocated | ratio | req/s disagg / coloc | verdict |",
            "|---|---|---|---|---:|---:|---:|---:|---|"]
     for name, bound, r in rows:
@@ -79,17 +97,18 @@ def markdown(rows: list[tuple[str, float, dict[str, Any]]]) -> str:
                        f"{_fmt(b, r['metric'])} | {ratio:.2f}x | {ta:.2f} / {tb:.2f} | |")
         a, b, ratio = r["pooled"]
         lo, hi = r["spread"]
-        verdict = "met" if ratio <= bound else "not met"
         out.append(f"| {name} | {r['point']} | {what} | pooled ({r['requests'][0]} / {r['requests'][1]} req), "
                    f"seeds {lo:.2f}-{hi:.2f}x | {_fmt(a, r['metric'])} | {_fmt(b, r['metric'])} | "
-                   f"**{ratio:.2f}x** | | {verdict} (<= {bound}x) |")
+                   f"**{ratio:.2f}x** | | {_verdict(r, bound)} |")
     return "\n".join(out)
 
 
 def compare(disagg: dict[str, Any], coloc: dict[str, Any], p5_point: str | None = None,
             p6_point: str | None = None) -> str:
     """The P5 and P6 table; P5 at p5_point (default: the first common load point, which
-    in a command of rising rates is the lowest), P6 at p6_point (default: the last)."""
+    in a command of rising rates is the lowest), P6 at p6_point (default: the last).
+    ValueError if the reports' commands differ or they share no load point."""
+    check_same_command(disagg, coloc)
     points = common_points(disagg, coloc)
     if not points:
         raise ValueError("the two files share no load point run with the same seeds")
