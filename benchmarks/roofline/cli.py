@@ -42,6 +42,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=str(default_models_dir() / DEMO_MODELS["smollm2"].dir_name),
                    help="model directory (default: the demo model)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--load-format", choices=("safetensors", "dummy"), default="safetensors",
+                   help="dummy: weights generated on the device (a model dir with only config.json)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--roof", choices=("measured", "h200"), default=None,
@@ -184,7 +186,7 @@ def _measure(args: argparse.Namespace, shape, dtype: str, width: int) -> list:
     tokens = (max(args.batches) + 4) * (longest + 2 * BLOCK_SIZE)
     kv_gib = max(0.05, 1.25 * tokens * kv_per_token / 2**30)
     llm = make_engine(args.model, args.device, dtype, max(args.batches), max(512, args.prefill_chunk), kv_gib,
-                      args.threads)
+                      args.threads, args.load_format)
     core = llm.core
     start = time.perf_counter()
 

@@ -38,12 +38,13 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 def make_engine(model_dir: str, device: str, dtype: str, max_batch: int, max_tokens: int,
-                kv_gib: float, threads: int | None = None):
+                kv_gib: float, threads: int | None = None, load_format: str = "safetensors"):
     """The engine to time: synchronous scheduling (one step, one sync), every batch in
     one step, a KV pool big enough for the largest batch."""
     from engine import LLM
 
-    options = dict(dtype=dtype, device=device, max_num_seqs=max_batch, max_num_batched_tokens=max_tokens)
+    options = dict(dtype=dtype, device=device, max_num_seqs=max_batch, max_num_batched_tokens=max_tokens,
+                   load_format=load_format)
     if device == "cpu":
         options.update(kv_cache_memory_gib=kv_gib, num_threads=threads)
     return LLM(model=model_dir, **options)
