@@ -18,7 +18,9 @@ worker measured them:
 and, a part of transfer, not added to the others:
 
     kv_write  remote only: the prefill worker's time from the prompt's KV computed to
-              its last write acknowledged (the writes compute did not hide)
+              its last write acknowledged (the writes compute did not hide); each
+              worker's loop handles acknowledgements between its steps, so under
+              load this includes a wait for the step each is in
 
 Time per output token (TPOT) follows vLLM too: (end-to-end - time to first token) /
 (output tokens - 1), for requests with at least two output tokens.
