@@ -231,5 +231,5 @@ def test_a_lone_sigterm_death_is_a_crash_after_the_grace(monkeypatch) -> None:
     try:
         h.wait(lambda: ("down", "decode-1") in h.events and h.starting.is_set(), "decode-1 down and restarting")
     finally:
+        h.supervisor.stop()  # first: the restart, let go next, then ends without serving
         serving.set()
-        h.supervisor.stop()
