@@ -182,6 +182,8 @@ def test_a_sigterm_death_during_shutdown_is_not_taken_for_a_crash(monkeypatch) -
     h.wait(lambda: ("down", "decode-0") in h.events, "a crash is handled while decode-1's grace runs")
     h.workers.stop_supervising()  # the launcher's shutdown, first of all
     serving.set()
+    h.wait(lambda: not any(t.name.startswith("restart-") for t in threading.enumerate()),
+           "the restart thread ended (before this test's fakes are undone)")
     assert ("down", "decode-1") not in h.events and len(h.spawned) <= 1
 
 
@@ -233,3 +235,5 @@ def test_a_lone_sigterm_death_is_a_crash_after_the_grace(monkeypatch) -> None:
     finally:
         h.supervisor.stop()  # first: the restart, let go next, then ends without serving
         serving.set()
+        h.wait(lambda: not any(t.name.startswith("restart-") for t in threading.enumerate()),
+               "the restart thread ended (before this test's fakes are undone)")
