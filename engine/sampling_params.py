@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,9 @@ class SamplingParams:
     # What the output must follow (JSON schema, regex, choice, grammar...); a dict of its
     # fields is taken too (the wire form).
     structured_outputs: StructuredOutputsParams | None = None
+    # Parallel sampling: this many sequences from one prompt, whose KV is computed once
+    # and shared (engine: a fork group). Sequence i is the request child(i).
+    n: int = 1
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -71,7 +75,7 @@ class SamplingParams:
                 raise SamplingParamsError(exc.param, exc.problem) from None
 
     def _check_types(self) -> None:
-        for name in ("max_tokens", "top_k", "min_tokens"):
+        for name in ("max_tokens", "top_k", "min_tokens", "n"):
             _require_int(name, getattr(self, name))
         for name in ("seed", "logprobs"):
             if getattr(self, name) is not None:
@@ -89,6 +93,7 @@ class SamplingParams:
         lo, hi = REPETITION_PENALTY_RANGE
         checks = [
             ("max_tokens", self.max_tokens >= 1, "must be an integer >= 1"),
+            ("n", self.n >= 1, "must be an integer >= 1"),
             ("temperature", self.temperature >= 0.0, "must be >= 0"),
             ("top_k", self.top_k >= -1, "must be -1 (disabled) or >= 0"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
@@ -109,6 +114,19 @@ class SamplingParams:
         for name, ok, problem in checks:
             if not ok:
                 raise SamplingParamsError(name, f"{problem}, got {show(getattr(self, name))}")
+
+    def child(self, index: int) -> SamplingParams:
+        """Sequence `index` of a request with n > 1: one sequence (n=1), and a seeded
+        request's seed + index (vLLM's derivation, wrapped into the seed range), so
+        that each sequence equals a single request sent with that seed."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"sequence index {index} is not in [0, n={self.n})")
+        seed = self.seed
+        if seed is not None:
+            seed += index
+            if seed > SEED_MAX:
+                seed -= 2**64
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:
