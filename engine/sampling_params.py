@@ -20,6 +20,13 @@ SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed accep
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
+def child_request_id(request_id: str, index: int) -> str:
+    """The id of sequence `index` of a request with n > 1 sequences: the engine's
+    request for it, and on the wire the id its Tokens and Rejected carry and an Abort
+    names (the group's own id names no request a client sees)."""
+    return f"{request_id}-{index}"
+
+
 class SamplingParamsError(ValueError):
     """A bad sampling setting; `param` names the field. The message is
     f"{param} {problem}", so a caller that received the value under another name (an

@@ -5,11 +5,12 @@ imports nothing of theirs (only engine.sampling_params, the engine's torch-free 
 of how a request is sampled, whose wire form travels inside Generate).
 """
 
+from engine.sampling_params import child_request_id
 from protocol.control import CONTROL_MESSAGES, Peers, Ready, Serving, Stop
 from protocol.sampling import WireSamplingParams, from_wire, to_wire
 from protocol.wire import PROTOCOL_VERSION, Codec, Message, MessageError, encode
 from protocol.worker import (WORKER_MESSAGES, Abort, Generate, PrefillDone, Rejected, RemotePrefill, Stats,
-                             StatsReply, TokenLogprobs, Tokens, child_request_id)
+                             StatsReply, TokenLogprobs, Tokens)
 
 __all__ = ["CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Message",
            "MessageError", "Peers", "PrefillDone", "Ready", "Rejected", "RemotePrefill", "Serving", "Stats",

@@ -26,13 +26,6 @@ from protocol.wire import Codec, Message
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 
 
-def child_request_id(request_id: str, index: int) -> str:
-    """The id of sequence `index` of a Generate whose params ask for n > 1 sequences:
-    the decode worker sends each sequence's Tokens and Rejected under it, and takes
-    an Abort of it (the group's own id names no request)."""
-    return f"{request_id}-{index}"
-
-
 class Generate(Message, frozen=True, tag="generate"):
     request_id: str  # with params.n > 1: the group's; its sequences are child_request_id(request_id, i)
     prompt: list[int]  # token ids
