@@ -26,7 +26,7 @@ from decode_worker.remote_kv import DecodeWorkerCore
 from engine.errors import RequestsFailed
 from engine.request import Request
 from protocol import (Abort, Generate, Message, MessageError, Peers, PrefillDone, Rejected, Stats, StatsReply,
-                      Tokens, encode, from_wire)
+                      Tokens, child_request_id, encode, from_wire)
 from security import DeploymentSecret
 from workers.config import WorkerConfig
 from workers.start import engine_and_transport
@@ -53,6 +53,11 @@ class _Client:
     first_token: float | None = None
     remote_compute_s: float | None = None  # as the prefill worker reported it
     remote_transfer_s: float | None = None
+    # Parallel sampling (n > 1): a sequence's entry names its group; the group's own
+    # entry (its prompt's remote prefill; never reported to the router) lists the
+    # sequences not yet ended.
+    group: str | None = None
+    members: set[str] | None = None
 
 
 class DecodeWorker(WorkerLoop):
@@ -147,13 +152,23 @@ class DecodeWorker(WorkerLoop):
         request_id = msg.request_id
         prefill = self._pick_prefill_worker() if msg.remote else None
         try:
-            rp = self.core.add_request(request_id, msg.prompt, from_wire(msg.params), prefill is not None,
+            params = from_wire(msg.params)
+            rp = self.core.add_request(request_id, msg.prompt, params, prefill is not None,
                                        msg.priority, sender=prefill, resumed=msg.resumed)
         except (TypeError, ValueError) as exc:  # bad input: say so, keep serving
-            self.send(sock, sender, encode(Rejected(request_id=request_id, error=str(exc), status=400,
-                                                    param=getattr(exc, "param", None))))
+            n = getattr(msg.params, "n", 1)
+            ids = [child_request_id(request_id, i) for i in range(n)] if type(n) is int and 1 < n <= 4096 \
+                else [request_id]  # each sequence is told, under the id the router awaits
+            for rid in ids:
+                self.send(sock, sender, encode(Rejected(request_id=rid, error=str(exc), status=400,
+                                                        param=getattr(exc, "param", None))))
             return
-        self.requests[request_id] = client = _Client(sock, sender, time.monotonic())
+        now = time.monotonic()
+        self.requests[request_id] = client = _Client(sock, sender, now)
+        if params.n > 1:
+            client.members = {child_request_id(request_id, i) for i in range(params.n)}
+            for rid in client.members:
+                self.requests[rid] = _Client(sock, sender, now, group=request_id)
         if rp is not None:
             client.prefill = prefill
             self.dealers[prefill].send(encode(rp))
@@ -165,6 +180,17 @@ class DecodeWorker(WorkerLoop):
             sock.send(encode(Abort(request_id=request_id)))
         self.core.abort(request_id)
         self.core.forget(request_id)
+        if client is not None and client.group is not None:
+            self._ended_in_group(client.group, request_id)
+
+    def _ended_in_group(self, group: str, request_id: str) -> None:
+        """A sequence of `group` ended; with the last one, the group's prompt ends (its
+        remote prefill is told to stop, if it still runs)."""
+        entry = self.requests.get(group)
+        if entry is not None and entry.members is not None:
+            entry.members.discard(request_id)
+            if not entry.members:
+                self._abort(group)
 
     def _fail(self, request_id: str, error: str, status: int = 500, param: str | None = None,
               retry: bool = False) -> None:
@@ -172,6 +198,10 @@ class DecodeWorker(WorkerLoop):
         (500: it failed here; 400: its own parameters made it fail, `param` if one did);
         `retry`: the router resubmits it instead."""
         client = self.requests.get(request_id)
+        if client is not None and client.members is not None:  # a group's prompt: its sequences fail
+            for rid in sorted(client.members):
+                self._fail(rid, error, status, param, retry)
+            return
         self._abort(request_id)
         if client is not None:
             self.send(client.sock, client.sender,
@@ -201,8 +231,9 @@ class DecodeWorker(WorkerLoop):
         if fail_over:
             return
         for request_id, client in self.requests.items():
-            self.send_now(client.sock, client.sender,
-                          encode(Rejected(request_id=request_id, error=error, status=500)))
+            if client.members is None:  # a group's own id names no request the router awaits
+                self.send_now(client.sock, client.sender,
+                              encode(Rejected(request_id=request_id, error=error, status=500)))
 
     def check_engine(self) -> None:
         self.core.engine.check_health()
@@ -244,10 +275,12 @@ class DecodeWorker(WorkerLoop):
             self.send(client.sock, client.sender, encode(Tokens(
                 request_id=rid, tokens=new, finished=done, reason=request.status.value if done else "",
                 cached=request.num_cached_tokens, logprobs=logprobs, phases=self._phases(request, now) if done else {},
-                remote=done and self.core.kv_ready_at(rid) is not None)))
+                remote=done and self.core.kv_ready_at(client.group or rid) is not None)))
             if done:
                 del self.requests[rid]
                 self.core.forget(rid)
+                if client.group is not None:
+                    self._ended_in_group(client.group, rid)
 
     def _fail_corrupted(self) -> None:
         """Requests the core aborted because a late KV write overwrote their blocks
@@ -263,13 +296,14 @@ class DecodeWorker(WorkerLoop):
         t = self.requests[request.request_id]
         first_token = t.first_token if t.first_token is not None else now
         scheduled = request.first_scheduled_time or now
-        kv_ready = self.core.kv_ready_at(request.request_id)
+        kv_ready = self.core.kv_ready_at(t.group or request.request_id)
+        remote = self.requests.get(t.group, t) if t.group is not None else t  # who heard from the prefill worker
         phases = {"decode": now - first_token}
         if kv_ready is not None:
             phases["queue"] = max(0.0, scheduled - kv_ready)
-            if t.remote_compute_s is not None:  # else its prefill_done is still on the way
-                phases.update(prefill=t.remote_compute_s, kv_write=t.remote_transfer_s,
-                              transfer=max(0.0, kv_ready - t.arrived - t.remote_compute_s))
+            if remote.remote_compute_s is not None:  # else its prefill_done is still on the way
+                phases.update(prefill=remote.remote_compute_s, kv_write=remote.remote_transfer_s,
+                              transfer=max(0.0, kv_ready - t.arrived - remote.remote_compute_s))
         else:
             phases.update(queue=max(0.0, scheduled - t.arrived), prefill=max(0.0, first_token - scheduled))
         return phases

@@ -33,7 +33,7 @@ from engine.model.loader import TORCH_DTYPES
 from engine.request import Request, RequestStatus
 from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache, kv_cache_shape
 from engine.sampling import Sampler, UnusableLogitsError, make_generator
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, child_request_id
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 
@@ -226,10 +226,32 @@ class EngineCore:
         `resumed`: the last this many prompt tokens are the request's own output from an
         earlier worker (a failover): its grammar, if it has one, has accepted them. A
         grammar compiles in the background; the request waits for it without holding
-        up others, and a grammar that fails to compile fails it at the next step."""
+        up others, and a grammar that fails to compile fails it at the next step.
+
+        params.n > 1 (parallel sampling): returns the group's prompt request, which the
+        caller never sees again; its `sequences` are the n requests that run, sequence
+        i named child_request_id(request_id, i) with params.child(i)
+        (engine/fork_groups.py)."""
+        if params.n > 1:
+            prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed)
+            self.scheduler.add_group(prompt, sequences)
+            for sequence in sequences:
+                self._track_grammar(sequence)
+            return prompt
         request = self._new_request(request_id, prompt_token_ids, params, priority, resumed)
         self.scheduler.add_request(request)
         return self._track_grammar(request)
+
+    def _new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                   priority: int, resumed: int) -> tuple[Request, list[Request]]:
+        """A group's prompt request (every prompt token but the last, prefill only) and
+        its sequences, checked as add_request checks one request."""
+        sequences = [self._new_request(child_request_id(request_id, i), prompt_token_ids, params.child(i),
+                                       priority, resumed) for i in range(params.n)]
+        prompt = Request(request_id, list(prompt_token_ids[:-1]), SamplingParams(max_tokens=1), priority=priority)
+        prompt.prefill_only = True
+        self.scheduler.check_group(prompt, sequences)
+        return prompt, sequences
 
     # --- disaggregation: decode worker side ------------------------------------------
 
@@ -243,6 +265,14 @@ class EngineCore:
         request that could never run. `resumed`: as for add_request."""
         if len(prompt_token_ids) < 2:
             raise ValueError("a remote prefill needs a prompt of at least 2 tokens")
+        if params.n > 1:  # the group's prompt request takes the KV; its sequences fork on arrival
+            prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed)
+            if not self.scheduler.reserve_for_remote_prefill(prompt):
+                return None
+            self.scheduler.join_group(prompt, sequences)
+            for sequence in sequences:
+                self._track_grammar(sequence)
+            return prompt
         request = self._new_request(request_id, prompt_token_ids, params, priority, resumed)
         return self._track_grammar(request) if self.scheduler.reserve_for_remote_prefill(request) else None
 
@@ -367,7 +397,7 @@ class EngineCore:
             if out.scheduled:
                 queued.append(out)
                 launched = self._run(self.runner.launch, queued, out.scheduled, self._block_tables(out),
-                                     in_flight[1] if in_flight else None)
+                                     in_flight[1] if in_flight else None, out.block_copies)
                 if not self.config.async_scheduling:
                     return self._finish_step((out, launched), queued)
                 self._in_flight = (out, launched)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -68,20 +69,25 @@ class LLM:
             self.core.scheduler.check_fits(len(ids), p.max_tokens)
         _check_grammars(params)
 
-        order: list[str] = []
+        order: list[list[str]] = []  # per prompt, its sequences' request ids (n of them)
         try:
             for (text, ids), p, prio in zip(tokenized, params, priorities):
                 request = self.core.add_request(f"offline-{next(self._ids)}", ids, p, prio)
-                order.append(request.request_id)
-                self.outputs.add(request, text)
+                sequences = request.sequences if request.sequences is not None else [request]
+                order.append([r.request_id for r in sequences])
+                for sequence in sequences:
+                    self.outputs.add(sequence, text)
         except Exception:
-            self._abort(order)
+            self._abort([r for ids in order for r in ids])
             raise
         return self._run(order, use_tqdm)
 
-    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, order: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
+        """One RequestOutput per prompt; with n > 1 it is sequence 0's, and its
+        `sequences` hold all n."""
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm)
+        every = [r for ids in order for r in ids]
+        bar = tqdm(total=len(every), desc="generate", unit="seq", disable=not use_tqdm)
         try:
             while self.core.has_unfinished():
                 step = self.core.step()
@@ -93,11 +99,12 @@ class LLM:
                     done[request.request_id] = self.outputs.finish(request)
                 bar.update(len(finished))
         except BaseException:
-            self._abort(order)  # leave the engine usable: nothing half-run stays queued
+            self._abort(every)  # leave the engine usable: nothing half-run stays queued
             raise
         finally:
             bar.close()
-        return [done[r] for r in order]
+        return [done[ids[0]] if len(ids) == 1 else dataclasses.replace(done[ids[0]], sequences=[done[r] for r in ids])
+                for ids in order]
 
     def _abort(self, request_ids: list[str]) -> None:
         for request in self.core.abort(request_ids):

@@ -7,7 +7,7 @@ text and the stop rules are engine/detokenizer.py's, the router's too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import Detokenizer
@@ -25,6 +25,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # n > 1: every sequence's output, sequence i at index i (the fields above are
+    # sequence 0's); empty for n = 1.
+    sequences: list[RequestOutput] = field(default_factory=list)
 
 
 @dataclass

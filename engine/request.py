@@ -25,6 +25,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     PREFILLED = "prefilled"  # prefill worker: prompt KV computed, blocks held until written out
+    WAITING_FOR_FORK = "waiting_for_fork"  # a sequence of a group (n > 1): its prompt's KV is being computed
     FINISHED_STOPPED = "stop"  # eos, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens reached
     FINISHED_ABORTED = "abort"
@@ -73,6 +74,11 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of all_token_ids
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
     grammar: GrammarState | None = None  # structured outputs: what its tokens must follow
+    # Parallel sampling (n > 1). The group's prompt request computes the KV of every
+    # prompt token but the last once, then forks: each sequence takes its blocks (the
+    # last, partial one copied on its first write) and computes the last token itself.
+    sequences: list[Request] | None = None  # on the prompt request: its group's sequences
+    group: Request | None = None  # on a sequence: its group's prompt request
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -76,6 +76,8 @@ class StepInputs:
     # scheduling): their index in input_ids, and the request each belongs to.
     placeholder_index: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     placeholder_requests: list[str] = field(default_factory=list)
+    # [C, 2] int64 (source, destination) KV blocks every rank copies before the forward.
+    block_copies: np.ndarray = field(default_factory=lambda: np.empty((0, 2), dtype=np.int64))
 
     @property
     def is_pure_decode(self) -> bool:
@@ -224,6 +226,7 @@ class ModelRunner:
         """Logits [R, vocab] float32 for inputs.logits_indices, eagerly (uploading the
         inputs unless `dev` has them)."""
         dev = self.upload(inputs) if dev is None else dev
+        self.copy_blocks(inputs)
         md = AttentionMetadata(slot_mapping=dev.slot_mapping, query_start_loc=dev.query_start_loc,
                                seq_lens=dev.seq_lens, block_tables=dev.block_tables,
                                query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens.tolist())
@@ -233,13 +236,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, scheduled: Sequence[ScheduledRequest], block_tables: np.ndarray,
-               in_flight: LaunchedStep | None = None) -> LaunchedStep:
+               in_flight: LaunchedStep | None = None,
+               block_copies: Sequence[tuple[int, int]] = ()) -> LaunchedStep:
         """Queue one forward over all scheduled tokens and the sampling of one token for
         each request whose step reaches its last token (in `scheduled` order); nothing
         waits for the device. block_tables: [S, max_blocks] int32
         (KVCacheManager.block_tables). `in_flight`: the step still running, whose
-        sampled tokens are this step's placeholder input ids."""
+        sampled tokens are this step's placeholder input ids. `block_copies`: KV
+        blocks (source, destination) to copy first (SchedulerOutput.block_copies)."""
         inputs = build_step_inputs(scheduled, block_tables, self.block_size)
+        if block_copies:
+            inputs.block_copies = np.array(block_copies, dtype=np.int64).reshape(-1, 2)
         if self.tp is None:
             logits = self._forward(inputs, in_flight)
         else:
@@ -257,8 +264,17 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, in_flight: LaunchedStep | None) -> torch.Tensor:
         dev = self.upload(inputs, in_flight)
         if self.graphs is not None and self.graphs.can_run(inputs):
+            self.copy_blocks(inputs)
             return self.graphs.run(inputs, dev)
         return self.forward(inputs, dev)
+
+    def copy_blocks(self, inputs: StepInputs) -> None:
+        """Make the step's KV block copies (a forked sequence's shared last block)
+        before its forward writes into them; queued on the device like the forward."""
+        if len(inputs.block_copies):
+            src = torch.from_numpy(inputs.block_copies[:, 0]).to(self.device)
+            dst = torch.from_numpy(inputs.block_copies[:, 1]).to(self.device)
+            self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
 
     def wait_idle(self) -> None:
         """Wait until the device has run (or failed) everything queued so far."""

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from engine.errors import EngineStateError
+from engine.fork_groups import ForkGroups
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus
@@ -37,8 +38,9 @@ from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
-    """Called by the engine core: add/abort between steps, schedule() then update()."""
+class Scheduler(ForkGroups):
+    """Called by the engine core: add/abort between steps, schedule() then update().
+    Groups of sequences (parallel sampling) are engine/fork_groups.py's."""
 
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, eos_token_ids: Sequence[int] = (),
@@ -113,6 +115,11 @@ class Scheduler:
                 heapq.heapify(self.waiting)
             self._finish(request, status)
             finished.append(request)
+            if request.sequences:  # a group's prompt: its sequences not yet forked end with it
+                waiting = [r.request_id for r in request.sequences if r.status == RequestStatus.WAITING_FOR_FORK]
+                finished += self.finish_requests(waiting, status)
+            elif request.group is not None:
+                self._drop_unneeded_prompt(request.group)
         return finished
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -209,13 +216,17 @@ class Scheduler:
         compiling: list[tuple[list, tuple[tuple[int, int], Request]]] = []
 
         # Ready requests first: they hold their blocks, and running them frees them.
+        stuck: Request | None = None  # a ready head whose first step's blocks do not fit
         while self.ready and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.ready[0][1]
             if request.grammar_pending:
                 compiling.append((self.ready, heapq.heappop(self.ready)))
                 continue
             num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
-            if num_new is None or not self.kv.allocate_slots(request, num_new):
+            if num_new is None:
+                break
+            if not self.kv.allocate_slots(request, num_new):
+                stuck = request
                 break
             heapq.heappop(self.ready)
             self._admit(out, request, request.num_computed_tokens, num_new)
@@ -244,6 +255,9 @@ class Scheduler:
 
         for queue, item in compiling:
             heapq.heappush(queue, item)
+        if stuck is not None and not out.scheduled and not self.running and not self._free_after_step:
+            self._unshare_stuck(stuck)
+        out.block_copies = self.kv.take_copies()
         if not out.scheduled and not self.running and not compiling and (self.waiting or self.ready) \
                 and self.kv.num_free_blocks == self.kv.pool.num_blocks:
             head = (self.ready or self.waiting)[0][1]
@@ -320,10 +334,14 @@ class Scheduler:
         """Every prompt token but the last now has its KV: queue it to run; its first
         step computes the last prompt token and samples."""
         self._expect_status(request, RequestStatus.WAITING_FOR_REMOTE_KV)
-        request.num_computed_tokens = request.num_tokens - 1
+        # A group's prompt request holds every prompt token but the last: all arrived.
+        request.num_computed_tokens = request.num_tokens - (request.sequences is None)
         request.num_remote_tokens = request.num_computed_tokens - request.num_cached_tokens
         self.kv.cache_computed_blocks(request)
-        self._push_ready(request)
+        if request.sequences is not None:
+            self._fork(request)
+        else:
+            self._push_ready(request)
 
     def remote_kv_failed(self, request: Request) -> None:
         """Prefill locally after all, in the blocks it holds, from the local prefix hits
@@ -384,6 +402,9 @@ class Scheduler:
                 request.num_scheduled_tokens -= s.num_new_tokens
                 self.kv.cache_computed_blocks(request)  # returns at once without prefix caching
                 if request.prefill_only and request.num_computed_tokens == request.num_tokens:
+                    if request.sequences is not None:  # a group's prompt: its sequences go on
+                        self._fork(request)
+                        continue
                     self.running.remove(request)
                     request.status = RequestStatus.PREFILLED
                     self.prefilled[request.request_id] = request

@@ -23,6 +23,9 @@ class SchedulerOutput:
     # Some token sampled here depends on the tokens so far (penalties, min_tokens), so
     # the next step must not be scheduled before this one's tokens are on the host.
     reads_history: bool = False
+    # KV blocks (source, destination) to copy before the step's forward writes: a
+    # forked sequence's shared last block, copied on its first write.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

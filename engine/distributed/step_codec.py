@@ -14,14 +14,15 @@ import torch
 from engine.errors import EngineStateError
 from engine.runner import StepInputs
 
-HEADER = 4  # tokens, sequences, block-table columns, logits rows
+HEADER = 5  # tokens, sequences, block-table columns, logits rows, block copies
 
 
 class StepCodec:
     def __init__(self, max_tokens: int, max_seqs: int, block_size: int, max_model_len: int) -> None:
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
         self.max_blocks = -(-max_model_len // block_size)
-        self.size = HEADER + 3 * max_tokens + 2 * max_seqs + 1 + max_seqs * self.max_blocks + max_seqs
+        # A step copies at most one block per sequence (a forked sequence's first write).
+        self.size = HEADER + 3 * max_tokens + 2 * max_seqs + 1 + max_seqs * self.max_blocks + max_seqs + 2 * max_seqs
 
     def buffer(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.int32)
@@ -32,20 +33,20 @@ class StepCodec:
             raise EngineStateError("a step with placeholder tokens cannot be broadcast")
         t, s = len(inputs.input_ids), len(inputs.seq_lens)
         cols = -(-int(inputs.seq_lens.max()) // self.block_size) if s else 0
-        r = len(inputs.logits_indices)
-        if t > self.max_tokens or s > self.max_seqs or cols > self.max_blocks or r > self.max_seqs:
+        r, c = len(inputs.logits_indices), len(inputs.block_copies)
+        if t > self.max_tokens or s > self.max_seqs or cols > self.max_blocks or r > self.max_seqs or c > self.max_seqs:
             raise EngineStateError(f"step of {t} tokens, {s} sequences, {cols} blocks each is "
                                    f"beyond the broadcast buffer's limits")
-        parts = [np.array([t, s, cols, r]), inputs.input_ids, inputs.positions, inputs.slot_mapping,
+        parts = [np.array([t, s, cols, r, c]), inputs.input_ids, inputs.positions, inputs.slot_mapping,
                  inputs.query_start_loc, inputs.seq_lens, inputs.block_tables[:, :cols].reshape(-1),
-                 inputs.logits_indices]
+                 inputs.logits_indices, inputs.block_copies.reshape(-1)]
         flat = np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
         out[:len(flat)] = torch.from_numpy(flat)
         return out
 
     def decode(self, buf: torch.Tensor) -> StepInputs:
         data = buf.numpy()
-        t, s, cols, r = (int(v) for v in data[:HEADER])
+        t, s, cols, r, c = (int(v) for v in data[:HEADER])
         at = HEADER
 
         def take(n: int, dtype=np.int64) -> np.ndarray:
@@ -57,6 +58,8 @@ class StepCodec:
         query_start_loc, seq_lens = take(s + 1, np.int32), take(s, np.int32)
         block_tables = take(s * cols, np.int32).reshape(s, cols)
         logits_indices = take(r)
+        block_copies = take(2 * c).reshape(c, 2)
         return StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slots,
                           query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
-                          logits_indices=logits_indices, query_lens=np.diff(query_start_loc).tolist())
+                          logits_indices=logits_indices, query_lens=np.diff(query_start_loc).tolist(),
+                          block_copies=block_copies)

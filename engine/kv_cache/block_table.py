@@ -39,6 +39,13 @@ class BlockTable:
         self._ids[row, start:end] = block_ids
         self._lens[row] = end
 
+    def set(self, request_id: str, index: int, block_id: int) -> None:
+        """Replace the request's block at `index` (a shared block copied on write)."""
+        row = self._row_of[request_id]
+        if not 0 <= index < self._lens[row]:
+            raise IndexError(f"request {request_id!r} has {int(self._lens[row])} blocks, no block {index}")
+        self._ids[row, index] = block_id
+
     def remove(self, request_id: str) -> None:
         """The request freed all its blocks."""
         row = self._row_of.pop(request_id, None)

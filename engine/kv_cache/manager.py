@@ -26,6 +26,12 @@ class KVCacheManager:
         self.block_table = BlockTable()  # the same block ids as numpy rows, for the runner
         # Per request: how many of its blocks are already registered in the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # Parallel sampling (fork): per forked request, the index of the partial last
+        # block it shares with its siblings, copied on its first write (copy-on-write).
+        self._shared_tail: dict[str, int] = {}
+        # (source, destination) block ids to copy before the next step's forward: the
+        # engine core takes them (take_copies) and the runner copies on every rank.
+        self._copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,6 +91,8 @@ class KVCacheManager:
         fresh blocks; on failure nothing changes.
         """
         blocks = self.req_blocks.get(request.request_id)
+        if self._shared_tail and request.request_id in self._shared_tail:
+            return self._allocate_unshared(request, num_new_tokens)
         if new_computed_blocks and (blocks or request.num_started_tokens):
             # Its own blocks' KV would be shadowed, or tokens counted twice.
             raise EngineStateError(f"request {request.request_id!r} holds {len(blocks or ())} blocks and "
@@ -108,6 +116,50 @@ class KVCacheManager:
         if len(blocks) > held:
             self.block_table.append(request.request_id, [b.block_id for b in blocks[held:]])
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's blocks holding its computed tokens (one more
+        reference each; the child holds no blocks yet). A partial last block is shared
+        until the child's first write into it, which copies it (allocate_slots)."""
+        if self.req_blocks.get(child.request_id):
+            raise EngineStateError(f"request {child.request_id!r} already holds blocks; it cannot be forked into")
+        num_computed = parent.num_computed_tokens
+        blocks = self.req_blocks.get(parent.request_id, [])[:cdiv(num_computed, self.block_size)]
+        if not blocks:
+            return
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = list(blocks)
+        self.block_table.append(child.request_id, [b.block_id for b in blocks])
+        if parent.request_id in self._num_cached_blocks:
+            self._num_cached_blocks[child.request_id] = self._num_cached_blocks[parent.request_id]
+        if num_computed % self.block_size:
+            self._shared_tail[child.request_id] = len(blocks) - 1
+
+    def _allocate_unshared(self, request: Request, num_new_tokens: int) -> bool:
+        """allocate_slots for a forked request before its first write: its shared last
+        block becomes its own first (a copy, unless no sibling holds it any more)."""
+        rid = request.request_id
+        blocks, index = self.req_blocks[rid], self._shared_tail[rid]
+        tail = blocks[index]
+        copy = tail.ref_cnt > 1
+        if copy and self.num_blocks_needed(request, num_new_tokens) + 1 > self.num_free_blocks:
+            return False
+        del self._shared_tail[rid]
+        if copy:
+            own = self.pool.allocate(1)[0]
+            self._copies.append((tail.block_id, own.block_id))
+            self.pool.free([tail])
+            blocks[index] = own
+            self.block_table.set(rid, index, own.block_id)
+        if self.allocate_slots(request, num_new_tokens):
+            return True
+        raise EngineStateError(f"request {rid!r}: blocks counted free for its first write were not")
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies (source, destination) the next step must make before it
+        writes; each is taken once."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register every full block whose KV is now written (called after each step)."""
@@ -138,6 +190,7 @@ class KVCacheManager:
         its id may be reused at once while a queued step still writes those blocks."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        self._shared_tail.pop(request.request_id, None)
         self.block_table.remove(request.request_id)
         return blocks
 

@@ -106,5 +106,8 @@ def test_a_step_survives_its_broadcast_form() -> None:
         assert np.array_equal(getattr(back, name), getattr(inputs, name)), name
     assert np.array_equal(back.block_tables, tables[:, :3])  # the columns the step reads
     assert back.query_lens == inputs.query_lens
+    assert back.block_copies.shape == (0, 2)
+    inputs.block_copies = np.array([[3, 7], [3, 9]])  # a forked sequence's shared block, copied on write
+    assert np.array_equal(codec.decode(codec.encode(inputs, codec.buffer())).block_copies, [[3, 7], [3, 9]])
     with pytest.raises(Exception, match="beyond the broadcast buffer"):
         StepCodec(max_tokens=8, max_seqs=4, block_size=16, max_model_len=64).encode(inputs, codec.buffer())
