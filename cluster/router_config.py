@@ -61,6 +61,10 @@ class RouterConfig:
     max_stop: int = 64
     max_string_chars: int = 65536
     max_tokenize_queue: int = 64
+    # Parallel sampling: n and best_of at most max_n (400 naming the field), and a
+    # request's prompts x best_of (or n) at most max_sequences (400 naming prompt).
+    max_n: int = 16
+    max_sequences: int = 256
     # Per-key limits (router/limits.py), off when null: requests per second (a bucket of
     # key_burst, default one second's worth) and tokens in flight (prompt + max_tokens of
     # the key's running requests). Without api_keys every caller counts as one key.
@@ -100,9 +104,11 @@ class RouterConfig:
                f"address: other machines reach it) without {path}.api_keys; set api_keys (e.g. 'env:PDSERVE_API_KEYS') "
                "or, to serve anyone who reaches the port, allow_unauthenticated: true")
         for name in ("max_body_bytes", "max_messages", "max_stop", "max_string_chars", "max_tokenize_queue",
-                     "key_burst", "key_tokens_in_flight"):
+                     "max_n", "max_sequences", "key_burst", "key_tokens_in_flight"):
             if getattr(out, name) is not None:  # only the key_* ones may be
                 integer(getattr(out, name), f"{path}.{name}", 1)
+        check(out.max_sequences >= out.max_n, f"{path}.max_sequences",
+              f"must be >= max_n ({out.max_n}): one prompt may sample max_n sequences; got {out.max_sequences}")
         rate = out.key_requests_per_s
         rate = None if rate is None else number(rate, f"{path}.key_requests_per_s", 0, strict=True)
         check(rate is not None or out.key_burst is None, f"{path}.key_burst",

@@ -15,7 +15,7 @@ import logging
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import ClientDisconnect
@@ -54,11 +54,13 @@ class AccessRecord:
     remote_prefill: bool | None = None
     worker: str = "-"
     key: str | None = None  # the API key's fingerprint
+    sequences: dict[int, int] = field(default_factory=dict)  # output tokens of each of its sequences
 
     def saw(self, chunk: Chunk) -> None:
         if chunk.num_tokens and self.first_token is None:
             self.first_token = time.monotonic()
-        self.output_tokens = chunk.num_tokens
+        self.sequences[chunk.index] = chunk.num_tokens
+        self.output_tokens = sum(self.sequences.values())
         self.worker = chunk.worker or self.worker
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason

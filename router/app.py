@@ -14,8 +14,9 @@ request's outcome goes to the access log (router/access_log.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -128,54 +129,53 @@ async def chat_completions(request: Request) -> Any:
 
 async def _respond(request: Request, parsed: GenerateRequest) -> Response:
     router = _router(request)
-    stream = _named_errors(_within_limits(request, parsed, router.run(parsed.prompt_ids, parsed.params)),
+    prompts = parsed.prompts
+    stream = _named_errors(_within_limits(request, parsed, router.run_batch(prompts, parsed.params)),
                            parsed.constraint_source)
-    formatter = LogprobFormatter(router.tokenizer, parsed.chat) if parsed.params.logprobs is not None else None
-    shaper = ResponseShaper(parsed.chat, router.model_name, len(parsed.prompt_ids), formatter,
-                            _tool_calls(parsed, router.config.tool_call_parser))
-    stream = track(request.scope, shaper.id, len(parsed.prompt_ids), stream)  # for its access log line
+    asked = parsed.params.logprobs is not None and not parsed.rank_only_logprobs
+    formatter = functools.partial(LogprobFormatter, router.tokenizer, parsed.chat) if asked else None
+    shaper = ResponseShaper(parsed.chat, router.model_name, list(map(len, prompts)), formatter,
+                            _tool_calls(parsed, router.config.tool_call_parser), parsed.n, parsed.params.n)
+    stream = track(request.scope, shaper.id, sum(map(len, prompts)), stream)  # for its access log line
     if not parsed.stream:
         chunks = await _all_unless_disconnected(request, stream)
         if chunks is None:  # nobody is left to read an answer (499: nginx's "client closed")
             return Response(status_code=499)
         return JSONResponse(shaper.body(chunks), headers={WORKER_HEADER: chunks[-1].worker})
-    first = await anext(stream)  # errors (400, 429) surface before any byte is sent
-    return StreamingResponse(_events(router, shaper, first, stream, parsed.include_usage),
-                             media_type="text/event-stream", headers={WORKER_HEADER: first.worker})
+    # Its admission: errors until it is submitted (400, 429, 503) are the status; the
+    # headers go now, not at its first token (a long prompt's prefill would hold them).
+    admitted = await anext(stream)
+    return StreamingResponse(_events(router, shaper, stream, parsed.include_usage),
+                             media_type="text/event-stream", headers={WORKER_HEADER: admitted.worker})
 
 
-async def _events(router: Router, shaper: ResponseShaper, first: Chunk, stream: AsyncIterator[Chunk],
+async def _events(router: Router, shaper: ResponseShaper, stream: AsyncIterator[Chunk],
                   include_usage: bool) -> AsyncIterator[str]:
-    """A streamed response's events: its chunks, the usage if asked, [DONE]."""
-    n = first.num_tokens
-
-    async def chunks() -> AsyncIterator[Chunk]:
-        yield first
-        async for chunk in stream:
-            yield chunk
-
+    """A streamed response's events after its admission: its chunks, the usage if
+    asked, [DONE]."""
+    started = False
     try:
-        async for chunk in chunks():
-            n = chunk.num_tokens
+        async for chunk in stream:
+            started = True
             yield shaper.event(chunk)
         if include_usage:
-            yield shaper.usage_event(n)
+            yield shaper.usage_event()
     except Exception as exc:  # noqa: BLE001 - the status line is sent: say it in the stream
-        yield _error_event(router, exc)
+        yield _error_event(router, exc, started)
     finally:
         await stream.aclose()  # a client gone mid-stream aborts the request
     yield DONE_EVENT
 
 
-def _tool_calls(parsed: GenerateRequest, parser: str) -> ToolCallStream | None:
-    """How a chat request's text becomes tool calls: none without tools or with
-    tool_choice "none"; else by the grammar's shape (required, a named function) or the
-    model's own format (auto, read by router.tool_call_parser)."""
+def _tool_calls(parsed: GenerateRequest, parser: str) -> Callable[[], ToolCallStream] | None:
+    """How each choice's text of a chat request becomes tool calls: none without tools
+    or with tool_choice "none"; else by the grammar's shape (required, a named function)
+    or the model's own format (auto, read by router.tool_call_parser)."""
     tools = parsed.tools if isinstance(parsed, ChatRequest) else None
     if tools is None or tools.mode == "none":
         return None
-    return ToolCallStream(tools.mode, tools.parameters, parallel_tool_calls=tools.parallel,
-                          function_name=tools.named, parser=parser)
+    return functools.partial(ToolCallStream, tools.mode, tools.parameters, parallel_tool_calls=tools.parallel,
+                             function_name=tools.named, parser=parser)
 
 
 async def _named_errors(stream: AsyncIterator[Chunk], source: str | None) -> AsyncIterator[Chunk]:
@@ -192,14 +192,18 @@ async def _named_errors(stream: AsyncIterator[Chunk], source: str | None) -> Asy
 
 async def _within_limits(request: Request, parsed: GenerateRequest,
                          stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    """The stream, its tokens counted in its key's tokens in flight until it ends (taken
-    at its first step, so that a stream never started holds none; 429 before any
-    chunk when the key has no room)."""
+    """The stream, its tokens counted in its key's tokens in flight until it ends: each
+    sequence's prompt + max_tokens (taken before it is submitted, so that a request the
+    key has no room for is a 429 that never reaches a worker)."""
     limits: Limits = request.app.state.limits
-    lease = limits.lease(client_of(request.scope), len(parsed.prompt_ids), parsed.params.max_tokens)
+    sequences = parsed.params.n
+    lease = limits.lease(client_of(request.scope), sum(map(len, parsed.prompts)) * sequences,
+                         parsed.params.max_tokens, sequences * len(parsed.prompts))
+    generated: dict[int, int] = {}
     try:
         async for chunk in stream:
-            lease.progress(chunk.num_tokens)
+            generated[chunk.index] = chunk.num_tokens
+            lease.progress(sum(generated.values()))
             yield chunk
     finally:
         limits.release(lease)
@@ -236,10 +240,13 @@ async def _all_unless_disconnected(request: Request, stream: AsyncIterator[Chunk
     return work.result()  # raises the request's own error (400, 429, 503)
 
 
-def _error_event(router: Router, exc: Exception) -> str:
-    """The SSE event that ends a stream broken after its first chunk (e.g. its decode
-    worker died with no live one to fail over to), as vLLM sends one."""
+def _error_event(router: Router, exc: Exception, started: bool) -> str:
+    """The SSE event that ends a stream broken after its headers (e.g. its decode
+    worker died with no live one to fail over to, or it refused the request), as vLLM
+    sends one."""
     if not isinstance(exc, APIError):
         logger.exception("a stream failed", exc_info=exc)
         exc = APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_server_error")
-    return error_event(exc)  # counted as finished with reason "error" (Router.run), not as rejected
+    if not started:  # refused before its first token, as its status would have said (Router.run_batch)
+        router.metrics.rejected.labels(status=str(exc.status)).inc()
+    return error_event(exc)  # after: counted as finished with reason "error" (Router.run_batch)

@@ -62,6 +62,12 @@ class BoundSettings(Protocol):
     @property
     def key_tokens_in_flight(self) -> int | None: ...
 
+    @property
+    def max_n(self) -> int: ...
+
+    @property
+    def max_sequences(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class InputBounds:
@@ -72,11 +78,19 @@ class InputBounds:
     # A key's tokens in flight (router/limits.py), which a chat's default max_tokens
     # must fit; None: no such limit.
     max_tokens_in_flight: int | None = None
+    max_n: int = 16  # n and best_of: sequences sampled per prompt
+    max_sequences: int = 256  # prompts x best_of (or n) of one request
 
     @classmethod
     def of(cls, settings: BoundSettings) -> "InputBounds":
         return cls(settings.max_messages, settings.max_stop, settings.max_string_chars, settings.max_tokenize_queue,
-                   settings.key_tokens_in_flight)
+                   settings.key_tokens_in_flight, settings.max_n, settings.max_sequences)
+
+    @classmethod
+    def unbounded(cls) -> "InputBounds":
+        """For a parser given no bounds: nothing bounded but the fan-out, at its defaults."""
+        inf = 2**63
+        return cls(inf, inf, inf, inf)
 
 
 def check_bounds(body: dict[str, Any], bounds: InputBounds) -> None:

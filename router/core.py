@@ -1,9 +1,10 @@
 """The router's request path: take a parsed, tokenized request (router/parsing.py),
 pick a decode worker, ask it to prefill on a prefill worker when the prompt is long
 enough (conditional disaggregation), and detokenize the worker's per-step token
-batches incrementally, ending a request itself when a stop string appears. A decode
-worker that falls silent is routed around, and its requests fail over to a live one
-mid-stream (Router.run, router/health.py). The HTTP endpoints are router/app.py.
+batches incrementally, ending a request itself when a stop string appears (each of a
+request's sequences apart: router/sequences.py). A decode worker that falls silent is
+routed around, and its requests fail over to a live one mid-stream (Router.run_batch,
+router/health.py). The HTTP endpoints are router/app.py.
 """
 
 from __future__ import annotations
@@ -11,46 +12,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq.asyncio
 
-from engine.detokenizer import Detokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
-from protocol import Abort, Generate, Rejected, to_wire
+from protocol import Generate, to_wire
 from router.bounds import InputBounds
 from router.config import ModelLimits, RouterSettings
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.parsing import RequestParser
 from router.routing import RoutingPolicy
-from router.worker_client import WORKER_LOST, WorkerClient
+from router.sequences import MAX_RETRIES, Chunk, SequenceGroup, _rejection, admission
+from router.worker_client import WorkerClient
 from security import DeploymentSecret
 
-
-@dataclass
-class Chunk:
-    """What one worker step added to a request, detokenized."""
-
-    text: str
-    finish_reason: str | None
-    num_tokens: int  # output tokens so far
-    token_ids: list[int] = field(default_factory=list)  # this step's
-    logprobs: list[list] = field(default_factory=list)  # per token of this step, when asked
-    worker: str = ""  # the decode worker that sent it (another after a failover)
-    # On the last chunk: whether the prompt was prefilled on a prefill worker (the decode
-    # worker's last Tokens says so; without it, as when the router ended the request at
-    # a stop string: what the router asked for).
-    remote_prefill: bool | None = None
-
-
-# Resubmissions a request's decode workers may ask for (Rejected.retry) before it fails.
-MAX_RETRIES = 3
+__all__ = ["MAX_RETRIES", "Chunk", "Router", "_rejection"]  # Chunk, and what tests import, from their old place
 
 
 class Router:
@@ -128,103 +109,60 @@ class Router:
     # --- one request ----------------------------------------------------------------
 
     async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
-        """The request's new text (and tokens, logprobs) after each worker step.
+        """One prompt's chunks (run_batch)."""
+        async for chunk in self.run_batch([prompt], params):
+            yield chunk
 
-        Failover: when its decode worker is declared dead (router/health.py), the
-        request is resubmitted to a live one as prompt + the tokens generated so far,
-        with max_tokens and min_tokens reduced by as many and the same sampling
+    async def run_batch(self, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[Chunk]:
+        """The request's new text (and tokens, logprobs) after each worker step, for each
+        of its params.n sequences per prompt (router/sequences.py), interleaved as they
+        come. The first chunk is its admission (no text): it is checked and submitted.
+
+        Failover: when a sequence's decode worker is declared dead (router/health.py),
+        the sequence is resubmitted alone to a live one as prompt + the tokens generated
+        so far, with max_tokens and min_tokens reduced by as many and the same sampling
         params; the stream goes on from where it was. Greedy output continues token for
         token; seeded sampling and presence/frequency penalties restart their state on
-        the new worker (the generated tokens count as prompt there), so such a request
+        the new worker (the generated tokens count as prompt there), so such a sequence
         continues validly but not identically. With no live worker left it ends with
         HTTP 503 (before its first chunk) or a broken stream (after). A worker may also
-        ask for a retry (Rejected.retry: a late KV write overwrote the request's blocks):
-        it is resubmitted the same way, up to MAX_RETRIES times. A request the
+        ask for a retry (Rejected.retry: a late KV write overwrote the sequence's
+        blocks): it is resubmitted the same way, up to MAX_RETRIES times. A request a
         worker failed (its engine step failed, or the worker gave up) ends with HTTP
-        500 or, after its first chunk, an error event; bad input with 400."""
+        500 or, after its first chunk, an error event; bad input with 400. A client
+        gone (the generator closed) aborts every sequence still running."""
         if self.in_flight >= self.config.max_queued_requests:
             raise APIError(429, f"the server has {self.in_flight} requests in flight "
                                 f"(max_queued_requests); retry later", kind="rate_limit_error")
         m = self.metrics
         self.in_flight += 1
         m.in_flight.set(self.in_flight)
-        detok = Detokenizer.for_params(self.tokenizer, params)
-        worker: WorkerClient | None = None
-        request_id = ""
-        finished = False
-        yielded = False  # a chunk went out: an error now breaks a started answer
-        error = False
-        retries = 0
-        start = last = first = time.monotonic()
+        group = SequenceGroup(prompts, params, self.tokenizer, self._submit, m)
         try:
-            while not finished:
-                if worker is not None:  # its worker died (or asked for a retry): leave it, resubmit
-                    worker.queues.pop(request_id, None)
-                    worker.send(Abort(request_id=request_id))  # in case it was only slow
-                    if params.max_tokens - detok.num_tokens < 1:  # cannot happen: the last batch says finished
-                        finished = True
-                        yield Chunk(detok.flush(), "length", detok.num_tokens, worker=worker.name)
-                        break
-                worker, request_id, queue, remote = self._submit(prompt, detok.ids, params,
-                                                                 failover=worker is not None)
-                while not finished:
-                    msg = await queue.get()
-                    if msg is WORKER_LOST:
-                        break
-                    if isinstance(msg, Rejected) and msg.retry and retries < MAX_RETRIES:
-                        retries += 1
-                        break  # resubmitted like a failover (maybe to the same worker)
-                    if isinstance(msg, Rejected):
-                        finished = True  # nothing to abort: the worker ended it (or never queued it)
-                        raise _rejection(msg)
-                    now, new = time.monotonic(), len(msg.tokens)
-                    if new and detok.num_tokens == 0:
-                        m.ttft.observe(now - start)
-                        first = now
-                    elif new:  # a batch of tokens from one step: each waited its share
-                        for _ in range(new):
-                            m.itl.observe((now - last) / new)
-                    if new:
-                        last = now
-                        m.generation_tokens.inc(new)
-                    delta, stopped = detok.add(msg.tokens)
-                    finished = msg.finished or stopped
-                    reason = "stop" if stopped else (msg.reason if msg.finished else None)
-                    if finished:
-                        delta += detok.flush()
-                        e2e = time.monotonic() - start
-                        m.e2e.observe(e2e)
-                        m.observe_tpot(e2e, first - start, detok.num_tokens)
-                        m.finished.labels(reason=reason).inc()
-                        m.observe_phases(msg.phases, msg.remote)
-                        m.prefix_cached_tokens.inc(msg.cached)
-                    yielded = True
-                    yield Chunk(delta, reason, detok.num_tokens, msg.tokens, msg.logprobs, worker.name,
-                                (msg.remote if msg.phases else remote) if finished else None)
+            group.submit()
+            m.requests.labels(prefill="remote" if group.seqs[0].remote else "local").inc()
+            m.prompt_tokens.inc(sum(map(len, prompts)))
+            yield admission(group)
+            async for chunk in group.chunks():
+                yield chunk
         except Exception:
-            # Before its first chunk, an error is the answer's status (the rejected
+            # Before its first token, an error is the answer's status (the rejected
             # count); after, it ends an answer already under way.
-            error = True
-            if yielded:
+            group.error = True
+            if group.started:
                 m.finished.labels(reason="error").inc()
             raise
         finally:
             self.in_flight -= 1
             m.in_flight.set(self.in_flight)
-            if worker is not None:
-                worker.queues.pop(request_id, None)
-                if not finished:  # the client went away (or the request failed): free the worker's blocks
-                    if not error:
-                        m.finished.labels(reason="abort").inc()
-                    worker.send(Abort(request_id=request_id))
-                elif detok.stopped:
-                    worker.send(Abort(request_id=request_id))
+            group.close()
 
     def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams,
-                failover: bool) -> tuple[WorkerClient, str, asyncio.Queue, bool]:
+                failover: bool) -> tuple[WorkerClient, str, bool]:
         """Send prompt + generated to a live decode worker, asking for what remains of
-        params.max_tokens; the worker, the request's id there, its message queue, and
-        whether it was asked to prefill on a prefill worker."""
+        params.max_tokens (for params.n sequences); the worker, the request's id there,
+        and whether it was asked to prefill on a prefill worker. The caller listens for
+        its answers (no message is read before it returns: one event loop)."""
         live = [w.alive for w in self.workers]
         if not any(live):
             raise self.no_live_worker()
@@ -238,20 +176,15 @@ class Router:
         # Conditional disaggregation: only the part the worker must compute counts.
         remote = (len(tokens) - cached >= self.config.remote_prefill_min_tokens
                   and any(p.alive for p in self.prefill))
-        m = self.metrics
         if failover:
-            m.failovers.inc()
+            self.metrics.failovers.inc()
         else:
-            m.requests.labels(prefill="remote" if remote else "local").inc()
-            m.prompt_tokens.inc(len(prompt))
-            m.cached_tokens.inc(cached)
+            self.metrics.cached_tokens.inc(cached)
         if not worker.send(Generate(request_id=request_id, prompt=tokens, params=to_wire(params), remote=remote,
                                     resumed=len(generated))):
             raise APIError(503, f"decode worker {worker.name} cannot be reached; retry later",
                            kind="service_unavailable")
-        queue: asyncio.Queue = asyncio.Queue()
-        worker.queues[request_id] = queue
-        return worker, request_id, queue, remote
+        return worker, request_id, remote
 
     def no_live_worker(self) -> APIError:
         why = "; ".join(f"{w.name} {w.down_reason}" for w in self.workers)
@@ -299,11 +232,3 @@ class Router:
                 w.check()
             self.publish_live()
 
-
-def _rejection(msg: Rejected) -> APIError:
-    """A decode worker's Rejected: 400, bad input; 500, the request failed on the
-    worker (its engine step failed, or the worker itself did)."""
-    status = msg.status if 400 <= msg.status <= 599 else 500
-    if status >= 500:
-        return APIError(status, f"the request failed on the server: {msg.error}", kind="internal_server_error")
-    return APIError(status, msg.error, msg.param)

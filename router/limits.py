@@ -111,16 +111,19 @@ class Limits:
             raise _too_many(f"this API key is over its rate of {self.rate:g} requests per second "
                             f"(burst {self.burst}); retry in {wait:.2f} s", wait)
 
-    def lease(self, client: int | None, prompt_tokens: int, max_tokens: int) -> Lease:
+    def lease(self, client: int | None, prompt_tokens: int, max_tokens: int, sequences: int = 1) -> Lease:
         """Count a parsed request's tokens against the key's tokens in flight; APIError
         429 if the key's running requests leave no room for it now, 400 if it alone is
-        over the limit (no wait would let it in)."""
+        over the limit (no wait would let it in). A request sampling several sequences
+        (n, best_of, batched prompts) costs each its prompt + max_tokens: prompt_tokens
+        is then the sum over its sequences, and max_tokens is each one's."""
         state = self._client(client)
         now = self.clock()
-        lease = Lease(client, prompt_tokens + max_tokens, max_tokens, now)
+        lease = Lease(client, prompt_tokens + sequences * max_tokens, sequences * max_tokens, now)
         limit = self.max_tokens
         if limit is not None and lease.cost > limit:
-            raise APIError(400, f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {lease.cost} is more "
+            what = f"max_tokens ({max_tokens})" if sequences == 1 else f"{sequences} sequences x max_tokens ({max_tokens})"
+            raise APIError(400, f"prompt ({prompt_tokens} tokens) + {what} = {lease.cost} is more "
                                 f"than an API key may have in flight ({limit} tokens); lower max_tokens", "max_tokens")
         if limit is not None and state.in_flight + lease.cost > limit:
             need = state.in_flight + lease.cost - limit

@@ -43,11 +43,22 @@ class GenerateRequest:
     # Where the client described params.structured_outputs (a decode worker's error about
     # it is said with this name); None: no constraint.
     constraint_source: str | None = field(default=None, kw_only=True)
+    # Choices answered per prompt; params.n sequences are sampled per prompt (best_of:
+    # more, the n best answered, ranked by logprobs the client may not have asked for).
+    n: int = field(default=1, kw_only=True)
+    rank_only_logprobs: bool = field(default=False, kw_only=True)  # params.logprobs set only to rank best_of
+    # Batched prompts (completions): every prompt's ids, prompt_ids the first; None: one prompt.
+    batch: list[list[int]] | None = field(default=None, kw_only=True)
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.batch if self.batch is not None else [self.prompt_ids]
 
 
 @dataclass(frozen=True)
 class CompletionRequest(GenerateRequest):
-    prompt: str | list[int]  # as sent: text (tokenized into prompt_ids) or the token ids themselves
+    # As sent: text (tokenized into prompt_ids) or the token ids themselves; batched: a list of either.
+    prompt: str | list[int] | list[str] | list[list[int]]
     chat: ClassVar[bool] = False
 
 
@@ -85,15 +96,21 @@ class RequestParser:
 
     async def completion(self, raw: bytes) -> CompletionRequest:
         body, stream, include_usage = self._body(raw, chat=False)
-        prompt = request_body.prompt_input(body.get("prompt"), self.limits.vocab_size)
-        if isinstance(prompt, list):
-            ids = prompt
+        prompts = request_body.prompt_input(body.get("prompt"), self.limits.vocab_size)
+        n, best_of = self._choices(body, False, stream, len(prompts))
+        texts = [p for p in prompts if isinstance(p, str)]
+        for text in texts:
+            self._check_chars(len(text), "prompt")
+        if texts:
+            batch = await self._tokenize(lambda: [self.tokenizer.encode(text) for text in texts])
         else:
-            self._check_chars(len(prompt), "prompt")
-            ids = await self._tokenize(self.tokenizer.encode, prompt)
-        params = self._sampling_params(body, False, len(ids), "prompt")
+            batch = prompts  # type: ignore[assignment]
+        params = self._sampling_params(body, False, max(map(len, batch)), "prompt")
         params, source = _constrained(params, structured.constraint(body, None))
-        return CompletionRequest(ids, params, stream, include_usage, prompt, constraint_source=source)
+        params, rank_only = _sampled(params, n, best_of)
+        return CompletionRequest(batch[0], params, stream, include_usage, prompts[0] if len(prompts) == 1 else prompts,
+                                 constraint_source=source, n=n, rank_only_logprobs=rank_only,
+                                 batch=batch if len(batch) > 1 else None)
 
     async def chat(self, raw: bytes) -> ChatRequest:
         body, stream, include_usage = self._body(raw, chat=True)
@@ -115,9 +132,10 @@ class RequestParser:
             ids = await self._tokenize(tokenize)
         except RecursionError:  # the template walks what the bounds let through; never a 500
             raise APIError(400, "messages are nested too deeply for the model's chat template", "messages") from None
+        n, _ = self._choices(body, True, stream, 1)
         params, source = _constrained(self._sampling_params(body, True, len(ids), "messages"), constraint)
-        return ChatRequest(ids, params, stream, include_usage, messages, add_generation_prompt,
-                           constraint_source=source, tools=tools)
+        return ChatRequest(ids, dataclasses.replace(params, n=n), stream, include_usage, messages, add_generation_prompt,
+                           constraint_source=source, tools=tools, n=n)
 
     def _body(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], bool, bool]:
         """The JSON body, with every check that needs no tokenizer done; stream and
@@ -157,6 +175,17 @@ class RequestParser:
                                 f"{num_prompt_tokens + params.max_tokens} exceeds the model's context length "
                                 f"{max_model_len}", name)
         return params
+
+    def _choices(self, body: dict[str, Any], chat: bool, stream: bool, num_prompts: int) -> tuple[int, int]:
+        """(n, best_of), each within router.max_n, and the request's sequences (prompts x
+        best_of) within router.max_sequences."""
+        bounds = self.bounds or InputBounds.unbounded()
+        n, best_of = request_body.choices(body, chat, stream, bounds.max_n)
+        if num_prompts * best_of > bounds.max_sequences:
+            raise APIError(400, f"{num_prompts} prompts x {best_of} sequences each = {num_prompts * best_of} "
+                                f"sequences: more than a request may sample (router.max_sequences = "
+                                f"{bounds.max_sequences})", "prompt")
+        return n, best_of
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Refuse, before tokenizing it, text that cannot fit the context: no token of
@@ -200,6 +229,13 @@ def _constrained(params: SamplingParams, constraint: structured.Constraint | Non
     if constraint is None:
         return params, None
     return dataclasses.replace(params, structured_outputs=constraint.params), constraint.source
+
+
+def _sampled(params: SamplingParams, n: int, best_of: int) -> tuple[SamplingParams, bool]:
+    """params sampling best_of sequences per prompt; with best_of > n they carry logprobs
+    (to rank the sequences by), which the answer leaves out when the client asked none."""
+    rank_only = best_of > n and params.logprobs is None
+    return dataclasses.replace(params, n=best_of, logprobs=0 if rank_only else params.logprobs), rank_only
 
 
 def _chat_chars(messages: list[dict[str, Any]], tools: structured.ToolChoice | None) -> int:

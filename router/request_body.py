@@ -44,7 +44,7 @@ def _default_true(value: Any) -> bool:
 
 # Parameter -> is this value harmless (means "not used")? Any other value: 400.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": _one, "best_of": _one, "logit_bias": _unset, "use_beam_search": _unset,
+    "logit_bias": _unset, "use_beam_search": _unset,
     "prompt_logprobs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
     "guided_grammar": _unset, "guided_decoding_backend": _unset, "allowed_token_ids": _unset, "bad_words": _unset,
     "logits_processors": _unset, "truncate_prompt_tokens": _unset,
@@ -52,7 +52,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 _UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"echo": _unset, "suffix": _unset}
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
-    "functions": _unset, "function_call": lambda v: v in (None, "none", "auto"),
+    "best_of": _one, "functions": _unset, "function_call": lambda v: v in (None, "none", "auto"),
     "echo": _unset, "continue_final_message": _unset, "chat_template": _unset,
     "chat_template_kwargs": _unset, "documents": _unset, "audio": _unset, "prediction": _unset,
     "modalities": lambda v: v is None or v == ["text"],
@@ -60,7 +60,7 @@ _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
 
 
 _GUIDED = "vLLM 0.12 removed the guided_* fields: send structured_outputs"
-_HINTS = {"n": "only n=1 is supported", "best_of": "only best_of=1 is supported",
+_HINTS = {"best_of": "best_of is a completions parameter; chat samples n choices",
           "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
           "guided_decoding_backend": "pdserve's one backend is xgrammar",
           "functions": "the legacy functions field: send tools", "function_call": "send tool_choice"}
@@ -143,26 +143,59 @@ def sampling_params(body: dict[str, Any], chat: bool, default_max_tokens: int | 
         raise APIError(400, f"{name} {exc.problem}", name) from None
 
 
-def prompt_input(prompt: Any, vocab_size: int) -> str | list[int]:
-    """/v1/completions' prompt: a non-empty string, or token ids of this model's
-    vocabulary; a one-element list of either is that element."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+def prompt_input(prompt: Any, vocab_size: int) -> list[str] | list[list[int]]:
+    """/v1/completions' prompt as a batch: a non-empty string, or token ids of this
+    model's vocabulary, or a non-empty list of either (batched prompts, all of one kind)."""
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return [_one_prompt(prompt, "prompt", vocab_size)]  # type: ignore[list-item]
+    if isinstance(prompt, list) and not prompt:
+        raise APIError(400, "prompt must not be an empty list", "prompt")
+    if isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) or all(map(_token_ids, prompt))):
+        return [_one_prompt(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt)]  # type: ignore[misc]
+    raise APIError(400, "prompt must be a non-empty string or a list of token ids, or a list of several of either "
+                        "(batched prompts: all strings or all token-id lists)", "prompt")
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _one_prompt(prompt: str | list[int], where: str, vocab_size: int) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        check_text(prompt, "prompt")
+            raise APIError(400, f"{where} must not be empty", "prompt")
+        check_text(prompt, "prompt", where)
         return prompt
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token ids must be integers in [0, {vocab_size}), got "
-                                f"{show(bad[:5])}", "prompt")
-        return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise APIError(400, "batched prompts (a list of several prompts) are not supported by pdserve; "
-                            "send one request per prompt", "prompt")
-    raise APIError(400, "prompt must be a non-empty string or a list of token ids", "prompt")
+    if not prompt:
+        raise APIError(400, f"{where} must not be an empty list of token ids", "prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"{where} token ids must be integers in [0, {vocab_size}), got {show(bad[:5])}",
+                       "prompt")
+    return prompt
+
+
+def choices(body: dict[str, Any], chat: bool, stream: bool, max_n: int) -> tuple[int, int]:
+    """(n, best_of): the choices answered per prompt, and the sequences sampled per
+    prompt to pick them from (best_of >= n; completions only, chat samples n)."""
+    n = _count(body, "n", max_n)
+    best_of = n if chat else _count(body, "best_of", max_n, default=n)
+    if best_of < n:
+        raise APIError(400, f"best_of ({best_of}) must be >= n ({n}): it is how many sequences the n choices "
+                            "are picked from", "best_of")
+    if best_of > n and stream:
+        raise APIError(400, f"best_of ({best_of}) > n ({n}) cannot be streamed: the choices are known only once "
+                            "every sequence has ended", "best_of")
+    return n, best_of
+
+
+def _count(body: dict[str, Any], name: str, max_n: int, default: int = 1) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) is not int or not 1 <= value <= max_n:
+        raise APIError(400, f"{name} must be an integer in [1, {max_n}] (router.max_n), got {show(value)}", name)
+    return value
 
 
 def chat_messages(messages: Any, tool_names: set[str] | None = None) -> list[dict[str, Any]]:

@@ -38,7 +38,20 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
     (b"[1, 2]", "request body must be a JSON object"),
     (b'{"prompt": ""}', "prompt must not be empty"),
     (b'{"prompt": 5}', "prompt must be a non-empty string or a list of token ids"),
-    (b'{"prompt": "hi", "n": 2}', "n=2 is not supported by pdserve (only n=1 is supported)"),
+    # Parallel sampling and batched prompts: n and best_of within router.max_n (16).
+    (b'{"prompt": "hi", "n": 17}', "n must be an integer in [1, 16] (router.max_n), got 17"),
+    (b'{"prompt": "hi", "n": 0}', "n must be an integer in [1, 16]"),
+    (b'{"prompt": "hi", "n": true}', "n must be an integer in [1, 16] (router.max_n), got True"),
+    (b'{"prompt": "hi", "best_of": 17}', "best_of must be an integer in [1, 16]"),
+    (b'{"prompt": "hi", "n": 3, "best_of": 2}', "best_of (2) must be >= n (3)"),
+    (b'{"prompt": "hi", "n": 2, "best_of": 3, "stream": true}', "best_of (3) > n (2) cannot be streamed"),
+    (b'{"prompt": []}', "prompt must not be an empty list"),
+    (b'{"prompt": ["a", ""]}', "prompt[1] must not be empty"),
+    (b'{"prompt": ["a", [1, 2]]}', "prompt must be a non-empty string or a list of token ids, or a list of several"),
+    (b'{"prompt": [[1, 2], [400]]}', "prompt[1] token ids must be integers in [0, 384), got [400]"),
+    (b'{"prompt": ["a", "\\ud800"]}', "prompt[1] is not valid Unicode"),
+    (b'{"prompt": ' + json.dumps(["a"] * 17).encode() + b', "best_of": 16}',
+     "17 prompts x 16 sequences each = 272 sequences: more than a request may sample (router.max_sequences = 256)"),
     (b'{"prompt": "hi", "top_p": 0}', "top_p must be in (0, 1]"),
     # Were HTTP 500 (plain text): values nothing downstream can encode.
     (b"[" * 100000 + b"]" * 100000, "request body is not valid JSON: nested too deeply"),
@@ -71,7 +84,6 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
     # Not implemented: refused by name rather than silently ignored.
     (b'{"prompt": "hi", "logit_bias": {"5": -100}}', "logit_bias={'5': -100} is not supported by pdserve"),
     (b'{"prompt": "hi", "echo": true}', "echo=True is not supported"),
-    (b'{"prompt": "hi", "best_of": 4}', "best_of=4 is not supported"),
     (b'{"prompt": "hi", "suffix": "xyz"}', "suffix='xyz' is not supported"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', "skip_special_tokens=False is not supported"),
     (b'{"prompt": "hi", "response_format": {"type": "json_object", "x": 1}, "structured_outputs": {"regex": "a"}}',
@@ -80,7 +92,6 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
      "structured_outputs.choice must be a non-empty list of non-empty strings"),
     (b'{"prompt": "hi", "structured_outputs": {"pattern": "a"}}', "structured_outputs.pattern is not supported"),
     (b'{"prompt": "hi", "structured_outputs": {}}', "structured_outputs must set exactly one of"),
-    (b'{"prompt": ["a", "b"]}', "batched prompts (a list of several prompts) are not supported"),
 ])
 def test_malformed_requests_get_400_naming_the_problem(http, body: bytes, message: str) -> None:
     client, _ = http
@@ -89,7 +100,7 @@ def test_malformed_requests_get_400_naming_the_problem(http, body: bytes, messag
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == 400
     field = message.split()[0].split("=")[0]
-    expected = {"request": None, "batched": "prompt", "exceeds": "max_tokens"}.get(field, field.split(".")[0])
+    expected = {"request": None, "exceeds": "max_tokens", "17": "prompt"}.get(field, field.split(".")[0].split("[")[0])
     assert error["param"] == expected
 
 
@@ -148,6 +159,9 @@ USER = {"role": "user", "content": "Hi"}
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"a": "x" * 10**6})}}]},
         USER]}, "messages", "characters: more than the model's context length"),
     ({"messages": [USER], "logprobs": 1}, "logprobs", "logprobs must be a boolean"),
+    ({"messages": [USER], "n": 17}, "n", "n must be an integer in [1, 16] (router.max_n), got 17"),
+    ({"messages": [USER], "n": 2, "best_of": 3}, "best_of", "best_of=3 is not supported by pdserve (best_of is a "
+     "completions parameter; chat samples n choices)"),
     ({"messages": [USER], "add_generation_prompt": "no"}, "add_generation_prompt",
      "add_generation_prompt must be a boolean"),
 ])
