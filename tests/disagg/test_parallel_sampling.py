@@ -1,32 +1,22 @@
 """n > 1 end to end: the router, 1 prefill and 1 decode worker process, over real HTTP.
 A seeded request with n=4 answers 4 choices, each equal to a single request sent with
-its derived seed (seed + i), the prompt prefilled once on the prefill worker.
-
-It needs the decode worker to speak the n > 1 contract (protocol.child_request_id: a
-Generate of params.n sequences answered under child ids), which the engine's fork
-groups bring; until the decode worker does, the test is skipped, saying so."""
+its derived seed (seed + i), the prompt prefilled once on the prefill worker."""
 
 from __future__ import annotations
 
-import inspect
+import json
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-import decode_worker.server
 from cluster.config import ClusterConfig
 from cluster.serve import build
 from tests.http_server import free_port, serving
 
 PROMPT = "Paged attention stores keys and values in fixed-size blocks."
-# Capability, not a date: the decode worker answers a group's sequences under child ids.
-PARALLEL_SAMPLING = "child_request_id" in inspect.getsource(decode_worker.server)
-
-pytestmark = pytest.mark.skipif(
-    not PARALLEL_SAMPLING, reason="the decode worker does not answer n > 1 under protocol.child_request_id yet "
-                                  "(engine fork groups and the decode worker's side land with the lead's work)")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +40,9 @@ def test_n_4_seeded_equals_4_single_requests_with_seed_plus_i(client: tuple[open
     kwargs = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
     out = openai_client.completions.create(n=4, seed=1234, **kwargs)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    with urllib.request.urlopen(str(openai_client.base_url).replace("/v1/", "/status"), timeout=10) as reply:
+        status = json.load(reply)
+    assert status["decode_workers"][0]["stats"]["remote"] == 1  # one remote prefill for the 4 choices
     singles = [openai_client.completions.create(seed=1234 + i, **kwargs) for i in range(4)]
     assert [c.text for c in out.choices] == [s.choices[0].text for s in singles]
     assert len({c.text for c in out.choices}) == 4 and all(c.finish_reason == "length" for c in out.choices)
