@@ -27,6 +27,7 @@ from router.bounds import InputBounds
 from router.config import ModelLimits, RouterSettings
 from router.errors import APIError
 from router.metrics import RouterMetrics
+from router.model_names import ServedModels
 from router.parsing import RequestParser
 from router.routing import RoutingPolicy
 from router.worker_client import WORKER_LOST, WorkerClient
@@ -62,10 +63,12 @@ class Router:
         (router/config.py) and the deployment's secret, without which the workers
         refuse its sockets (None: workers that have none, in tests)."""
         self.config = config
-        self.model_name = limits.model
+        self.models = ServedModels.of(config.served_model_name, limits.model, limits.max_model_len)
+        self.model_name = self.models.name  # what responses carry
         self.max_model_len = limits.max_model_len
         self.block_size = limits.block_size
-        self.parser = RequestParser(load_tokenizer(limits.model), limits, self._kv_pool_tokens, InputBounds.of(config))
+        self.parser = RequestParser(load_tokenizer(limits.model), limits, self._kv_pool_tokens, InputBounds.of(config),
+                                    self.models)
         # The process's one asyncio context, never collected: a Router's own context,
         # collected together with its still-open sockets, would hang in its finalizer
         # (term() waits on sockets the collector has not closed yet).
@@ -127,8 +130,9 @@ class Router:
 
     # --- one request ----------------------------------------------------------------
 
-    async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+    async def run(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> AsyncIterator[Chunk]:
         """The request's new text (and tokens, logprobs) after each worker step.
+        `priority`: its place in the decode worker's queue (lower first, then by arrival).
 
         Failover: when its decode worker is declared dead (router/health.py), the
         request is resubmitted to a live one as prompt + the tokens generated so far,
@@ -165,7 +169,7 @@ class Router:
                         finished = True
                         yield Chunk(detok.flush(), "length", detok.num_tokens, worker=worker.name)
                         break
-                worker, request_id, queue, remote = self._submit(prompt, detok.ids, params,
+                worker, request_id, queue, remote = self._submit(prompt, detok.ids, params, priority,
                                                                  failover=worker is not None)
                 while not finished:
                     msg = await queue.get()
@@ -220,7 +224,7 @@ class Router:
                 elif detok.stopped:
                     worker.send(Abort(request_id=request_id))
 
-    def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams,
+    def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams, priority: int,
                 failover: bool) -> tuple[WorkerClient, str, asyncio.Queue, bool]:
         """Send prompt + generated to a live decode worker, asking for what remains of
         params.max_tokens; the worker, the request's id there, its message queue, and
@@ -246,7 +250,7 @@ class Router:
             m.prompt_tokens.inc(len(prompt))
             m.cached_tokens.inc(cached)
         if not worker.send(Generate(request_id=request_id, prompt=tokens, params=to_wire(params), remote=remote,
-                                    resumed=len(generated))):
+                                    priority=priority, resumed=len(generated))):
             raise APIError(503, f"decode worker {worker.name} cannot be reached; retry later",
                            kind="service_unavailable")
         queue: asyncio.Queue = asyncio.Queue()
