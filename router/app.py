@@ -1,15 +1,15 @@
 """The OpenAI-compatible HTTP front end: /v1/completions, /v1/chat/completions (both
 streamed as server-sent events, or not), /v1/models, /tokenize, /detokenize, /version,
-/health, /metrics and /status (docs/api.md). Each endpoint is one small function: a body is parsed once into a typed
-request (router/parsing.py), run by the Router (router/core.py), and its response
-shaped by router/responses.py.
+/health, /metrics and /status (docs/api.md). Each endpoint is one small function: a
+body is parsed once into a typed request (router/parsing.py), run by the Router
+(router/core.py), and its response shaped by router/responses.py.
 
 Bad input is HTTP 400 with an OpenAI-style error naming the field; an unknown model or
 route 404 and a wrong method 405, in the same shape; a full queue is HTTP 429 with
-Retry-After; no live decode worker is 503. Every GET endpoint answers HEAD too. API keys, the per-key request
-rate and the body's size and arrival time are checked before any endpoint runs
-(router/http_guard.py); a key's tokens in flight once its request is parsed. Every
-request's outcome goes to the access log (router/access_log.py).
+Retry-After; no live decode worker is 503. Every GET endpoint answers HEAD too. API
+keys, the per-key request rate and the body's size and arrival time are checked before
+any endpoint runs (router/http_guard.py); a key's tokens in flight once its request is
+parsed. Every request's outcome goes to the access log (router/access_log.py).
 """
 
 from __future__ import annotations
