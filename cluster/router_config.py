@@ -46,6 +46,9 @@ class RouterConfig:
     tool_call_parser: str = "hermes"
     # A line per request on the `pdserve.access` logger (router/access_log.py).
     access_log: bool = True
+    # The names /v1/models lists and a request's `model` may give (router/model_names.py):
+    # a string or a list of aliases, the first the one responses carry; null: the model path.
+    served_model_name: Any = None
     # API keys (cluster/api_keys.py: a list, "env:NAME" or "file:PATH"), a tuple once
     # loaded, never in a repr; router/http_guard.py checks them. Serving a non-loopback
     # host without keys must be asked for (allow_unauthenticated).
@@ -80,6 +83,7 @@ class RouterConfig:
         except ValueError as exc:
             raise ConfigError(f"{path}.api_keys: {exc}") from None
         out = cls(**data)
+        served = _served_model_names(out.served_model_name, f"{path}.served_model_name")
         check(isinstance(out.host, str) and out.host != "", f"{path}.host", f"must be a host name, got {out.host!r}")
         integer(out.port, f"{path}.port", 0, 65535)
         check(out.policy in POLICIES, f"{path}.policy", f"must be one of {POLICIES}, got {out.policy!r}")
@@ -114,5 +118,20 @@ class RouterConfig:
         check(rate is not None or out.key_burst is None, f"{path}.key_burst",
               "needs key_requests_per_s (the rate its bucket refills at)")
         return dataclasses.replace(out, health_interval_s=interval, worker_timeout_s=timeout,
-                                   stall_timeout_s=stall or None, key_requests_per_s=rate,
+                                   stall_timeout_s=stall or None, key_requests_per_s=rate, served_model_name=served,
                                    body_timeout_s=number(out.body_timeout_s, f"{path}.body_timeout_s", 0, strict=True))
+
+
+def _served_model_names(value: Any, path: str) -> tuple[str, ...] | None:
+    """served_model_name as a tuple of distinct non-empty names (None: not set)."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    check(isinstance(names, (list, tuple)) and len(names) > 0, path,
+          f"must be a name or a non-empty list of names, got {value!r}")
+    for i, name in enumerate(names):
+        where = path if isinstance(value, str) else f"{path}[{i}]"
+        check(isinstance(name, str) and name.strip() == name and name != "", where,
+              f"must be a non-empty string without leading or trailing spaces, got {name!r}")
+        check(name not in names[:i], where, f"{name!r} is listed twice")
+    return tuple(names)

@@ -1,14 +1,15 @@
 """The OpenAI-compatible HTTP front end: /v1/completions, /v1/chat/completions (both
-streamed as server-sent events, or not), /v1/models, /health, /metrics and /status
-(docs/api.md). Each endpoint is one small function: a body is parsed once into a typed
-request (router/parsing.py), run by the Router (router/core.py), and its response
-shaped by router/responses.py.
+streamed as server-sent events, or not), /v1/models, /tokenize, /detokenize, /version,
+/health, /metrics and /status (docs/api.md). Each endpoint is one small function: a
+body is parsed once into a typed request (router/parsing.py), run by the Router
+(router/core.py), and its response shaped by router/responses.py.
 
-Bad input is HTTP 400 with an OpenAI-style error naming the field; a full queue is
-HTTP 429 with Retry-After; no live decode worker is 503. API keys, the per-key request
-rate and the body's size and arrival time are checked before any endpoint runs
-(router/http_guard.py); a key's tokens in flight once its request is parsed. Every
-request's outcome goes to the access log (router/access_log.py).
+Bad input is HTTP 400 with an OpenAI-style error naming the field; an unknown model or
+route 404 and a wrong method 405, in the same shape; a full queue is HTTP 429 with
+Retry-After; no live decode worker is 503. Every GET endpoint answers HEAD too. API
+keys, the per-key request rate and the body's size and arrival time are checked before
+any endpoint runs (router/http_guard.py); a key's tokens in flight once its request is
+parsed. Every request's outcome goes to the access log (router/access_log.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from router.access_log import AccessLog, track
 from router.auth import KeyRing
@@ -31,10 +33,11 @@ from router.errors import APIError
 from router.http_guard import HTTPGuard, client_of
 from router.limits import Limits
 from router.logprobs import LogprobFormatter
-from router import structured
+from router import structured, tokenize_api
 from router.parsing import ChatRequest, GenerateRequest
 from router.responses import DONE_EVENT, ResponseShaper, error_event, error_response
 from router.tool_calls import ToolCallStream
+from router.version import pdserve_version
 
 __all__ = ["Router", "WORKER_HEADER", "create_app"]
 
@@ -61,12 +64,17 @@ def create_app(router: Router) -> FastAPI:
     if router.config.access_log:  # added last: outside the guard, whose answers it logs too
         app.add_middleware(AccessLog, keys=KeyRing(router.config.api_keys or ()))
     app.add_exception_handler(APIError, _api_error)
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/status", status, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_exception_handler(HTTPException, _http_error)
+    for path, endpoint in (("/health", health), ("/status", status), ("/metrics", metrics), ("/version", version),
+                           ("/v1/models", models), ("/v1/models/{model:path}", model)):
+        app.add_api_route(path, endpoint, methods=["GET"])
+        # HEAD as GET, without the body (load balancers probe /health so); one route
+        # per method keeps the OpenAPI schema's operation ids unique.
+        app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
     return app
 
 
@@ -78,6 +86,22 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     _router(request).metrics.rejected.labels(status=str(exc.status)).inc()
     return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own 404 (no such route) and 405 (not this method), in the OpenAI
+    error shape rather than FastAPI's {"detail": ...}."""
+    assert isinstance(exc, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        error = APIError(404, f"Invalid URL ({where}): no such endpoint")
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        error = APIError(405, f"Method not allowed ({where}); this endpoint takes {allowed}",
+                         headers=dict(exc.headers or {}))
+    else:
+        error = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+    return await _api_error(request, error)
 
 
 async def health(request: Request) -> JSONResponse:
@@ -113,8 +137,23 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": _router(request).model_name, "object": "model",
-                                        "created": 0, "owned_by": "pdserve"}]}
+    return _router(request).models.listing()
+
+
+async def model(request: Request, model: str) -> dict[str, Any]:
+    return _router(request).models.get(model)
+
+
+async def version(request: Request) -> dict[str, Any]:
+    return {"version": pdserve_version()}
+
+
+async def tokenize(request: Request) -> dict[str, Any]:
+    return await tokenize_api.tokenize(_router(request).parser, await request.body())
+
+
+async def detokenize(request: Request) -> dict[str, Any]:
+    return await tokenize_api.detokenize(_router(request).parser, await request.body())
 
 
 async def completions(request: Request) -> Any:
@@ -130,7 +169,7 @@ async def chat_completions(request: Request) -> Any:
 async def _respond(request: Request, parsed: GenerateRequest) -> Response:
     router = _router(request)
     prompts = parsed.prompts
-    stream = _named_errors(_within_limits(request, parsed, router.run_batch(prompts, parsed.params)),
+    stream = _named_errors(_within_limits(request, parsed, router.run_batch(prompts, parsed.params, parsed.priority)),
                            parsed.constraint_source)
     asked = parsed.params.logprobs is not None and not parsed.rank_only_logprobs
     formatter = functools.partial(LogprobFormatter, router.tokenizer, parsed.chat) if asked else None

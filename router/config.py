@@ -56,6 +56,10 @@ class RouterSettings(GuardSettings, BoundSettings, LimitSettings, Protocol):
     @property
     def access_log(self) -> bool: ...  # a line per request (router/access_log.py)
 
+    # The served model's names (router/model_names.py); None: its path.
+    @property
+    def served_model_name(self) -> tuple[str, ...] | None: ...
+
     # The API keys (router/auth.py); none: every caller is served.
     @property
     def api_keys(self) -> tuple[str, ...] | None: ...

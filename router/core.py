@@ -10,6 +10,7 @@ router/health.py). The HTTP endpoints are router/app.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import dataclasses
 import threading
 import uuid
@@ -25,6 +26,7 @@ from router.bounds import InputBounds
 from router.config import ModelLimits, RouterSettings
 from router.errors import APIError
 from router.metrics import RouterMetrics
+from router.model_names import ServedModels
 from router.parsing import RequestParser
 from router.routing import RoutingPolicy
 from router.sequences import MAX_RETRIES, Chunk, SequenceGroup, _rejection, admission
@@ -43,10 +45,12 @@ class Router:
         (router/config.py) and the deployment's secret, without which the workers
         refuse its sockets (None: workers that have none, in tests)."""
         self.config = config
-        self.model_name = limits.model
+        self.models = ServedModels.of(config.served_model_name, limits.model, limits.max_model_len)
+        self.model_name = self.models.name  # what responses carry
         self.max_model_len = limits.max_model_len
         self.block_size = limits.block_size
-        self.parser = RequestParser(load_tokenizer(limits.model), limits, self._kv_pool_tokens, InputBounds.of(config))
+        self.parser = RequestParser(load_tokenizer(limits.model), limits, self._kv_pool_tokens, InputBounds.of(config),
+                                    self.models)
         # The process's one asyncio context, never collected: a Router's own context,
         # collected together with its still-open sockets, would hang in its finalizer
         # (term() waits on sockets the collector has not closed yet).
@@ -108,15 +112,17 @@ class Router:
 
     # --- one request ----------------------------------------------------------------
 
-    async def run(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[Chunk]:
+    async def run(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> AsyncIterator[Chunk]:
         """One prompt's chunks (run_batch)."""
-        async for chunk in self.run_batch([prompt], params):
+        async for chunk in self.run_batch([prompt], params, priority):
             yield chunk
 
-    async def run_batch(self, prompts: list[list[int]], params: SamplingParams) -> AsyncIterator[Chunk]:
+    async def run_batch(self, prompts: list[list[int]], params: SamplingParams,
+                        priority: int = 0) -> AsyncIterator[Chunk]:
         """The request's new text (and tokens, logprobs) after each worker step, for each
         of its params.n sequences per prompt (router/sequences.py), interleaved as they
         come. The first chunk is its admission (no text): it is checked and submitted.
+        `priority`: its place in the decode workers' queues (lower first, then by arrival).
 
         Failover: when a sequence's decode worker is declared dead (router/health.py),
         the sequence is resubmitted alone to a live one as prompt + the tokens generated
@@ -137,7 +143,7 @@ class Router:
         m = self.metrics
         self.in_flight += 1
         m.in_flight.set(self.in_flight)
-        group = SequenceGroup(prompts, params, self.tokenizer, self._submit, m)
+        group = SequenceGroup(prompts, params, self.tokenizer, functools.partial(self._submit, priority=priority), m)
         try:
             group.submit()
             m.requests.labels(prefill="remote" if group.seqs[0].remote else "local").inc()
@@ -158,7 +164,7 @@ class Router:
             group.close()
 
     def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams,
-                failover: bool) -> tuple[WorkerClient, str, bool]:
+                failover: bool, priority: int = 0) -> tuple[WorkerClient, str, bool]:
         """Send prompt + generated to a live decode worker, asking for what remains of
         params.max_tokens (for params.n sequences); the worker, the request's id there,
         and whether it was asked to prefill on a prefill worker. The caller listens for
@@ -181,7 +187,7 @@ class Router:
         else:
             self.metrics.cached_tokens.inc(cached)
         if not worker.send(Generate(request_id=request_id, prompt=tokens, params=to_wire(params), remote=remote,
-                                    resumed=len(generated))):
+                                    priority=priority, resumed=len(generated))):
             raise APIError(503, f"decode worker {worker.name} cannot be reached; retry later",
                            kind="service_unavailable")
         return worker, request_id, remote

@@ -4,7 +4,8 @@ per-key request rate, and the request body's size and arrival time.
 In order, before an endpoint runs:
 1. API key (router/auth.py), when router.api_keys is set: every path but /health
    (and /metrics, unless router.metrics_need_key is false) needs one; else 401.
-2. Requests per second per key (router/limits.py), for the generation endpoints: 429.
+2. Requests per second per key (router/limits.py), for the generation endpoints and
+   /tokenize, /detokenize (which use the same tokenizer thread): 429.
 3. A Content-Length over router.max_body_bytes: 413 without reading a byte of it.
 Then, while the endpoint reads the body: 413 as soon as the bytes received pass
 max_body_bytes (a chunked body says no length up front), and 408 once the body has
@@ -32,6 +33,7 @@ from router.responses import error_response
 
 OPEN_PATHS = frozenset({"/health"})
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+RATE_LIMITED_PATHS = GENERATE_PATHS | {"/tokenize", "/detokenize"}
 # The key a request came with, in its ASGI scope: its index in router.api_keys (None
 # without keys). Endpoints read it with client_of().
 CLIENT = "pdserve.client"
@@ -78,7 +80,7 @@ class HTTPGuard:
                 raise unauthorized("Send one Authorization header, not several", REALM)
             client = self.keys.identify(headers.get(b"authorization"))
         scope[CLIENT] = client
-        if path in GENERATE_PATHS and scope["method"] == "POST":
+        if path in RATE_LIMITED_PATHS and scope["method"] == "POST":
             self.limits.admit(client)
         length = headers.get(b"content-length")
         if length is not None:

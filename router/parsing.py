@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 from engine.sampling_params import SamplingParams
@@ -28,6 +27,7 @@ from router.bounds import InputBounds, check_bounds
 from router.config import ModelLimits
 from router.errors import APIError
 from router.limits import retry_after
+from router.model_names import ServedModels
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class GenerateRequest:
     @property
     def prompts(self) -> list[list[int]]:
         return self.batch if self.batch is not None else [self.prompt_ids]
+    priority: int = field(default=0, kw_only=True)  # lower is scheduled first (request_body.priority)
 
 
 @dataclass(frozen=True)
@@ -76,17 +77,17 @@ class RequestParser:
     `kv_pool_tokens` gives the tokens each decode worker's KV pool holds, for those that
     reported it: chat's default max_tokens must fit the smallest. `bounds`: the limits
     of router/bounds.py and of the tokenizer's queue (the Router gives the config's;
-    None: unbounded)."""
+    None: unbounded). `models`: the names a request's `model` may give (None: the model
+    path, router/model_names.py)."""
 
     def __init__(self, tokenizer: Any, limits: ModelLimits, kv_pool_tokens: Callable[[], list[int]],
-                 bounds: InputBounds | None = None) -> None:
+                 bounds: InputBounds | None = None, models: ServedModels | None = None) -> None:
         self.tokenizer = tokenizer
         self.bounds = bounds
         self._tokenizing = 0  # requests waiting for the tokenizer thread or in it
         self._tokenize_s = 0.0  # a moving average of one call's seconds, for Retry-After
         self.limits = limits
-        self.model_name = limits.model
-        self.served_names = {limits.model, Path(limits.model).name}
+        self.models = models or ServedModels.of(None, limits.model, limits.max_model_len)
         self.kv_pool_tokens = kv_pool_tokens
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         # The longest vocabulary entry: its spelling has at least one character per
@@ -110,23 +111,22 @@ class RequestParser:
         params, rank_only = _sampled(params, n, best_of)
         return CompletionRequest(batch[0], params, stream, include_usage, prompts[0] if len(prompts) == 1 else prompts,
                                  constraint_source=source, n=n, rank_only_logprobs=rank_only,
-                                 batch=batch if len(batch) > 1 else None)
+                                 batch=batch if len(batch) > 1 else None,
+                                 priority=request_body.priority(body))
 
     async def chat(self, raw: bytes) -> ChatRequest:
         body, stream, include_usage = self._body(raw, chat=True)
         tools = structured.tool_choice(body)
         messages = request_body.chat_messages(body.get("messages"), set(tools.parameters) if tools else None)
-        self._check_chars(_chat_chars(messages, tools), "messages")
+        self._check_chars(chat_chars(messages, tools), "messages")
         add_generation_prompt = request_body.flag(body, "add_generation_prompt", True)
         constraint = structured.constraint(body, tools)
         # The template is shown the tools even with tool_choice "none" (vLLM's default).
         template_tools = tools.definitions if tools is not None else None
 
         def tokenize() -> list[int]:
-            # Rendered to text, then encoded without special tokens: the template
-            # already holds them (as LLM.chat does).
-            text = self.tokenizer.apply_chat_template(messages, tools=template_tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            # Encoded without special tokens: the template already holds them (as LLM.chat does).
+            text = chat_text(self.tokenizer, messages, template_tools, add_generation_prompt)
             return self.tokenizer.encode(text, add_special_tokens=False)
         try:
             ids = await self._tokenize(tokenize)
@@ -135,18 +135,32 @@ class RequestParser:
         n, _ = self._choices(body, True, stream, 1)
         params, source = _constrained(self._sampling_params(body, True, len(ids), "messages"), constraint)
         return ChatRequest(ids, dataclasses.replace(params, n=n), stream, include_usage, messages, add_generation_prompt,
-                           constraint_source=source, tools=tools, n=n)
+                           constraint_source=source, tools=tools, n=n, priority=request_body.priority(body))
 
     def _body(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], bool, bool]:
         """The JSON body, with every check that needs no tokenizer done; stream and
         stream_options.include_usage."""
-        body = request_body.read_json(raw)
-        if self.bounds is not None:
-            check_bounds(body, self.bounds)
-        request_body.check_model(body, self.served_names, self.model_name)
+        body = self.checked_json(raw)
         request_body.check_unsupported(body, chat)
         stream = request_body.flag(body, "stream", False)
         return body, stream, request_body.include_usage(body)
+
+    # --- what the endpoints beside generation share with it (router/tokenize_api.py) -------
+
+    def checked_json(self, raw: bytes) -> dict[str, Any]:
+        """The JSON body, within its bounds, naming a model served here (if any)."""
+        body = request_body.read_json(raw)
+        if self.bounds is not None:
+            check_bounds(body, self.bounds)
+        self.models.check(body)
+        return body
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        self._check_chars(num_chars, param)
+
+    async def in_tokenizer_thread(self, call: Callable[..., Any], *args: Any) -> Any:
+        """call(*args) in the tokenizer's one thread, its queue bounded (_tokenize)."""
+        return await self._tokenize(call, *args)
 
     def _sampling_params(self, body: dict[str, Any], chat: bool, num_prompt_tokens: int,
                          prompt_field: str) -> SamplingParams:
@@ -198,7 +212,7 @@ class RequestParser:
             raise APIError(400, f"{param} has {num_chars} characters: more than the model's context length "
                                 f"({max_model_len} tokens) can hold (at most {limit} characters)", param)
 
-    async def _tokenize(self, call: Callable[..., list[int]], *args: Any) -> list[int]:
+    async def _tokenize(self, call: Callable[..., Any], *args: Any) -> Any:
         """Run a tokenizer call off the event loop, so that streams, health pings and
         /health go on meanwhile (the fast tokenizer releases the GIL). One thread:
         tokenizer calls never run concurrently (HF fast tokenizers are not safe for
@@ -211,7 +225,7 @@ class RequestParser:
                                 "retry later", kind="rate_limit_error",
                            retry_after=retry_after(waiting * self._tokenize_s))
 
-        def timed() -> list[int]:  # in the tokenizer's one thread: the only writer of _tokenize_s
+        def timed() -> Any:  # in the tokenizer's one thread: the only writer of _tokenize_s
             start = time.monotonic()
             try:
                 return call(*args)
@@ -223,6 +237,13 @@ class RequestParser:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, timed)
         finally:
             self._tokenizing -= 1
+
+
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+              add_generation_prompt: bool) -> str:
+    """The chat template rendered for these messages (and tool definitions)."""
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
 
 
 def _constrained(params: SamplingParams, constraint: structured.Constraint | None) -> tuple[SamplingParams, str | None]:
@@ -238,7 +259,7 @@ def _sampled(params: SamplingParams, n: int, best_of: int) -> tuple[SamplingPara
     return dataclasses.replace(params, n=best_of, logprobs=0 if rank_only else params.logprobs), rank_only
 
 
-def _chat_chars(messages: list[dict[str, Any]], tools: structured.ToolChoice | None) -> int:
+def chat_chars(messages: list[dict[str, Any]], tools: structured.ToolChoice | None) -> int:
     """The characters a chat template may render: contents, tool calls' arguments and
     the tool definitions."""
     chars = sum(len(m["content"]) for m in messages)

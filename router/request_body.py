@@ -87,17 +87,6 @@ def check_unsupported(body: dict[str, Any], chat: bool) -> None:
             raise APIError(400, f"{name}={show(body[name])} is not supported by pdserve{hint}", name)
 
 
-def check_model(body: dict[str, Any], served_names: set[str], model_name: str) -> None:
-    model = body.get("model")
-    if model is None:
-        return
-    if not isinstance(model, str):
-        raise APIError(400, f"model must be a string, got {show(model)}", "model")
-    if model not in served_names:
-        raise APIError(400, f"model {model!r} is not served here; this server serves {model_name!r}",
-                       "model", "model_not_found")
-
-
 def include_usage(body: dict[str, Any]) -> bool:
     """stream_options.include_usage (streamed responses only)."""
     options = body.get("stream_options")
@@ -118,6 +107,17 @@ def flag(body: dict[str, Any], name: str, default: bool) -> bool:
         return default
     if not isinstance(value, bool):
         raise APIError(400, f"{name} must be a boolean, got {show(value)}", name)
+    return value
+
+
+def priority(body: dict[str, Any]) -> int:
+    """vLLM's `priority`: lower is scheduled first, ties by arrival (default 0). Any
+    64-bit integer, as the worker protocol carries it."""
+    value = body.get("priority")
+    if value is None:
+        return 0
+    if type(value) is not int or not -2**63 <= value < 2**63:
+        raise APIError(400, f"priority must be an integer in [-2^63, 2^63), got {show(value)}", "priority")
     return value
 
 

@@ -80,7 +80,6 @@ def test_chat_models_and_stop_strings(server, expected: list[str]) -> None:
 @pytest.mark.parametrize("kwargs,message", [
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
-    (dict(model="gpt-9"), "model 'gpt-9' is not served here"),
     (dict(prompt="x " * 2000), "context length"),
 ])
 def test_bad_requests_get_400_naming_the_problem(server, kwargs: dict, message: str) -> None:
@@ -90,6 +89,15 @@ def test_bad_requests_get_400_naming_the_problem(server, kwargs: dict, message: 
         client.completions.create(**args)
     assert message in str(err.value)
     assert client.completions.create(model=config.model, prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.timeout(120)
+def test_another_model_is_a_404_model_not_found(server) -> None:
+    client, config, _ = server
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-9", prompt="Hello", max_tokens=4)
+    assert "model 'gpt-9' is not served here" in str(err.value) and err.value.code == "model_not_found"
+    assert client.models.retrieve(config.model).id == config.model
 
 
 @pytest.mark.timeout(120)

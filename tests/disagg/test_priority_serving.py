@@ -1,0 +1,76 @@
+"""`priority` end to end: the router over real HTTP in front of a real decode worker (its
+loop in a thread of this process, a tiny model, one sequence at a time). While the
+worker is busy, a later request of better (lower) priority runs before an earlier one."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.serve import router_for
+from decode_worker.remote_kv import DecodeWorkerCore
+from decode_worker.server import DecodeWorker
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from kv_transfer import TransportConfig, create_transport
+from protocol import encode
+from protocol.control import Stop
+from tests.http_server import free_port, serving
+from tests.unit.test_router_http import open_request, request, wait_for
+from workers.control import QueueControl
+
+
+@pytest.fixture
+def one_seq_worker(llama_dir: Path) -> Iterator[tuple[str, EngineCore]]:
+    """The router's base URL and the engine of its one decode worker, which runs one
+    sequence at a time (max_num_seqs 1): the others wait in its queue."""
+    transport = create_transport("tcp", "decode-0", TransportConfig())
+    engine = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=64, max_num_seqs=1),
+                        transport.allocate_kv_cache)
+    transport.register_kv_cache(engine.kv_cache, "tiny-llama")
+    worker = DecodeWorker("decode-0", DecodeWorkerCore(engine, transport))
+    control = QueueControl()
+    loop = threading.Thread(target=worker.run, args=(control,), daemon=True)
+    loop.start()
+    config = ClusterConfig.from_dict({"model": str(llama_dir), "prefill": {"replicas": 0}})
+    try:
+        with serving(router_for(config, {"decode-0": worker.address}), free_port()) as base:
+            yield base, engine
+    finally:
+        control.to_worker(encode(Stop()))
+        loop.join(10)
+        transport.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_later_request_of_better_priority_runs_first(one_seq_worker) -> None:
+    base, engine = one_seq_worker
+    busy = open_request(base, "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 1000,
+                                                          "ignore_eos": True, "stream": True}, 30)
+    assert busy.status == 200 and busy.readline().startswith(b"data: ")  # it runs: the one slot is taken
+    finished: list[str] = []
+
+    def send(name: str, priority: int | None) -> None:
+        body = {"prompt": [8, 9, 10], "max_tokens": 2, "ignore_eos": True}
+        status, out = request(base, "POST", "/v1/completions", body | ({} if priority is None else
+                                                                       {"priority": priority}))
+        assert status == 200, out
+        finished.append(name)
+
+    threads = []
+    for name, priority, queued in (("first, default priority", None, 1), ("later, priority -1", -1, 2)):
+        threads.append(threading.Thread(target=send, args=(name, priority)))
+        threads[-1].start()
+        wait_for(lambda: engine.scheduler.num_waiting == queued, 10, f"{name} queued behind the busy request")
+    start = time.monotonic()
+    busy.close()  # its client leaves: the router aborts it and the slot comes free
+    for thread in threads:
+        thread.join(20)
+    assert finished == ["later, priority -1", "first, default priority"], json.dumps(finished)
+    assert time.monotonic() - start < 20
