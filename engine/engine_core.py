@@ -33,7 +33,7 @@ from engine.model.loader import TORCH_DTYPES
 from engine.request import Request, RequestStatus
 from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache, kv_cache_shape
 from engine.sampling import Sampler, UnusableLogitsError, make_generator
-from engine.sampling_params import SamplingParams, child_request_id
+from engine.sampling_params import SamplingParams, SamplingParamsError, child_request_id
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 
@@ -187,6 +187,9 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        outside = params.out_of_vocab(vocab)
+        if outside is not None:
+            raise SamplingParamsError(outside[0], f"token ids must be in [0, {vocab}), got {outside[1]}")
         if not (isinstance(resumed, int) and 0 <= resumed < len(prompt_token_ids)):
             raise ValueError(f"resumed must be in [0, {len(prompt_token_ids)}), got {resumed!r}")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)

@@ -65,6 +65,7 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(tokenized)} prompts")
         if self.tokenizer is None and any(p.stop for p in params):
             raise ValueError("stop strings need a tokenizer; this model directory has none")
+        params = [self._tokenize_bad_words(p) for p in params]
         for (_, ids), p in zip(tokenized, params):
             self.core.scheduler.check_fits(len(ids), p.max_tokens)
         _check_grammars(params)
@@ -81,6 +82,13 @@ class LLM:
             self._abort([r for ids in order for r in ids])
             raise
         return self._run(order, use_tqdm)
+
+    def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """The engine reads bad words as token sequences (bad_words_token_ids)."""
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model directory has none "
+                             "(pass bad_words_token_ids instead)")
+        return params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
 
     def _run(self, order: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
         """One RequestOutput per prompt; with n > 1 it is sequence 0's, and its

@@ -83,9 +83,11 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         # Sampling reads the tokens so far while fewer than this many are out: always
-        # with penalties, else until min_tokens (eos and stop tokens masked till then).
+        # with penalties or a bad word of several tokens (banned after its prefix), else
+        # until min_tokens (eos and stop tokens masked till then).
         params = self.sampling_params
-        self.reads_history_until: float = math.inf if params.has_penalties else params.min_tokens
+        always = params.has_penalties or any(len(s) > 1 for s in params.bad_words_token_ids)
+        self.reads_history_until: float = math.inf if always else params.min_tokens
 
     @property
     def grammar_pending(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
@@ -18,6 +19,8 @@ SEED_MIN, SEED_MAX = -2**63, 2**64 - 1  # what torch.Generator.manual_seed accep
 # float32: within [0.01, 100] a logit of any realistic size (|x| < 1e30) stays finite,
 # and vLLM users use values near 1 (1.0 is off; 1.1-1.3 usual).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# OpenAI's logit_bias range: -100 bans a token in practice, 100 all but forces it.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -71,10 +74,22 @@ class SamplingParams:
     # Parallel sampling: this many sequences from one prompt, whose KV is computed once
     # and shared (engine: a fork group). Sequence i is the request child(i).
     n: int = 1
+    # Token controls (engine/sampling/controls.py), applied after a grammar's mask and
+    # before penalties. logit_bias: token id -> bias added to its logit (JSON's string
+    # keys of decimal ids are taken, and kept as ints); allowed_token_ids: only these
+    # may be sampled (None: any); bad_words: words that may not be generated, which a
+    # front end with a tokenizer turns into bad_words_token_ids (bad_words_token_ids()
+    # below), the form the tokenizer-free engine reads: a sequence's last token is
+    # banned where the output so far ends with the tokens before it.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._check_types()
         self._check_ranges()
+        self._check_token_controls()
         if self.structured_outputs is not None:
             try:
                 self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
@@ -122,6 +137,54 @@ class SamplingParams:
             if not ok:
                 raise SamplingParamsError(name, f"{problem}, got {show(getattr(self, name))}")
 
+    def _check_token_controls(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingParamsError("logit_bias", "must be an object mapping token ids to biases, got "
+                                                        f"{show(self.logit_bias)}")
+            lo, hi = LOGIT_BIAS_RANGE
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                token = _token_id(key)
+                if token is None:
+                    raise SamplingParamsError("logit_bias", f"keys must be token ids (integers in [0, {INT64_MAX}]), "
+                                                            f"got {show(key)}")
+                number = _require_float("logit_bias", value)
+                if not lo <= number <= hi:
+                    raise SamplingParamsError("logit_bias", f"values must be in [{lo:g}, {hi:g}], got {show(value)} "
+                                                            f"for token {token}")
+                bias[token] = number
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not (isinstance(ids, (list, tuple)) and ids and all(_token_id(t, strings=False) is not None
+                                                                  for t in ids)):
+                raise SamplingParamsError("allowed_token_ids", "must be a non-empty list of token ids (integers in "
+                                                               f"[0, {INT64_MAX}]) or null, got {show(ids)}")
+            self.allowed_token_ids = list(ids)
+        self.bad_words = _require_list("bad_words", self.bad_words, str, "a list of strings")
+        if not all(w.strip() and encodable(w) for w in self.bad_words):
+            raise SamplingParamsError("bad_words", "must be a list of strings with some non-space text and valid "
+                                                   f"Unicode, got {show(self.bad_words)}")
+        seqs = self.bad_words_token_ids
+        if not (isinstance(seqs, (list, tuple)) and all(
+                isinstance(s, (list, tuple)) and s and all(_token_id(t, strings=False) is not None for t in s)
+                for s in seqs)):
+            raise SamplingParamsError("bad_words_token_ids", "must be a list of non-empty lists of token ids "
+                                                             f"(integers in [0, {INT64_MAX}]), got {show(seqs)}")
+        self.bad_words_token_ids = [list(s) for s in seqs]
+
+    def out_of_vocab(self, vocab_size: int) -> tuple[str, list[int]] | None:
+        """The first token control naming ids outside [0, vocab_size), with (up to 5 of)
+        those ids; None if all are inside."""
+        for name, ids in (("logit_bias", list(self.logit_bias or ())),
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("bad_words", [t for s in self.bad_words_token_ids for t in s])):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                return name, bad[:5]
+        return None
+
     def child(self, index: int) -> SamplingParams:
         """Sequence `index` of a request with n > 1: one sequence (n=1), and a seeded
         request's seed + index (vLLM's derivation, wrapped into the seed range), so
@@ -135,14 +198,53 @@ class SamplingParams:
                 seed -= 2**64
         return dataclasses.replace(self, n=1, seed=seed)
 
+    def with_bad_words_tokenized(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """These params with bad_words' token sequences (bad_words_token_ids(), given
+        the tokenizer's encode without special tokens) added to bad_words_token_ids,
+        which is what the engine reads: a front end calls this once per request."""
+        if not self.bad_words:
+            return self
+        seqs = list(self.bad_words_token_ids)
+        seqs += [s for s in bad_words_token_ids(self.bad_words, encode) if s not in seqs]
+        return dataclasses.replace(self, bad_words_token_ids=seqs)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
+    def has_token_controls(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """vLLM's rule for turning bad words into token sequences, given a tokenizer's
+    encode without special tokens: each word (its leading spaces stripped) as it would
+    start the text, and with a leading space as in the middle of it, the latter only
+    where that spells the word with as many tokens and a different first one."""
+    seqs: list[list[int]] = []
+    for word in words:
+        bare = encode(word.lstrip())
+        if not bare:
+            continue
+        seqs.append(bare)
+        spaced = encode(" " + word.lstrip())
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            seqs.append(spaced)
+    return seqs
+
+
+def _token_id(value: Any, strings: bool = True) -> int | None:
+    """A token id (an int in [0, INT64_MAX], or with `strings` a string of decimal
+    digits, as JSON object keys are), else None."""
+    if strings and isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
+        value = int(value)  # at most 20 digits: int() refuses strings of thousands
+    return value if _is_int(value) and 0 <= value <= INT64_MAX else None
 
 
 def _is_int(value: Any) -> bool:

@@ -3,7 +3,7 @@ before anything else looks at it (the body's byte size is bounded before, by
 router/http_guard.py).
 
 - `messages` (chat): at most max_messages entries.
-- `stop` and `stop_token_ids`: at most max_stop entries each.
+- `stop`, `stop_token_ids` and `bad_words`: at most max_stop entries each.
 - Every string of the fields pdserve reads (READ_FIELDS), and every object key there,
   at any depth: at most max_string_chars characters. The prompt and the messages'
   contents (text parts, a history tool call's arguments) are not: the context length
@@ -99,7 +99,7 @@ def check_bounds(body: dict[str, Any], bounds: InputBounds) -> None:
     if isinstance(messages, list) and len(messages) > bounds.max_messages:
         raise APIError(400, f"messages has {len(messages)} entries; at most {bounds.max_messages} are accepted "
                             "(router.max_messages)", "messages")
-    for name in ("stop", "stop_token_ids"):
+    for name in ("stop", "stop_token_ids", "bad_words"):
         value = body.get(name)
         if isinstance(value, list) and len(value) > bounds.max_stop:
             raise APIError(400, f"{name} has {len(value)} entries; at most {bounds.max_stop} are accepted "

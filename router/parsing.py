@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from engine.sampling_params import SamplingParams
 from router import request_body, structured
@@ -28,6 +29,8 @@ from router.config import ModelLimits
 from router.errors import APIError
 from router.limits import retry_after
 from router.model_names import ServedModels
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class RequestParser:
             batch = await self._tokenize(lambda: [self.tokenizer.encode(text) for text in texts])
         else:
             batch = prompts  # type: ignore[assignment]
-        params = self._sampling_params(body, False, max(map(len, batch)), "prompt")
+        params = await self._token_controls(self._sampling_params(body, False, max(map(len, batch)), "prompt"))
         params, source = _constrained(params, structured.constraint(body, None))
         params, rank_only = _sampled(params, n, best_of)
         return CompletionRequest(batch[0], params, stream, include_usage, prompts[0] if len(prompts) == 1 else prompts,
@@ -133,7 +136,8 @@ class RequestParser:
         except RecursionError:  # the template walks what the bounds let through; never a 500
             raise APIError(400, "messages are nested too deeply for the model's chat template", "messages") from None
         n, _ = self._choices(body, True, stream, 1)
-        params, source = _constrained(self._sampling_params(body, True, len(ids), "messages"), constraint)
+        params = await self._token_controls(self._sampling_params(body, True, len(ids), "messages"))
+        params, source = _constrained(params, constraint)
         return ChatRequest(ids, dataclasses.replace(params, n=n), stream, include_usage, messages, add_generation_prompt,
                            constraint_source=source, tools=tools, n=n, priority=request_body.priority(body))
 
@@ -201,6 +205,15 @@ class RequestParser:
                                 f"{bounds.max_sequences})", "prompt")
         return n, best_of
 
+    async def _token_controls(self, params: SamplingParams) -> SamplingParams:
+        """bad_words tokenized (off the event loop, as prompts are) into the token
+        sequences the engine reads; then every control's ids checked against the vocabulary."""
+        if params.bad_words:
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            params = await self._tokenize(params.with_bad_words_tokenized, encode)
+        request_body.check_vocab(params, self.limits.vocab_size)
+        return params
+
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Refuse, before tokenizing it, text that cannot fit the context: no token of
         this vocabulary covers more than max_token_chars characters, so such text has
@@ -212,7 +225,7 @@ class RequestParser:
             raise APIError(400, f"{param} has {num_chars} characters: more than the model's context length "
                                 f"({max_model_len} tokens) can hold (at most {limit} characters)", param)
 
-    async def _tokenize(self, call: Callable[..., Any], *args: Any) -> Any:
+    async def _tokenize(self, call: Callable[..., T], *args: Any) -> T:
         """Run a tokenizer call off the event loop, so that streams, health pings and
         /health go on meanwhile (the fast tokenizer releases the GIL). One thread:
         tokenizer calls never run concurrently (HF fast tokenizers are not safe for
@@ -225,7 +238,7 @@ class RequestParser:
                                 "retry later", kind="rate_limit_error",
                            retry_after=retry_after(waiting * self._tokenize_s))
 
-        def timed() -> Any:  # in the tokenizer's one thread: the only writer of _tokenize_s
+        def timed() -> T:  # in the tokenizer's one thread: the only writer of _tokenize_s
             start = time.monotonic()
             try:
                 return call(*args)

@@ -21,7 +21,8 @@ from router.logprobs import requested_logprobs
 # OpenAI / vLLM request fields passed on to SamplingParams as they are.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "min_tokens", "ignore_eos", "include_stop_str_in_output")
+                   "min_tokens", "ignore_eos", "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
+                   "bad_words")
 # Newer OpenAI name of max_tokens (chat); accepted on both endpoints.
 MAX_TOKENS_ALIAS = "max_completion_tokens"
 # JSON nesting a request may hold anywhere (router/bounds.py checks the fields pdserve
@@ -44,9 +45,9 @@ def _default_true(value: Any) -> bool:
 
 # Parameter -> is this value harmless (means "not used")? Any other value: 400.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _unset, "use_beam_search": _unset,
+    "use_beam_search": _unset,
     "prompt_logprobs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
-    "guided_grammar": _unset, "guided_decoding_backend": _unset, "allowed_token_ids": _unset, "bad_words": _unset,
+    "guided_grammar": _unset, "guided_decoding_backend": _unset,
     "logits_processors": _unset, "truncate_prompt_tokens": _unset,
     "skip_special_tokens": _default_true, "spaces_between_special_tokens": _default_true,
 }
@@ -141,6 +142,14 @@ def sampling_params(body: dict[str, Any], chat: bool, default_max_tokens: int | 
     except SamplingParamsError as exc:
         name = names.get(exc.param, exc.param)
         raise APIError(400, f"{name} {exc.problem}", name) from None
+
+
+def check_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """The token controls' ids (bad_words: as tokenized) are in the model's vocabulary."""
+    outside = params.out_of_vocab(vocab_size)
+    if outside is not None:
+        name, ids = outside
+        raise APIError(400, f"{name} token ids must be in [0, {vocab_size}), got {show(ids)}", name)
 
 
 def prompt_input(prompt: Any, vocab_size: int) -> list[str] | list[list[int]]:

@@ -89,7 +89,8 @@ class PendingSample:
             rows = [i for i, b in enumerate(bad_list) if b]
             raise UnusableLogitsError(
                 f"sampler got unusable logits in batch rows {rows}: NaN, +inf, or every token "
-                "-inf (after penalties and min_tokens masking); nothing can be sampled", rows)
+                "-inf (after token controls, penalties and min_tokens masking); nothing can be "
+                "sampled", rows)
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         query = self._query
         if query is not None:

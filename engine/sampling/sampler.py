@@ -1,10 +1,10 @@
-"""Token sampler: grammar masks, penalties, min_tokens masking, temperature,
-min_p/top_k/top_p, seeded draws.
+"""Token sampler: grammar masks, token controls, penalties, min_tokens masking,
+temperature, min_p/top_k/top_p, seeded draws.
 
 Every batched tensor here is [batch, vocab] float32 on the logits' device; one token per row.
-Order (vLLM): grammar mask -> penalties -> min_tokens mask -> temperature -> min_p -> top_k
--> top_p -> sample. Logprobs always describe the raw model distribution, before any of
-those steps.
+Order (vLLM): grammar mask -> allowed_token_ids -> bad_words -> logit_bias -> penalties ->
+min_tokens mask -> temperature -> min_p -> top_k -> top_p -> sample. Logprobs always
+describe the raw model distribution, before any of those steps.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from engine.sampling.controls import TokenControls, apply_token_controls
 from engine.sampling.pending import LogprobsQuery, PendingSample, SamplerOutput, small_tensor
 from engine.sampling_params import SamplingParams
 
@@ -40,9 +41,13 @@ class SamplingRow:
     grammar: GrammarState | None = None  # structured outputs: its matcher, at the tokens so far
     # Greedy, and nothing but min_tokens alters the logits (read once per row per step).
     plain_greedy: bool = field(init=False)
+    has_controls: bool = field(init=False)  # logit_bias, allowed_token_ids or bad_words
+    controls: TokenControls | None = field(init=False, default=None)  # built at its first sample
 
     def __post_init__(self) -> None:
-        self.plain_greedy = self.params.temperature < _GREEDY_EPS and not self.params.has_penalties
+        self.has_controls = self.params.has_token_controls
+        self.plain_greedy = (self.params.temperature < _GREEDY_EPS and not self.params.has_penalties
+                             and not self.has_controls)
 
 
 def _unusable(x: torch.Tensor) -> torch.Tensor:
@@ -90,6 +95,7 @@ class Sampler:
             return PendingSample(raw.argmax(dim=-1), _unusable(raw), self._logprobs(raw, rows))
 
         greedy = [r.params.temperature < _GREEDY_EPS for r in rows]
+        control_rows = [i for i, r in enumerate(rows) if r.has_controls]
         pen_rows = [i for i, r in enumerate(rows) if r.params.has_penalties]
         # A grammar decides when its row may stop: min_tokens does not hold it past its end
         # (where the grammar allows only a stop token, masking that would leave nothing).
@@ -98,6 +104,8 @@ class Sampler:
         x = raw.clone()  # the raw logits must survive for logprobs
         if grammar_rows:
             self._apply_grammars(x, rows, grammar_rows)
+        if control_rows:
+            self._apply_controls(x, rows, control_rows)
         if pen_rows:
             self._apply_penalties(x, rows, pen_rows)
         if mask_rows:
@@ -119,6 +127,15 @@ class Sampler:
 
             self._bitmask = BitmaskBuffer()
         self._bitmask.apply(x, [rows[i].grammar for i in which], which)
+
+    def _apply_controls(self, x: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
+        """In place on x [batch, vocab]: the token controls of the rows in `which`."""
+        for i in which:
+            row = rows[i]
+            if row.controls is None or row.controls.vocab != x.shape[1]:
+                row.controls = TokenControls.build(row.params, x.shape[1], x.device)
+        apply_token_controls(x, [rows[i].controls for i in which],
+                             [rows[i].output_token_ids for i in which], which)
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow],
                          which: list[int]) -> None:

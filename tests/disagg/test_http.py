@@ -317,3 +317,27 @@ def test_pdserve_status_lists_the_workers_of_both_pools(server, capsys) -> None:
     assert row[12].endswith("ms") and float(row[13]) >= 1 and row[14] == "0"
     assert main(["status", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "no pdserve router answers at" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_token_controls_through_remote_prefill_match_the_engine(server, llama_dir: Path) -> None:
+    """logit_bias, allowed_token_ids and bad_words travel with the request to the decode
+    worker (its prompt prefilled remotely), and give the offline engine's tokens."""
+    client, config, _ = server
+    prompt = "Continuous batching mixes prefill and decode tokens in one step. Prefix caching reuses blocks."
+    llm = LLM(str(llama_dir), num_kv_blocks=80)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    ref = llm.generate([prompt], greedy, use_tqdm=False)[0]
+    word = llm.tokenizer.decode(ref.token_ids[2:4])
+    controls = {"logit_bias": {str(ref.token_ids[0]): -100, "17": 1.5},
+                "allowed_token_ids": sorted(set(ref.token_ids) | {17, 40, 41}), "bad_words": [word]}
+    want = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, **controls),
+                        use_tqdm=False)[0]
+    assert want.token_ids != ref.token_ids
+    before, _ = scrape(config.router.port)
+    out = client.completions.create(model=config.model, prompt=prompt, max_tokens=10, temperature=0.0,
+                                    extra_body={"ignore_eos": True, **controls})
+    assert out.choices[0].text == want.text
+    after, _ = scrape(config.router.port)
+    remote = 'pdserve_request_phase_seconds_count{phase="decode",prefill="remote"}'
+    assert after.get(remote, 0.0) == before.get(remote, 0.0) + 1

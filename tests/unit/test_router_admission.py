@@ -82,7 +82,8 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
     (b'{"prompt": "hi", "max_tokens": 2000}', "exceeds the model's context length 1024"),
     (b'{"prompt": ' + str([1] * 1029).encode() + b'}', "prompt has 1029 tokens, but the model's"),
     # Not implemented: refused by name rather than silently ignored.
-    (b'{"prompt": "hi", "logit_bias": {"5": -100}}', "logit_bias={'5': -100} is not supported by pdserve"),
+    (b'{"prompt": "hi", "logit_bias": {"384": -100}}', "logit_bias token ids must be in [0, 384), got [384]"),
+    (b'{"prompt": "hi", "use_beam_search": true}', "use_beam_search=True is not supported by pdserve"),
     (b'{"prompt": "hi", "echo": true}', "echo=True is not supported"),
     (b'{"prompt": "hi", "suffix": "xyz"}', "suffix='xyz' is not supported"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', "skip_special_tokens=False is not supported"),
