@@ -6,6 +6,7 @@ offline LLM, a decode worker and a prefill worker.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.config import ModelConfig, max_model_len
 from engine.model.loader import TORCH_DTYPES
+from engine.prompt_logprobs import PromptRows, plan_rows
 from engine.request import Request, RequestStatus
 from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache, kv_cache_shape
 from engine.sampling import Sampler, UnusableLogitsError, make_generator
@@ -104,6 +106,7 @@ class EngineCore:
                 logger.info("no CUDA graphs at tensor_parallel_size > 1: the ranks run eagerly")
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not compiled yet
+        self._prompt_logprobs: set[Request] = set()  # with prompt logprobs still to compute
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, tensor parallel %d",
                     self.model_config.architecture, num_blocks, config.block_size, model_len,
                     config.tensor_parallel_size)
@@ -229,6 +232,8 @@ class EngineCore:
         up others, and a grammar that fails to compile fails it at the next step."""
         request = self._new_request(request_id, prompt_token_ids, params, priority, resumed)
         self.scheduler.add_request(request)
+        if request.needs_prompt_logprobs:
+            self._prompt_logprobs.add(request)
         return self._track_grammar(request)
 
     # --- disaggregation: decode worker side ------------------------------------------
@@ -243,6 +248,8 @@ class EngineCore:
         request that could never run. `resumed`: as for add_request."""
         if len(prompt_token_ids) < 2:
             raise ValueError("a remote prefill needs a prompt of at least 2 tokens")
+        if params.prompt_logprobs is not None:  # a prefill worker sends KV, not logits
+            raise ValueError("prompt_logprobs needs the prompt prefilled locally, not remotely")
         request = self._new_request(request_id, prompt_token_ids, params, priority, resumed)
         return self._track_grammar(request) if self.scheduler.reserve_for_remote_prefill(request) else None
 
@@ -366,7 +373,10 @@ class EngineCore:
             out = self.scheduler.schedule()
             if out.scheduled:
                 queued.append(out)
-                launched = self._run(self.runner.launch, queued, out.scheduled, self._block_tables(out),
+                rows = self._prompt_rows(out)
+                launch = self.runner.launch if rows is None else functools.partial(self.runner.launch,
+                                                                                   prompt_rows=rows)
+                launched = self._run(launch, queued, out.scheduled, self._block_tables(out),
                                      in_flight[1] if in_flight else None)
                 if not self.config.async_scheduling:
                     return self._finish_step((out, launched), queued)
@@ -430,6 +440,14 @@ class EngineCore:
             ids = list(dict.fromkeys(s.request.request_id for out in queued for s in out.scheduled))
             raise RequestsFailed(f"the model step failed ({type(exc).__name__}: {exc})", ids) from exc
 
+    def _prompt_rows(self, out: SchedulerOutput) -> PromptRows | None:
+        """The step's prompt-logprob rows; nothing at all while no request wants any."""
+        if not self._prompt_logprobs:
+            return None
+        self._prompt_logprobs = {r for r in self._prompt_logprobs
+                                 if r.needs_prompt_logprobs and not r.status.finished}
+        return plan_rows(out.scheduled, self._prompt_logprobs)
+
     def _block_tables(self, out: SchedulerOutput) -> np.ndarray:
         return self.kv.block_tables([s.request.request_id for s in out.scheduled])
 
@@ -443,6 +461,8 @@ class EngineCore:
             sampling = [s.request.request_id for s in out.scheduled if s.samples]
             failed = [sampling[row] for row in exc.rows]
             raise RequestsFailed(f"requests {failed}: {exc}", failed, at_fault=True) from exc
+        if launched.prompt_logprobs is not None:
+            self._run(launched.prompt_logprobs.land, queued)
         queued.remove(out)
         if any(sampled.logprobs):  # a C-speed scan; most steps have none
             sampling = [s.request for s in out.scheduled if s.samples]

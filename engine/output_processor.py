@@ -25,6 +25,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"; None while running
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # params.prompt_logprobs: one per prompt token, None for the first (vLLM's shape
+    # but TokenLogprobs entries: the prompt token, its logprob and rank, the top ones)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -88,6 +91,9 @@ class OutputProcessor:
             if detok.stopped:
                 reason = RequestStatus.FINISHED_STOPPED.value
         logprobs = request.output_logprobs if request.sampling_params.logprobs is not None else None
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = [None, *request.prompt_logprobs]
         return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids,
                              list(request.output_token_ids), text, reason, logprobs,
-                             request.num_cached_tokens)
+                             request.num_cached_tokens, prompt_logprobs)

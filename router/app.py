@@ -29,9 +29,9 @@ from router.core import Chunk, Router
 from router.errors import APIError
 from router.http_guard import HTTPGuard, client_of
 from router.limits import Limits
-from router.logprobs import LogprobFormatter
+from router.logprobs import LogprobFormatter, echoed
 from router import structured
-from router.parsing import ChatRequest, GenerateRequest
+from router.parsing import ChatRequest, CompletionRequest, GenerateRequest
 from router.responses import DONE_EVENT, ResponseShaper, error_event, error_response
 from router.tool_calls import ToolCallStream
 
@@ -133,6 +133,9 @@ async def _respond(request: Request, parsed: GenerateRequest) -> Response:
     formatter = LogprobFormatter(router.tokenizer, parsed.chat) if parsed.params.logprobs is not None else None
     shaper = ResponseShaper(parsed.chat, router.model_name, len(parsed.prompt_ids), formatter,
                             _tool_calls(parsed, router.config.tool_call_parser))
+    if isinstance(parsed, CompletionRequest) and parsed.scoring is not None:
+        text = parsed.prompt if isinstance(parsed.prompt, str) else router.tokenizer.decode(parsed.prompt)
+        stream = echoed(stream, parsed.scoring, text, parsed.prompt_ids, router.tokenizer)
     stream = track(request.scope, shaper.id, len(parsed.prompt_ids), stream)  # for its access log line
     if not parsed.stream:
         chunks = await _all_unless_disconnected(request, stream)

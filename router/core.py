@@ -47,6 +47,10 @@ class Chunk:
     # worker's last Tokens says so; without it, as when the router ended the request at
     # a stop string: what the router asked for).
     remote_prefill: bool | None = None
+    # On the first chunk of a request with params.prompt_logprobs: [logprob, rank, top]
+    # per prompt token from the second (router/logprobs.py shapes them).
+    prompt_logprobs: list[list] | None = None
+    vllm_prompt_logprobs: list | None = None  # the choice's `prompt_logprobs`, when asked (router/logprobs.py)
 
 
 # Resubmissions a request's decode workers may ask for (Rejected.retry) before it fails.
@@ -200,7 +204,8 @@ class Router:
                         m.prefix_cached_tokens.inc(msg.cached)
                     yielded = True
                     yield Chunk(delta, reason, detok.num_tokens, msg.tokens, msg.logprobs, worker.name,
-                                (msg.remote if msg.phases else remote) if finished else None)
+                                (msg.remote if msg.phases else remote) if finished else None,
+                                msg.prompt_logprobs or None)
         except Exception:
             # Before its first chunk, an error is the answer's status (the rejected
             # count); after, it ends an answer already under way.
@@ -231,13 +236,16 @@ class Router:
         tokens = prompt + generated
         if generated:
             n = len(generated)
+            # Its prompt logprobs came with its first tokens already.
             params = dataclasses.replace(params, max_tokens=params.max_tokens - n,
-                                         min_tokens=max(0, params.min_tokens - n))
+                                         min_tokens=max(0, params.min_tokens - n), prompt_logprobs=None)
         index, cached = self.routing.choose(tokens, [len(w.queues) for w in self.workers], live)
         worker, request_id = self.workers[index], uuid.uuid4().hex
         # Conditional disaggregation: only the part the worker must compute counts.
+        # Prompt logprobs need the prompt's logits, which a prefill worker does not
+        # send: such a prompt is prefilled on the decode worker (docs/architecture.md).
         remote = (len(tokens) - cached >= self.config.remote_prefill_min_tokens
-                  and any(p.alive for p in self.prefill))
+                  and any(p.alive for p in self.prefill) and params.prompt_logprobs is None)
         m = self.metrics
         if failover:
             m.failovers.inc()

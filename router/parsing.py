@@ -28,6 +28,7 @@ from router.bounds import InputBounds, check_bounds
 from router.config import ModelLimits
 from router.errors import APIError
 from router.limits import retry_after
+from router.logprobs import PromptScoring, prompt_scoring
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class GenerateRequest:
 class CompletionRequest(GenerateRequest):
     prompt: str | list[int]  # as sent: text (tokenized into prompt_ids) or the token ids themselves
     chat: ClassVar[bool] = False
+    scoring: PromptScoring | None = field(default=None, kw_only=True)  # echo, prompt logprobs; None: neither
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,13 @@ class RequestParser:
         else:
             self._check_chars(len(prompt), "prompt")
             ids = await self._tokenize(self.tokenizer.encode, prompt)
-        params = self._sampling_params(body, False, len(ids), "prompt")
+        sampling_body, scoring = prompt_scoring(body)
+        params = self._sampling_params(sampling_body, False, len(ids), "prompt")
+        if scoring is not None:
+            params = dataclasses.replace(params, prompt_logprobs=scoring.engine_count)
         params, source = _constrained(params, structured.constraint(body, None))
-        return CompletionRequest(ids, params, stream, include_usage, prompt, constraint_source=source)
+        return CompletionRequest(ids, params, stream, include_usage, prompt, constraint_source=source,
+                                 scoring=scoring)
 
     async def chat(self, raw: bytes) -> ChatRequest:
         body, stream, include_usage = self._body(raw, chat=True)

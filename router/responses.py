@@ -62,6 +62,8 @@ class ResponseShaper:
         text = "".join(c.text for c in chunks)
         if self.tools is None:
             choice = self._choice(text, last.finish_reason, False, merge(parts))
+            if chunks[0].vllm_prompt_logprobs is not None:  # vLLM's field (router/logprobs.py)
+                choice["prompt_logprobs"] = chunks[0].vllm_prompt_logprobs
         else:
             self.tools.feed(text)
             _, reason = self.tools.finish(last.finish_reason or "stop")
@@ -77,6 +79,8 @@ class ResponseShaper:
         if self.tools is not None:
             return self._tool_events(chunk)
         choice = self._choice(chunk.text, chunk.finish_reason, True, self._logprobs(chunk))
+        if chunk.vllm_prompt_logprobs is not None:
+            choice["prompt_logprobs"] = chunk.vllm_prompt_logprobs
         return self._event([choice])
 
     def _event(self, choices: list[dict[str, Any]]) -> str:

@@ -70,7 +70,9 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
     (b'{"prompt": ' + str([1] * 1029).encode() + b'}', "prompt has 1029 tokens, but the model's"),
     # Not implemented: refused by name rather than silently ignored.
     (b'{"prompt": "hi", "logit_bias": {"5": -100}}', "logit_bias={'5': -100} is not supported by pdserve"),
-    (b'{"prompt": "hi", "echo": true}', "echo=True is not supported"),
+    (b'{"prompt": "hi", "echo": "yes"}', "echo must be a boolean, got 'yes'"),
+    (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens=0 needs echo: true"),
+    (b'{"prompt": "hi", "echo": true, "prompt_logprobs": 21}', "prompt_logprobs must be an integer in [0, 20]"),
     (b'{"prompt": "hi", "best_of": 4}', "best_of=4 is not supported"),
     (b'{"prompt": "hi", "suffix": "xyz"}', "suffix='xyz' is not supported"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', "skip_special_tokens=False is not supported"),
