@@ -150,9 +150,11 @@ class DecodeWorker(WorkerLoop):
 
     def _generate(self, sender: bytes, msg: Generate, sock: zmq.Socket) -> None:
         request_id = msg.request_id
-        prefill = self._pick_prefill_worker() if msg.remote else None
         try:
             params = from_wire(msg.params)
+            # Prompt logprobs need the prompt's logits here: such a prompt is prefilled
+            # locally (the router asks for that too).
+            prefill = self._pick_prefill_worker() if msg.remote and params.prompt_logprobs is None else None
             rp = self.core.add_request(request_id, msg.prompt, params, prefill is not None,
                                        msg.priority, sender=prefill, resumed=msg.resumed)
         except (TypeError, ValueError) as exc:  # bad input: say so, keep serving
@@ -272,10 +274,13 @@ class DecodeWorker(WorkerLoop):
             if request.sampling_params.logprobs is not None:
                 logprobs = [(lp.logprob, list(lp.top)) for lp in request.output_logprobs[sent:sent + len(new)]]
             done = rid in finished
+            prompt_logprobs = []
+            if not sent and request.sampling_params.prompt_logprobs is not None:  # with the first tokens
+                prompt_logprobs = [(lp.logprob, lp.rank, list(lp.top)) for lp in request.prompt_logprobs]
             self.send(client.sock, client.sender, encode(Tokens(
                 request_id=rid, tokens=new, finished=done, reason=request.status.value if done else "",
                 cached=request.num_cached_tokens, logprobs=logprobs, phases=self._phases(request, now) if done else {},
-                remote=done and self.core.kv_ready_at(client.group or rid) is not None)))
+                remote=done and self.core.kv_ready_at(client.group or rid) is not None, prompt_logprobs=prompt_logprobs)))
             if done:
                 del self.requests[rid]
                 self.core.forget(rid)

@@ -6,6 +6,7 @@ offline LLM, a decode worker and a prefill worker.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.config import ModelConfig, max_model_len
 from engine.model.loader import TORCH_DTYPES
+from engine.prompt_logprobs import PromptRows, plan_rows
 from engine.request import Request, RequestStatus
 from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache, kv_cache_shape
 from engine.sampling import Sampler, UnusableLogitsError, make_generator
@@ -104,6 +106,7 @@ class EngineCore:
                 logger.info("no CUDA graphs at tensor_parallel_size > 1: the ranks run eagerly")
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not compiled yet
+        self._prompt_logprobs: set[Request] = set()  # with prompt logprobs still to compute
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, tensor parallel %d",
                     self.model_config.architecture, num_blocks, config.block_size, model_len,
                     config.tensor_parallel_size)
@@ -243,12 +246,16 @@ class EngineCore:
             return prompt
         request = self._new_request(request_id, prompt_token_ids, params, priority, resumed)
         self.scheduler.add_request(request)
+        if request.needs_prompt_logprobs:
+            self._prompt_logprobs.add(request)
         return self._track_grammar(request)
 
     def _new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                    priority: int, resumed: int) -> tuple[Request, list[Request]]:
         """A group's prompt request (every prompt token but the last, prefill only) and
         its sequences, checked as add_request checks one request."""
+        if params.prompt_logprobs is not None:  # each sequence computes only the last prompt token
+            raise SamplingParamsError("prompt_logprobs", "is not supported with n > 1 (ask with n=1)")
         sequences = [self._new_request(child_request_id(request_id, i), prompt_token_ids, params.child(i),
                                        priority, resumed) for i in range(params.n)]
         prompt = Request(request_id, list(prompt_token_ids[:-1]), SamplingParams(max_tokens=1), priority=priority)
@@ -268,6 +275,8 @@ class EngineCore:
         request that could never run. `resumed`: as for add_request."""
         if len(prompt_token_ids) < 2:
             raise ValueError("a remote prefill needs a prompt of at least 2 tokens")
+        if params.prompt_logprobs is not None:  # a prefill worker sends KV, not logits
+            raise ValueError("prompt_logprobs needs the prompt prefilled locally, not remotely")
         if params.n > 1:  # the group's prompt request takes the KV; its sequences fork on arrival
             prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed)
             if not self.scheduler.reserve_for_remote_prefill(prompt):
@@ -399,7 +408,10 @@ class EngineCore:
             out = self.scheduler.schedule()
             if out.scheduled:
                 queued.append(out)
-                launched = self._run(self.runner.launch, queued, out.scheduled, self._block_tables(out),
+                rows = self._prompt_rows(out)
+                launch = self.runner.launch if rows is None else functools.partial(self.runner.launch,
+                                                                                   prompt_rows=rows)
+                launched = self._run(launch, queued, out.scheduled, self._block_tables(out),
                                      in_flight[1] if in_flight else None, out.block_copies)
                 if not self.config.async_scheduling:
                     return self._finish_step((out, launched), queued)
@@ -463,6 +475,14 @@ class EngineCore:
             ids = list(dict.fromkeys(s.request.request_id for out in queued for s in out.scheduled))
             raise RequestsFailed(f"the model step failed ({type(exc).__name__}: {exc})", ids) from exc
 
+    def _prompt_rows(self, out: SchedulerOutput) -> PromptRows | None:
+        """The step's prompt-logprob rows; nothing at all while no request wants any."""
+        if not self._prompt_logprobs:
+            return None
+        self._prompt_logprobs = {r for r in self._prompt_logprobs
+                                 if r.needs_prompt_logprobs and not r.status.finished}
+        return plan_rows(out.scheduled, self._prompt_logprobs)
+
     def _block_tables(self, out: SchedulerOutput) -> np.ndarray:
         return self.kv.block_tables([s.request.request_id for s in out.scheduled])
 
@@ -476,6 +496,8 @@ class EngineCore:
             sampling = [s.request.request_id for s in out.scheduled if s.samples]
             failed = [sampling[row] for row in exc.rows]
             raise RequestsFailed(f"requests {failed}: {exc}", failed, at_fault=True) from exc
+        if launched.prompt_logprobs is not None:
+            self._run(launched.prompt_logprobs.land, queued)
         queued.remove(out)
         if any(sampled.logprobs):  # a C-speed scan; most steps have none
             sampling = [s.request for s in out.scheduled if s.samples]

@@ -28,6 +28,9 @@ class RequestOutput:
     # n > 1: every sequence's output, sequence i at index i (the fields above are
     # sequence 0's); empty for n = 1.
     sequences: list[RequestOutput] = field(default_factory=list)
+    # params.prompt_logprobs: one per prompt token, None for the first (vLLM's shape
+    # but TokenLogprobs entries: the prompt token, its logprob and rank, the top ones)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -91,6 +94,9 @@ class OutputProcessor:
             if detok.stopped:
                 reason = RequestStatus.FINISHED_STOPPED.value
         logprobs = request.output_logprobs if request.sampling_params.logprobs is not None else None
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = [None, *request.prompt_logprobs]
         return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids,
                              list(request.output_token_ids), text, reason, logprobs,
-                             request.num_cached_tokens)
+                             request.num_cached_tokens, prompt_logprobs=prompt_logprobs)

@@ -63,6 +63,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
+    # params.prompt_logprobs: entry j scores prompt token j + 1 (engine/prompt_logprobs.py)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0  # in steps scheduled but not yet updated
     num_output_placeholders: int = 0  # sampled by those steps, ids not yet on the host
@@ -93,6 +95,13 @@ class Request:
     def grammar_pending(self) -> bool:
         """Its grammar is still compiling: it is not admitted until it is."""
         return self.grammar is not None and self.grammar.matcher is None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some are not computed yet: its prompt runs
+        through the model from the first token (no prefix-cache hit)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def num_tokens(self) -> int:

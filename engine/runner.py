@@ -17,6 +17,7 @@ from engine.errors import EngineStateError, RankFailure
 from engine.kv_cache.layout import cache_shape
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
+from engine.prompt_logprobs import PendingPromptLogprobs, PromptRows
 from engine.sampling import PendingSample, Sampler, SamplerOutput
 from engine.scheduler_output import ScheduledRequest
 from engine.staging import Uploader
@@ -159,8 +160,9 @@ class LaunchedStep:
     on a prefill worker, still has KV to finish writing)."""
 
     def __init__(self, scheduled: Sequence[ScheduledRequest], sample: PendingSample | None,
-                 device: torch.device) -> None:
+                 device: torch.device, prompt_logprobs: PendingPromptLogprobs | None = None) -> None:
         self.sample = sample
+        self.prompt_logprobs = prompt_logprobs  # landed by the engine core with the tokens
         self._scheduled = scheduled
         self._done = None
         if device.type == "cuda":
@@ -236,34 +238,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, scheduled: Sequence[ScheduledRequest], block_tables: np.ndarray,
-               in_flight: LaunchedStep | None = None,
-               block_copies: Sequence[tuple[int, int]] = ()) -> LaunchedStep:
+               in_flight: LaunchedStep | None = None, block_copies: Sequence[tuple[int, int]] = (),
+               prompt_rows: PromptRows | None = None) -> LaunchedStep:
         """Queue one forward over all scheduled tokens and the sampling of one token for
         each request whose step reaches its last token (in `scheduled` order); nothing
         waits for the device. block_tables: [S, max_blocks] int32
         (KVCacheManager.block_tables). `in_flight`: the step still running, whose
         sampled tokens are this step's placeholder input ids. `block_copies`: KV
-        blocks (source, destination) to copy first (SchedulerOutput.block_copies)."""
+        blocks (source, destination) to copy first (SchedulerOutput.block_copies).
+        `prompt_rows`: prompt positions whose logits are projected too, after the
+        sampled rows, for their prompt logprobs (engine/prompt_logprobs.py)."""
         inputs = build_step_inputs(scheduled, block_tables, self.block_size)
         if block_copies:
             inputs.block_copies = np.array(block_copies, dtype=np.int64).reshape(-1, 2)
+        num_sampled = len(inputs.logits_indices)
+        if prompt_rows is not None:
+            inputs.logits_indices = np.concatenate((inputs.logits_indices, prompt_rows.token_index))
         if self.tp is None:
-            logits = self._forward(inputs, in_flight)
+            logits = self._forward(inputs, in_flight, prompt_rows is None)
         else:
             inputs = _fill_placeholders(inputs, in_flight)  # the other ranks need the token ids
             self.tp.broadcast_step(inputs)
             try:
-                logits = self._forward(inputs, None)
+                logits = self._forward(inputs, None, prompt_rows is None)
             except RankFailure:
                 raise
             except Exception as exc:
                 raise self.tp.out_of_step(f"{type(exc).__name__}: {exc}") from exc
         rows = [s.request.sampling_row for s in scheduled if s.samples]
-        return LaunchedStep(scheduled, self.sampler.sample(logits, rows) if rows else None, self.device)
+        if prompt_rows is None:
+            return LaunchedStep(scheduled, self.sampler.sample(logits, rows) if rows else None, self.device)
+        sample = self.sampler.sample(logits[:num_sampled], rows) if rows else None
+        return LaunchedStep(scheduled, sample, self.device, PendingPromptLogprobs(logits[num_sampled:], prompt_rows))
 
-    def _forward(self, inputs: StepInputs, in_flight: LaunchedStep | None) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, in_flight: LaunchedStep | None, graphs: bool = True) -> torch.Tensor:
+        """graphs False: a step with prompt-logprob rows (a graph projects one row per sequence)."""
         dev = self.upload(inputs, in_flight)
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        if graphs and self.graphs is not None and self.graphs.can_run(inputs):
             self.copy_blocks(inputs)
             return self.graphs.run(inputs, dev)
         return self.forward(inputs, dev)

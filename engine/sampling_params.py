@@ -67,6 +67,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top alternatives to return besides the sampled token
+    # vLLM's: every prompt token's logprob (the first has none) and this many top
+    # alternatives, from the raw distribution; computed in the prompt's own steps, so
+    # such a request takes no prefix-cache hit (engine/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # What the output must follow (JSON schema, regex, choice, grammar...); a dict of its
     # fields is taken too (the wire form).
@@ -99,7 +103,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         for name in ("max_tokens", "top_k", "min_tokens", "n"):
             _require_int(name, getattr(self, name))
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _require_int(name, getattr(self, name), " or null")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -127,6 +131,8 @@ class SamplingParams:
             ("repetition_penalty", lo <= self.repetition_penalty <= hi,
              f"must be in [{lo:g}, {hi:g}] (1 = no penalty)"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
+             "must be None or an integer in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              "must be None or an integer in [0, 20]"),
             ("stop", all(s and encodable(s) for s in self.stop),
              "must be a list of non-empty strings of valid Unicode (no lone surrogates)"),

@@ -284,7 +284,8 @@ class Scheduler(ForkGroups):
         if request.num_computed_tokens or self.kv.num_held_blocks(request.request_id):
             raise EngineStateError(f"waiting request {request.request_id!r} holds blocks or computed tokens "
                                    "(it belongs in `ready`)")
-        hits = self.kv.get_computed_blocks(request)
+        # Cached positions have no logits: prompt logprobs need the prompt computed.
+        hits = [] if request.needs_prompt_logprobs else self.kv.get_computed_blocks(request)
         num_computed = len(hits) * self.kv.block_size
         num_new = self._chunk(request, request.num_tokens - num_computed, budget)
         return None if num_new is None else (hits, num_computed, num_new)

@@ -24,6 +24,8 @@ from protocol.wire import Codec, Message
 
 # One token's log-probability and its top alternatives [(token id, logprob)], best first.
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
+# A prompt token's (params.prompt_logprobs): its logprob, its rank (1 = most likely), the top ones.
+PromptTokenLogprobs = tuple[float, int, list[tuple[int, float]]]
 
 
 class Generate(Message, frozen=True, tag="generate"):
@@ -67,6 +69,9 @@ class Tokens(Message, frozen=True, tag="tokens"):
     reason: str  # why it finished (a RequestStatus value); "" while it runs
     cached: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked
+    # With the first tokens, when params.prompt_logprobs is set: one per prompt token
+    # from the second (the first has none), in order.
+    prompt_logprobs: list[PromptTokenLogprobs] = []
     phases: dict[str, float] = {}  # with the last: seconds per phase (router/metrics.py)
     # With the last: its prompt KV came from a prefill worker. (Its phases may lack
     # prefill and transfer: the prefill worker's prefill_done can come after the end of

@@ -32,9 +32,9 @@ from router.core import Chunk, Router
 from router.errors import APIError
 from router.http_guard import HTTPGuard, client_of
 from router.limits import Limits
-from router.logprobs import LogprobFormatter
+from router.logprobs import LogprobFormatter, echoed
 from router import structured, tokenize_api
-from router.parsing import ChatRequest, GenerateRequest
+from router.parsing import ChatRequest, CompletionRequest, GenerateRequest
 from router.responses import DONE_EVENT, ResponseShaper, error_event, error_response
 from router.tool_calls import ToolCallStream
 from router.version import pdserve_version
@@ -175,6 +175,9 @@ async def _respond(request: Request, parsed: GenerateRequest) -> Response:
     formatter = functools.partial(LogprobFormatter, router.tokenizer, parsed.chat) if asked else None
     shaper = ResponseShaper(parsed.chat, router.model_name, list(map(len, prompts)), formatter,
                             _tool_calls(parsed, router.config.tool_call_parser), parsed.n, parsed.params.n)
+    if isinstance(parsed, CompletionRequest) and parsed.scoring is not None:
+        stream = echoed(stream, parsed.scoring, _prompt_texts(parsed, router.tokenizer), prompts, parsed.params.n,
+                        router.tokenizer)
     stream = track(request.scope, shaper.id, sum(map(len, prompts)), stream)  # for its access log line
     if not parsed.stream:
         chunks = await _all_unless_disconnected(request, stream)
@@ -186,6 +189,16 @@ async def _respond(request: Request, parsed: GenerateRequest) -> Response:
     admitted = await anext(stream)
     return StreamingResponse(_events(router, shaper, stream, parsed.include_usage),
                              media_type="text/event-stream", headers={WORKER_HEADER: admitted.worker})
+
+
+def _prompt_texts(parsed: CompletionRequest, tokenizer: Any) -> list[str]:
+    """Each prompt's text as sent (echo), or its token ids' text."""
+    sent = parsed.prompt
+    if isinstance(sent, str):
+        return [sent]
+    if isinstance(sent[0], str):
+        return list(sent)  # type: ignore[arg-type]
+    return [tokenizer.decode(ids) for ids in parsed.prompts]
 
 
 async def _events(router: Router, shaper: ResponseShaper, stream: AsyncIterator[Chunk],

@@ -175,13 +175,16 @@ class Router:
         tokens = prompt + generated
         if generated:
             n = len(generated)
+            # Its prompt logprobs came with its first tokens already.
             params = dataclasses.replace(params, max_tokens=params.max_tokens - n,
-                                         min_tokens=max(0, params.min_tokens - n))
+                                         min_tokens=max(0, params.min_tokens - n), prompt_logprobs=None)
         index, cached = self.routing.choose(tokens, [len(w.queues) for w in self.workers], live)
         worker, request_id = self.workers[index], uuid.uuid4().hex
         # Conditional disaggregation: only the part the worker must compute counts.
+        # Prompt logprobs need the prompt's logits, which a prefill worker does not
+        # send: such a prompt is prefilled on the decode worker (docs/architecture.md).
         remote = (len(tokens) - cached >= self.config.remote_prefill_min_tokens
-                  and any(p.alive for p in self.prefill))
+                  and any(p.alive for p in self.prefill) and params.prompt_logprobs is None)
         if failover:
             self.metrics.failovers.inc()
         else:

@@ -28,6 +28,7 @@ from router.bounds import InputBounds, check_bounds
 from router.config import ModelLimits
 from router.errors import APIError
 from router.limits import retry_after
+from router.logprobs import PromptScoring, prompt_scoring
 from router.model_names import ServedModels
 
 T = TypeVar("T")
@@ -64,6 +65,7 @@ class CompletionRequest(GenerateRequest):
     # As sent: text (tokenized into prompt_ids) or the token ids themselves; batched: a list of either.
     prompt: str | list[int] | list[str] | list[list[int]]
     chat: ClassVar[bool] = False
+    scoring: PromptScoring | None = field(default=None, kw_only=True)  # echo, prompt logprobs; None: neither
 
 
 @dataclass(frozen=True)
@@ -109,13 +111,20 @@ class RequestParser:
             batch = await self._tokenize(lambda: [self.tokenizer.encode(text) for text in texts])
         else:
             batch = prompts  # type: ignore[assignment]
-        params = await self._token_controls(self._sampling_params(body, False, max(map(len, batch)), "prompt"))
+        sampling_body, scoring = prompt_scoring(body)
+        params = await self._token_controls(self._sampling_params(sampling_body, False, max(map(len, batch)),
+                                                                  "prompt"))
+        if scoring is not None and scoring.engine_count is not None:
+            if best_of > 1:  # each sequence of a group computes only the last prompt token
+                raise APIError(400, f"n (or best_of) > 1 ({best_of} sequences) with prompt logprobs (echo with "
+                                    "logprobs, or prompt_logprobs) is not supported: send n=1", "n")
+            params = dataclasses.replace(params, prompt_logprobs=scoring.engine_count)
         params, source = _constrained(params, structured.constraint(body, None))
         params, rank_only = _sampled(params, n, best_of)
         return CompletionRequest(batch[0], params, stream, include_usage, prompts[0] if len(prompts) == 1 else prompts,
                                  constraint_source=source, n=n, rank_only_logprobs=rank_only,
                                  batch=batch if len(batch) > 1 else None,
-                                 priority=request_body.priority(body))
+                                 priority=request_body.priority(body), scoring=scoring)
 
     async def chat(self, raw: bytes) -> ChatRequest:
         body, stream, include_usage = self._body(raw, chat=True)

@@ -46,15 +46,15 @@ def _default_true(value: Any) -> bool:
 # Parameter -> is this value harmless (means "not used")? Any other value: 400.
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _unset,
-    "prompt_logprobs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
+    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
     "guided_grammar": _unset, "guided_decoding_backend": _unset,
     "logits_processors": _unset, "truncate_prompt_tokens": _unset,
     "skip_special_tokens": _default_true, "spaces_between_special_tokens": _default_true,
 }
-_UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"echo": _unset, "suffix": _unset}
+_UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"suffix": _unset}
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "best_of": _one, "functions": _unset, "function_call": lambda v: v in (None, "none", "auto"),
-    "echo": _unset, "continue_final_message": _unset, "chat_template": _unset,
+    "echo": _unset, "prompt_logprobs": _unset, "continue_final_message": _unset, "chat_template": _unset,
     "chat_template_kwargs": _unset, "documents": _unset, "audio": _unset, "prediction": _unset,
     "modalities": lambda v: v is None or v == ["text"],
 }
@@ -62,6 +62,7 @@ _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
 
 _GUIDED = "vLLM 0.12 removed the guided_* fields: send structured_outputs"
 _HINTS = {"best_of": "best_of is a completions parameter; chat samples n choices",
+          "echo": "only on /v1/completions", "prompt_logprobs": "only on /v1/completions",
           "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
           "guided_decoding_backend": "pdserve's one backend is xgrammar",
           "functions": "the legacy functions field: send tools", "function_call": "send tool_choice"}

@@ -60,6 +60,7 @@ class _Choice:
     cached: int = 0
     cumulative_logprob: float = 0.0  # of its sampled tokens: best_of ranks by it
     sent_role: bool = False  # streamed chat: the role goes in each choice's first delta only
+    prompt_logprobs: list | None = None  # vLLM's `prompt_logprobs` of the choice, when asked
 
 
 class ResponseShaper:
@@ -87,7 +88,8 @@ class ResponseShaper:
             choice = self._choices[chunk.index] = _Choice(self._formatter() if self._formatter else None,
                                                           self._tools() if self._tools else None)
         choice.num_tokens, choice.cached = chunk.num_tokens, max(choice.cached, chunk.cached)
-        choice.cumulative_logprob += sum(entry[0] for entry in chunk.logprobs)
+        # (An echoed prompt's first entry has none; best_of never echoes prompt logprobs.)
+        choice.cumulative_logprob += sum(entry[0] for entry in chunk.logprobs if entry[0] is not None)
         if chunk.finish_reason is not None:
             choice.finish_reason = chunk.finish_reason
         return choice
@@ -99,6 +101,8 @@ class ResponseShaper:
             if not chunk.admission:
                 choice = self._choice_of(chunk)
                 choice.texts.append(chunk.text)
+                if chunk.vllm_prompt_logprobs is not None:  # vLLM's field (router/logprobs.py)
+                    choice.prompt_logprobs = chunk.vllm_prompt_logprobs
                 if choice.formatter is not None:
                     choice.logprobs.append(choice.formatter.format(chunk.token_ids, chunk.logprobs))
         answered = self._answered()
@@ -121,7 +125,10 @@ class ResponseShaper:
     def _whole(self, index: int, choice: _Choice) -> dict[str, Any]:
         text, logprobs = "".join(choice.texts), merge(choice.logprobs)
         if choice.tools is None:
-            return self._shape(index, text, choice.finish_reason, False, logprobs)
+            shaped = self._shape(index, text, choice.finish_reason, False, logprobs)
+            if choice.prompt_logprobs is not None:
+                shaped["prompt_logprobs"] = choice.prompt_logprobs
+            return shaped
         choice.tools.feed(text)
         _, reason = choice.tools.finish(choice.finish_reason or "stop")
         return {"index": index, "message": choice.tools.message(), "finish_reason": reason, "logprobs": logprobs}
@@ -136,7 +143,10 @@ class ResponseShaper:
         logprobs = choice.formatter.format(chunk.token_ids, chunk.logprobs) if choice.formatter else None
         if choice.tools is not None:
             return self._tool_events(chunk.index, choice, chunk, logprobs)
-        return self._event([self._shape(chunk.index, chunk.text, chunk.finish_reason, True, logprobs, choice)])
+        shaped = self._shape(chunk.index, chunk.text, chunk.finish_reason, True, logprobs, choice)
+        if chunk.vllm_prompt_logprobs is not None:
+            shaped["prompt_logprobs"] = chunk.vllm_prompt_logprobs
+        return self._event([shaped])
 
     def _event(self, choices: list[dict[str, Any]]) -> str:
         return "data: " + json.dumps({"id": self.id, "object": self._chunk_kind, "created": self.created,

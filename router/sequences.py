@@ -53,6 +53,10 @@ class Chunk:
     # The request's first chunk, before any token: it was admitted (checked, submitted to
     # a decode worker, `worker`); a stream's headers go out on it. Carries nothing else.
     admission: bool = False
+    # On a sequence's first chunk, with params.prompt_logprobs: [logprob, rank, top] per
+    # prompt token from the second (router/logprobs.py shapes them).
+    prompt_logprobs: list[list] | None = None
+    vllm_prompt_logprobs: list | None = None  # the choice's `prompt_logprobs`, when asked (router/logprobs.py)
 
 
 # (worker, request id, whether it was asked to prefill remotely): Router._submit's answer.
@@ -195,7 +199,8 @@ class SequenceGroup:
                 self._cached_counted.add(prompt)
                 m.prefix_cached_tokens.inc(msg.cached)
         return Chunk(delta, reason, detok.num_tokens, msg.tokens, msg.logprobs, seq.worker.name,
-                     (msg.remote if msg.phases else seq.remote) if finished else None, seq.index, seq.cached)
+                     (msg.remote if msg.phases else seq.remote) if finished else None, seq.index, seq.cached,
+                     prompt_logprobs=msg.prompt_logprobs or None)
 
     def close(self) -> None:
         """However the request ended: abort every sequence still running (the client

@@ -21,8 +21,9 @@ class StepCodec:
     def __init__(self, max_tokens: int, max_seqs: int, block_size: int, max_model_len: int) -> None:
         self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
         self.max_blocks = -(-max_model_len // block_size)
-        # A step copies at most one block per sequence (a forked sequence's first write).
-        self.size = HEADER + 3 * max_tokens + 2 * max_seqs + 1 + max_seqs * self.max_blocks + max_seqs + 2 * max_seqs
+        # Logits rows: a sampled row per sequence, and prompt-logprob rows; at most one per
+        # token. Block copies: at most one per sequence (a forked sequence's first write).
+        self.size = HEADER + 3 * max_tokens + 2 * max_seqs + 1 + max_seqs * self.max_blocks + max_tokens + 2 * max_seqs
 
     def buffer(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.int32)
@@ -34,7 +35,7 @@ class StepCodec:
         t, s = len(inputs.input_ids), len(inputs.seq_lens)
         cols = -(-int(inputs.seq_lens.max()) // self.block_size) if s else 0
         r, c = len(inputs.logits_indices), len(inputs.block_copies)
-        if t > self.max_tokens or s > self.max_seqs or cols > self.max_blocks or r > self.max_seqs or c > self.max_seqs:
+        if t > self.max_tokens or s > self.max_seqs or cols > self.max_blocks or r > self.max_tokens or c > self.max_seqs:
             raise EngineStateError(f"step of {t} tokens, {s} sequences, {cols} blocks each is "
                                    f"beyond the broadcast buffer's limits")
         parts = [np.array([t, s, cols, r, c]), inputs.input_ids, inputs.positions, inputs.slot_mapping,

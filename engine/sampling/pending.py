@@ -25,6 +25,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # top-`params.logprobs` (token_id, logprob), descending
+    rank: int | None = None  # prompt logprobs: the token's rank in its distribution (1 = most likely)
 
 
 @dataclass

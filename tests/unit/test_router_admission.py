@@ -84,7 +84,10 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
     # Not implemented: refused by name rather than silently ignored.
     (b'{"prompt": "hi", "logit_bias": {"384": -100}}', "logit_bias token ids must be in [0, 384), got [384]"),
     (b'{"prompt": "hi", "use_beam_search": true}', "use_beam_search=True is not supported by pdserve"),
-    (b'{"prompt": "hi", "echo": true}', "echo=True is not supported"),
+    (b'{"prompt": "hi", "echo": "yes"}', "echo must be a boolean, got 'yes'"),
+    (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens=0 needs echo: true"),
+    (b'{"prompt": "hi", "echo": true, "prompt_logprobs": 21}', "prompt_logprobs must be an integer in [0, 20]"),
+    (b'{"prompt": "hi", "echo": true, "logprobs": 1, "n": 2}', "n (or best_of) > 1 (2 sequences) with prompt logprobs"),
     (b'{"prompt": "hi", "suffix": "xyz"}', "suffix='xyz' is not supported"),
     (b'{"prompt": "hi", "skip_special_tokens": false}', "skip_special_tokens=False is not supported"),
     (b'{"prompt": "hi", "response_format": {"type": "json_object", "x": 1}, "structured_outputs": {"regex": "a"}}',

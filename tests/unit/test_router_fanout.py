@@ -308,7 +308,8 @@ def test_a_streams_headers_go_out_at_admission_before_its_first_token(served) ->
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}, timeout=5)
     assert response.status == 200 and response.getheader("x-pdserve-decode-worker") == "decode-0"
     assert response.getheader("content-type").startswith("text/event-stream")
-    assert len(worker.messages("generate")) == 1 and time.monotonic() - start < 5
+    assert time.monotonic() - start < 5
+    wait_for(lambda: len(worker.messages("generate")) == 1, 2, "the worker has the request (sent before the headers)")
     worker.hold.clear()
     events = [line for line in response if line.startswith(b"data: ")]
     assert events[-1].strip() == b"data: [DONE]" and len(events) == 3
