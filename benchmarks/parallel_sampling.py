@@ -13,6 +13,9 @@ at temperature 1 with ignore_eos:
             would send them (the engine's prefix cache helps only those admitted after
             the first one's blocks are written)
 
+each on an engine with prefix caching on (as served) and on one with it off (where
+nothing but the group shares a prompt's KV).
+
 For each: the KV blocks held once every sequence has its first token (prompt KV: the
 group holds its shared blocks plus one copied partial block per sequence but one), the
 time until every sequence has its first token, and the time to finish max_tokens.
@@ -64,27 +67,30 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    core = EngineCore(EngineConfig(model=args.model, num_threads=args.threads, kv_cache_memory_gib=1.0,
-                                   max_num_seqs=max(16, args.n)))
-    vocab = core.model_config.vocab_size
     rng = random.Random(0)
-    rows: dict[str, list[dict[str, float]]] = {"group": [], "separate": []}
-    for r in range(args.repeats):
-        for kind in ("group", "separate") if r % 2 == 0 else ("separate", "group"):
-            prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
-            rows[kind].append(run(core, prompt, args.n, args.max_tokens, kind == "group", f"{kind}{r}"))
-            print(kind, r, rows[kind][-1], flush=True)
+    rows: dict[str, list[dict[str, float]]] = {}
+    for caching in (True, False):
+        core = EngineCore(EngineConfig(model=args.model, num_threads=args.threads, kv_cache_memory_gib=1.0,
+                                       max_num_seqs=max(16, args.n), enable_prefix_caching=caching))
+        vocab = core.model_config.vocab_size
+        for r in range(args.repeats):
+            for kind in ("group", "separate") if r % 2 == 0 else ("separate", "group"):
+                name = f"{kind}, prefix caching {'on' if caching else 'off'}"
+                prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
+                rows.setdefault(name, []).append(run(core, prompt, args.n, args.max_tokens, kind == "group",
+                                                     f"{kind}{r}"))
+                print(name, r, rows[name][-1], flush=True)
     med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in rows.items()}
     prompt_blocks = -(-args.prompt_tokens // core.config.block_size)
     print(f"\nn={args.n}, {args.prompt_tokens}-token prompt ({prompt_blocks} blocks of {core.config.block_size}), "
           f"max_tokens {args.max_tokens}, medians of {args.repeats}\n")
-    print("| | group (n) | separate | group / separate |\n|---|---:|---:|---:|")
-    for metric, unit in (("blocks", "KV blocks held at first tokens"), ("first_tokens_s", "time to every first token, s"),
-                         ("total_s", "time to finish, s")):
-        g, s = med["group"][metric], med["separate"][metric]
-        print(f"| {unit} | {g:.3g} | {s:.3g} | {g / s:.3f} |")
-    print(f"\ntime to first tokens: {med['separate']['first_tokens_s'] / med['group']['first_tokens_s']:.2f}x faster "
-          f"with n; prompt KV: {med['group']['blocks'] / med['separate']['blocks']:.3f} of the separate requests'")
+    print("| prefix caching | | group (n) | separate | group / separate |\n|---|---|---:|---:|---:|")
+    for caching in ("on", "off"):
+        group, separate = med[f"group, prefix caching {caching}"], med[f"separate, prefix caching {caching}"]
+        for metric, unit in (("blocks", "KV blocks held at first tokens"),
+                             ("first_tokens_s", "time to every first token, s"), ("total_s", "time to finish, s")):
+            g, sep = group[metric], separate[metric]
+            print(f"| {caching} | {unit} | {g:.3g} | {sep:.3g} | {g / sep:.3f} |")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": rows,
                                          "medians": med}, indent=1))

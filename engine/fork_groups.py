@@ -98,6 +98,6 @@ class ForkGroups:
         recomputes its prompt alone, which fits (check_group)."""
         heapq.heappop(self.ready)
         self.kv.free(head)
-        head.num_computed_tokens = 0
+        head.num_computed_tokens = head.num_remote_tokens = 0
         head.status = RequestStatus.WAITING
         self._push_waiting(head)

@@ -19,6 +19,7 @@ from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.prompt_logprobs import PendingPromptLogprobs, PromptRows
 from engine.sampling import PendingSample, Sampler, SamplerOutput
+from engine.sampling.pending import small_tensor
 from engine.scheduler_output import ScheduledRequest
 from engine.staging import Uploader
 
@@ -283,8 +284,10 @@ class ModelRunner:
         """Make the step's KV block copies (a forked sequence's shared last block)
         before its forward writes into them; queued on the device like the forward."""
         if len(inputs.block_copies):
-            src = torch.from_numpy(inputs.block_copies[:, 0]).to(self.device)
-            dst = torch.from_numpy(inputs.block_copies[:, 1]).to(self.device)
+            # Staged like the sampler's small tensors: a plain upload would wait for the
+            # step in flight (async scheduling).
+            src = small_tensor(self.device, inputs.block_copies[:, 0].tolist())
+            dst = small_tensor(self.device, inputs.block_copies[:, 1].tolist())
             self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
 
     def wait_idle(self) -> None:

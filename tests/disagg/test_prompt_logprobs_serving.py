@@ -91,7 +91,8 @@ def test_echoed_prompt_logprobs_equal_hf(deployments, hf, where: str) -> None:
     out = completion(base, {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0})
     choice = out["choices"][0]
     assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
-    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # scoring takes no prefix hit
     lp = choice["logprobs"]
     assert lp["tokens"] == [tokenizer.decode([t]) for t in ids]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None

@@ -130,16 +130,20 @@ def test_a_bad_group_is_refused_before_anything_is_queued(llama_dir: Path) -> No
 @pytest.mark.timeout(120)
 def test_one_remote_prefill_serves_the_whole_group(llama_dir: Path) -> None:
     decode, prefill = worker_pair(llama_dir, "shm")
-    params = SamplingParams(**{**SAMPLED.__dict__, "n": 4})
-    rp = decode.add_request("g", PROMPT_PARTIAL, params, remote=True)
-    assert rp is not None and rp.request_id == "g"
-    prefill.submit(rp)
-    out, end = {}, time.monotonic() + 60
-    while decode.engine.has_unfinished() or prefill.engine.has_unfinished():
-        assert time.monotonic() < end
-        for result in prefill.step():
-            assert result.error is None
-        for r in decode.step().finished:
-            out[r.request_id] = list(r.output_token_ids)
-    assert [out[child_request_id("g", i)] for i in range(4)] == singles(llama_dir, PROMPT_PARTIAL, params)
-    assert decode.stats["remote"] == 1 and decode.kv_ready_at("g") is not None
+    try:
+        params = SamplingParams(**{**SAMPLED.__dict__, "n": 4})
+        rp = decode.add_request("g", PROMPT_PARTIAL, params, remote=True)
+        assert rp is not None and rp.request_id == "g"
+        prefill.submit(rp)
+        out, end = {}, time.monotonic() + 60
+        while decode.engine.has_unfinished() or prefill.engine.has_unfinished():
+            assert time.monotonic() < end
+            for result in prefill.step():
+                assert result.error is None
+            for r in decode.step().finished:
+                out[r.request_id] = list(r.output_token_ids)
+        assert [out[child_request_id("g", i)] for i in range(4)] == singles(llama_dir, PROMPT_PARTIAL, params)
+        assert decode.stats["remote"] == 1 and decode.kv_ready_at("g") is not None
+    finally:  # their sockets and segments: never left to the garbage collector
+        decode.transport.close()
+        prefill.transport.close()
