@@ -278,8 +278,9 @@ def _require_float(name: str, value: Any) -> float:
 
 
 def _require_list(name: str, value: Any, item: type, expected: str) -> list:
-    """A list (or tuple; a lone string for stop) whose items are all of type `item`."""
-    if item is str and isinstance(value, str):
+    """A list (or tuple; a lone string for stop, as OpenAI allows) whose items are all
+    of type `item`."""
+    if name == "stop" and isinstance(value, str):
         value = [value]
     ok = isinstance(value, (list, tuple)) and all(
         isinstance(v, item) and not isinstance(v, bool) for v in value)

@@ -55,7 +55,9 @@ def create_app(router: Router) -> FastAPI:
         yield
         router.stop()
 
-    app = FastAPI(title="pdserve", lifespan=lifespan)
+    # No redirect from "/x/" to "/x": its Location would come from the client's Host
+    # header; any other path is a 404 like every unknown route.
+    app = FastAPI(title="pdserve", lifespan=lifespan, redirect_slashes=False)
     app.state.router = router
     app.state.limits = limits = Limits(router.config)
     app.add_middleware(HTTPGuard, keys=KeyRing(router.config.api_keys or ()), limits=limits,
@@ -96,9 +98,12 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == 404:
         error = APIError(404, f"Invalid URL ({where}): no such endpoint")
     elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "")
-        error = APIError(405, f"Method not allowed ({where}); this endpoint takes {allowed}",
-                         headers=dict(exc.headers or {}))
+        headers = dict(exc.headers or {})
+        methods = [m.strip() for m in headers.get("Allow", "").split(",") if m.strip()]
+        if "GET" in methods and "HEAD" not in methods:  # its HEAD is a route of its own
+            methods.append("HEAD")
+        headers["Allow"] = allowed = ", ".join(methods)
+        error = APIError(405, f"Method not allowed ({where}); this endpoint takes {allowed}", headers=headers)
     else:
         error = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
     return await _api_error(request, error)

@@ -156,7 +156,7 @@ class RequestParser:
         body = self.checked_json(raw)
         request_body.check_unsupported(body, chat)
         stream = request_body.flag(body, "stream", False)
-        return body, stream, request_body.include_usage(body)
+        return body, stream, request_body.include_usage(body, stream)
 
     # --- what the endpoints beside generation share with it (router/tokenize_api.py) -------
 

@@ -89,13 +89,19 @@ def check_unsupported(body: dict[str, Any], chat: bool) -> None:
             raise APIError(400, f"{name}={show(body[name])} is not supported by pdserve{hint}", name)
 
 
-def include_usage(body: dict[str, Any]) -> bool:
-    """stream_options.include_usage (streamed responses only)."""
+def include_usage(body: dict[str, Any], stream: bool) -> bool:
+    """stream_options.include_usage (streamed responses only, as OpenAI and vLLM say)."""
     options = body.get("stream_options")
     if options is None:
         return False
+    if not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
     if not isinstance(options, dict):
         raise APIError(400, f"stream_options must be an object, got {show(options)}", "stream_options")
+    if options.get("continuous_usage_stats"):
+        raise APIError(400, f"stream_options.continuous_usage_stats={show(options['continuous_usage_stats'])} is "
+                            "not supported by pdserve (include_usage sends the usage once, at the end)",
+                       "stream_options")
     usage = options.get("include_usage")
     if usage is not None and not isinstance(usage, bool):
         raise APIError(400, f"stream_options.include_usage must be a boolean, got {show(usage)}",

@@ -222,3 +222,11 @@ def test_structured_changes_only_the_requests_params() -> None:
             assert schedule(case) == schedule(make())
             constrained += sum("structured_outputs" in s.params for s in case.requests)
     assert constrained > 0
+
+
+@pytest.mark.timeout(120)
+def test_parallel_sampling_groups_fuzz(llama_dir: Path) -> None:
+    """A short run of tests/fuzz/groups.py (the long one: docs/benchmarks.md)."""
+    from tests.fuzz.groups import run_seed
+
+    assert [p for seed in range(24) for p in run_seed(llama_dir, seed)] == []

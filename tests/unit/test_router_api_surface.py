@@ -141,7 +141,23 @@ def test_unknown_routes_and_methods_answer_in_the_openai_shape(http: TestClient)
     error = error_of(response, 405)
     assert "GET /v1/completions" in error["message"] and "takes POST" in error["message"]
     assert response.headers["allow"] == "POST"
-    assert error_of(http.post("/health"), 405)["type"] == "invalid_request_error"
+    response = http.post("/health")
+    assert error_of(response, 405)["type"] == "invalid_request_error"
+    assert response.headers["allow"] == "GET, HEAD"  # its HEAD is a route of its own
+    # A trailing slash is an unknown route too: never a redirect built from the Host header.
+    response = http.post("/v1/completions/", json={"prompt": "hi"}, headers={"host": "evil.example"},
+                         follow_redirects=False)
+    assert "location" not in response.headers and error_of(response, 404)["param"] is None
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options is only allowed with stream: true"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats=True is not supported"),
+])
+def test_stream_options_it_cannot_honour_are_refused(http: TestClient, body: dict, message: str) -> None:
+    error = error_of(http.post("/v1/completions", json=body), 400)
+    assert message in error["message"] and error["param"] == "stream_options"
 
 
 def test_without_a_key_an_unknown_route_is_a_401_and_with_one_a_404(llama_dir: Path) -> None:

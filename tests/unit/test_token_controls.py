@@ -132,6 +132,7 @@ def test_rows_without_controls_keep_the_fast_path() -> None:
     ({"allowed_token_ids": [1, True]}, "allowed_token_ids", "must be a non-empty list of token ids"),
     ({"allowed_token_ids": ["1"]}, "allowed_token_ids", "must be a non-empty list of token ids"),
     ({"bad_words": [1]}, "bad_words", "must be a list of strings"),
+    ({"bad_words": "Paris"}, "bad_words", "must be a list of strings"),  # a lone string is stop's shortcut only
     ({"bad_words": ["ok", "  "]}, "bad_words", "with some non-space text"),
     ({"bad_words": ["\ud800"]}, "bad_words", "valid Unicode"),
     ({"bad_words_token_ids": [[]]}, "bad_words_token_ids", "must be a list of non-empty lists of token ids"),
