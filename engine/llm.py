@@ -95,7 +95,8 @@ class LLM:
         `sequences` hold all n."""
         done: dict[str, RequestOutput] = {}
         every = [r for ids in order for r in ids]
-        bar = tqdm(total=len(every), desc="generate", unit="seq", disable=not use_tqdm)
+        bar = tqdm(total=len(every), desc="generate", unit="seq" if len(every) > len(order) else "req",
+                   disable=not use_tqdm)
         try:
             while self.core.has_unfinished():
                 step = self.core.step()
