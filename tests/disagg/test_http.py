@@ -78,7 +78,8 @@ def test_chat_models_and_stop_strings(server, expected: list[str]) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=-1), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=0), "max_tokens=0 needs echo: true"),  # with echo it scores the prompt
     (dict(temperature=-1.0), "temperature must be >= 0"),
     (dict(prompt="x " * 2000), "context length"),
 ])
