@@ -20,7 +20,7 @@ from cluster.config import ClusterConfig, ConfigError
 from cluster.serve import router_for
 from router.app import create_app
 from tests.http_server import free_port, serving
-from tests.unit.test_router_http import FakeDecodeWorker, open_request, request
+from tests.unit.test_router_http import FakeDecodeWorker, open_request, request, slow_tokenizer
 
 NAMES = ["tiny-llama", "alias"]
 KEY = "sk-surface-0123456789"
@@ -250,16 +250,7 @@ def test_tokenize_counts_against_the_keys_request_rate(llama_dir: Path) -> None:
 def test_tokenize_runs_off_the_event_loop(served) -> None:
     base, router, _ = served
     tokenizer = router.tokenizer
-
-    class SlowTokenizer:  # as a huge prompt would be: seconds in the tokenizer
-        def __getattr__(self, name: str) -> Any:
-            return getattr(tokenizer, name)
-
-        def encode(self, text: str, **kwargs: Any) -> list[int]:
-            time.sleep(2.0)
-            return tokenizer.encode(text, **kwargs)
-
-    router.tokenizer = SlowTokenizer()
+    slow_tokenizer(router)
     result: dict[str, Any] = {}
     post = threading.Thread(target=lambda: result.update(out=request(base, "POST", "/tokenize", {"prompt": "Hi"})))
     post.start()

@@ -127,6 +127,21 @@ def open_request(base: str, method: str, path: str, body: dict[str, Any] | None,
     return conn.getresponse()
 
 
+def slow_tokenizer(router: Any) -> None:
+    """Make the router's tokenizer take 2 s per encode, as a huge prompt would."""
+    tokenizer = router.tokenizer
+
+    class SlowTokenizer:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tokenizer, name)
+
+        def encode(self, text: str, **kwargs: Any) -> list[int]:
+            time.sleep(2.0)
+            return tokenizer.encode(text, **kwargs)
+
+    router.tokenizer = SlowTokenizer()
+
+
 def wait_for(condition: Any, timeout: float, what: str) -> None:
     end = time.monotonic() + timeout
     while not condition():
@@ -165,17 +180,7 @@ def test_a_stream_whose_worker_dies_ends_with_an_error_event_then_done(served) -
 @pytest.mark.timeout(60)
 def test_health_answers_while_a_prompt_is_tokenized(served) -> None:
     base, router, _ = served
-    tokenizer = router.tokenizer
-
-    class SlowTokenizer:  # as a huge prompt would be: seconds in the tokenizer
-        def __getattr__(self, name: str) -> Any:
-            return getattr(tokenizer, name)
-
-        def encode(self, text: str, **kwargs: Any) -> list[int]:
-            time.sleep(2.0)
-            return tokenizer.encode(text, **kwargs)
-
-    router.tokenizer = SlowTokenizer()
+    slow_tokenizer(router)
     result: dict[str, int] = {}
     post = threading.Thread(target=lambda: result.update(status=request(
         base, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0]))
