@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config_check import check_instance_types
+from engine.speculative.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "reference", "triton")  # engine/attention/backend.py
@@ -31,6 +32,9 @@ class EngineConfig:
     tensor_parallel_size > 1 shards the model over that many processes, one per rank
     (on CUDA one device each, from `device` on); num_threads and kv_cache_memory_gib
     are then per rank.
+    speculative_config (engine/speculative): draft tokens, from n-grams of the
+    sequence or a draft model, verified by the model k + 1 at a time; a mapping with
+    vLLM's keys. Steps then run synchronously (async_scheduling is not used).
     Every field is type-checked against its annotation (engine/config_check.py).
     """
 
@@ -58,8 +62,11 @@ class EngineConfig:
     # A structured-output grammar not compiled within this long fails its request (400):
     # compile time grows fast with a schema's size, and a huge one would hold it forever.
     grammar_compile_timeout_s: float = 10.0
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # a mapping from YAML or keyword options
+            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         check_instance_types(self)  # FieldTypeError, naming the field: "512" is no token count
 
         def require(ok: bool, message: str) -> None:

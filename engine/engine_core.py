@@ -34,10 +34,11 @@ from engine.model.loader import TORCH_DTYPES
 from engine.prompt_logprobs import PromptRows, plan_rows
 from engine.request import Request, RequestStatus
 from engine.runner import KVAllocator, LaunchedStep, ModelRunner, allocate_kv_cache, kv_cache_shape
-from engine.sampling import Sampler, UnusableLogitsError, make_generator
+from engine.sampling import Sampler, SamplerOutput, UnusableLogitsError, make_generator
 from engine.sampling_params import SamplingParams, SamplingParamsError, child_request_id
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.speculative.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +105,27 @@ class EngineCore:
                 self._capture_cuda_graphs(backend, model_len)
             else:
                 logger.info("no CUDA graphs at tensor_parallel_size > 1: the ranks run eagerly")
+        self.speculator = self._speculator(num_blocks, model_len)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not compiled yet
         self._prompt_logprobs: set[Request] = set()  # with prompt logprobs still to compute
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, tensor parallel %d",
                     self.model_config.architecture, num_blocks, config.block_size, model_len,
                     config.tensor_parallel_size)
+
+    def _speculator(self, num_blocks: int, model_len: int) -> Speculator | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self.config.async_scheduling:
+            logger.info("speculative decoding: steps run synchronously (each step's drafts follow "
+                        "the tokens the last one accepted); async_scheduling is not used")
+        draft = None
+        if spec.method == "draft_model":
+            from engine.speculative.draft_model import DraftModelProposer
+
+            draft = DraftModelProposer(self.config, spec, self.model_config, num_blocks, model_len, self.kv)
+        return Speculator(spec, model_len, draft)
 
     def _allocate_caches(self, num_blocks: int, kv_allocator: KVAllocator | None,
                          keep_files: bool) -> list[torch.Tensor]:
@@ -405,15 +421,19 @@ class EngineCore:
         try:
             if in_flight and in_flight[0].reads_history:
                 return self._finish_step(in_flight, queued)  # the next call schedules with every token on the host
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             out = self.scheduler.schedule()
             if out.scheduled:
+                if out.num_draft_tokens:
+                    self.speculator.fill(out)
                 queued.append(out)
                 rows = self._prompt_rows(out)
                 launch = self.runner.launch if rows is None else functools.partial(self.runner.launch,
                                                                                    prompt_rows=rows)
                 launched = self._run(launch, queued, out.scheduled, self._block_tables(out),
                                      in_flight[1] if in_flight else None, out.block_copies)
-                if not self.config.async_scheduling:
+                if not self.config.async_scheduling or self.speculator is not None:
                     return self._finish_step((out, launched), queued)
                 self._in_flight = (out, launched)
             elif not in_flight and self._compiling:  # nothing to do but wait for a grammar
@@ -499,12 +519,27 @@ class EngineCore:
         if launched.prompt_logprobs is not None:
             self._run(launched.prompt_logprobs.land, queued)
         queued.remove(out)
+        if out.num_draft_tokens:
+            return self._finish_speculative_step(out, sampled)
         if any(sampled.logprobs):  # a C-speed scan; most steps have none
             sampling = [s.request for s in out.scheduled if s.samples]
             for request, logprobs in zip(sampling, sampled.logprobs):
                 if logprobs is not None and not request.status.finished:
                     request.output_logprobs.append(logprobs)
         advanced, finished = self.scheduler.update(out, sampled.token_ids)
+        return StepOutput(advanced, finished, out.num_tokens, len(out.scheduled))
+
+    def _finish_speculative_step(self, out: SchedulerOutput, sampled: SamplerOutput) -> StepOutput:
+        """_finish_step's update for a step with drafts: each request takes the drafts
+        it accepted and the token sampled after them (with their logprobs)."""
+        tokens, num_accepted, logprobs = self.speculator.accepted(out, sampled)
+        self.speculator.record(out, num_accepted)
+        sampling = [s.request for s in out.scheduled if s.samples]
+        before = [r.num_output_tokens for r in sampling]
+        advanced, finished = self.scheduler.update(out, tokens, num_accepted)
+        for request, n, entries in zip(sampling, before, logprobs):
+            if request.sampling_params.logprobs is not None:  # one per token it took (a stop drops the rest)
+                request.output_logprobs += entries[:request.num_output_tokens - n]
         return StepOutput(advanced, finished, out.num_tokens, len(out.scheduled))
 
 

@@ -81,6 +81,14 @@ class Request:
     # last, partial one copied on its first write) and computes the last token itself.
     sequences: list[Request] | None = None  # on the prompt request: its group's sequences
     group: Request | None = None  # on a sequence: its group's prompt request
+    # Speculative decoding (engine/speculative): the draft tokens its next step verifies
+    # after its last token (proposed just before that step is scheduled), and how its
+    # drafts fared (a request whose drafts are mostly rejected stops speculating).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_computed: int = 0  # draft model: tokens whose draft KV is in its blocks
+    num_drafts_offered: int = 0
+    num_drafts_accepted: int = 0
+    speculates: bool = True
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -18,7 +18,7 @@ from engine.kv_cache.layout import cache_shape
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.prompt_logprobs import PendingPromptLogprobs, PromptRows
-from engine.sampling import PendingSample, Sampler, SamplerOutput
+from engine.sampling import PendingSample, Sampler, SamplerOutput, SamplingRow
 from engine.sampling.pending import small_tensor
 from engine.scheduler_output import ScheduledRequest
 from engine.staging import Uploader
@@ -109,17 +109,22 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
     num_seqs = len(scheduled)
     starts, query_lens, samples, token_ids = [], [], [], []
     placeholder_index, placeholder_requests = [], []
+    num_drafts = []  # speculative decoding: per sampling request
     for s in scheduled:
         start, n = s.start, s.num_new_tokens
         starts.append(start)
         query_lens.append(n)
         samples.append(s.samples)
-        known = s.request.all_token_ids[start:start + n]
+        drafts = s.draft_token_ids
+        known = s.request.all_token_ids[start:start + n - len(drafts)]
         token_ids += known
-        if len(known) < n:  # the last token was sampled by the step in flight: one at most
+        if len(known) < n - len(drafts):  # the last token was sampled by the step in flight: one at most
             placeholder_index.append(len(token_ids))
             placeholder_requests.append(s.request.request_id)
             token_ids.append(0)
+        if s.samples:
+            token_ids += drafts
+            num_drafts.append(len(drafts))
     start_arr = np.array(starts, dtype=np.int64)
     len_arr = np.array(query_lens, dtype=np.int64)
     ends = np.cumsum(len_arr)  # exclusive end of each sequence's tokens in the batch
@@ -132,11 +137,16 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
     blocks = block_tables[seq_of_token, positions // block_size].astype(np.int64)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
     query_start_loc[1:] = ends
+    logits_indices = (ends - 1)[np.array(samples, dtype=bool)]
+    if any(num_drafts):  # a row for each draft and one after them, in order
+        rows = np.array(num_drafts, dtype=np.int64) + 1
+        first = np.repeat(logits_indices - rows + 1, rows)
+        logits_indices = first + np.arange(len(first)) - np.repeat(np.cumsum(rows) - rows, rows)
     return StepInputs(
         input_ids=np.array(token_ids, dtype=np.int64), positions=positions,
         slot_mapping=blocks * block_size + positions % block_size,
         query_start_loc=query_start_loc, seq_lens=(start_arr + len_arr).astype(np.int32),
-        block_tables=block_tables, logits_indices=(ends - 1)[np.array(samples, dtype=bool)],
+        block_tables=block_tables, logits_indices=logits_indices,
         query_lens=query_lens, placeholder_index=np.array(placeholder_index, dtype=np.int64),
         placeholder_requests=placeholder_requests)
 
@@ -153,6 +163,22 @@ def _fill_placeholders(inputs: StepInputs, in_flight: LaunchedStep | None) -> St
     input_ids[inputs.placeholder_index] = in_flight.sample.token_ids[rows].cpu().numpy()
     return dataclasses.replace(inputs, input_ids=input_ids, placeholder_index=np.empty(0, dtype=np.int64),
                                placeholder_requests=[])
+
+
+def sampling_rows(scheduled: Sequence[ScheduledRequest]) -> tuple[list[SamplingRow], list[int] | None]:
+    """A step's sampled rows in order, and (speculative decoding) the draft each
+    verifies, -1 for none; None when the step has no drafts. A request with d drafts
+    has d + 1 rows: row j verifies draft j as it stands after drafts [0, j)."""
+    if not any(s.draft_token_ids for s in scheduled):
+        return [s.request.sampling_row for s in scheduled if s.samples], None
+    rows, drafts = [], []
+    for s in scheduled:
+        if not s.samples:
+            continue
+        row, ids = s.request.sampling_row, list(s.draft_token_ids)
+        rows += [row] + [row.after(ids[:j]) for j in range(1, len(ids) + 1)]
+        drafts += ids + [-1]
+    return rows, drafts
 
 
 class LaunchedStep:
@@ -266,10 +292,10 @@ class ModelRunner:
                 raise
             except Exception as exc:
                 raise self.tp.out_of_step(f"{type(exc).__name__}: {exc}") from exc
-        rows = [s.request.sampling_row for s in scheduled if s.samples]
+        rows, drafts = sampling_rows(scheduled)
         if prompt_rows is None:
-            return LaunchedStep(scheduled, self.sampler.sample(logits, rows) if rows else None, self.device)
-        sample = self.sampler.sample(logits[:num_sampled], rows) if rows else None
+            return LaunchedStep(scheduled, self.sampler.sample(logits, rows, drafts) if rows else None, self.device)
+        sample = self.sampler.sample(logits[:num_sampled], rows, drafts) if rows else None
         return LaunchedStep(scheduled, sample, self.device, PendingPromptLogprobs(logits[num_sampled:], prompt_rows))
 
     def _forward(self, inputs: StepInputs, in_flight: LaunchedStep | None, graphs: bool = True) -> torch.Tensor:

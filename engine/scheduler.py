@@ -151,9 +151,15 @@ class Scheduler(ForkGroups):
     @staticmethod
     def _schedule(out: SchedulerOutput, request: Request, start: int, num_new: int, end: int) -> None:
         """Hand the request tokens [start, start + num_new) of its `end`
-        (num_tokens_with_placeholders) this step."""
-        samples = start + num_new == end and not request.prefill_only
-        out.scheduled.append(ScheduledRequest(request, start, num_new, samples))
+        (num_tokens_with_placeholders) this step; those past `end` are its drafts."""
+        samples = start + num_new >= end and not request.prefill_only
+        drafts = request.spec_token_ids
+        if drafts:  # proposed for this step only
+            request.spec_token_ids = []
+            drafts = drafts[:max(0, start + num_new - end)]
+            out.num_draft_tokens += len(drafts)
+            out.reads_history = True  # the next step starts after the drafts it accepts
+        out.scheduled.append(ScheduledRequest(request, start, num_new, samples, drafts or ()))
         out.num_samples += samples
         # Counted before the step in flight's token lands: errs towards True for a step.
         out.reads_history |= samples and len(request.output_token_ids) < request.reads_history_until
@@ -194,7 +200,8 @@ class Scheduler(ForkGroups):
             end = len(request.all_token_ids) + request.num_output_placeholders
             if self._nothing_to_schedule(request, start, end):
                 continue
-            num_new = min(end - start, budget)
+            # Speculative decoding: its drafts come after its end, as far as the budget goes.
+            num_new = min(end - start + len(request.spec_token_ids), budget)
             while not self.kv.allocate_slots(request, num_new):
                 # Never evict a request scheduled this step (its blocks are in use), nor
                 # one whose last step is in flight (that step would be wasted).
@@ -293,6 +300,12 @@ class Scheduler(ForkGroups):
     def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int) -> None:
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
+        # A draft model's KV: a prefix hit's blocks hold it as their computing request
+        # left it (its drafts are only as good as that KV, never wrong: the model
+        # verifies them); a prompt whose KV a prefill worker wrote has none past the
+        # local hits.
+        request.num_draft_computed = (request.num_cached_tokens if request.num_remote_tokens
+                                      else num_computed)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         self.running.append(request)
@@ -378,11 +391,13 @@ class Scheduler(ForkGroups):
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_scheduled_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(request)
 
-    def update(self, out: SchedulerOutput, sampled: Sequence[int]) -> tuple[list[Request], list[Request]]:
+    def update(self, out: SchedulerOutput, sampled: Sequence[int],
+               num_accepted: Sequence[int] | None = None) -> tuple[list[Request], list[Request]]:
         """Advance the requests of a step that has run and append their sampled tokens.
 
         `sampled`: one token per ScheduledRequest with `samples`, in `out.scheduled`
@@ -390,17 +405,28 @@ class Scheduler(ForkGroups):
         request may have been preempted since (its token still counts), finished or
         aborted (its token is dropped). Returns (requests that got a new token,
         requests that finished in this update).
+
+        `num_accepted` (speculative decoding, aligned with `sampled`): how many of each
+        request's drafts were accepted. They come first; its sampled token follows
+        them. The KV of its rejected drafts stays in its blocks, unhashed, and the
+        next step overwrites it.
         """
         if len(sampled) != out.num_samples:
             raise ValueError(f"{len(sampled)} sampled tokens for {out.num_samples} sampling requests")
         advanced, finished = [], []
         tokens = iter(sampled)
+        accepted = iter(num_accepted) if num_accepted is not None else None
         for s in out.scheduled:
             request = s.request
             token = next(tokens) if s.samples else None
+            num_drafts = len(s.draft_token_ids)
+            status, appended = None, 0
+            if s.samples and accepted is not None:
+                status, appended = self._append_drafts(request, s.draft_token_ids[:next(accepted)])
             if request.status == RequestStatus.RUNNING:
-                request.num_computed_tokens += s.num_new_tokens
                 request.num_scheduled_tokens -= s.num_new_tokens
+                # Of its drafts, only the accepted ones' KV counts as computed.
+                request.num_computed_tokens += s.num_new_tokens - num_drafts + appended
                 self.kv.cache_computed_blocks(request)  # returns at once without prefix caching
                 if request.prefill_only and request.num_computed_tokens == request.num_tokens:
                     if request.sequences is not None:  # a group's prompt: its sequences go on
@@ -415,6 +441,12 @@ class Scheduler(ForkGroups):
                 self._unschedule(request, s.num_new_tokens)
                 continue
             # else preempted after this step was scheduled: it recomputes, but its token stands
+            if status is not None:  # a draft it accepted ended it: the token sampled after is moot
+                request.num_output_placeholders -= 1
+                self.finish_requests([request.request_id], status)
+                advanced.append(request)
+                finished.append(request)
+                continue
             if token is None:
                 continue  # a prompt chunk: nothing to sample yet
             request.num_output_placeholders -= 1
@@ -425,6 +457,18 @@ class Scheduler(ForkGroups):
                 self.finish_requests([request.request_id], status)
                 finished.append(request)
         return advanced, finished
+
+    def _append_drafts(self, request: Request, drafts: Sequence[int]) -> tuple[RequestStatus | None, int]:
+        """Append a request's accepted drafts (unless it has finished) up to the first
+        that ends it: (how it ended, or None; drafts appended)."""
+        if request.status.finished:
+            return None, 0
+        for i, token in enumerate(drafts):
+            request.append_output_token(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                return status, i + 1
+        return None, len(drafts)
 
     def discard(self, out: SchedulerOutput) -> None:
         """Forget a scheduled step that failed before update(): its requests stand as if

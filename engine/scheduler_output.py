@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.request import Request
@@ -13,6 +14,9 @@ class ScheduledRequest:
     start: int  # first token computed this step (request.num_started_tokens when scheduled)
     num_new_tokens: int  # tokens computed this step
     samples: bool  # the step reaches the sequence's end: sample its logits
+    # Speculative decoding: the step's last len(draft_token_ids) tokens are drafts after
+    # the sequence's end, each scored (a sampled row per token from its last one on).
+    draft_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -20,6 +24,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_samples: int = 0  # scheduled requests that sample a token
+    num_draft_tokens: int = 0  # drafts among the scheduled tokens (speculative decoding)
     # Some token sampled here depends on the tokens so far (penalties, min_tokens), so
     # the next step must not be scheduled before this one's tokens are on the host.
     reads_history: bool = False

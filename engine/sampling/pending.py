@@ -32,6 +32,7 @@ class TokenLogprobs:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+    accepted: list[bool] | None = None  # speculative decoding: per row, its draft was accepted
 
 
 def small_tensor(device: torch.device, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -60,10 +61,14 @@ class PendingSample:
     only, even when later steps are already queued on the same stream.
     """
 
-    def __init__(self, token_ids: torch.Tensor, bad: torch.Tensor, query: LogprobsQuery | None) -> None:
+    def __init__(self, token_ids: torch.Tensor, bad: torch.Tensor, query: LogprobsQuery | None,
+                 accepted: torch.Tensor | None = None) -> None:
         self.token_ids = token_ids
         device = token_ids.device
-        parts = [torch.stack((token_ids, bad.to(token_ids.dtype)))]
+        columns = (token_ids, bad.to(token_ids.dtype))
+        if accepted is not None:
+            columns += (accepted.to(token_ids.dtype),)
+        parts = [torch.stack(columns)]
         self._query = query
         if query is not None:
             chosen_ids = token_ids.index_select(0, small_tensor(device, query.rows))
@@ -85,7 +90,7 @@ class PendingSample:
         rows whose logits could not be sampled (NaN, +inf, or every token -inf)."""
         if self._event is not None:
             self._event.synchronize()
-        token_list, bad_list = self._host[0].tolist()
+        token_list, bad_list, *accepted = self._host[0].tolist()
         if any(bad_list):
             rows = [i for i, b in enumerate(bad_list) if b]
             raise UnusableLogitsError(
@@ -100,4 +105,4 @@ class PendingSample:
                             else ([[]] * len(query.rows), [[]] * len(query.rows)))
             for j, (i, n) in enumerate(zip(query.rows, query.counts)):
                 logprobs[i] = TokenLogprobs(token_list[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n])))
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, logprobs, [bool(a) for a in accepted[0]] if accepted else None)

@@ -9,6 +9,7 @@ describe the raw model distribution, before any of those steps.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -49,6 +50,15 @@ class SamplingRow:
         self.plain_greedy = (self.params.temperature < _GREEDY_EPS and not self.params.has_penalties
                              and not self.has_controls)
 
+    def after(self, drafts: Sequence[int]) -> SamplingRow:
+        """This row as it will stand once `drafts` are accepted (speculative decoding:
+        the row that verifies the draft after them)."""
+        row = copy.copy(self)
+        row.output_token_ids = [*self.output_token_ids, *drafts]
+        if self.grammar is not None:
+            row.grammar = self.grammar.after(drafts)
+        return row
+
 
 def _unusable(x: torch.Tensor) -> torch.Tensor:
     """[batch] bool: rows that would make softmax produce NaN (an upstream bug, not a
@@ -81,18 +91,30 @@ class Sampler:
         """logits: [len(rows), vocab] float32 (any device). One sampled token per row."""
         return self.sample(logits, rows).result()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               drafts: Sequence[int] | None = None) -> PendingSample:
         """Queue the sampling of one token per row on the logits' device and their copy
-        to the host; nothing here waits for the device. PendingSample.result() does."""
+        to the host; nothing here waits for the device. PendingSample.result() does.
+
+        `drafts` (speculative decoding): per row, the draft token it verifies, or -1.
+        A greedy row accepts its draft if it is the argmax. A sampled row accepts it
+        with probability p(draft) under the row's processed distribution p, and on
+        rejection draws from p without the draft, renormalised: rejection sampling
+        against a draft proposed deterministically (Leviathan et al.; Chen et al.),
+        so each token is distributed exactly as p. Either way the row's token is the
+        draft when accepted, else the token drawn in its place."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
                              f"got {tuple(logits.shape)}")
         raw = logits.float()
+        draft_t = None if drafts is None else small_tensor(raw.device, list(drafts))
         grammar_rows = [i for i, r in enumerate(rows) if r.grammar is not None]
         if not grammar_rows and all(r.plain_greedy and len(r.output_token_ids) >= r.params.min_tokens
                                     for r in rows):
             # Fast path: nothing alters the logits, so one batched argmax decides every row.
-            return PendingSample(raw.argmax(dim=-1), _unusable(raw), self._logprobs(raw, rows))
+            token_ids = raw.argmax(dim=-1)
+            return PendingSample(token_ids, _unusable(raw), self._logprobs(raw, rows),
+                                 None if draft_t is None else token_ids == draft_t)
 
         greedy = [r.params.temperature < _GREEDY_EPS for r in rows]
         control_rows = [i for i, r in enumerate(rows) if r.has_controls]
@@ -112,13 +134,18 @@ class Sampler:
             self._mask_stops(x, rows, mask_rows)
         bad = _unusable(x)  # reported by result(): what is drawn from such a row is moot
         token_ids = x.argmax(dim=-1)
+        accepted = None if draft_t is None else token_ids == draft_t
         sample_rows = [i for i, g in enumerate(greedy) if not g]
         if sample_rows:
             idx = small_tensor(x.device, sample_rows)
-            sampled, unusable = self._sample(x.index_select(0, idx), [rows[i] for i in sample_rows])
+            sampled, unusable, sampled_accepted = self._sample(
+                x.index_select(0, idx), [rows[i] for i in sample_rows],
+                None if draft_t is None else draft_t.index_select(0, idx))
             token_ids.index_copy_(0, idx, sampled)
             bad.index_copy_(0, idx, bad.index_select(0, idx) | unusable)
-        return PendingSample(token_ids, bad, self._logprobs(raw, rows))
+            if accepted is not None:
+                accepted.index_copy_(0, idx, sampled_accepted)
+        return PendingSample(token_ids, bad, self._logprobs(raw, rows), accepted)
 
     def _apply_grammars(self, x: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
         """In place on x [batch, vocab]: each row in `which` keeps only what its grammar allows."""
@@ -178,10 +205,13 @@ class Sampler:
         if r_idx:
             x[small_tensor(x.device, r_idx), small_tensor(x.device, c_idx)] = float("-inf")
 
-    def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, x: torch.Tensor, rows: list[SamplingRow], drafts: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x: [n, vocab] processed logits of non-greedy rows -> [n] int64 sampled ids,
-        and [n] bool: rows whose distribution came out unusable (NaN), reported like
-        unusable logits rather than drawn from (argmax over NaN would pick a token)."""
+        [n] bool: rows whose distribution came out unusable (NaN), reported like
+        unusable logits rather than drawn from (argmax over NaN would pick a token),
+        and with `drafts` ([n] int64, -1 = none) [n] bool: the draft was accepted (see
+        sample())."""
         n, vocab = x.shape
         dev = x.device
         ps = [r.params for r in rows]
@@ -214,7 +244,24 @@ class Sampler:
         probs = x.softmax(-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i.
         noise = self._noise(rows, n, vocab, dev)
-        return (probs / noise).argmax(-1), probs.isnan().any(-1)
+        unusable = probs.isnan().any(-1)
+        if drafts is None:
+            return (probs / noise).argmax(-1), unusable, None
+        has = drafts >= 0
+        column = drafts.clamp_min(0).unsqueeze(1)
+        p_draft = probs.gather(1, column).squeeze(1)
+        accepted = has & (self._uniform(rows, n, dev) < p_draft)
+        # On rejection: p without the draft (the race needs no renormalising).
+        residual = probs.scatter(1, column, torch.where(has, 0.0, p_draft).unsqueeze(1))
+        return torch.where(accepted, drafts, (residual / noise).argmax(-1)), unusable, accepted
+
+    def _uniform(self, rows: list[SamplingRow], n: int, dev: torch.device) -> torch.Tensor:
+        """[n] U[0, 1) draws; a seeded row draws one from its own generator."""
+        u = torch.empty(n, device=dev).uniform_(generator=self._shared_gen(dev))
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                u[i] = torch.empty(1, device=r.generator.device).uniform_(generator=r.generator).to(dev)[0]
+        return u
 
     def _noise(self, rows: list[SamplingRow], n: int, vocab: int,
                dev: torch.device) -> torch.Tensor:

@@ -60,3 +60,44 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32, a bit per token)."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def num_valid(self, drafts: list[int]) -> int:
+        """How many of `drafts` (speculative decoding), in order, the grammar allows
+        from here, up to one that ends it; the matcher is left where it was."""
+        valid = _advance(self.matcher, drafts)
+        if valid:
+            self.matcher.rollback(valid)
+        return valid
+
+    def after(self, drafts: list[int]) -> "GrammarState":
+        """A view whose fill() masks as if `drafts` had been accepted (the row that
+        verifies the draft after them). Drafts past one the grammar refuses are
+        skipped: that row is never reached, as the refused draft's own row rejects it."""
+        return _After(self.matcher, drafts)
+
+
+def _advance(matcher: xgr.GrammarMatcher, drafts: list[int]) -> int:
+    """Accept drafts while the grammar allows them and has not ended; how many it took."""
+    taken = 0
+    for token in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        taken += 1
+    return taken
+
+
+class _After(GrammarState):
+    def __init__(self, matcher: xgr.GrammarMatcher, drafts: list[int]) -> None:  # a view: no compile to wait for
+        self.matcher = matcher
+        self._drafts = drafts
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        taken = _advance(self.matcher, self._drafts)
+        try:
+            if self.matcher.is_terminated():  # a row after the grammar's end is never reached
+                bitmask[row].fill_(-1)
+            else:
+                self.matcher.fill_next_token_bitmask(bitmask, row)
+        finally:
+            if taken:
+                self.matcher.rollback(taken)

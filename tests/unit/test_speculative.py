@@ -1,0 +1,148 @@
+"""Speculative decoding (engine/speculative): greedy outputs token-identical to the
+engine without it and to Hugging Face transformers, in float32, whatever the drafts:
+n-grams, drafts that are always right (acceptance 1) and always wrong (acceptance 0),
+across chunked prefill, prefix caching, preemption, max_tokens and logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.speculative import speculator as speculator_module
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.ngram import propose_ngram
+from tests.fidelity.test_hf_fidelity import hf_greedy, random_prompts
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+# Random prompts, and prompts that repeat a pattern (n-grams find drafts there).
+PROMPTS = random_prompts([5, 23, 40], seed=3) + [[7, 8, 9, 10, 11] * 6, [3, 4] * 12 + [5]]
+
+
+def llm(model: Path, k: int | None = None, **options) -> LLM:
+    spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1}
+    return LLM(str(model), speculative_config=spec, **{"num_kv_blocks": 64, "block_size": 16, **options})
+
+
+def tokens(model: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in model.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: Path) -> list[list[int]]:
+    return tokens(llm(llama_dir))
+
+
+def test_ngram_proposals() -> None:
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3], 3, 1, 3) == [9, 1, 2]
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3], 1, 1, 3) == [9]
+    # The latest earlier occurrence, and the longest n that occurs.
+    assert propose_ngram([5, 1, 7, 6, 1, 8, 2, 1], 2, 1, 3) == [8, 2]
+    assert propose_ngram([4, 5, 6, 4, 5, 7, 1, 4, 5, 6], 2, 1, 3) == [4, 5]
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
+    assert propose_ngram([1, 2, 3, 1], 3, 2, 3) == []  # only a 1-gram repeats
+    assert propose_ngram([1, 1], 3, 1, 2) == [1]
+    assert propose_ngram([1], 3, 1, 2) == []
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_greedy_matches_plain_engine_and_hf(llama_dir: Path, reference: list[list[int]], k: int) -> None:
+    model = llm(llama_dir, k)
+    assert tokens(model) == reference
+    stats = model.core.speculator.stats
+    assert stats.num_draft_tokens > 0, "no n-gram drafts were tried: the test proves nothing"
+    if k == 3:
+        assert reference == hf_greedy(llama_dir, PROMPTS, MAX_TOKENS)
+
+
+def _oracle(reference: dict[tuple[int, ...], list[int]], wrong: bool):
+    """A proposer that knows each prompt's greedy continuation: its drafts are all
+    right, or (wrong) each is off by one."""
+    def propose(sequence, room, *_):
+        for prompt, out in reference.items():
+            if tuple(sequence[:len(prompt)]) == prompt:
+                ahead = out[len(sequence) - len(prompt):][:room]
+                return [(t + 1) % 384 for t in ahead] if wrong else ahead
+        raise AssertionError("unknown sequence")
+    return propose
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 8, "num_kv_blocks": 12},
+                                     {"enable_prefix_caching": False}])
+def test_drafts_always_right_or_always_wrong(llama_dir: Path, reference: list[list[int]], monkeypatch,
+                                             wrong: bool, options: dict) -> None:
+    """Acceptance 1 and acceptance 0 give the same tokens; a small pool preempts and
+    a small budget truncates drafts and chunks prompts."""
+    monkeypatch.setattr(speculator_module, "propose_ngram",
+                        _oracle({tuple(p): r for p, r in zip(PROMPTS, reference)}, wrong))
+    model = llm(llama_dir, 4, **options)
+    assert tokens(model) == reference
+    stats = model.core.speculator.stats
+    assert stats.num_draft_tokens > 0
+    if wrong:
+        assert stats.num_accepted_tokens == 0
+    else:
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert stats.mean_accepted_length > 3
+
+
+def test_low_acceptance_stops_speculating(llama_dir: Path, reference: list[list[int]], monkeypatch) -> None:
+    monkeypatch.setattr(speculator_module, "propose_ngram",
+                        _oracle({tuple(p): r for p, r in zip(PROMPTS, reference)}, wrong=True))
+    model = LLM(str(llama_dir), num_kv_blocks=64, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "acceptance_window": 4, "min_acceptance_rate": 0.5})
+    assert tokens(model) == reference
+    stats = model.core.speculator.stats
+    assert stats.num_disabled == len(PROMPTS)
+    assert stats.num_draft_tokens == 4 * len(PROMPTS)  # two steps each, then none
+
+
+def test_max_tokens_and_stops_are_never_overshot(llama_dir: Path, reference: list[list[int]], monkeypatch) -> None:
+    monkeypatch.setattr(speculator_module, "propose_ngram",
+                        _oracle({tuple(p): r for p, r in zip(PROMPTS, reference)}, wrong=False))
+    model = llm(llama_dir, 5)
+    for max_tokens in (1, 2, 7):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        assert tokens(model, params=params) == [r[:max_tokens] for r in reference]
+    # A stop token inside the accepted drafts ends the request there.
+    stop = reference[3][5]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=[stop], logprobs=2)
+    out = model.generate([PROMPTS[3]], params, use_tqdm=False)[0]
+    first = reference[3].index(stop)
+    assert out.token_ids == reference[3][:first + 1] and out.finish_reason == "stop"
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+
+
+def test_logprobs_of_accepted_tokens_match(llama_dir: Path, reference: list[list[int]], monkeypatch) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    plain = llm(llama_dir).generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setattr(speculator_module, "propose_ngram",
+                        _oracle({tuple(p): r for p, r in zip(PROMPTS, reference)}, wrong=False))
+    spec = llm(llama_dir, 3).generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids
+        assert len(b.logprobs) == len(b.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="num_speculative_tokens is required"):
+        EngineConfig(model="m", speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="unknown key"):
+        EngineConfig(model="m", speculative_config={"num_speculative_tokens": 2, "lookahead": 3})
+    with pytest.raises(ValueError, match="method must be one of"):
+        SpeculativeConfig(num_speculative_tokens=2, method="eagle")
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=4, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be in"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="needs model"):
+        SpeculativeConfig(num_speculative_tokens=2, method="draft_model")
+    assert SpeculativeConfig(num_speculative_tokens=2, model="/d").method == "draft_model"
+    assert EngineConfig(model="m", speculative_config={"num_speculative_tokens": 3}).speculative_config.method == "ngram"
