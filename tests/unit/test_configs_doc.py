@@ -14,6 +14,7 @@ from cluster.config import (ROLE_FIELDS, ClusterConfig, LocalConfig, PoolConfig,
                             RouterConfig, TransportOptions, load_cluster_config)
 from cluster.ray.resources import pool_bundles
 from engine.config import EngineConfig
+from engine.speculative.config import SpeculativeConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -22,6 +23,7 @@ SECTIONS: list[tuple[type, str]] = [
     (ClusterConfig, ""), (RouterConfig, "router."), (PoolConfig, "prefill."), (PoolConfig, "decode."),
     (EngineConfig, "<pool>.engine."), (RayConfig, "ray."), (RayPoolConfig, "ray.<pool>."),
     (TransportOptions, "transport_options."), (LocalConfig, "local."),
+    (SpeculativeConfig, "<pool>.engine.speculative_config."),
 ]
 
 
