@@ -41,14 +41,23 @@ class AttentionBackend:
         return reference.paged_attention(query, layer_cache, md, scale)
 
 
+# A sequence computing at most this many tokens over a cached context (a speculative
+# verify step: its last token and its drafts) is attended as that many decode rows.
+MAX_ROWS_PER_SEQUENCE = 17
+
+
 @dataclass
 class _DecodeRows:
-    """This step's decode rows (one query token each), as the C kernel takes them."""
+    """This step's decode rows (one query token each), as the C kernel takes them. A
+    sequence with a few tokens over a cached context gives a row per token, each over
+    the context up to that token (its K/V is stored before attention runs)."""
 
-    seq_ids: list[int]  # indices of the decode sequences in the batch
-    rows: torch.Tensor  # [B] int64, their token indices in the flattened batch
-    block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
-    seq_lens: torch.Tensor  # [B] int32
+    seq_ids: set[int]  # the sequences whose every token is a decode row
+    token_rows: list[int]  # their token indices in the flattened batch
+    context_lens: list[int]  # each row's context, its own token included
+    rows: torch.Tensor  # [B] int64, token_rows on the device
+    block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous, one per row
+    seq_lens: torch.Tensor  # [B] int32, context_lens on the device
     plan: DecodePlan | None = None  # for the blocked torch path, built on first use
 
 
@@ -69,12 +78,22 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def prepare(self, md: AttentionMetadata, block_size: int) -> None:
-        seq_ids = [i for i, q in enumerate(md.query_lens_cpu) if q == 1]
+        seq_ids, table_rows, token_rows, context_lens = set(), [], [], []
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
+            if q_len == 1 or (q_len <= MAX_ROWS_PER_SEQUENCE and q_len < seq_len):
+                seq_ids.add(i)
+                table_rows += [i] * q_len
+                token_rows += range(start, start + q_len)
+                context_lens += range(seq_len - q_len + 1, seq_len + 1)
+            start += q_len
         decode = None
         if seq_ids:
-            index = torch.tensor(seq_ids, device=md.seq_lens.device)
-            decode = _DecodeRows(seq_ids, md.query_start_loc[index].long(),
-                                 md.block_tables[index].contiguous(), md.seq_lens[index].contiguous())
+            device = md.seq_lens.device
+            index = torch.tensor(table_rows, device=device)
+            decode = _DecodeRows(seq_ids, token_rows, context_lens, torch.tensor(token_rows, device=device),
+                                 md.block_tables[index].contiguous(),
+                                 torch.tensor(context_lens, dtype=torch.int32, device=device))
         # Padding slots (-1) are dropped once here rather than checked in every layer.
         keep = (md.slot_mapping >= 0).nonzero().flatten()
         slots = md.slot_mapping[keep]
@@ -89,7 +108,7 @@ class TorchBackend(AttentionBackend):
             return cpu_decode.paged_decode_attention(query, layer_cache, d.rows, d.block_tables,
                                                      d.seq_lens, scale)
         if d.plan is None:
-            d.plan = build_decode_plan(md, layer_cache.shape[2], d.seq_ids)
+            d.plan = build_decode_plan(d.token_rows, d.block_tables, d.context_lens, layer_cache.shape[2])
         return blocked_decode_attention(query, layer_cache, d.plan, scale)
 
     def store_kv(self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -111,8 +130,8 @@ class TorchBackend(AttentionBackend):
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
             end = start + q_len
-            if q_len == 1:
-                pass  # a decode row: computed above
+            if decode is not None and i in decode.seq_ids:
+                pass  # decode rows: computed above
             elif q_len == seq_len:
                 out[start:end] = reference.causal_attention(query[start:end], key[start:end],
                                                             value[start:end], scale)

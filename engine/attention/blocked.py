@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
 
 
 @dataclass
@@ -46,28 +45,29 @@ class DecodePlan:
     kv_buffer: torch.Tensor | None = None
 
 
-def build_decode_plan(md: AttentionMetadata, block_size: int, row_ids: list[int]) -> DecodePlan:
-    """Plan for the sequences `row_ids` (each with exactly one query token)."""
-    tables = md.block_tables.cpu()
-    starts = md.query_start_loc.cpu()
+def build_decode_plan(rows: list[int], block_tables: torch.Tensor, seq_lens: list[int],
+                      block_size: int) -> DecodePlan:
+    """Plan for decode rows (one query token each): their token indices in the batch,
+    their block tables (a row each) and context lengths."""
+    tables = block_tables.cpu()
     blocks, block_row, lengths = [], [], []
-    for r, i in enumerate(row_ids):
-        n = -(-md.seq_lens_cpu[i] // block_size)
-        blocks.append(tables[i, :n].long())
+    for r, seq_len in enumerate(seq_lens):
+        n = -(-seq_len // block_size)
+        blocks.append(tables[r, :n].long())
         block_row += [r] * n
         # Valid slots in each block of this row: full blocks, then the remainder.
-        lengths += [block_size] * (n - 1) + [md.seq_lens_cpu[i] - (n - 1) * block_size]
-    device = md.block_tables.device
+        lengths += [block_size] * (n - 1) + [seq_len - (n - 1) * block_size]
+    device = block_tables.device
     invalid = torch.arange(block_size)[None, :] >= torch.tensor(lengths)[:, None]
     last = torch.cumsum(torch.tensor([len(b) for b in blocks]), 0) - 1
     return DecodePlan(
-        rows=starts[row_ids].long().to(device),
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
         blocks=torch.cat(blocks).to(device),
         block_row=torch.tensor(block_row, device=device),
         invalid=invalid.to(device),
         last_blocks=last.to(device),
         last_invalid=invalid[last].to(device),
-        num_rows=len(row_ids),
+        num_rows=len(rows),
     )
 
 

@@ -33,6 +33,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     [(1, 1), (1, 16), (1, 17), (1, 40)],          # pure decode, contexts on/past boundaries
     [(16, 16), (5, 37), (1, 9), (33, 33)],        # mixed: full prefill, chunk over prefix, decode
     [(1, 64), (7, 7), (1, 3)],                    # decodes around a prefill
+    [(4, 40), (6, 17), (1, 9), (18, 50), (17, 30)],  # speculative verify rows (decode rows each), a longer chunk
 ])
 def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]],
                              monkeypatch: pytest.MonkeyPatch) -> None:
