@@ -2,7 +2,9 @@
 
 A decode step of a small model is dominated by kernel launch overhead: hundreds of
 launches of microsecond kernels. Capturing the whole forward once per bucket and
-replaying it turns that into one launch. Each graph reads static buffers; a step
+replaying it turns that into one launch. A speculative verify step (each sequence's
+last token and its drafts, every one sampled) replays the same graphs with a decode
+row per token, each over the context up to that token. Each graph reads static buffers; a step
 copies its inputs into them, pads the batch up to the bucket (padding rows write to
 slot -1 and attend over one token of block 0, and their logits are dropped), replays
 and slices the logits. Prefill and mixed steps, batches above the largest bucket and
@@ -14,13 +16,16 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
+from engine.attention.backend import MAX_ROWS_PER_SEQUENCE
 from engine.attention.metadata import AttentionMetadata, attention_context
 from engine.attention.triton_backend import TritonBackend, TritonStepState
 from engine.kernels.decode_attention import num_splits_for
 from engine.model.llama import LlamaForCausalLM
 from engine.runner import DeviceInputs, StepInputs
+from engine.sampling.pending import small_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -88,25 +93,43 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs for decode batches up to %d", len(self.graphs), self.buckets[-1])
 
     def can_run(self, inputs: StepInputs) -> bool:
-        return (inputs.is_pure_decode and len(inputs.query_lens) <= self.buckets[-1]
-                and int(inputs.seq_lens.max()) <= self.max_context)
+        """Pure-decode steps, and speculative verify steps: each sequence computes its
+        last token and its drafts (at most MAX_ROWS_PER_SEQUENCE tokens over a cached
+        context) and every token is sampled, so each token is a decode row."""
+        tokens = len(inputs.input_ids)
+        if tokens > self.buckets[-1] or int(inputs.seq_lens.max()) > self.max_context:
+            return False
+        if inputs.is_pure_decode:
+            return True
+        query_lens = np.asarray(inputs.query_lens)
+        return (len(inputs.logits_indices) == tokens and int(query_lens.max()) <= MAX_ROWS_PER_SEQUENCE
+                and bool((query_lens < inputs.seq_lens).all()))
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, dev: DeviceInputs) -> torch.Tensor:
-        """Logits [B, vocab] for a pure-decode step of B <= the largest bucket, whose
-        inputs the runner has uploaded (`dev`)."""
-        b = len(inputs.query_lens)
+        """Logits [R, vocab] for the rows inputs.logits_indices of a step can_run()
+        accepts, of B <= the largest bucket tokens, whose inputs the runner has
+        uploaded (`dev`)."""
+        b = len(inputs.input_ids)
         size = next(s for s in self.buckets if s >= b)
         width = inputs.block_tables.shape[1]
         self.input_ids[:b].copy_(dev.input_ids)
         self.positions[:b].copy_(dev.positions)
         self.slot_mapping[:b].copy_(dev.slot_mapping)
-        self.seq_lens[:b].copy_(dev.seq_lens)
-        self.block_tables[:b, :width].copy_(dev.block_tables)
+        if inputs.is_pure_decode:
+            self.seq_lens[:b].copy_(dev.seq_lens)
+            self.block_tables[:b, :width].copy_(dev.block_tables)
+        else:  # a verify step: a decode row per token, over the context up to that token
+            self.seq_lens[:b].copy_(dev.positions + 1)
+            seq_of_token = np.repeat(np.arange(len(inputs.query_lens)), inputs.query_lens)
+            index = small_tensor(self.device, seq_of_token.tolist())
+            self.block_tables[:b, :width].copy_(dev.block_tables.index_select(0, index))
         if size > b:  # padding rows: nothing stored, one token of block 0 read
             self.slot_mapping[b:size].fill_(-1)
             self.seq_lens[b:size].fill_(1)
             self.block_tables[b:size, 0].fill_(0)
         graph, logits = self.graphs[size]
         graph.replay()
+        if len(inputs.logits_indices) != b:  # rows that sample nothing (a prompt's last chunk token on a prefill worker)
+            return logits[:b].index_select(0, dev.logits_indices)
         return logits[:b]

@@ -195,7 +195,10 @@ class EngineCore:
             return
         from engine.cuda_graphs import CudaGraphRunner
 
-        graphs = CudaGraphRunner(self.model, backend, self.config.max_num_seqs, model_len,
+        rows, spec = self.config.max_num_seqs, self.config.speculative_config
+        if spec is not None:  # verify steps replay them with a row per token: the last one and the drafts
+            rows = max(rows, min(rows * (spec.num_speculative_tokens + 1), self.config.max_num_batched_tokens))
+        graphs = CudaGraphRunner(self.model, backend, rows, model_len,
                                  self.config.block_size, torch.device(self.config.device))
         graphs.capture()
         self.runner.graphs = graphs

@@ -47,6 +47,33 @@ MAX_ROWS_PER_SEQUENCE = 17
 
 
 @dataclass
+class DecodeRowPlan:
+    """Which tokens of a step attend as decode rows (one query token each)."""
+
+    seq_ids: set[int]  # the sequences whose every token is a decode row
+    table_rows: list[int]  # per row: its sequence (its block table's row)
+    token_rows: list[int]  # per row: its token index in the flattened batch
+    context_lens: list[int]  # per row: its context, its own token included
+
+
+def plan_decode_rows(query_lens: list[int], seq_lens: list[int]) -> DecodeRowPlan:
+    """Decode sequences, and sequences computing at most MAX_ROWS_PER_SEQUENCE tokens
+    over a cached context (a speculative verify step), as a decode row per token: the
+    K/V of every token of the step is stored before attention, so row j of such a
+    sequence attends over the context up to its own token."""
+    plan = DecodeRowPlan(set(), [], [], [])
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
+        if q_len == 1 or (q_len <= MAX_ROWS_PER_SEQUENCE and q_len < seq_len):
+            plan.seq_ids.add(i)
+            plan.table_rows += [i] * q_len
+            plan.token_rows += range(start, start + q_len)
+            plan.context_lens += range(seq_len - q_len + 1, seq_len + 1)
+        start += q_len
+    return plan
+
+
+@dataclass
 class _DecodeRows:
     """This step's decode rows (one query token each), as the C kernel takes them. A
     sequence with a few tokens over a cached context gives a row per token, each over
@@ -78,22 +105,15 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def prepare(self, md: AttentionMetadata, block_size: int) -> None:
-        seq_ids, table_rows, token_rows, context_lens = set(), [], [], []
-        start = 0
-        for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
-            if q_len == 1 or (q_len <= MAX_ROWS_PER_SEQUENCE and q_len < seq_len):
-                seq_ids.add(i)
-                table_rows += [i] * q_len
-                token_rows += range(start, start + q_len)
-                context_lens += range(seq_len - q_len + 1, seq_len + 1)
-            start += q_len
+        plan = plan_decode_rows(md.query_lens_cpu, md.seq_lens_cpu)
         decode = None
-        if seq_ids:
+        if plan.seq_ids:
             device = md.seq_lens.device
-            index = torch.tensor(table_rows, device=device)
-            decode = _DecodeRows(seq_ids, token_rows, context_lens, torch.tensor(token_rows, device=device),
+            index = torch.tensor(plan.table_rows, device=device)
+            decode = _DecodeRows(plan.seq_ids, plan.token_rows, plan.context_lens,
+                                 torch.tensor(plan.token_rows, device=device),
                                  md.block_tables[index].contiguous(),
-                                 torch.tensor(context_lens, dtype=torch.int32, device=device))
+                                 torch.tensor(plan.context_lens, dtype=torch.int32, device=device))
         # Padding slots (-1) are dropped once here rather than checked in every layer.
         keep = (md.slot_mapping >= 0).nonzero().flatten()
         slots = md.slot_mapping[keep]

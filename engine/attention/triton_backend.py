@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionBackend
+from engine.attention.backend import AttentionBackend, plan_decode_rows
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.decode_attention import decode_attention, num_splits_for
 from engine.kernels.prefill_attention import default_config as prefill_config
@@ -45,22 +45,21 @@ class TritonBackend(AttentionBackend):
         if self._uploader is None:
             self._uploader = Uploader(md.slot_mapping.device)
         q_lens = md.query_lens_cpu
-        decode = [i for i, q in enumerate(q_lens) if q == 1]
-        prefill = [i for i, q in enumerate(q_lens) if q > 1]
+        plan = plan_decode_rows(q_lens, md.seq_lens_cpu)  # decode and verify rows
+        prefill = [i for i in range(md.num_seqs) if i not in plan.seq_ids]
         tile_seq, tile_start = plan_tiles(q_lens, prefill, prefill_config(md.slot_mapping.device).block_m)
-        starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-        index = np.asarray(decode, dtype=np.int32)
-        rows, dec_index, tile_seq_t, tile_start_t = self._uploader.upload(
-            starts[index], index.astype(np.int64), tile_seq, tile_start)
-        if not decode:
+        rows, dec_index, dec_lens, tile_seq_t, tile_start_t = self._uploader.upload(
+            np.asarray(plan.token_rows, dtype=np.int32), np.asarray(plan.table_rows, dtype=np.int64),
+            np.asarray(plan.context_lens, dtype=np.int32), tile_seq, tile_start)
+        if not plan.seq_ids:
             tables = lens = rows = None
-        elif len(decode) == md.num_seqs:  # pure decode: the metadata already is in row order
+        elif len(plan.token_rows) == md.num_seqs == len(plan.seq_ids):  # pure decode: already in row order
             tables, lens = md.block_tables, md.seq_lens
         else:
-            tables, lens = md.block_tables[dec_index], md.seq_lens[dec_index]
+            tables, lens = md.block_tables[dec_index], dec_lens
         md.backend_state = TritonStepState(
             rows, tables, lens, tile_seq_t if prefill else None, tile_start_t if prefill else None,
-            num_splits_for(max((md.seq_lens_cpu[i] for i in decode), default=1)))
+            num_splits_for(max(plan.context_lens, default=1)))
 
     def store_kv(self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  md: AttentionMetadata) -> None:

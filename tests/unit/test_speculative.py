@@ -146,3 +146,28 @@ def test_config_is_validated() -> None:
         SpeculativeConfig(num_speculative_tokens=2, method="draft_model")
     assert SpeculativeConfig(num_speculative_tokens=2, model="/d").method == "draft_model"
     assert EngineConfig(model="m", speculative_config={"num_speculative_tokens": 3}).speculative_config.method == "ngram"
+
+
+def test_cuda_graphs_take_verify_steps() -> None:
+    """Which steps replay a CUDA graph (a row per token); the replay itself needs a GPU
+    (benchmarks/gpu_check.py)."""
+    import numpy as np
+
+    from engine.cuda_graphs import CudaGraphRunner
+    from engine.runner import StepInputs
+
+    graphs = object.__new__(CudaGraphRunner)
+    graphs.buckets, graphs.max_context = [1, 2, 4, 8], 64
+
+    def step(query_lens: list[int], seq_lens: list[int], sampled: int) -> StepInputs:
+        tokens = sum(query_lens)
+        return StepInputs(np.zeros(tokens, np.int64), np.zeros(tokens, np.int64), np.zeros(tokens, np.int64),
+                          np.zeros(len(query_lens) + 1, np.int32), np.array(seq_lens, np.int32),
+                          np.zeros((len(query_lens), 4), np.int32), np.arange(sampled), query_lens)
+
+    assert graphs.can_run(step([1, 1], [9, 30], 2))  # decode
+    assert graphs.can_run(step([4, 1, 3], [20, 9, 30], 8))  # verify: every token sampled
+    assert not graphs.can_run(step([4, 1], [20, 9], 2))  # a prompt chunk samples one row
+    assert not graphs.can_run(step([4, 4, 2], [20, 20, 30], 10))  # more tokens than the largest graph
+    assert not graphs.can_run(step([3], [3], 3))  # no cached context: a prompt
+    assert not graphs.can_run(step([2], [65], 2))  # past the graphs' context
