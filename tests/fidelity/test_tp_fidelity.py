@@ -53,3 +53,25 @@ def test_tp2_preemption_matches_hf(tiny_models: dict[str, Path], async_schedulin
 def test_unshardable_model_is_refused_before_any_process_starts(tiny_models: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="4 attention heads do not divide by tensor_parallel_size 3"):
         LLM(str(tiny_models["llama"]), tensor_parallel_size=3)
+
+
+def test_tp2_speculative_matches_hf(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verify steps (a logits row per draft) go through the step broadcast like any
+    other: drafts that are always right, then always wrong."""
+    from engine.speculative import speculator
+
+    prompts = PROMPTS[1:3]
+    expected = hf_greedy(tiny_models["llama"], prompts)
+    for wrong in (False, True):
+        def propose(sequence, room, *_):
+            prompt, out = next((p, e) for p, e in zip(prompts, expected) if sequence[:len(p)] == p)
+            return [(t + wrong) % 384 for t in out[len(sequence) - len(prompt):][:room]]
+
+        monkeypatch.setattr(speculator, "propose_ngram", propose)
+        llm = tp_llm(tiny_models["llama"], speculative_config={"num_speculative_tokens": 3})
+        try:
+            assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == expected
+            stats = llm.core.speculator.stats
+            assert stats.num_draft_tokens > 0 and (stats.num_accepted_tokens == 0) == wrong
+        finally:
+            llm.core.close()
