@@ -203,6 +203,10 @@ class Scheduler(ForkGroups):
             # Speculative decoding: its drafts come after its end, as far as the budget goes.
             num_new = min(end - start + len(request.spec_token_ids), budget)
             while not self.kv.allocate_slots(request, num_new):
+                if num_new > end - start:  # drafts are optional: drop them before preempting anyone
+                    request.spec_token_ids = []
+                    num_new = min(end - start, budget)
+                    continue
                 # Never evict a request scheduled this step (its blocks are in use), nor
                 # one whose last step is in flight (that step would be wasted).
                 victim = max((r for r in self.running

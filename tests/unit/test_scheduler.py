@@ -167,3 +167,35 @@ def test_a_step_reads_history_while_a_sampling_request_has_penalties_or_min_toke
     sched.add_request(Request("pen", [8, 9], SamplingParams(max_tokens=8, presence_penalty=0.5)))
     assert all(step(sched).reads_history for _ in range(3))  # penalties read every token so far
     assert plain.status == RequestStatus.RUNNING
+
+
+def test_drafts_that_do_not_fit_are_dropped_before_anyone_is_preempted() -> None:
+    """Speculative decoding: drafts are optional. A request whose drafts need a block
+    the pool does not have runs without them; nobody is preempted for them."""
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    a, b = add(sched, "a", 3, max_tokens=5), add(sched, "b", 3, max_tokens=5, first_token=20)
+    step(sched)  # both prompts; each has 4 tokens in its one block
+    a.spec_token_ids = [5, 6]  # would need a second block for a
+    out = sched.schedule()
+    assert not out.preempted and out.num_draft_tokens == 0
+    assert [(s.request.request_id, s.num_new_tokens, tuple(s.draft_token_ids)) for s in out.scheduled] == \
+        [("a", 1, ()), ("b", 1, ())]
+    sched.update(out, [7, 7], [0, 0])
+    assert a.output_token_ids == [7, 7] and a.num_computed_tokens == 4
+
+
+def test_accepted_drafts_advance_and_a_stop_among_them_ends_the_request() -> None:
+    sched = make_scheduler(block_size=4)
+    a = add(sched, "a", 3, max_tokens=8)
+    step(sched)
+    a.spec_token_ids = [5, 6, 9]
+    out = sched.schedule()
+    assert (out.scheduled[0].num_new_tokens, list(out.scheduled[0].draft_token_ids)) == (4, [5, 6, 9])
+    sched.update(out, [11], [2])  # 5 and 6 accepted, 11 sampled in place of 9
+    assert a.output_token_ids == [7, 5, 6, 11] and a.num_computed_tokens == 6 and a.num_tokens == 7
+    a.sampling_params.stop_token_ids = [8]
+    a.spec_token_ids = [12, 8, 13]
+    out = sched.schedule()
+    _, finished = sched.update(out, [14], [3])  # the stop token 8 ends it; 13 and 14 are dropped
+    assert finished == [a] and a.output_token_ids == [7, 5, 6, 11, 12, 8] and a.status == RequestStatus.FINISHED_STOPPED
+    assert sched.kv.num_free_blocks == 64
