@@ -23,6 +23,13 @@ def propose_ngram(tokens: Sequence[int], max_drafts: int, min_n: int, max_n: int
         windows = sliding_window_view(arr[:length - 1], n)
         hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
         if len(hits):
+            # Copy on from there. A copy that reaches the end copies its own drafts
+            # on: the match is one period of a repeating pattern back, and the pattern
+            # goes on repeating (a run of one token drafts k of it, not one).
             start = int(hits[-1]) + n
-            return arr[start:start + max_drafts].tolist()
+            drafts = arr[start:start + max_drafts].tolist()
+            period = length - start
+            while len(drafts) < max_drafts:
+                drafts.append(drafts[len(drafts) - period])
+            return drafts
     return []

@@ -44,8 +44,10 @@ def test_ngram_proposals() -> None:
     assert propose_ngram([4, 5, 6, 4, 5, 7, 1, 4, 5, 6], 2, 1, 3) == [4, 5]
     assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
     assert propose_ngram([1, 2, 3, 1], 3, 2, 3) == []  # only a 1-gram repeats
-    assert propose_ngram([1, 1], 3, 1, 2) == [1]
     assert propose_ngram([1], 3, 1, 2) == []
+    # A repeating pattern repeats on past the sequence's end.
+    assert propose_ngram([1, 1], 3, 1, 2) == [1, 1, 1]
+    assert propose_ngram([9, 4, 5, 6, 4, 5, 6, 4], 5, 1, 3) == [5, 6, 4, 5, 6]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
