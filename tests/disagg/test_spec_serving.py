@@ -15,10 +15,12 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.serve import build
 from engine import LLM, SamplingParams
+from engine.speculative import speculator as speculator_module
 from tests.disagg.test_http import scrape
 from tests.disagg.test_remote_prefill import GREEDY, run, tokens, worker_pair
 from tests.http_server import free_port, serving
 from tests.unit.test_grafana_dashboard import load_dashboard, missing_metrics
+from tests.unit.test_speculative import _oracle
 
 # Text that repeats itself, so that n-gram drafts (from the prompt) are accepted at times
 # even from the random tiny model; 60-80 tokens each, prefilled on the prefill worker.
@@ -96,8 +98,14 @@ def test_a_stream_of_multi_token_steps_gives_the_same_text(served, plain: dict) 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("k", [1, 5])
-def test_pushed_kv_then_speculative_decode_gives_the_plain_tokens(llama_dir: Path, plain: dict, k: int) -> None:
+@pytest.mark.parametrize("k,oracle", [(1, False), (5, False), (5, True)])
+def test_pushed_kv_then_speculative_decode_gives_the_plain_tokens(llama_dir: Path, plain: dict, monkeypatch,
+                                                                  k: int, oracle: bool) -> None:
+    """n-grams from the random tiny model rarely get past the first draft position, so
+    an oracle proposer (always right) fills all k in a step as well."""
+    if oracle:
+        monkeypatch.setattr(speculator_module, "propose_ngram", _oracle(
+            {tuple(p): plain["tokens"][f"r{i}"] for i, p in enumerate(TOKEN_PROMPTS)}, wrong=False))
     decode, prefill = worker_pair(llama_dir, "shm", speculative_config=ngram(k))
     try:
         assert tokens(run(decode, prefill, TOKEN_PROMPTS)) == plain["tokens"]
@@ -105,6 +113,8 @@ def test_pushed_kv_then_speculative_decode_gives_the_plain_tokens(llama_dir: Pat
         spec = decode.engine.stats().spec
         assert spec is not None and spec.num_accepted_tokens > 0, "no draft was accepted: the test proves nothing"
         assert len(spec.accepted_per_position) == k and sum(spec.accepted_per_position) == spec.num_accepted_tokens
+        if oracle:
+            assert spec.num_accepted_tokens == spec.num_draft_tokens and spec.accepted_per_position[-1] > 0
         assert decode.engine.kv.num_free_blocks == decode.engine.kv.pool.num_blocks, "blocks leaked"
     finally:
         decode.transport.close()
