@@ -36,6 +36,7 @@ from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
 from engine.config_check import FieldTypeError
 from engine.distributed.sharding import check_shardable
 from engine.model.config import ModelConfig
+from engine.speculative.config import SpeculativeConfig
 from kv_transfer import CPU_ONLY, GPU_ONLY, TRANSPORTS, TransportConfig
 
 __all__ = ["ClusterConfig", "ConfigError", "LocalConfig", "PoolConfig", "POLICIES", "RayConfig", "RayPoolConfig",
@@ -244,6 +245,8 @@ class ClusterConfig:
             check(launcher != "ray" or not on_gpu or getattr(out, role).replicas == 0
                   or getattr(ray, role).num_gpus >= 1, f"ray.{role}.num_gpus",
                    f"must be >= 1 with device {device!r}, got {getattr(ray, role).num_gpus:g}")
+        for role in ("prefill", "decode"):
+            _check_speculative(getattr(out, role).engine.get("speculative_config"), role)
         for role in ("prefill", "decode"):  # the engine's own checks, named with their path
             try:
                 engine = out.engine_config(role)
@@ -268,6 +271,21 @@ class ClusterConfig:
     def transport_config(self, host: str) -> TransportConfig:
         """The KV transport's config of a worker whose control socket listens on host."""
         return TransportConfig(host=host, **dataclasses.asdict(self.transport_options))
+
+
+def _check_speculative(value: Any, role: str) -> None:
+    """`<role>.engine.speculative_config`, named with its path to the key at fault."""
+    if value is None:
+        return
+    path = f"{role}.engine.speculative_config"
+    check(role != "prefill", path, "a prefill worker never samples (it computes prompt KV for the decode workers), "
+          "so drafts would be proposed or loaded for nothing; set it on decode.engine")
+    checked_mapping(SpeculativeConfig, value, path)
+    check("num_speculative_tokens" in value, f"{path}.num_speculative_tokens", "is required")
+    try:
+        SpeculativeConfig(**value)
+    except ValueError as exc:  # its own message starts "speculative_config: "
+        raise ConfigError(f"{path}: {str(exc).removeprefix('speculative_config: ')}") from None
 
 
 def check_ray_model_dir(config: ClusterConfig) -> None:

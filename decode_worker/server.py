@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import zmq
 
@@ -320,7 +320,9 @@ class DecodeWorker(WorkerLoop):
                 "waiting_for_kv": len(self.core.waiting_for_kv), "preemptions": engine.preemptions,
                 **self.core.stats, **self.transfer, **self.core.steps.stats(),
                 "late_writes_dropped": self.core.transport.stats["late_writes_dropped"],
-                "refused_peers": self.refused_peers(self.core.transport), **self.health()}
+                "refused_peers": self.refused_peers(self.core.transport), **self.health(),
+                # protocol SpecDecodeStats' fields; only while speculating
+                **({"spec_decode": asdict(engine.spec)} if engine.spec is not None else {})}
 
 
 def _step_error(exc: RequestsFailed) -> str:

@@ -6,6 +6,7 @@ offline LLM, a decode worker and a prefill worker.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -38,7 +39,7 @@ from engine.sampling import Sampler, SamplerOutput, UnusableLogitsError, make_ge
 from engine.sampling_params import SamplingParams, SamplingParamsError, child_request_id
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
-from engine.speculative.speculator import Speculator
+from engine.speculative.speculator import SpecStats, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class EngineStats:
     compiling: int = 0  # of those, waiting for their grammar (bounded by grammar_compile_timeout_s)
     ranks: tuple[int, ...] = ()  # the process id of each tensor-parallel rank, rank 0 first
     preemptions: int = 0  # running requests preempted so far (their blocks freed; they recompute)
+    spec: SpecStats | None = None  # speculative decoding's counters so far (a copy); None: not speculating
 
 
 class EngineCore:
@@ -368,9 +370,13 @@ class EngineCore:
             self.tp.heartbeat()
 
     def stats(self) -> EngineStats:
+        spec = None
+        if self.speculator is not None:  # a copy: the speculator's counters keep moving
+            live = self.speculator.stats
+            spec = dataclasses.replace(live, accepted_per_position=list(live.accepted_per_position))
         return EngineStats(self.kv.pool.num_blocks, self.kv.num_free_blocks, len(self.scheduler.running),
                            self.scheduler.num_waiting, len(self._compiling),
-                           (os.getpid(), *(self.tp.pids if self.tp else ())), self.scheduler.num_preemptions)
+                           (os.getpid(), *(self.tp.pids if self.tp else ())), self.scheduler.num_preemptions, spec)
 
     def collect_kv_events(self, max_per_block: int) -> None:
         """Keep prefix-cache events from now on, for take_kv_events(): at most

@@ -10,9 +10,10 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.engine_core import EngineCore, EngineStats
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.speculative.metrics import Metric, spec_decode_metrics
 from engine.tokenizer import load_tokenizer
 
 Prompt = str | list[int]
@@ -118,6 +119,20 @@ class LLM:
     def _abort(self, request_ids: list[str]) -> None:
         for request in self.core.abort(request_ids):
             self.outputs.discard(request.request_id)
+
+    def stats(self) -> EngineStats:
+        """The engine's figures now: KV blocks, queues, preemptions so far, and with a
+        speculative_config `spec` (SpecStats: drafts, accepted tokens, per position,
+        acceptance_rate, mean_accepted_length), counted since the LLM was made."""
+        return self.core.stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """Speculative decoding's counters in the shapes of vLLM's LLM.get_metrics()
+        (Counter, Vector), named as the router's /metrics names them
+        (engine/speculative/metrics.py); [] without a speculative_config. vLLM's other
+        metrics (latencies, token counts) are not kept offline."""
+        spec = self.core.stats().spec
+        return spec_decode_metrics(spec) if spec is not None else []
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -9,10 +9,10 @@ from engine.sampling_params import child_request_id
 from protocol.control import CONTROL_MESSAGES, Peers, Ready, Serving, Stop
 from protocol.sampling import WireSamplingParams, from_wire, to_wire
 from protocol.wire import PROTOCOL_VERSION, Codec, Message, MessageError, encode
-from protocol.worker import (WORKER_MESSAGES, Abort, Generate, PrefillDone, Rejected, RemotePrefill, Stats,
-                             StatsReply, TokenLogprobs, Tokens)
+from protocol.worker import (WORKER_MESSAGES, Abort, Generate, PrefillDone, Rejected, RemotePrefill,
+                             SpecDecodeStats, Stats, StatsReply, TokenLogprobs, Tokens)
 
 __all__ = ["CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Message",
-           "MessageError", "Peers", "PrefillDone", "Ready", "Rejected", "RemotePrefill", "Serving", "Stats",
-           "StatsReply", "Stop", "TokenLogprobs", "Tokens", "WireSamplingParams", "child_request_id", "encode",
-           "from_wire", "to_wire"]
+           "MessageError", "Peers", "PrefillDone", "Ready", "Rejected", "RemotePrefill", "Serving", "SpecDecodeStats",
+           "Stats", "StatsReply", "Stop", "TokenLogprobs", "Tokens", "WireSamplingParams", "child_request_id",
+           "encode", "from_wire", "to_wire"]

@@ -33,6 +33,13 @@ every live worker of both pools on each scrape, labelled by worker and role (dec
 prefill); the prefix-cache hit rate is pdserve_prefix_cache_hit_tokens /
 pdserve_prompt_tokens.
 
+A speculating decode worker's counters (drafts, draft tokens, accepted tokens, by draft
+position, requests that stopped speculating) are counters named as vLLM's under
+pdserve_spec_decode_ (router/worker_metrics.py); the acceptance rate is
+pdserve_spec_decode_num_accepted_tokens / pdserve_spec_decode_num_draft_tokens, and
+the mean accepted length 1 + pdserve_spec_decode_num_accepted_tokens /
+pdserve_spec_decode_num_drafts (docs/api.md).
+
 Supervision (router/health.py): decode workers the router considers alive, in total
 and per worker, and requests failed over from a dead decode worker to a live one.
 """
@@ -41,7 +48,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from router.worker_metrics import WorkerHistograms
+from router.worker_metrics import WorkerHistograms, WorkerSpecDecode
 
 # From 0.1 ms: a KV transfer on one GPU (phase kv_write) takes well under 5 ms, and
 # a quantile read from buckets is only as fine as they are.
@@ -116,6 +123,8 @@ class RouterMetrics:
                        for key, (name, help_) in WORKER_GAUGES.items()}
         self.steps = WorkerHistograms()
         r.register(self.steps)
+        self.spec_decode = WorkerSpecDecode()
+        r.register(self.spec_decode)
 
     def observe_phases(self, phases: dict[str, float], remote: bool | None = None) -> None:
         """One finished request's phase times, labelled by where its prompt KV was
@@ -138,6 +147,7 @@ class RouterMetrics:
             if key in stats:
                 gauge.labels(worker=name, role=role).set(stats[key])
         self.steps.update(name, role, stats)
+        self.spec_decode.update(name, role, stats)
 
     def set_live(self, decode: dict[str, bool], prefill: dict[str, bool]) -> None:
         """Each worker's health as the router sees it (router/health.py)."""

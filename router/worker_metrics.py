@@ -1,11 +1,13 @@
-"""Workers' step histograms as Prometheus histograms, labelled by worker and role.
+"""Workers' step histograms and speculative decoding counters, as Prometheus
+histograms and counters labelled by worker and role.
 
 Each worker keeps its own cumulative histograms (workers/step_metrics.py has the wire
-form: bounds, per-bucket counts, sum, count) and sends them in its stats replies; the
-router keeps the latest per worker and yields them at each scrape through a custom
-collector, so that a histogram is never re-observed here and a restarted worker's
-counts start over as a counter's do. A histogram that does not have the wire form is
-left out (and logged), never a failed scrape.
+form: bounds, per-bucket counts, sum, count) and, while it speculates, its counters
+(protocol SpecDecodeStats), and sends them in its stats replies; the router keeps the
+latest per worker and yields them at each scrape through custom collectors, so that
+nothing is re-observed here and a restarted worker's counts start over as a counter's
+do. A figure that does not have its wire form is left out (and logged), never a failed
+scrape.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from engine.speculative.metrics import PER_POSITION, SPEC_DECODE_COUNTERS
+from protocol import MessageError, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -84,3 +89,42 @@ class WorkerHistograms(Collector):
                 if key in hists:
                     family.add_metric([worker, role], *hists[key])
             yield family
+
+
+class WorkerSpecDecode(Collector):
+    """The latest speculative decoding counters of every worker that reported them
+    (update(): its stats reply's "spec_decode"), yielded by collect() as counters named
+    in engine/speculative/metrics.py; accepted tokens per draft position are labelled
+    position="i". A worker that does not speculate adds no sample."""
+
+    def __init__(self) -> None:
+        self._latest: dict[tuple[str, str], SpecDecodeStats] = {}  # (worker, role) ->
+
+    def update(self, worker: str, role: str, stats: dict[str, Any]) -> None:
+        if "spec_decode" not in stats:
+            self._latest.pop((worker, role), None)  # restarted without speculation
+            return
+        try:
+            self._latest[(worker, role)] = SpecDecodeStats.from_stats(stats["spec_decode"])
+        except MessageError as exc:
+            logger.warning("worker %s sent malformed speculative decoding counters, left out of /metrics: %s",
+                           worker, exc)
+            self._latest.pop((worker, role), None)
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        for name, help_ in (*SPEC_DECODE_COUNTERS.values(), PER_POSITION):
+            labels = ["worker", "role", "position"] if name == PER_POSITION[0] else ["worker", "role"]
+            yield CounterMetricFamily(name, help_, labels=labels)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        latest = sorted(self._latest.items())
+        for key, (name, help_) in SPEC_DECODE_COUNTERS.items():
+            family = CounterMetricFamily(name, help_, labels=["worker", "role"])
+            for (worker, role), spec in latest:
+                family.add_metric([worker, role], getattr(spec, key))
+            yield family
+        family = CounterMetricFamily(*PER_POSITION, labels=["worker", "role", "position"])
+        for (worker, role), spec in latest:
+            for position, count in enumerate(spec.accepted_per_position):
+                family.add_metric([worker, role, str(position)], count)
+        yield family

@@ -272,7 +272,9 @@ def test_every_worker_reports_its_steps_and_figures_by_role(server) -> None:
     assert values[f"pdserve_worker_prefills_failed{prefill}"] == 0 and values[f"pdserve_worker_prefill_jobs{prefill}"] == 0
     assert values["pdserve_time_per_output_token_seconds_count"] >= 1
     assert f"pdserve_worker_prefill_jobs{decode}" not in values  # a worker reports its role's figures only
-    assert missing_metrics(load_dashboard(), names) == []  # docs/grafana/pdserve.json reads only these
+    # docs/grafana/pdserve.json reads only these; its speculative decoding panels' counters
+    # come from a speculating worker only (tests/disagg/test_spec_serving.py checks them)
+    assert [m for m in missing_metrics(load_dashboard(), names) if "pdserve_spec_decode_" not in m] == []
 
 
 @pytest.mark.timeout(60)

@@ -30,11 +30,11 @@ PROMPTS = random_prompts([2, 17, 33, 64, 90], seed=8) + [SHARED + [5, 6, 7], SHA
 
 def worker_pair(model_dir: Path, transport: str, deadline_s: float = 30.0, grace_s: float = 5.0,
                 async_scheduling: bool = False, prefill_blocks: int = 80, prefix_caching: bool = True,
-                decode_blocks: int = 80):
+                decode_blocks: int = 80, speculative_config: dict | None = None):
     config = TransportConfig(timeout_s=5.0, cancel_grace_s=grace_s)
     t_dec, t_pre = create_transport(transport, "decode", config), create_transport(transport, "prefill", config)
-    dec = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=decode_blocks, async_scheduling=async_scheduling),
-                     t_dec.allocate_kv_cache)
+    dec = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=decode_blocks, async_scheduling=async_scheduling,
+                                  speculative_config=speculative_config), t_dec.allocate_kv_cache)
     # A small token budget: prompts arrive in chunks, so blocks are pushed as they fill.
     pre = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=prefill_blocks, max_num_batched_tokens=24,
                                   async_scheduling=async_scheduling, enable_prefix_caching=prefix_caching),
