@@ -7,10 +7,11 @@ in the target's cache and its draft KV in this one. So the draft needs no alloca
 and its blocks are freed, shared (prefix hits, forks) and preempted with the target's.
 The invariant: a request's first `num_draft_computed` tokens have their draft KV in
 its blocks. The scheduler sets it on admission (prefix hits are trusted; a prompt whose
-KV a prefill worker pushed has none past the local hits); fill() catches up from there
-to the request's last token and sets it to the request's length. The draft KV written
-at draft positions is never trusted: the next catch-up recomputes it from the tokens
-the target accepted.
+KV a prefill worker pushed has none past the local hits); fill() checks a newly
+admitted request's hit blocks against what the draft computed in them (DraftBlocks),
+catches up from there to the request's last token, and sets it to the request's
+length. The draft KV written at draft positions is never trusted: the next catch-up
+recomputes it from the tokens the target accepted.
 
 Disaggregated serving: the prefill worker pushes only the target's KV, and the decode
 worker's first fill() of a request computes the prompt's draft KV itself (a catch-up
