@@ -39,6 +39,7 @@ from engine.sampling import Sampler, SamplerOutput, UnusableLogitsError, make_ge
 from engine.sampling_params import SamplingParams, SamplingParamsError, child_request_id
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.speculative.draft_model import DraftModelProposer, LoadedDraft, load_draft
 from engine.speculative.speculator import SpecStats, Speculator
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,9 @@ class EngineCore:
             if config.tensor_parallel_size > 1:
                 self._group.tp = TPDriver(config, step_codec(config, model_len))
             self.model, _, backend, _ = build_rank_model(config, 0, self.tp.group if self.tp else SINGLE)
-            num_blocks = config.num_kv_blocks or self._pool_blocks(backend, TORCH_DTYPES[config.dtype], model_len)
+            draft = self._load_draft(model_len)  # before the pool is sized: on CUDA it counts the draft
+            num_blocks = config.num_kv_blocks or self._pool_blocks(backend, TORCH_DTYPES[config.dtype], model_len,
+                                                                   draft)
             self.kv_caches = self._allocate_caches(num_blocks, kv_allocator, keep_cache_files)
         except BaseException:
             self.close()
@@ -107,7 +110,7 @@ class EngineCore:
                 self._capture_cuda_graphs(backend, model_len)
             else:
                 logger.info("no CUDA graphs at tensor_parallel_size > 1: the ranks run eagerly")
-        self.speculator = self._speculator(num_blocks, model_len)
+        self.speculator = self._speculator(num_blocks, model_len, draft)
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
         self._compiling: dict[str, Request] = {}  # requests whose grammar is not compiled yet
         self._prompt_logprobs: set[Request] = set()  # with prompt logprobs still to compute
@@ -115,19 +118,25 @@ class EngineCore:
                     self.model_config.architecture, num_blocks, config.block_size, model_len,
                     config.tensor_parallel_size)
 
-    def _speculator(self, num_blocks: int, model_len: int) -> Speculator | None:
+    def _load_draft(self, model_len: int) -> LoadedDraft | None:
+        """The draft model (speculative_config.model), checked against this one; None
+        without one."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        return load_draft(self.config, self.model_config, model_len)
+
+    def _speculator(self, num_blocks: int, model_len: int, draft: LoadedDraft | None) -> Speculator | None:
         spec = self.config.speculative_config
         if spec is None:
             return None
         if self.config.async_scheduling:
             logger.info("speculative decoding: steps run synchronously (each step's drafts follow "
                         "the tokens the last one accepted); async_scheduling is not used")
-        draft = None
-        if spec.method == "draft_model":
-            from engine.speculative.draft_model import DraftModelProposer
-
-            draft = DraftModelProposer(self.config, spec, self.model_config, num_blocks, model_len, self.kv)
-        return Speculator(spec, model_len, draft)
+        proposer = None
+        if draft is not None:
+            proposer = DraftModelProposer(draft, self.config, num_blocks, self.kv)
+        return Speculator(spec, model_len, proposer)
 
     def _allocate_caches(self, num_blocks: int, kv_allocator: KVAllocator | None,
                          keep_files: bool) -> list[torch.Tensor]:
@@ -171,17 +180,23 @@ class EngineCore:
         garbage collection and exit."""
         self._finalizer()
 
-    def _pool_blocks(self, backend: AttentionBackend, dtype: torch.dtype, model_len: int) -> int:
+    def _pool_blocks(self, backend: AttentionBackend, dtype: torch.dtype, model_len: int,
+                     draft: LoadedDraft | None) -> int:
+        """On CUDA, the draft model's weights, activations and KV per block are counted;
+        on CPU kv_cache_memory_gib is the target's KV alone (a draft's cache is extra)."""
         config = self.config
         if config.device.startswith("cuda") and self.tp is not None:
             # The profiling forward would need the followers' collectives.
             raise ValueError("set num_kv_blocks with tensor_parallel_size > 1 on CUDA: the KV pool "
                              "is not sized by profiling there yet")
         if config.device.startswith("cuda"):
+            spec = config.speculative_config
+            # A speculating request samples a row per draft and one after them.
+            rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
             return profile_num_kv_blocks(
                 self.model, self.model_config, backend, config.device, dtype, config.block_size,
-                config.max_num_batched_tokens, model_len, config.max_num_seqs,
-                config.gpu_memory_utilization)
+                config.max_num_batched_tokens, model_len, rows, config.gpu_memory_utilization,
+                () if draft is None else [(draft.model, draft.config, draft.backend)])
         # A rank holds only its own KV heads.
         block_bytes = (self.model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
                        * self.shard.num_kv_heads // self.model_config.num_kv_heads)
@@ -434,9 +449,9 @@ class EngineCore:
                 self.speculator.propose(self.scheduler.running)
             out = self.scheduler.schedule()
             if out.scheduled:
-                if out.num_draft_tokens:
-                    self.speculator.fill(out)
                 queued.append(out)
+                if out.num_draft_tokens:  # a draft model's forwards: their failure voids the step
+                    self._run(self.speculator.fill, queued, out)
                 rows = self._prompt_rows(out)
                 launch = self.runner.launch if rows is None else functools.partial(self.runner.launch,
                                                                                    prompt_rows=rows)

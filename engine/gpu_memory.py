@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -21,7 +22,6 @@ from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.runner import ModelRunner, StepInputs, allocate_kv_cache, build_step_inputs
-from engine.sampling import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ScheduledRequest
 
@@ -47,26 +47,27 @@ def profiling_inputs(max_tokens: int, max_seq_len: int, block_size: int, max_log
 
 def profile_num_kv_blocks(model: LlamaForCausalLM, cfg: ModelConfig, backend: AttentionBackend,
                           device: str, dtype: torch.dtype, block_size: int, max_tokens: int,
-                          max_seq_len: int, max_logits: int, gpu_memory_utilization: float) -> int:
+                          max_seq_len: int, max_logits: int, gpu_memory_utilization: float,
+                          others: Sequence[tuple[LlamaForCausalLM, ModelConfig, AttentionBackend]] = ()) -> int:
     """KV blocks that fit in gpu_memory_utilization of the device's memory, after this
     engine's weights and the activation peak of the largest step: max_tokens new tokens
-    in prompts of at most max_seq_len, sampling max_logits rows."""
+    in prompts of at most max_seq_len, sampling max_logits rows.
+
+    `others`: models loaded (so counted among the weights) that run in the same steps,
+    one forward after another, each with its own KV cache over the same block ids (a
+    speculative draft model): the peak is the largest of their forwards' over the same
+    step, and a block costs each model's KV bytes."""
     dev = torch.device(device)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(dev)
     baseline = torch.cuda.memory_allocated(dev)
     inputs = profiling_inputs(max_tokens, max_seq_len, block_size, max_logits)
-    scratch = allocate_kv_cache(cfg, int(inputs.block_tables.max()) + 1, block_size, dtype, device)
-    runner = ModelRunner(model, scratch, block_size, Sampler(cfg.eos_token_ids), backend, device)
-    runner.forward(inputs)
-    torch.cuda.synchronize(dev)
-    activations = torch.cuda.max_memory_allocated(dev) - baseline - scratch.numel() * scratch.element_size()
-    del runner, scratch
+    activations = max(_activation_peak(m, c, b, inputs, device, dtype, block_size)
+                      for m, c, b in [(model, cfg, backend), *others])
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
     share = total * gpu_memory_utilization
     budget = share - baseline - activations  # the weights and activations are this engine's
-    block_bytes = cfg.kv_bytes_per_token(dtype.itemsize) * block_size
+    block_bytes = sum(c.kv_bytes_per_token(dtype.itemsize) for c in [cfg, *(c for _, c, _ in others)]) * block_size
     if budget < block_bytes:
         raise ValueError(
             f"gpu_memory_utilization={gpu_memory_utilization} ({share / 2**30:.2f} GiB of "
@@ -80,3 +81,19 @@ def profile_num_kv_blocks(model: LlamaForCausalLM, cfg: ModelConfig, backend: At
     logger.info("KV cache: %.2f GiB free for blocks after a %d-token profiling step "
                 "(activation peak %.2f GiB)", budget / 2**30, max_tokens, activations / 2**30)
     return int(budget // block_bytes)
+
+
+def _activation_peak(model: LlamaForCausalLM, cfg: ModelConfig, backend: AttentionBackend, inputs: StepInputs,
+                     device: str, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes a forward over `inputs` allocates above what is allocated before it,
+    besides its scratch KV cache; freed again when it returns."""
+    dev = torch.device(device)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    scratch = allocate_kv_cache(cfg, int(inputs.block_tables.max()) + 1, block_size, dtype, device)
+    runner = ModelRunner(model, scratch, block_size, None, backend, device)
+    runner.forward(inputs)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - before - scratch.numel() * scratch.element_size()
+    del runner, scratch
+    return peak

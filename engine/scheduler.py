@@ -306,9 +306,11 @@ class Scheduler(ForkGroups):
         request.status = RequestStatus.RUNNING
         # A draft model's KV: a prefix hit's blocks hold it as their computing request
         # left it (its drafts are only as good as that KV, never wrong: the model
-        # verifies them); a prompt whose KV a prefill worker wrote has none past the
-        # local hits.
-        request.num_draft_computed = (request.num_cached_tokens if request.num_remote_tokens
+        # verifies them); a prompt whose KV a prefill worker wrote, or a group's prompt
+        # request computed (prefill only: it never runs the draft), has none past the
+        # prefix hits it started from.
+        request.num_draft_computed = (min(request.num_cached_tokens, num_computed)
+                                      if request.num_remote_tokens or request.group is not None
                                       else num_computed)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
