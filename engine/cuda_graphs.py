@@ -34,20 +34,26 @@ logger = logging.getLogger(__name__)
 MAX_CONTEXT = 8192
 
 
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (and max_num_seqs itself)."""
+def batch_buckets(max_num_seqs: int, max_rows: int | None = None) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (and max_num_seqs
+    itself); up to max_rows (speculative verify steps: a row per token) every multiple
+    of 64 beyond, and max_rows itself."""
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
-    return sorted(set(sizes) | {max_num_seqs})
+    top = max(max_num_seqs, max_rows or 0)
+    sizes += list(range(-(-max_num_seqs // 64) * 64, top + 1, 64))
+    return sorted(set(sizes) | {max_num_seqs, top})
 
 
 class CudaGraphRunner:
     def __init__(self, model: LlamaForCausalLM, backend: TritonBackend, max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device) -> None:
+                 max_model_len: int, block_size: int, device: torch.device, max_rows: int | None = None) -> None:
+        """max_rows: the most tokens a verify step has (speculative decoding), when
+        more than max_num_seqs."""
         if not isinstance(backend, TritonBackend):
             raise ValueError(f"CUDA graphs need the triton attention backend, got {backend.name!r}")
         self.model = model
         self.backend = backend
-        self.buckets = batch_buckets(max_num_seqs)
+        self.buckets = batch_buckets(max_num_seqs, max_rows)
         self.max_context = min(max_model_len, MAX_CONTEXT)
         self.device = device
         n, max_blocks = self.buckets[-1], -(-self.max_context // block_size)
@@ -60,7 +66,10 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.rows = torch.arange(n, **i32)
         self.logits_indices = torch.arange(n, **i64)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Every graph writes its logits here: a graph's own output would stay alive
+        # and hold its [size, vocab] in the pool, for every bucket.
+        self.logits: torch.Tensor | None = None
         self.pool = None
 
     def _metadata(self, size: int) -> AttentionMetadata:
@@ -82,13 +91,16 @@ class CudaGraphRunner:
             md = self._metadata(size)
             args = (self.input_ids[:size], self.positions[:size], self.logits_indices[:size])
             with attention_context(md):
-                self.model(*args)  # warm-up: Triton compiles outside the capture
+                warm = self.model(*args)  # warm-up: Triton compiles outside the capture
+                if self.logits is None:  # the largest bucket comes first
+                    self.logits = torch.empty_like(warm)
+                del warm
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self.model(*args)
+                    self.logits[:size].copy_(self.model(*args))
             self.pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+            self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs for decode batches up to %d", len(self.graphs), self.buckets[-1])
 
@@ -112,24 +124,25 @@ class CudaGraphRunner:
         uploaded (`dev`)."""
         b = len(inputs.input_ids)
         size = next(s for s in self.buckets if s >= b)
-        width = inputs.block_tables.shape[1]
+        # A request may hold blocks past its context (rejected drafts' slots); the
+        # columns a step reads fit, as its contexts do (can_run).
+        width = min(inputs.block_tables.shape[1], self.block_tables.shape[1])
         self.input_ids[:b].copy_(dev.input_ids)
         self.positions[:b].copy_(dev.positions)
         self.slot_mapping[:b].copy_(dev.slot_mapping)
         if inputs.is_pure_decode:
             self.seq_lens[:b].copy_(dev.seq_lens)
-            self.block_tables[:b, :width].copy_(dev.block_tables)
+            self.block_tables[:b, :width].copy_(dev.block_tables[:, :width])
         else:  # a verify step: a decode row per token, over the context up to that token
             self.seq_lens[:b].copy_(dev.positions + 1)
             seq_of_token = np.repeat(np.arange(len(inputs.query_lens)), inputs.query_lens)
             index = small_tensor(self.device, seq_of_token.tolist())
-            self.block_tables[:b, :width].copy_(dev.block_tables.index_select(0, index))
+            self.block_tables[:b, :width].copy_(dev.block_tables[:, :width].index_select(0, index))
         if size > b:  # padding rows: nothing stored, one token of block 0 read
             self.slot_mapping[b:size].fill_(-1)
             self.seq_lens[b:size].fill_(1)
             self.block_tables[b:size, 0].fill_(0)
-        graph, logits = self.graphs[size]
-        graph.replay()
+        self.graphs[size].replay()
         if len(inputs.logits_indices) != b:  # rows that sample nothing (a prompt's last chunk token on a prefill worker)
-            return logits[:b].index_select(0, dev.logits_indices)
-        return logits[:b]
+            return self.logits[:b].index_select(0, dev.logits_indices)
+        return self.logits[:b]

@@ -212,11 +212,11 @@ class EngineCore:
             return
         from engine.cuda_graphs import CudaGraphRunner
 
-        rows, spec = self.config.max_num_seqs, self.config.speculative_config
+        rows, spec = None, self.config.speculative_config
         if spec is not None:  # verify steps replay them with a row per token: the last one and the drafts
-            rows = max(rows, min(rows * (spec.num_speculative_tokens + 1), self.config.max_num_batched_tokens))
-        graphs = CudaGraphRunner(self.model, backend, rows, model_len,
-                                 self.config.block_size, torch.device(self.config.device))
+            rows = min(self.config.max_num_seqs * (spec.num_speculative_tokens + 1), self.config.max_num_batched_tokens)
+        graphs = CudaGraphRunner(self.model, backend, self.config.max_num_seqs, model_len,
+                                 self.config.block_size, torch.device(self.config.device), rows)
         graphs.capture()
         self.runner.graphs = graphs
 
@@ -537,8 +537,10 @@ class EngineCore:
         try:
             sampled = self._run(launched.result, queued)
         except UnusableLogitsError as exc:
-            sampling = [s.request.request_id for s in out.scheduled if s.samples]
-            failed = [sampling[row] for row in exc.rows]
+            # A row per sampling request, and one per draft (runner.sampling_rows).
+            owners = [s.request.request_id for s in out.scheduled if s.samples
+                      for _ in range(len(s.draft_token_ids) + 1)]
+            failed = list(dict.fromkeys(owners[row] for row in exc.rows))
             raise RequestsFailed(f"requests {failed}: {exc}", failed, at_fault=True) from exc
         if launched.prompt_logprobs is not None:
             self._run(launched.prompt_logprobs.land, queued)

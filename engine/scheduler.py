@@ -4,7 +4,8 @@ There is no prefill phase and no decode phase. Each step hands every scheduled r
 a number of new tokens to compute (`num_computed_tokens` -> `num_tokens`) within
 `max_num_batched_tokens`: a whole prompt, a chunk of one, or one decode token all fall
 out of the same arithmetic. Running requests go first (decodes stay steady), then
-waiting ones in (priority, arrival) order. When blocks run out, the lowest-priority,
+waiting ones in (priority, arrival) order. With speculative decoding, running requests
+about to sample then take their drafts from what is left (_add_drafts). When blocks run out, the lowest-priority,
 latest-arriving running request is preempted: its blocks are freed and it recomputes
 later (its tokens so far are kept, and its freed blocks are usually prefix-cache hits).
 
@@ -151,20 +152,37 @@ class Scheduler(ForkGroups):
     @staticmethod
     def _schedule(out: SchedulerOutput, request: Request, start: int, num_new: int, end: int) -> None:
         """Hand the request tokens [start, start + num_new) of its `end`
-        (num_tokens_with_placeholders) this step; those past `end` are its drafts."""
-        samples = start + num_new >= end and not request.prefill_only
-        drafts = request.spec_token_ids
-        if drafts:  # proposed for this step only
-            request.spec_token_ids = []
-            drafts = drafts[:max(0, start + num_new - end)]
-            out.num_draft_tokens += len(drafts)
-            out.reads_history = True  # the next step starts after the drafts it accepts
-        out.scheduled.append(ScheduledRequest(request, start, num_new, samples, drafts or ()))
+        (num_tokens_with_placeholders) this step."""
+        samples = start + num_new == end and not request.prefill_only
+        out.scheduled.append(ScheduledRequest(request, start, num_new, samples))
         out.num_samples += samples
         # Counted before the step in flight's token lands: errs towards True for a step.
         out.reads_history |= samples and len(request.output_token_ids) < request.reads_history_until
         request.num_scheduled_tokens += num_new
         request.num_output_placeholders += samples
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Speculative decoding, once every running request has its tokens: each one
+        that samples this step takes its drafts (proposed for this step only) after
+        its end, as far as the budget left and the free blocks go, in running order.
+        Drafts are optional: nobody is preempted for them. Returns the budget left."""
+        for s in out.scheduled:
+            request = s.request
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if not drafts or not s.samples or budget == 0:
+                continue
+            drafts = drafts[:budget]
+            while drafts and not self.kv.allocate_slots(request, len(drafts)):
+                drafts = drafts[:-1]  # as many as the free blocks hold
+            if not drafts:
+                continue
+            s.num_new_tokens += len(drafts)
+            s.draft_token_ids = drafts
+            request.num_scheduled_tokens += len(drafts)
+            out.num_draft_tokens += len(drafts)
+            out.reads_history = True  # the next step starts after the drafts it accepts
+            budget -= len(drafts)
+        return budget
 
     def _last_step_in_flight(self, request: Request) -> bool:
         return self._nothing_to_schedule(request, request.num_started_tokens,
@@ -200,13 +218,8 @@ class Scheduler(ForkGroups):
             end = len(request.all_token_ids) + request.num_output_placeholders
             if self._nothing_to_schedule(request, start, end):
                 continue
-            # Speculative decoding: its drafts come after its end, as far as the budget goes.
-            num_new = min(end - start + len(request.spec_token_ids), budget)
+            num_new = min(end - start, budget)
             while not self.kv.allocate_slots(request, num_new):
-                if num_new > end - start:  # drafts are optional: drop them before preempting anyone
-                    request.spec_token_ids = []
-                    num_new = min(end - start, budget)
-                    continue
                 # Never evict a request scheduled this step (its blocks are in use), nor
                 # one whose last step is in flight (that step would be wasted).
                 victim = max((r for r in self.running
@@ -221,6 +234,8 @@ class Scheduler(ForkGroups):
             self._schedule(out, request, start, num_new, end)
             scheduled_running.append(request)
             budget -= num_new
+        if scheduled_running and any(r.spec_token_ids for r in scheduled_running):
+            budget = self._add_drafts(out, budget)
 
         # Requests whose grammar is still compiling step aside (put back below), so that
         # they hold up nobody behind them.

@@ -53,7 +53,7 @@ def mean_step_seconds(core, device: str, steps: int) -> float:
 
 def replay_seconds(graphs, b: int, device: str) -> float:
     """Median time of replaying the CUDA graph that serves a decode batch of b."""
-    graph = graphs.graphs[next(x for x in graphs.buckets if x >= b)][0]
+    graph = graphs.graphs[next(x for x in graphs.buckets if x >= b)]
     return median_seconds(graph.replay, device, 20)
 
 

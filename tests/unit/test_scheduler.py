@@ -199,3 +199,24 @@ def test_accepted_drafts_advance_and_a_stop_among_them_ends_the_request() -> Non
     _, finished = sched.update(out, [14], [3])  # the stop token 8 ends it; 13 and 14 are dropped
     assert finished == [a] and a.output_token_ids == [7, 5, 6, 11, 12, 8] and a.status == RequestStatus.FINISHED_STOPPED
     assert sched.kv.num_free_blocks == 64
+
+
+def test_drafts_come_after_every_running_requests_token() -> None:
+    """One request's drafts never take the block or the budget another running
+    request needs for its one token (it would be preempted or skipped for them)."""
+    sched = make_scheduler(num_blocks=5, block_size=4)
+    a, b = add(sched, "a", 7, max_tokens=8), add(sched, "b", 8, max_tokens=8, first_token=20)
+    step(sched)  # a holds 2 blocks (its next token fits), b 2 (its next token needs a third)
+    a.spec_token_ids = [5, 6, 9]
+    out = sched.schedule()
+    assert not out.preempted
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1)]
+    sched.update(out, [7, 7], [0, 0])
+    # The budget: b's token first, then as many of a's drafts as are left room for.
+    sched = make_scheduler(budget=3, block_size=4)
+    a, b = add(sched, "a", 2, max_tokens=8), add(sched, "b", 1, max_tokens=8, first_token=20)
+    step(sched)
+    a.spec_token_ids = [5, 6, 9]
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_new_tokens, list(s.draft_token_ids)) for s in out.scheduled] == \
+        [("a", 2, [5]), ("b", 1, [])]

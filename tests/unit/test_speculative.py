@@ -173,3 +173,87 @@ def test_cuda_graphs_take_verify_steps() -> None:
     assert not graphs.can_run(step([4, 4, 2], [20, 20, 30], 10))  # more tokens than the largest graph
     assert not graphs.can_run(step([3], [3], 3))  # no cached context: a prompt
     assert not graphs.can_run(step([2], [65], 2))  # past the graphs' context
+
+
+@pytest.mark.parametrize("bad", ["a", "b"])
+def test_unusable_logits_fail_the_request_whose_row_they_are(llama_dir: Path, monkeypatch, bad: str) -> None:
+    """A request with d drafts has d + 1 sampler rows: a bad row is mapped to its
+    request, not read as one row per request (which named another request, or ran off
+    the list and took the engine down)."""
+    from engine.engine_core import EngineCore
+    from engine.errors import RequestsFailed
+
+    monkeypatch.setattr(speculator_module, "propose_ngram", lambda seq, room, *_: [5] * room if seq[0] == 7 else [])
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=64,
+                                   speculative_config={"num_speculative_tokens": 4}))
+    core.add_request("a", [7, 8, 9, 7, 8], GREEDY)
+    core.add_request("b", [3, 4, 3, 4, 3], GREEDY)
+    core.step()
+    original = core.runner.sampler.sample
+
+    def sample(logits, rows, drafts=None):
+        assert drafts is not None and len(rows) == 6  # a: 4 drafts + 1, b: 1
+        logits = logits.clone()
+        logits[0 if bad == "a" else 5] = float("nan")
+        return original(logits, rows, drafts)
+
+    monkeypatch.setattr(core.runner.sampler, "sample", sample)
+    with pytest.raises(RequestsFailed) as failed:
+        core.step()
+    assert failed.value.request_ids == [bad]
+    core.close()
+
+
+def test_cuda_graph_inputs_of_every_step(llama_dir: Path, monkeypatch) -> None:
+    """The graph runner's input copies for each step a speculating engine makes (the
+    replay itself needs a GPU): a request holding blocks past its context (rejected
+    drafts' slots) still fits the graphs' block tables, and a verify step gets a row
+    per token, each over the context up to its token."""
+    import numpy as np
+    import torch
+
+    from engine import cuda_graphs
+    from engine.engine_core import EngineCore
+    from engine.runner import build_step_inputs
+
+    block, context = 8, 32
+    monkeypatch.setattr(cuda_graphs, "MAX_CONTEXT", context)
+    # Wrong drafts once, at 30 tokens: slots up to 33 are taken (5 blocks), then the context is back at 31.
+    monkeypatch.setattr(speculator_module, "propose_ngram", lambda seq, room, *_: [5] * room if len(seq) in (22, 30) else [])
+    core = EngineCore(EngineConfig(model=str(llama_dir), num_kv_blocks=64, block_size=block, max_model_len=128,
+                                   enable_prefix_caching=False, speculative_config={"num_speculative_tokens": 4}))
+    graphs = object.__new__(cuda_graphs.CudaGraphRunner)  # buffers only: no capture without a GPU
+    graphs.buckets, graphs.max_context, graphs.device = cuda_graphs.batch_buckets(8, 40), context, torch.device("cpu")
+    n = graphs.buckets[-1]
+    graphs.input_ids, graphs.positions = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+    graphs.slot_mapping, graphs.seq_lens = torch.full((n,), -1), torch.ones(n, dtype=torch.int32)
+    graphs.block_tables = torch.zeros((n, context // block), dtype=torch.int32)
+    graphs.logits = torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 3)  # row i holds i
+
+    class Replay:
+        def replay(self) -> None:
+            pass
+
+    graphs.graphs = {size: Replay() for size in graphs.buckets}
+    replayed = []
+    launch = core.runner.launch
+
+    def checked(scheduled, block_tables, *args, **kwargs):
+        inputs = build_step_inputs(scheduled, block_tables, block)
+        if graphs.can_run(inputs):
+            logits = graphs.run(inputs, core.runner.upload(inputs))
+            b = len(inputs.input_ids)
+            assert logits[:, 0].tolist() == list(range(b)) == inputs.logits_indices.tolist()
+            assert graphs.seq_lens[:b].tolist() == (inputs.positions + 1).tolist()
+            rows = np.repeat(np.arange(len(inputs.query_lens)), inputs.query_lens)
+            width = min(graphs.block_tables.shape[1], block_tables.shape[1])
+            assert (graphs.block_tables[:b, :width].numpy() == block_tables[rows, :width]).all()
+            replayed.append(b)
+        return launch(scheduled, block_tables, *args, **kwargs)
+
+    monkeypatch.setattr(core.runner, "launch", checked)
+    core.add_request("r", list(range(10, 30)), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    while core.has_unfinished():
+        core.step()
+    core.close()
+    assert 5 in replayed and 1 in replayed  # verify steps (a token and 4 drafts) and decode steps
