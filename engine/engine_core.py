@@ -234,6 +234,7 @@ class EngineCore:
         request = Request(request_id, list(prompt_token_ids), params, priority=priority)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.config.device)
+            request.keyed_draws = self.speculator is not None
         if params.structured_outputs is not None:
             request.grammar = self._grammar_state(params, prompt_token_ids[len(prompt_token_ids) - resumed:])
             # A compile that is over (a cache hit, or a description xgrammar refused at

@@ -89,6 +89,7 @@ class Request:
     num_drafts_offered: int = 0
     num_drafts_accepted: int = 0
     speculates: bool = True
+    keyed_draws: bool = False  # its engine speculates: seeded draws are keyed on position (SamplingRow)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -141,7 +142,7 @@ class Request:
         """What the sampler reads of this request. Built once, at its first sample (after
         `generator` is set), and valid from then on: its token lists grow in place."""
         return SamplingRow(self.sampling_params, self.prompt_token_ids, self.output_token_ids,
-                           self.generator, self.grammar)
+                           self.generator, self.grammar, self.keyed_draws)
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -10,6 +10,7 @@ describe the raw model distribution, before any of those steps.
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -40,6 +41,11 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # tokens generated so far for this request
     generator: torch.Generator | None  # None = the sampler's shared generator
     grammar: GrammarState | None = None  # structured outputs: its matcher, at the tokens so far
+    # Speculative decoding: a seeded row draws from a generator keyed on its seed and
+    # output position, not from `generator` in turn. How many rows a request's steps
+    # have depends on its drafts and on what else runs (the budget, free blocks); its
+    # draws must not, so that a seeded request gives the same tokens in any batch.
+    keyed_draws: bool = False
     # Greedy, and nothing but min_tokens alters the logits (read once per row per step).
     plain_greedy: bool = field(init=False)
     has_controls: bool = field(init=False)  # logit_bias, allowed_token_ids or bad_words
@@ -49,6 +55,13 @@ class SamplingRow:
         self.has_controls = self.params.has_token_controls
         self.plain_greedy = (self.params.temperature < _GREEDY_EPS and not self.params.has_penalties
                              and not self.has_controls)
+
+    def draw_generator(self) -> torch.Generator | None:
+        """The generator this row draws from (None: the sampler's shared one)."""
+        if not self.keyed_draws or self.generator is None:
+            return self.generator
+        key = hashlib.blake2b(f"{self.params.seed}:{len(self.output_token_ids)}".encode(), digest_size=8)
+        return make_generator(int.from_bytes(key.digest(), "little") >> 1, self.generator.device)
 
     def after(self, drafts: Sequence[int]) -> SamplingRow:
         """This row as it will stand once `drafts` are accepted (speculative decoding:
@@ -243,31 +256,32 @@ class Sampler:
             x = torch.empty_like(x).scatter_(1, order, sx)
         probs = x.softmax(-1)
         # Exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i.
-        noise = self._noise(rows, n, vocab, dev)
+        generators = [r.draw_generator() for r in rows]
+        noise = self._noise(generators, n, vocab, dev)
         unusable = probs.isnan().any(-1)
         if drafts is None:
             return (probs / noise).argmax(-1), unusable, None
         has = drafts >= 0
         column = drafts.clamp_min(0).unsqueeze(1)
         p_draft = probs.gather(1, column).squeeze(1)
-        accepted = has & (self._uniform(rows, n, dev) < p_draft)
+        accepted = has & (self._uniform(generators, n, dev) < p_draft)
         # On rejection: p without the draft (the race needs no renormalising).
         residual = probs.scatter(1, column, torch.where(has, 0.0, p_draft).unsqueeze(1))
         return torch.where(accepted, drafts, (residual / noise).argmax(-1)), unusable, accepted
 
-    def _uniform(self, rows: list[SamplingRow], n: int, dev: torch.device) -> torch.Tensor:
+    def _uniform(self, generators: list[torch.Generator | None], n: int, dev: torch.device) -> torch.Tensor:
         """[n] U[0, 1) draws; a seeded row draws one from its own generator."""
         u = torch.empty(n, device=dev).uniform_(generator=self._shared_gen(dev))
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                u[i] = torch.empty(1, device=r.generator.device).uniform_(generator=r.generator).to(dev)[0]
+        for i, g in enumerate(generators):
+            if g is not None:
+                u[i] = torch.empty(1, device=g.device).uniform_(generator=g).to(dev)[0]
         return u
 
-    def _noise(self, rows: list[SamplingRow], n: int, vocab: int,
+    def _noise(self, generators: list[torch.Generator | None], n: int, vocab: int,
                dev: torch.device) -> torch.Tensor:
         """[n, vocab] Exp(1) noise; seeded rows draw exactly [vocab] each so batching can't
         shift their stream."""
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        unseeded = [i for i, g in enumerate(generators) if g is None]
         if len(unseeded) == n:
             noise = torch.empty(n, vocab, device=dev).exponential_(generator=self._shared_gen(dev))
         else:
@@ -276,9 +290,8 @@ class Sampler:
                 idx = small_tensor(dev, unseeded)
                 draw = torch.empty(len(unseeded), vocab, device=dev)
                 noise.index_copy_(0, idx, draw.exponential_(generator=self._shared_gen(dev)))
-            for i, r in enumerate(rows):
-                if r.generator is not None:
-                    g = r.generator
+            for i, g in enumerate(generators):
+                if g is not None:
                     noise[i] = torch.empty(vocab, device=g.device).exponential_(generator=g).to(dev)
         # A zero draw would turn 0/0 into NaN, which argmax treats as the maximum.
         return noise.clamp_min_(torch.finfo(torch.float32).tiny)

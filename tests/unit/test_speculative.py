@@ -257,3 +257,25 @@ def test_cuda_graph_inputs_of_every_step(llama_dir: Path, monkeypatch) -> None:
         core.step()
     core.close()
     assert 5 in replayed and 1 in replayed  # verify steps (a token and 4 drafts) and decode steps
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llama_dir: Path, monkeypatch) -> None:
+    """How many rows a request's steps have depends on its drafts and on the others
+    (budget, free blocks); a seeded request's draws are keyed on its position, so it
+    gives the same tokens alone and in a crowded batch, and choice i of n equals a
+    single request seeded seed + i."""
+    monkeypatch.setattr(speculator_module, "propose_ngram", lambda seq, room, *_: ([seq[-1], seq[-2]] * room)[:room])
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    seeded = SamplingParams(max_tokens=32, temperature=0.8, seed=1234, ignore_eos=True)
+    alone = LLM(str(llama_dir), num_kv_blocks=64, speculative_config=spec)
+    crowded = LLM(str(llama_dir), num_kv_blocks=64, max_num_batched_tokens=8, speculative_config=spec)
+    first = alone.generate([PROMPTS[3]], seeded, use_tqdm=False)[0].token_ids
+    others = [PROMPTS[4], [20, 21, 22] * 8, [30, 31] * 10]
+    outs = crowded.generate([PROMPTS[3], *others], [seeded] + [GREEDY] * 3, use_tqdm=False)
+    assert outs[0].token_ids == first
+    assert alone.core.speculator.stats.num_draft_tokens > 0 and crowded.core.speculator.stats.num_draft_tokens > 0
+    group = crowded.generate([PROMPTS[3]], SamplingParams(n=3, max_tokens=24, temperature=0.8, seed=77,
+                                                          ignore_eos=True), use_tqdm=False)[0]
+    for i, choice in enumerate(group.sequences):
+        single = SamplingParams(max_tokens=24, temperature=0.8, seed=77 + i, ignore_eos=True)
+        assert choice.token_ids == alone.generate([PROMPTS[3]], single, use_tqdm=False)[0].token_ids
