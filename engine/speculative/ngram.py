@@ -18,18 +18,25 @@ def propose_ngram(tokens: Sequence[int], max_drafts: int, min_n: int, max_n: int
     if max_drafts < 1 or length < min_n + 1:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # Windows that start early enough to have a token after them (not the suffix itself).
-        windows = sliding_window_view(arr[:length - 1], n)
-        hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
-        if len(hits):
-            # Copy on from there. A copy that reaches the end copies its own drafts
-            # on: the match is one period of a repeating pattern back, and the pattern
-            # goes on repeating (a run of one token drafts k of it, not one).
-            start = int(hits[-1]) + n
-            drafts = arr[start:start + max_drafts].tolist()
-            period = length - start
-            while len(drafts) < max_drafts:
-                drafts.append(drafts[len(drafts) - period])
-            return drafts
-    return []
+    # One pass over the sequence finds where its last min_n tokens occurred earlier
+    # (windows that end before its last token); longer n-grams are those matches that
+    # extend further back, checked on the matches alone.
+    windows = sliding_window_view(arr[:length - 1], min_n)
+    hits = np.flatnonzero((windows == arr[length - min_n:]).all(axis=1))
+    for extra in range(1, min(max_n, length - 1) - min_n + 1):
+        longer = hits[hits >= extra]
+        longer = longer[arr[longer - extra] == arr[length - min_n - extra]]
+        if not len(longer):
+            break
+        hits = longer
+    if not len(hits):
+        return []
+    # Copy on from the latest match. A copy that reaches the end copies its own drafts
+    # on: the match is one period of a repeating pattern back, and the pattern goes
+    # on repeating (a run of one token drafts k of it, not one).
+    start = int(hits[-1]) + min_n
+    drafts = arr[start:start + max_drafts].tolist()
+    period = length - start
+    while len(drafts) < max_drafts:
+        drafts.append(drafts[len(drafts) - period])
+    return drafts

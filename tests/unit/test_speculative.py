@@ -5,6 +5,7 @@ across chunked prefill, prefix caching, preemption, max_tokens and logprobs."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,25 @@ def test_ngram_proposals() -> None:
     # A repeating pattern repeats on past the sequence's end.
     assert propose_ngram([1, 1], 3, 1, 2) == [1, 1, 1]
     assert propose_ngram([9, 4, 5, 6, 4, 5, 6, 4], 5, 1, 3) == [5, 6, 4, 5, 6]
+
+
+def test_ngram_proposals_match_a_brute_force_search() -> None:
+    def brute(tokens: list[int], max_drafts: int, min_n: int, max_n: int) -> list[int]:
+        for n in range(max_n, min_n - 1, -1):
+            for i in range(len(tokens) - n - 1, -1, -1):  # latest first; a token must follow the match
+                if n < len(tokens) and tokens[i:i + n] == tokens[len(tokens) - n:]:
+                    ext = list(tokens)
+                    while len(ext) < len(tokens) + max_drafts:
+                        ext.append(ext[i + n + len(ext) - len(tokens)])
+                    return ext[len(tokens):]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.randint(1, 6)) for _ in range(rng.randint(1, 50))]
+        lo, hi = sorted((rng.randint(1, 4), rng.randint(1, 6)))
+        m = rng.randint(1, 6)
+        assert propose_ngram(tokens, m, lo, hi) == brute(tokens, m, lo, hi), (tokens, m, lo, hi)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
