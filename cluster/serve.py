@@ -22,6 +22,8 @@ import uvicorn
 from cluster.config import ClusterConfig
 from cluster.http_protocol import with_header_deadline
 from cluster.launcher import RouterHooks, Workers, launcher_for
+from engine.model.config import ModelConfig, max_model_len
+from engine.speculative.draft_check import check_draft
 from engine.tokenizer import TOKENIZER_FILES, has_tokenizer
 from router.app import Router, create_app
 from router.config import ModelLimits
@@ -65,6 +67,14 @@ def check_servable(config: ClusterConfig) -> None:
         raise ValueError(f"model {config.model!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}): the router "
                          "needs one to read prompts and write text (with load_format dummy too: put the "
                          "tokenizer's files beside its config.json)")
+    engine = config.engine_config("decode")
+    spec = engine.speculative_config
+    if spec is not None and spec.method == "draft_model" and (Path(config.model) / "config.json").is_file():
+        target = ModelConfig.from_model_dir(config.model)
+        try:
+            check_draft(engine, target, max_model_len(engine, target))
+        except ValueError as exc:  # else every decode worker fails the same way once started
+            raise ValueError(f"decode.engine.{exc}") from None
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -30,7 +30,6 @@ import dataclasses
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,7 +45,7 @@ from engine.model.loader import TORCH_DTYPES
 from engine.request import Request
 from engine.runner import ModelRunner, StepInputs, allocate_kv_cache, build_step_inputs
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.tokenizer import has_tokenizer, load_tokenizer
+from engine.speculative.draft_check import check_draft, load_failure
 
 
 @dataclass
@@ -60,56 +59,19 @@ class LoadedDraft:
 
 
 def load_draft(config: EngineConfig, target: ModelConfig, model_len: int) -> LoadedDraft:
-    """Check config.speculative_config.model against the target model (config.model,
-    serving model_len tokens) and load it: unsharded, with the target's dtype, device
-    and load format. Raises ValueError naming speculative_config.model and the reason."""
+    """Check config.speculative_config.model against the target model (check_draft)
+    and load it: unsharded, with the target's dtype, device and load format. Raises
+    ValueError naming speculative_config.model and the reason."""
     spec = config.speculative_config
-    where = f"speculative_config.model {spec.model!r}"
-    try:
-        draft = ModelConfig.from_model_dir(spec.model)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{where} does not load as a draft model: {_reason(exc)}") from exc
-    if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"{where} has a vocabulary of {draft.vocab_size} tokens, the target model "
-                         f"{target.vocab_size}: a draft must share the target's vocabulary")
-    context = min(draft.max_position_embeddings, draft.sliding_window or draft.max_position_embeddings)
-    if context < model_len:
-        raise ValueError(f"{where} supports {context} positions (its max_position_embeddings"
-                         f"{' and sliding_window' if draft.sliding_window else ''}), fewer than the target's "
-                         f"max_model_len {model_len}: its drafts could not reach the end of a sequence; "
-                         f"set max_model_len <= {context}, or use a draft with a longer context")
-    mismatch = _tokenizer_mismatch(config.model, spec.model)
-    if mismatch is not None:
-        raise ValueError(f"{where}: its tokenizer's vocabulary differs from the target model's ({mismatch}): "
-                         "a draft must share the target's vocabulary")
+    draft = check_draft(config, target, model_len)
     draft_config = dataclasses.replace(config, model=spec.model, tensor_parallel_size=1, max_model_len=model_len,
                                        speculative_config=None)
     try:
         model, _, backend, _ = build_rank_model(draft_config)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{where} does not load as a draft model: {_reason(exc)}") from exc
+        raise ValueError(f"speculative_config.model {spec.model!r} does not load as a draft model: "
+                         f"{load_failure(exc)}") from exc
     return LoadedDraft(model, draft, backend)
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, KeyError):  # a field config.json lacks
-        return f"its config.json has no {exc.args[0]!r}"
-    return str(exc)
-
-
-def _tokenizer_mismatch(target_dir: str, draft_dir: str) -> str | None:
-    """How the two directories' tokenizers map token strings differently; None when
-    they agree, or when either directory has no tokenizer (the engine needs none)."""
-    if Path(target_dir).resolve() == Path(draft_dir).resolve():
-        return None
-    if not (has_tokenizer(target_dir) and has_tokenizer(draft_dir)):
-        return None
-    files = [Path(d) / "tokenizer.json" for d in (target_dir, draft_dir)]
-    if all(f.is_file() for f in files) and files[0].read_bytes() == files[1].read_bytes():
-        return None  # the same tokenizer: no need to load either
-    ours, theirs = load_tokenizer(target_dir).get_vocab(), load_tokenizer(draft_dir).get_vocab()
-    differ = sorted(t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t))
-    return f"{len(differ)} token strings have other ids, e.g. {differ[:3]}" if differ else None
 
 
 class DraftModelProposer:

@@ -49,3 +49,30 @@ def test_the_local_launcher_checks_the_port_before_it_starts_workers(monkeypatch
         config = ClusterConfig.from_dict({"model": "m", "router": {"port": taken.getsockname()[1]}})
         with pytest.raises(ValueError, match="cannot be bound"):
             LocalLauncher().serve(config, detach=False)
+
+
+def test_a_draft_model_that_cannot_serve_is_refused_before_any_worker_starts(llama_dir: Path, tmp_path: Path,
+                                                                            monkeypatch) -> None:
+    """decode.engine.speculative_config.model is checked as the engine would check it,
+    before the workers load (else each decode worker fails the same way, late)."""
+    import cluster.serve as serve_module
+
+    monkeypatch.setattr(serve_module, "launcher_for", lambda config: pytest.fail("a worker was started"))
+
+    def config(model: str, **engine) -> ClusterConfig:
+        spec = {"model": model, "num_speculative_tokens": 3}
+        return ClusterConfig.from_dict({"model": str(llama_dir), "prefill": {"replicas": 0},
+                                        "decode": {"engine": {"speculative_config": spec, **engine}}})
+
+    with pytest.raises(ValueError, match=r"^decode\.engine\.speculative_config\.model '/nowhere' does not load"):
+        build(config("/nowhere"))
+    other = json.loads((llama_dir / "config.json").read_text())
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text(json.dumps({**other, "vocab_size": 500}))
+    with pytest.raises(ValueError, match=r"vocabulary of 500 tokens, the target model 384"):
+        build(config(str(tmp_path / "small")))
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "config.json").write_text(json.dumps({**other, "max_position_embeddings": 64}))
+    with pytest.raises(ValueError, match=r"supports 64 positions .* fewer than the target's max_model_len"):
+        build(config(str(tmp_path / "short")))
+    check_servable(config(str(tmp_path / "short"), max_model_len=64))  # within its context: fine
