@@ -124,7 +124,13 @@ def await_serving(w: Worker, timeout: float) -> None:
 
 
 def _expect(w: Worker, kind: type[Ready] | type[Serving]) -> Ready | Serving:
-    message = CONTROL_MESSAGES.decode(w.control.recv_bytes())
+    try:
+        data = w.control.recv_bytes()
+    except EOFError:  # it died starting: its own log above says why
+        w.process.join(5)
+        raise RuntimeError(f"worker {w.name} exited with {w.process.exitcode} before it was "
+                           f"{kind.__name__.lower()} (its error is logged above)") from None
+    message = CONTROL_MESSAGES.decode(data)
     if not isinstance(message, kind):
         raise RuntimeError(f"worker {w.name} sent {type(message).__name__}, expected {kind.__name__}")
     return message
