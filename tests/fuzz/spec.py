@@ -23,6 +23,7 @@ or hang, and once everything ended every KV block is free.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -35,6 +36,7 @@ from typing import Any
 from unittest import mock
 
 from engine import LLM
+from engine.attention import cpu_decode
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import Request, RequestStatus
@@ -182,6 +184,12 @@ def draw_case(seed: int, oracle: SpecOracle, structured: float = 0.0
                   speculative_config=spec)
     if rng.random() < 0.15:  # a short context: room for drafts ends at it
         engine["max_model_len"] = max(2, max(lengths) - rng.choice((0, 0, 1)))
+    extra = random.Random(f"spec-engine-{seed}")  # a stream of its own: the draws above stay as they were
+    if extra.random() < 0.1:  # the most drafts a step verifies: 17 rows of one sequence
+        spec["num_speculative_tokens"] = extra.choice((8, 16))
+    # the torch backend's decode rows: the C kernel, or (no kernel) the blocked torch path;
+    # or the reference backend
+    engine["attention_backend"] = extra.choice(("auto", "auto", "auto", "no_kernel", "reference"))
     return engine, mode, rng.choice(("ngram", "oracle", "oracle")), requests
 
 
@@ -193,17 +201,24 @@ def _fits_engine(engine: dict[str, Any], s: ReqSpec) -> bool:
 # ----------------------------------------------------------------------------- a run
 
 def run_seed(model: str | Path, seed: int, oracle: SpecOracle, structured: float = 0.0,
-             wall_limit_s: float = 60.0) -> SeedResult:
+             wall_limit_s: float = 60.0, device: str = "cpu") -> SeedResult:
     """Run the seed's case under speculation; its problems are empty when it passed."""
     res = SeedResult(seed)
     engine, mode, kind, specs = draw_case(seed, oracle, structured)
+    engine["device"] = device
     proposer = Proposer(kind, random.Random(f"spec-proposer-{seed}"))
-    for s in specs:
+    for s in specs:  # the oracle's outputs first, so that nothing patched below runs them
         params = spec_params(s)
         if params.greedy:
-            proposer.refs.append((tuple(s.prompt), oracle.expect(s.prompt, params.child(0)).token_ids))
+            for j in range(params.n):
+                out = oracle.expect(s.prompt, params.child(j))
+            proposer.refs.append((tuple(s.prompt), out.token_ids))
     core = None
-    with mock.patch.object(speculator_module, "propose_ngram", proposer):
+    no_kernel = engine["attention_backend"] == "no_kernel"
+    if no_kernel:
+        engine = dict(engine, attention_backend="auto")
+    with mock.patch.object(speculator_module, "propose_ngram", proposer), \
+            (mock.patch.object(cpu_decode, "load", lambda: None) if no_kernel else contextlib.nullcontext()):
         try:
             if mode == "llm":
                 llm = LLM(str(model), **engine)
@@ -223,8 +238,11 @@ def run_seed(model: str | Path, seed: int, oracle: SpecOracle, structured: float
         res.stats.update(draft_tokens=stats.num_draft_tokens, accepted=stats.num_accepted_tokens,
                          rejected=stats.num_draft_tokens - stats.num_accepted_tokens, disabled=stats.num_disabled,
                          preemptions=core.scheduler.num_preemptions, cache_hits=core.kv.pool.num_cache_hits,
-                         oracle_known=proposer.counts["known"])
-    res.problems = [f"seed {seed}: {p} | {mode} engine {engine} proposer {kind}" for p in res.problems]
+                         oracle_known=proposer.counts["known"], no_kernel=no_kernel,
+                         reference_backend=engine["attention_backend"] == "reference",
+                         k_over_6=core.speculator.config.num_speculative_tokens > 6)
+    res.problems = [f"seed {seed}: {p} | {mode} engine {engine}{' no C kernel' if no_kernel else ''} proposer {kind}"
+                    for p in res.problems]
     return res
 
 
@@ -354,6 +372,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0:100", help="START:END")
     parser.add_argument("--structured", type=float, default=0.0,
                         help="fraction of greedy requests under a structured_outputs constraint")
+    parser.add_argument("--device", default="cpu", help="the engines' device (the oracle's too)")
     args = parser.parse_args()
     start, stop = map(int, args.seeds.split(":"))
     import torch
@@ -362,11 +381,11 @@ def main() -> None:
     from tests.tiny_models import build_tiny_model
 
     model = build_tiny_model("llama", Path(tempfile.mkdtemp()) / "llama")
-    oracle = SpecOracle(model)
+    oracle = SpecOracle(model, args.device)
     t0 = time.monotonic()
     problems, totals = [], Counter()
     for seed in range(start, stop):
-        res = run_seed(model, seed, oracle, args.structured)
+        res = run_seed(model, seed, oracle, args.structured, device=args.device)
         problems += res.problems
         totals.update(res.stats)
         for p in res.problems:

@@ -24,9 +24,9 @@ class SpecOracle:
     """Each request alone in a roomy engine without speculation (and without prefix
     caching, so every prompt is computed from scratch); cached by prompt and params."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, device: str = "cpu") -> None:
         self.llm = LLM(str(model_dir), num_kv_blocks=256, block_size=16, max_num_batched_tokens=2048,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, device=device)
         self._cache: dict[tuple, RequestOutput] = {}
 
     def expect(self, prompt: list[int], params: SamplingParams) -> RequestOutput:

@@ -172,8 +172,9 @@ def _two_sample_p(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def joint_runs(llama_dir: Path):
-    """(pairs without drafts, pairs with a likely draft for the second token, the
-    draft per first token); one engine each, drafts from an oracle proposer."""
+    """(the plain engine, the draft for each first token top_k lets through (its
+    likeliest successor), the (first, second) token pairs without drafts, the engine
+    options)."""
     options = dict(num_kv_blocks=256, max_num_seqs=256, max_num_batched_tokens=2048)
     plain = LLM(str(llama_dir), seed=1, **options)
     draft = {t: _top(plain, PROMPT + [t], 1)[0] for t in _top(plain, PROMPT, 3)}  # top_k 3: the first tokens
