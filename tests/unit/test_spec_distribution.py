@@ -35,6 +35,16 @@ ALPHA = 1e-4  # p-values below this fail (the seeds are fixed: the outcomes are 
 CONFIGS = [dict(temperature=1.0), dict(temperature=0.6, top_k=5), dict(temperature=1.4, top_k=8, top_p=0.8)]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: the tiny model's steps are all overhead, and two threads on a
+    shared 2-core machine only contend (as tests/fuzz/test_fuzz_schedules.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def processed(temperature: float, top_k: int = -1, top_p: float = 1.0) -> np.ndarray:
     """[VOCAB] float64: the distribution a row with these params samples from (vLLM's
     filters: the top_k largest, then the smallest head whose mass reaches top_p)."""
@@ -142,7 +152,7 @@ def test_seeded_rows_with_drafts_are_deterministic() -> None:
 
 PROMPT = [11, 12, 13, 14]
 JOINT = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
-REQUESTS = 1000
+REQUESTS = 3000
 
 
 def _top(model: LLM, prefix: list[int], k: int) -> list[int]:
