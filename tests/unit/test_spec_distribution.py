@@ -79,10 +79,19 @@ def fit_p(counts: np.ndarray, p: np.ndarray, draft: int) -> float:
 
 
 class BiasedSampler(Sampler):
-    """Accepts a draft with probability min(1, 1.02 p(draft)): 2% too often."""
+    """Accepts a draft with probability min(1, 1.02 p(draft)), 2% too often: a row that
+    rejected its draft takes it anyway with probability 0.02 p / (1 - p) (p: the
+    draft's probability, the same in every row here)."""
 
-    def _uniform(self, rows, n, dev):
-        return super()._uniform(rows, n, dev) / 1.02
+    def __init__(self, p_draft: float, seed: int) -> None:
+        super().__init__([], seed=seed)
+        self.flip = min(1.0, 0.02 * p_draft / (1 - p_draft))
+        self.flips = torch.Generator().manual_seed(seed)
+
+    def _sample(self, x, rows, drafts=None):
+        tokens, unusable, accepted = super()._sample(x, rows, drafts)
+        flip = ~accepted & (drafts >= 0) & (torch.rand(len(tokens), generator=self.flips) < self.flip)
+        return torch.where(flip, drafts, tokens), unusable, accepted | flip
 
 
 def drafts_for(p: np.ndarray) -> dict[str, int]:
@@ -100,7 +109,8 @@ def draw(config: int, draft: int, biased: bool = False) -> tuple[np.ndarray, int
     params = SamplingParams(**CONFIGS[config])
     n = LIKELY_DRAWS if draft == int(np.argmax(processed(**CONFIGS[config]))) else OTHER_DRAWS
     rows = [SamplingRow(params, [], [], None)] * n
-    sampler = (BiasedSampler if biased else Sampler)([], seed=10 * config + (draft + 1))
+    seed = 10 * config + (draft + 1)
+    sampler = BiasedSampler(processed(**CONFIGS[config])[draft], seed) if biased else Sampler([], seed=seed)
     out = sampler.sample(LOGITS.expand(n, VOCAB).contiguous(), rows, [draft] * n).result()
     return np.bincount(out.token_ids, minlength=VOCAB), sum(out.accepted)
 
@@ -212,20 +222,56 @@ def test_the_first_two_tokens_are_distributed_as_without_drafts(llama_dir: Path,
 def test_the_joint_test_catches_a_sampler_that_accepts_every_draft(llama_dir: Path, monkeypatch,
                                                                    joint_runs) -> None:
     _, draft, plain, options = joint_runs
-    monkeypatch.setattr(Sampler, "_uniform", lambda self, rows, n, dev: torch.zeros(n, device=dev))
+    sample = Sampler._sample
+
+    def accepts_every_draft(self, x, rows, drafts=None):
+        tokens, unusable, accepted = sample(self, x, rows, drafts)
+        if drafts is None:
+            return tokens, unusable, accepted
+        return torch.where(drafts >= 0, drafts, tokens), unusable, drafts >= 0
+
+    monkeypatch.setattr(Sampler, "_sample", accepts_every_draft)
     spec, _ = _speculative_joint(llama_dir, monkeypatch, draft, options)
     assert _two_sample_p(plain, spec) < ALPHA
 
 
-def test_seeded_requests_give_the_same_tokens_every_run(llama_dir: Path, monkeypatch, joint_runs) -> None:
-    _, draft, _, options = joint_runs
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=8, ignore_eos=True, seed=s) for s in range(40)]
-    monkeypatch.setattr(speculator_module, "propose_ngram",  # likely after the first token, else unlikely
-                        lambda tokens, room, *_: [draft.get(tokens[-1], tokens[-1])] * min(room, 2))
-    runs = []
-    for _ in range(2):
-        model = LLM(str(llama_dir), speculative_config={"num_speculative_tokens": 2}, **options)
-        runs.append([o.token_ids for o in model.generate([PROMPT] * 40, params, use_tqdm=False)])
-        assert model.core.speculator.stats.num_accepted_tokens > 0
-    assert runs[0] == runs[1]
-    assert len({tuple(t) for t in runs[0]}) > 10  # the seeds do differ
+def test_a_seeded_request_gives_the_same_tokens_whatever_its_drafts(llama_dir: Path, monkeypatch) -> None:
+    """Its draws are keyed on its output position, and a sampled row's token does not
+    depend on whether it verifies a draft: the same seeded request gives the same
+    tokens with drafts at every step, none, drafts that are all right, drafts cut short
+    by a budget of 2, and in a batch with others (whose drafts come first or after)
+    (/work/shared/repro/issue21/seeded_tokens_depend_on_budget.py)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    pattern = [3, 4] * 12 + [5]
+    others = [[20, 21, 22] * 8, [30, 31] * 10, PROMPT]
+    params = [SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=seed, ignore_eos=True)
+              for seed in range(8)]
+
+    def run(proposer, batch: bool = False, **options) -> list[list[int]]:
+        monkeypatch.setattr(speculator_module, "propose_ngram", proposer)
+        model = LLM(str(llama_dir), num_kv_blocks=128, speculative_config=spec, **options)
+        got = []
+        for i, p in enumerate(params):
+            current[0] = i
+            prompts, ps = ([pattern, *others], [p] * 4) if batch else ([pattern], [p])
+            got.append(model.generate(prompts, ps, use_tqdm=False)[0].token_ids)
+        stats = model.core.speculator.stats
+        runs.append((stats.num_draft_tokens, stats.num_accepted_tokens))
+        return got
+
+    runs: list[tuple[int, int]] = []
+    current = [0]  # the index of the request being run
+    every_step = run(lambda seq, room, *_: ([seq[-1], seq[-2]] * room)[:room])
+
+    def right(seq, room, *_):  # the request's own tokens from the run above
+        whole = pattern + every_step[current[0]]
+        return whole[len(seq):len(seq) + room] if seq == whole[:len(seq)] else []
+
+    assert run(lambda seq, room, *_: []) == every_step
+    assert run(right) == every_step
+    assert run(lambda seq, room, *_: ([seq[-1], seq[-2]] * room)[:room], max_num_batched_tokens=2) == every_step
+    assert run(lambda seq, room, *_: ([seq[-2], seq[-1]] * room)[:room], batch=True,
+               max_num_batched_tokens=8) == every_step
+    assert len({tuple(t) for t in every_step}) == len(params)  # the seeds do differ
+    (drafts, accepted), _, (right_drafts, right_accepted), *_ = runs
+    assert 0 < accepted < drafts and right_drafts > 0 and right_accepted == right_drafts
