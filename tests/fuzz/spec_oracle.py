@@ -25,14 +25,22 @@ class SpecOracle:
     caching, so every prompt is computed from scratch); cached by prompt and params."""
 
     def __init__(self, model_dir: str | Path, device: str = "cpu") -> None:
-        self.llm = LLM(str(model_dir), num_kv_blocks=256, block_size=16, max_num_batched_tokens=2048,
-                       enable_prefix_caching=False, device=device)
+        options = dict(num_kv_blocks=256, block_size=16, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                       device=device)
+        self.llm = LLM(str(model_dir), **options)
+        # Seeded sampling under speculation: its draws are keyed on the output position,
+        # so a request gives the same tokens whatever its drafts (any engine that speculates).
+        self.speculative = LLM(str(model_dir), speculative_config={"num_speculative_tokens": 3}, **options)
         self._cache: dict[tuple, RequestOutput] = {}
 
     def expect(self, prompt: list[int], params: SamplingParams) -> RequestOutput:
+        """What `params` gives alone: greedy without speculation, seeded sampling with it
+        (unseeded sampling has no one answer: not asked)."""
+        assert params.greedy or params.seed is not None, "no oracle for unseeded sampling"
         key = (tuple(prompt), repr(params))
         if key not in self._cache:
-            self._cache[key] = self.llm.generate([list(prompt)], params, use_tqdm=False)[0]
+            llm = self.llm if params.greedy else self.speculative
+            self._cache[key] = llm.generate([list(prompt)], params, use_tqdm=False)[0]
         return self._cache[key]
 
     def text(self, tokens: list[int]) -> str:

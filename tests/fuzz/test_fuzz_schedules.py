@@ -233,8 +233,8 @@ def test_parallel_sampling_groups_fuzz(llama_dir: Path) -> None:
 
 
 # Speculative decoding (tests/fuzz/spec.py; the long run: --seeds 0:400): schedules with
-# n-gram and oracle drafts against the engine without speculation; a third of the
-# seeds with structured outputs.
+# n-gram, oracle and draft-model drafts against the engine without speculation; a third
+# of the seeds with structured outputs.
 SPEC_SEEDS, SPEC_STRUCTURED_SEEDS = range(48), range(48, 72)
 
 
@@ -246,18 +246,20 @@ def spec_oracle(llama_dir: Path):
 
 
 @pytest.mark.timeout(120)
-def test_speculative_decoding_fuzz(llama_dir: Path, spec_oracle) -> None:
-    from tests.fuzz.spec import run_seed
+def test_speculative_decoding_fuzz(llama_dir: Path, spec_oracle, tmp_path: Path) -> None:
+    from tests.fuzz.spec import draft_models, run_seed
 
-    results = [run_seed(llama_dir, seed, spec_oracle) for seed in SPEC_SEEDS]
-    results += [run_seed(llama_dir, seed, spec_oracle, structured=0.5) for seed in SPEC_STRUCTURED_SEEDS]
+    drafts = draft_models(llama_dir, tmp_path)
+    results = [run_seed(llama_dir, seed, spec_oracle, draft_models=drafts) for seed in SPEC_SEEDS]
+    results += [run_seed(llama_dir, seed, spec_oracle, structured=0.5, draft_models=drafts)
+                for seed in SPEC_STRUCTURED_SEEDS]
     assert [p[:3000] for r in results for p in r.problems] == []
     totals: Counter = Counter()
     for r in results:
         totals.update(r.stats)
     # the seeds reach what they are for
     for key in ("accepted", "rejected", "drafts_cut", "disabled", "preemptions", "cache_hits", "aborts", "groups",
-                "stop_strings", "grammar_stops"):
+                "stop_strings", "grammar_stops", "seeded_sampled", "draft_model_seeds", "no_kernel"):
         assert totals[key] > 0, (key, totals)
 
 
