@@ -60,13 +60,24 @@ class Detokenizer:
 
     def add(self, tokens: list[int]) -> tuple[str, bool]:
         """The next output tokens -> (text now safe to show, whether a stop string ended
-        the output). Once it has, the text is final: call flush() only, not add()."""
-        # Where the min_tokens-th token falls inside this batch, the text before it is
-        # exempt from stop strings and so is decoded apart, as if it had come alone.
-        before = self.min_tokens - 1 - len(self.ids)
-        if self.stop and 0 < before < len(tokens):
-            self._extend(tokens[:before])
-            tokens = tokens[before:]
+        the output). Once it has, the text is final: call flush() only, not add().
+
+        With stop strings, tokens that come several at once (a speculative step) are
+        taken one by one, as they would come without drafts: the output ends at the
+        token that completes a stop string, and the tokens after it are not taken
+        (num_tokens counts the output's tokens)."""
+        if self.stop and len(tokens) > 1:
+            text = []
+            for token in tokens:
+                delta, stopped = self._add([token])
+                text.append(delta)
+                if stopped:
+                    return "".join(text), True
+            return "".join(text), False
+        return self._add(tokens)
+
+    def _add(self, tokens: list[int]) -> tuple[str, bool]:
+        """add() of a single token, or of any number without stop strings."""
         pending = self._extend(tokens)
         if self.stop and len(self.ids) >= self.min_tokens:
             # A stop string may be in text held back behind a partial character.

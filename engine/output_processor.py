@@ -86,6 +86,7 @@ class OutputProcessor:
         if state is None:
             raise KeyError(f"finish() of a request never added: {request.request_id!r}")
         text, reason = "", request.status.value
+        token_ids, logprobs = list(request.output_token_ids), request.output_logprobs
         if (detok := state.detok) is not None:
             if not detok.stopped:
                 detok.add(request.output_token_ids[detok.num_tokens:])
@@ -93,10 +94,13 @@ class OutputProcessor:
             text = detok.text
             if detok.stopped:
                 reason = RequestStatus.FINISHED_STOPPED.value
-        logprobs = request.output_logprobs if request.sampling_params.logprobs is not None else None
+                # A speculative step may have taken tokens after the one that completed
+                # the stop string: the output ends at that one, as without drafts.
+                token_ids, logprobs = token_ids[:detok.num_tokens], logprobs[:detok.num_tokens]
+        logprobs = logprobs if request.sampling_params.logprobs is not None else None
         prompt_logprobs = None
         if request.sampling_params.prompt_logprobs is not None:
             prompt_logprobs = [None, *request.prompt_logprobs]
         return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids,
-                             list(request.output_token_ids), text, reason, logprobs,
+                             token_ids, text, reason, logprobs,
                              request.num_cached_tokens, prompt_logprobs=prompt_logprobs)

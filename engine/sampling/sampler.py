@@ -110,12 +110,13 @@ class Sampler:
         to the host; nothing here waits for the device. PendingSample.result() does.
 
         `drafts` (speculative decoding): per row, the draft token it verifies, or -1.
-        A greedy row accepts its draft if it is the argmax. A sampled row accepts it
-        with probability p(draft) under the row's processed distribution p, and on
-        rejection draws from p without the draft, renormalised: rejection sampling
-        against a draft proposed deterministically (Leviathan et al.; Chen et al.),
-        so each token is distributed exactly as p. Either way the row's token is the
-        draft when accepted, else the token drawn in its place."""
+        A greedy row accepts its draft if it is the argmax. A sampled row draws its
+        token from its processed distribution p as without drafts and accepts the
+        draft if that token is the draft: with probability p(draft), and on rejection
+        the token is distributed as p without the draft, renormalised, which is
+        rejection sampling against a draft proposed deterministically (Leviathan et
+        al.; Chen et al.), so each token is distributed exactly as p. Either way the
+        row's token is the draft when accepted, else the token drawn in its place."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
                              f"got {tuple(logits.shape)}")
@@ -259,23 +260,12 @@ class Sampler:
         generators = [r.draw_generator() for r in rows]
         noise = self._noise(generators, n, vocab, dev)
         unusable = probs.isnan().any(-1)
-        if drafts is None:
-            return (probs / noise).argmax(-1), unusable, None
-        has = drafts >= 0
-        column = drafts.clamp_min(0).unsqueeze(1)
-        p_draft = probs.gather(1, column).squeeze(1)
-        accepted = has & (self._uniform(generators, n, dev) < p_draft)
-        # On rejection: p without the draft (the race needs no renormalising).
-        residual = probs.scatter(1, column, torch.where(has, 0.0, p_draft).unsqueeze(1))
-        return torch.where(accepted, drafts, (residual / noise).argmax(-1)), unusable, accepted
-
-    def _uniform(self, generators: list[torch.Generator | None], n: int, dev: torch.device) -> torch.Tensor:
-        """[n] U[0, 1) draws; a seeded row draws one from its own generator."""
-        u = torch.empty(n, device=dev).uniform_(generator=self._shared_gen(dev))
-        for i, g in enumerate(generators):
-            if g is not None:
-                u[i] = torch.empty(1, device=g.device).uniform_(generator=g).to(dev)[0]
-        return u
+        token_ids = (probs / noise).argmax(-1)
+        # A draft is accepted exactly when the race draws it (probability p(draft)); on
+        # rejection the race's token is distributed as p without the draft. The token
+        # is the race's either way: with or without a draft, so a seeded row's tokens
+        # do not depend on how many drafts its steps had.
+        return token_ids, unusable, None if drafts is None else token_ids == drafts
 
     def _noise(self, generators: list[torch.Generator | None], n: int, vocab: int,
                dev: torch.device) -> torch.Tensor:

@@ -230,3 +230,51 @@ def test_parallel_sampling_groups_fuzz(llama_dir: Path) -> None:
     from tests.fuzz.groups import run_seed
 
     assert [p for seed in range(24) for p in run_seed(llama_dir, seed)] == []
+
+
+# Speculative decoding (tests/fuzz/spec.py; the long run: --seeds 0:400): schedules with
+# n-gram, oracle and draft-model drafts against the engine without speculation; a third
+# of the seeds with structured outputs.
+SPEC_SEEDS, SPEC_STRUCTURED_SEEDS = range(48), range(48, 72)
+
+
+@pytest.fixture(scope="module")
+def spec_oracle(llama_dir: Path):
+    from tests.fuzz.spec import SpecOracle
+
+    return SpecOracle(llama_dir)
+
+
+@pytest.mark.timeout(120)
+def test_speculative_decoding_fuzz(llama_dir: Path, spec_oracle, tmp_path: Path) -> None:
+    from tests.fuzz.spec import draft_models, run_seed
+
+    drafts = draft_models(llama_dir, tmp_path)
+    results = [run_seed(llama_dir, seed, spec_oracle, draft_models=drafts) for seed in SPEC_SEEDS]
+    results += [run_seed(llama_dir, seed, spec_oracle, structured=0.5, draft_models=drafts)
+                for seed in SPEC_STRUCTURED_SEEDS]
+    assert [p[:3000] for r in results for p in r.problems] == []
+    totals: Counter = Counter()
+    for r in results:
+        totals.update(r.stats)
+    # the seeds reach what they are for
+    for key in ("accepted", "rejected", "drafts_cut", "disabled", "preemptions", "cache_hits", "aborts", "groups",
+                "stop_strings", "grammar_stops", "seeded_sampled", "draft_model_seeds", "no_kernel"):
+        assert totals[key] > 0, (key, totals)
+
+
+@pytest.mark.timeout(60)
+def test_speculative_fuzz_reports_a_wrongly_accepted_draft(llama_dir: Path, spec_oracle, monkeypatch) -> None:
+    """The speculative fuzzer is not vacuous: drafts taken as accepted when they were
+    not give tokens that differ from the oracle's."""
+    from engine.speculative.speculator import Speculator
+    from tests.fuzz.spec import run_seed
+
+    accepted = Speculator.accepted
+
+    def all_accepted(self, out, sampled):
+        tokens, _, logprobs = accepted(self, out, sampled)
+        return tokens, [len(s.draft_token_ids) for s in out.scheduled if s.samples], logprobs
+
+    monkeypatch.setattr(Speculator, "accepted", all_accepted)
+    assert any(" alone " in p for seed in range(4) for p in run_seed(llama_dir, seed, spec_oracle).problems)

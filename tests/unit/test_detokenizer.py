@@ -130,6 +130,16 @@ def test_how_tokens_are_batched_does_not_change_the_min_tokens_cut(sizes: list[i
         assert stream(detok, chars("a.b.c.d.e", sizes))[0] == expected, (sizes, min_tokens)
 
 
+@pytest.mark.parametrize("sizes", [[1] * 6, [6], [2, 4], [3, 3]])
+def test_a_batch_ends_at_the_token_that_completes_a_stop_string(sizes: list[int]) -> None:
+    """Tokens that come several at once (a speculative step) end where they would one
+    at a time: at the token that completes the first stop string found, the rest not
+    taken (num_tokens: the offline LLM cuts its token ids there)."""
+    detok = Detokenizer(CharTokenizer(), ["bcd", "c"])
+    assert stream(detok, chars("abcdef", sizes)) == ("ab", True)
+    assert detok.num_tokens == 3
+
+
 def test_a_character_completed_at_min_tokens_is_not_exempt() -> None:
     """"é" is two byte tokens: the first before min_tokens, the second at it. The
     character is made by the min_tokens-th token, so a stop string ending in it counts;
