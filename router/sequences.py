@@ -182,7 +182,12 @@ class SequenceGroup:
             seq.last = now
             m.generation_tokens.inc(new)
         seq.cached = max(seq.cached, min(msg.cached, len(seq.prompt)))  # a failover's prompt holds its tokens
+        before = detok.num_tokens
         delta, stopped = detok.add(msg.tokens)
+        tokens, logprobs = msg.tokens, msg.logprobs
+        if stopped:  # a speculative step's tokens after the one that completed the stop string are not output
+            taken = detok.num_tokens - before
+            tokens, logprobs = tokens[:taken], logprobs[:taken]
         finished = msg.finished or stopped
         reason = "stop" if stopped else (msg.reason if msg.finished else None)
         if finished:
@@ -198,7 +203,7 @@ class SequenceGroup:
             if prompt not in self._cached_counted:
                 self._cached_counted.add(prompt)
                 m.prefix_cached_tokens.inc(msg.cached)
-        return Chunk(delta, reason, detok.num_tokens, msg.tokens, msg.logprobs, seq.worker.name,
+        return Chunk(delta, reason, detok.num_tokens, tokens, logprobs, seq.worker.name,
                      (msg.remote if msg.phases else seq.remote) if finished else None, seq.index, seq.cached,
                      prompt_logprobs=msg.prompt_logprobs or None)
 

@@ -78,7 +78,7 @@ class FakeDecodeWorker:
                     self.sock.send_multipart([sender, encode(Rejected(
                         request_id=msg.request_id, error="blocks overwritten", status=500, retry=True))])
                 elif msg.kind == "generate":
-                    active[msg.request_id] = [sender, msg.params.max_tokens]
+                    active[msg.request_id] = [sender, msg.params.max_tokens, msg.params.logprobs is not None]
                 elif msg.kind == "abort":
                     active.pop(msg.request_id, None)
             if time.monotonic() >= next_step and not self.silent.is_set():
@@ -89,7 +89,7 @@ class FakeDecodeWorker:
                     done = state[1] == 0
                     self.sock.send_multipart([state[0], encode(Tokens(
                         request_id=rid, tokens=[TOKEN] * n, finished=done, reason="length" if done else "",
-                        cached=0, phases=dict(self.phases) if done else {},
+                        cached=0, logprobs=[(-0.5, [])] * n if state[2] else [], phases=dict(self.phases) if done else {},
                                           remote=done and self.remote))])
                     if done:
                         del active[rid]
@@ -261,3 +261,15 @@ def test_a_worker_that_keeps_asking_fails_the_request(served: tuple) -> None:
     status, body = request(base, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 8})
     assert status == 500 and "blocks overwritten" in body["error"]["message"], body
     assert len(fake.messages("generate")) == MAX_RETRIES + 1
+
+
+def test_a_stop_string_inside_a_batch_of_tokens_ends_the_output_there(served) -> None:
+    """A speculative step sends several tokens at once: those after the one that
+    completes a stop string are not output (tokens, logprobs, usage), as when they
+    come one at a time."""
+    base, _, fake = served
+    fake.per_step = 4
+    body = {"prompt": "Hi", "max_tokens": 12, "stop": ["ee"], "logprobs": 0}
+    status, out = request(base, "POST", "/v1/completions", body)
+    assert status == 200 and out["choices"][0]["finish_reason"] == "stop" and out["choices"][0]["text"] == ""
+    assert out["usage"]["completion_tokens"] == 2 and len(out["choices"][0]["logprobs"]["tokens"]) == 2
