@@ -19,7 +19,6 @@ import logging
 import numpy as np
 import torch
 
-from engine.attention.backend import MAX_ROWS_PER_SEQUENCE
 from engine.attention.metadata import AttentionMetadata, attention_context
 from engine.attention.triton_backend import TritonBackend, TritonStepState
 from engine.kernels.decode_attention import num_splits_for
@@ -114,8 +113,8 @@ class CudaGraphRunner:
         if inputs.is_pure_decode:
             return True
         query_lens = np.asarray(inputs.query_lens)
-        return (len(inputs.logits_indices) == tokens and int(query_lens.max()) <= MAX_ROWS_PER_SEQUENCE
-                and bool((query_lens < inputs.seq_lens).all()))
+        return (len(inputs.logits_indices) == tokens and len(inputs.num_drafts) > 0
+                and bool((inputs.num_drafts == query_lens - 1).all()))
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, dev: DeviceInputs) -> torch.Tensor:

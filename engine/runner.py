@@ -80,6 +80,9 @@ class StepInputs:
     placeholder_requests: list[str] = field(default_factory=list)
     # [C, 2] int64 (source, destination) KV blocks every rank copies before the forward.
     block_copies: np.ndarray = field(default_factory=lambda: np.empty((0, 2), dtype=np.int64))
+    # [S] int32: the drafts among each sequence's new tokens (speculative decoding);
+    # empty when the step has none.
+    num_drafts: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
 
     @property
     def is_pure_decode(self) -> bool:
@@ -109,7 +112,7 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
     num_seqs = len(scheduled)
     starts, query_lens, samples, token_ids = [], [], [], []
     placeholder_index, placeholder_requests = [], []
-    num_drafts = []  # speculative decoding: per sampling request
+    num_drafts = []  # speculative decoding: per sequence
     for s in scheduled:
         start, n = s.start, s.num_new_tokens
         starts.append(start)
@@ -122,9 +125,8 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
             placeholder_index.append(len(token_ids))
             placeholder_requests.append(s.request.request_id)
             token_ids.append(0)
-        if s.samples:
-            token_ids += drafts
-            num_drafts.append(len(drafts))
+        token_ids += drafts
+        num_drafts.append(len(drafts))
     start_arr = np.array(starts, dtype=np.int64)
     len_arr = np.array(query_lens, dtype=np.int64)
     ends = np.cumsum(len_arr)  # exclusive end of each sequence's tokens in the batch
@@ -137,9 +139,11 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
     blocks = block_tables[seq_of_token, positions // block_size].astype(np.int64)
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
     query_start_loc[1:] = ends
-    logits_indices = (ends - 1)[np.array(samples, dtype=bool)]
-    if any(num_drafts):  # a row for each draft and one after them, in order
-        rows = np.array(num_drafts, dtype=np.int64) + 1
+    sampled = np.array(samples, dtype=bool)
+    logits_indices = (ends - 1)[sampled]
+    drafted = any(num_drafts)
+    if drafted:  # a row for each draft and one after them, in order
+        rows = np.array(num_drafts, dtype=np.int64)[sampled] + 1
         first = np.repeat(logits_indices - rows + 1, rows)
         logits_indices = first + np.arange(len(first)) - np.repeat(np.cumsum(rows) - rows, rows)
     return StepInputs(
@@ -148,7 +152,8 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
         query_start_loc=query_start_loc, seq_lens=(start_arr + len_arr).astype(np.int32),
         block_tables=block_tables, logits_indices=logits_indices,
         query_lens=query_lens, placeholder_index=np.array(placeholder_index, dtype=np.int64),
-        placeholder_requests=placeholder_requests)
+        placeholder_requests=placeholder_requests,
+        num_drafts=np.array(num_drafts, dtype=np.int32) if drafted else np.empty(0, dtype=np.int32))
 
 
 def _fill_placeholders(inputs: StepInputs, in_flight: LaunchedStep | None) -> StepInputs:
@@ -258,7 +263,8 @@ class ModelRunner:
         self.copy_blocks(inputs)
         md = AttentionMetadata(slot_mapping=dev.slot_mapping, query_start_loc=dev.query_start_loc,
                                seq_lens=dev.seq_lens, block_tables=dev.block_tables,
-                               query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens.tolist())
+                               query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens.tolist(),
+                               num_drafts_cpu=inputs.num_drafts.tolist() if len(inputs.num_drafts) else None)
         self.attention_backend.prepare(md, self.block_size)
         with attention_context(md):
             return self.model(dev.input_ids, dev.positions, dev.logits_indices)

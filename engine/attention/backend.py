@@ -41,8 +41,8 @@ class AttentionBackend:
         return reference.paged_attention(query, layer_cache, md, scale)
 
 
-# A sequence computing at most this many tokens over a cached context (a speculative
-# verify step: its last token and its drafts) is attended as that many decode rows.
+# Most tokens a speculative verify step has per sequence (its last token and at most 16
+# drafts): attended as that many decode rows.
 MAX_ROWS_PER_SEQUENCE = 17
 
 
@@ -56,15 +56,17 @@ class DecodeRowPlan:
     context_lens: list[int]  # per row: its context, its own token included
 
 
-def plan_decode_rows(query_lens: list[int], seq_lens: list[int]) -> DecodeRowPlan:
-    """Decode sequences, and sequences computing at most MAX_ROWS_PER_SEQUENCE tokens
-    over a cached context (a speculative verify step), as a decode row per token: the
-    K/V of every token of the step is stored before attention, so row j of such a
-    sequence attends over the context up to its own token."""
+def plan_decode_rows(query_lens: list[int], seq_lens: list[int], num_drafts: list[int] | None = None
+                     ) -> DecodeRowPlan:
+    """Decode sequences, and sequences verifying drafts (speculative decoding: their
+    last token and their drafts), as a decode row per token: the K/V of every token of
+    the step is stored before attention, so row j of such a sequence attends over the
+    context up to its own token. Prompt chunks keep the prompt path (a chunk after a
+    prefix hit then computes as the same prompt without one)."""
     plan = DecodeRowPlan(set(), [], [], [])
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
-        if q_len == 1 or (q_len <= MAX_ROWS_PER_SEQUENCE and q_len < seq_len):
+        if q_len == 1 or (num_drafts is not None and num_drafts[i] == q_len - 1 > 0):
             plan.seq_ids.add(i)
             plan.table_rows += [i] * q_len
             plan.token_rows += range(start, start + q_len)
@@ -105,7 +107,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def prepare(self, md: AttentionMetadata, block_size: int) -> None:
-        plan = plan_decode_rows(md.query_lens_cpu, md.seq_lens_cpu)
+        plan = plan_decode_rows(md.query_lens_cpu, md.seq_lens_cpu, md.num_drafts_cpu)
         decode = None
         if plan.seq_ids:
             device = md.seq_lens.device

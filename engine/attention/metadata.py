@@ -29,6 +29,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Speculative decoding: per sequence, how many of its new tokens are drafts (its last
+    # token and its drafts are then attended as decode rows); None: no drafts this step.
+    num_drafts_cpu: list[int] | None = None
     backend_state: Any = None  # whatever the attention backend's prepare() built for this step
 
     @property

@@ -45,7 +45,7 @@ class TritonBackend(AttentionBackend):
         if self._uploader is None:
             self._uploader = Uploader(md.slot_mapping.device)
         q_lens = md.query_lens_cpu
-        plan = plan_decode_rows(q_lens, md.seq_lens_cpu)  # decode and verify rows
+        plan = plan_decode_rows(q_lens, md.seq_lens_cpu, md.num_drafts_cpu)  # decode and verify rows
         prefill = [i for i in range(md.num_seqs) if i not in plan.seq_ids]
         tile_seq, tile_start = plan_tiles(q_lens, prefill, prefill_config(md.slot_mapping.device).block_m)
         rows, dec_index, dec_lens, tile_seq_t, tile_start_t = self._uploader.upload(

@@ -14,7 +14,7 @@ import torch
 from engine.errors import EngineStateError
 from engine.runner import StepInputs
 
-HEADER = 5  # tokens, sequences, block-table columns, logits rows, block copies
+HEADER = 6  # tokens, sequences, block-table columns, logits rows, block copies, drafts travel
 
 
 class StepCodec:
@@ -23,7 +23,9 @@ class StepCodec:
         self.max_blocks = -(-max_model_len // block_size)
         # Logits rows: a sampled row per sequence, and prompt-logprob rows; at most one per
         # token. Block copies: at most one per sequence (a forked sequence's first write).
-        self.size = HEADER + 3 * max_tokens + 2 * max_seqs + 1 + max_seqs * self.max_blocks + max_tokens + 2 * max_seqs
+        # Drafts per sequence (speculative decoding): only in steps that have some.
+        self.size = (HEADER + 3 * max_tokens + 2 * max_seqs + 1 + max_seqs * self.max_blocks + max_tokens
+                     + 2 * max_seqs + max_seqs)
 
     def buffer(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.int32)
@@ -38,16 +40,17 @@ class StepCodec:
         if t > self.max_tokens or s > self.max_seqs or cols > self.max_blocks or r > self.max_tokens or c > self.max_seqs:
             raise EngineStateError(f"step of {t} tokens, {s} sequences, {cols} blocks each is "
                                    f"beyond the broadcast buffer's limits")
-        parts = [np.array([t, s, cols, r, c]), inputs.input_ids, inputs.positions, inputs.slot_mapping,
+        d = len(inputs.num_drafts) > 0
+        parts = [np.array([t, s, cols, r, c, d]), inputs.input_ids, inputs.positions, inputs.slot_mapping,
                  inputs.query_start_loc, inputs.seq_lens, inputs.block_tables[:, :cols].reshape(-1),
-                 inputs.logits_indices, inputs.block_copies.reshape(-1)]
+                 inputs.logits_indices, inputs.block_copies.reshape(-1), inputs.num_drafts]
         flat = np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
         out[:len(flat)] = torch.from_numpy(flat)
         return out
 
     def decode(self, buf: torch.Tensor) -> StepInputs:
         data = buf.numpy()
-        t, s, cols, r, c = (int(v) for v in data[:HEADER])
+        t, s, cols, r, c, d = (int(v) for v in data[:HEADER])
         at = HEADER
 
         def take(n: int, dtype=np.int64) -> np.ndarray:
@@ -60,7 +63,8 @@ class StepCodec:
         block_tables = take(s * cols, np.int32).reshape(s, cols)
         logits_indices = take(r)
         block_copies = take(2 * c).reshape(c, 2)
+        num_drafts = take(s * d, np.int32)
         return StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slots,
                           query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
                           logits_indices=logits_indices, query_lens=np.diff(query_start_loc).tolist(),
-                          block_copies=block_copies)
+                          block_copies=block_copies, num_drafts=num_drafts)

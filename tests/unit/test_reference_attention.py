@@ -33,10 +33,14 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     [(1, 1), (1, 16), (1, 17), (1, 40)],          # pure decode, contexts on/past boundaries
     [(16, 16), (5, 37), (1, 9), (33, 33)],        # mixed: full prefill, chunk over prefix, decode
     [(1, 64), (7, 7), (1, 3)],                    # decodes around a prefill
-    [(4, 40), (6, 17), (1, 9), (18, 50), (17, 30)],  # speculative verify rows (decode rows each), a longer chunk
+    [(4, 40), (6, 17), (1, 9), (18, 50), (17, 30)],  # chunks over a cached prefix
+    "verify",  # speculative verify rows (a decode row per token), beside prompts and decodes
 ])
-def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]],
+def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]] | str,
                              monkeypatch: pytest.MonkeyPatch) -> None:
+    num_drafts = None
+    if case == "verify":  # each sequence's last token and its drafts; then a prompt, a chunk and a decode
+        case, num_drafts = [(4, 40), (6, 17), (17, 30), (7, 7), (5, 37), (1, 9)], [3, 5, 16, 0, 0, 0]
     if backend == "torch-blocked":  # the plain-torch decode path, as without a C compiler
         monkeypatch.setattr(backends.cpu_decode, "supports", lambda *args: False)
         backend = "torch"
@@ -69,6 +73,7 @@ def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]]
         block_tables=torch.tensor(tables, dtype=torch.int32),
         query_lens_cpu=[q for q, _ in case],
         seq_lens_cpu=[s for _, s in case],
+        num_drafts_cpu=num_drafts,
     )
     pad = torch.zeros(1, h, d)
     impl = backends.get_backend(backend, "cpu")

@@ -181,17 +181,19 @@ def test_cuda_graphs_take_verify_steps() -> None:
     graphs = object.__new__(CudaGraphRunner)
     graphs.buckets, graphs.max_context = [1, 2, 4, 8], 64
 
-    def step(query_lens: list[int], seq_lens: list[int], sampled: int) -> StepInputs:
+    def step(query_lens: list[int], seq_lens: list[int], sampled: int, drafts: bool = True) -> StepInputs:
         tokens = sum(query_lens)
+        num_drafts = np.array([q - 1 for q in query_lens] if drafts and max(query_lens) > 1 else [], np.int32)
         return StepInputs(np.zeros(tokens, np.int64), np.zeros(tokens, np.int64), np.zeros(tokens, np.int64),
                           np.zeros(len(query_lens) + 1, np.int32), np.array(seq_lens, np.int32),
-                          np.zeros((len(query_lens), 4), np.int32), np.arange(sampled), query_lens)
+                          np.zeros((len(query_lens), 4), np.int32), np.arange(sampled), query_lens,
+                          num_drafts=num_drafts)
 
     assert graphs.can_run(step([1, 1], [9, 30], 2))  # decode
-    assert graphs.can_run(step([4, 1, 3], [20, 9, 30], 8))  # verify: every token sampled
-    assert not graphs.can_run(step([4, 1], [20, 9], 2))  # a prompt chunk samples one row
+    assert graphs.can_run(step([4, 1, 3], [20, 9, 30], 8))  # verify: a token and its drafts, every one sampled
+    assert not graphs.can_run(step([4, 1], [20, 9], 2, drafts=False))  # a prompt chunk samples one row
+    assert not graphs.can_run(step([4, 1], [20, 9], 5, drafts=False))  # prompt logprobs: no drafts
     assert not graphs.can_run(step([4, 4, 2], [20, 20, 30], 10))  # more tokens than the largest graph
-    assert not graphs.can_run(step([3], [3], 3))  # no cached context: a prompt
     assert not graphs.can_run(step([2], [65], 2))  # past the graphs' context
 
 
