@@ -4,27 +4,31 @@
     .venv/bin/python benchmarks/speculative.py --quick --json /tmp/spec.json   # seconds: a smoke run
 
 Offline engines (engine.LLM, the demo model in float32, prefix caching off so that
-every repeat does the same work), one per setting, all alive at once; each repeat runs
-every engine on the same prompts, in an order rotated per repeat, so that the baseline
-and the speculative engines share the machine's moments. Medians over the repeats,
-ratios against the baseline's median from the same run. Greedy, so every engine must
-produce the same tokens: the JSON's `tokens_identical` says whether they did.
+every repeat does the same work), one per setting, all alive at once; each group of
+`batch` prompts runs on every engine in turn, in an order rotated per group, so that the
+baseline and the speculative engines share the machine's moments. Medians over the
+repeats of each engine's total, ratios against the baseline's median from the same run,
+by wall clock and by this process's CPU time (which another process's load on a shared
+machine changes least). The greedy cases must give every engine the same tokens: the
+JSON's `tokens_identical` says whether they did.
 
 Workloads (token ids built once, with the model's chat template):
   repetitive  an instruction to copy, rewrite, repeat or summarize a text of a few
               paragraphs given in the prompt; batch 1 runs `--batch1-prompts` of them one
               at a time, batch 16 all 16 (4 texts x 4 instructions) together
   random      random words from the texts, with an instruction to answer them, sampled at
-              --random-temperature (seeded, ignore_eos): n-grams of the prompt's words
-              are drafted and rarely accepted, and the per-request fallback
-              (min_acceptance_rate over acceptance_window) turns speculation off. Greedy,
-              this model loops on such prompts and the drafts of its loops are accepted
-              (try --random-temperature 0): not the case this one is for.
+              --random-temperature 1 (seeded, ignore_eos): the few drafts are rarely
+              accepted, and the per-request fallback (min_acceptance_rate over
+              acceptance_window) turns speculation off. Greedy or at lower temperatures
+              this small model falls into loops within 256 tokens, which the drafts
+              follow (try --random-temperature 0.7): not the case this one is for.
 
 First the sweep (repetitive, batch 1): k in --ks with the default prompt lookup, and
 --lookups at k = --lookup-k. Then the best of the sweep (highest median tokens/s) against
 the baseline on the other cases. Acceptance rate and mean accepted length come from the
 speculator's counters (engine.core.speculator.stats), taken over each case's runs.
+Engine steps and Speculator.propose are timed too, in CPU time (wrappers on the engine's
+instance): the speedup is the tokens gained per step over the dearer step.
 """
 
 from __future__ import annotations
@@ -47,28 +51,72 @@ from engine import LLM, SamplingParams  # noqa: E402
 DEMO_MODEL = "models/SmolLM2-135M-Instruct"
 INSTRUCTIONS = ("Copy this text:", "Rewrite the following text, fixing nothing:",
                 "Repeat the following text exactly, word for word:", "Summarize the following text:")
-TEXTS = (
-    """The harbour town of Kelsey woke slowly on winter mornings. Fishing boats that had gone out before dawn returned by nine, and the market stalls along the quay opened only once the catch had been sorted, weighed and priced. Visitors who arrived early found the cafes shuttered and the streets empty except for gulls.
 
-In 1987 the town council approved a plan to widen the harbour wall, arguing that larger vessels would bring trade. The project ran two years late and cost nearly three times its budget, and a storm in its final winter tore away a section of the new wall. Residents still argue about whether it was worth it.
 
-Today Kelsey depends as much on tourism as on fishing. A small museum in the old customs house tells the story of the lifeboat crews, and a ferry runs twice a day to the islands in summer. Most shops close at five, and by seven the only lights on the quay are those of the two pubs and the harbourmaster's office.""",
-    """Version 3.2 of the backup tool changes how snapshots are pruned. Until now, every snapshot older than the retention period was deleted in one pass, which could take hours on large repositories and left the repository locked the whole time. The new pruner works in batches of a hundred snapshots and releases the lock between batches, so scheduled backups can run while old data is being removed.
+def paragraphs(text: str) -> str:
+    """Each paragraph's lines joined by spaces; paragraphs apart by a blank line."""
+    return "\n\n".join(" ".join(p.split()) for p in text.split("\n\n"))
 
-The configuration file keeps its format, but two keys were renamed: keep_daily is now retain_daily, and keep_weekly is now retain_weekly. The old names still work and print a warning. If you pin the tool's version in a deployment script, check that your monitoring does not treat the warning as a failure.
 
-To upgrade, stop the backup service, install the new package, and run the check command once before starting the service again. The check reads every index file and reports any snapshot whose chunks are missing. On a repository of two terabytes it usually finishes in under ten minutes.""",
-    """To make the bread, mix five hundred grams of strong white flour with ten grams of salt and seven grams of dried yeast in a large bowl. Add three hundred and fifty millilitres of warm water and a tablespoon of olive oil, then stir until the dough comes together. It will look rough and a little sticky at first.
+# Wrapped here for reading; paragraphs() joins each paragraph's lines again.
+TEXTS = tuple(paragraphs(t) for t in (
+    """The harbour town of Kelsey woke slowly on winter mornings. Fishing boats that had gone out
+before dawn returned by nine, and the market stalls along the quay opened only once the catch
+had been sorted, weighed and priced. Visitors who arrived early found the cafes shuttered and
+the streets empty except for gulls.
 
-Turn the dough onto a lightly floured surface and knead it for about ten minutes, until it feels smooth and springs back when you press it. Put it back in the bowl, cover it with a damp cloth, and leave it somewhere warm for an hour, or until it has doubled in size.
+In 1987 the town council approved a plan to widen the harbour wall, arguing that larger vessels
+would bring trade. The project ran two years late and cost nearly three times its budget, and a
+storm in its final winter tore away a section of the new wall. Residents still argue about
+whether it was worth it.
 
-Knock the air out of the dough, shape it into a round loaf, and place it on a baking tray. Let it rise for another thirty minutes while the oven heats to two hundred and twenty degrees. Bake for thirty to thirty-five minutes; the loaf is done when it sounds hollow when you tap the bottom.""",
-    """Dear Ms Patel, thank you for your letter of the fourteenth about the delayed delivery of your order. I am sorry that the sofa did not arrive on the date we gave you, and that nobody called to explain why. Our driver was taken ill on the morning of the delivery, and the message to our customer team was not passed on.
+Today Kelsey depends as much on tourism as on fishing. A small museum in the old customs house
+tells the story of the lifeboat crews, and a ferry runs twice a day to the islands in summer.
+Most shops close at five, and by seven the only lights on the quay are those of the two pubs and
+the harbourmaster's office.""",
+    """Version 3.2 of the backup tool changes how snapshots are pruned. Until now, every snapshot older
+than the retention period was deleted in one pass, which could take hours on large repositories
+and left the repository locked the whole time. The new pruner works in batches of a hundred
+snapshots and releases the lock between batches, so scheduled backups can run while old data is
+being removed.
 
-We have rearranged the delivery for Thursday the twenty-first, between eight in the morning and one in the afternoon. The driver will call you about thirty minutes before arriving. If that date does not suit you, please reply to this letter or call our customer team, and we will find another slot that week.
+The configuration file keeps its format, but two keys were renamed: keep_daily is now
+retain_daily, and keep_weekly is now retain_weekly. The old names still work and print a
+warning. If you pin the tool's version in a deployment script, check that your monitoring does
+not treat the warning as a failure.
 
-As an apology for the inconvenience, we have refunded the delivery charge of forty-five pounds to the card you paid with. You should see it on your statement within five working days. Thank you for your patience, and please do not hesitate to contact me directly if anything else goes wrong.""",
-)
+To upgrade, stop the backup service, install the new package, and run the check command once
+before starting the service again. The check reads every index file and reports any snapshot
+whose chunks are missing. On a repository of two terabytes it usually finishes in under ten
+minutes.""",
+    """To make the bread, mix five hundred grams of strong white flour with ten grams of salt and seven
+grams of dried yeast in a large bowl. Add three hundred and fifty millilitres of warm water and
+a tablespoon of olive oil, then stir until the dough comes together. It will look rough and a
+little sticky at first.
+
+Turn the dough onto a lightly floured surface and knead it for about ten minutes, until it feels
+smooth and springs back when you press it. Put it back in the bowl, cover it with a damp cloth,
+and leave it somewhere warm for an hour, or until it has doubled in size.
+
+Knock the air out of the dough, shape it into a round loaf, and place it on a baking tray. Let
+it rise for another thirty minutes while the oven heats to two hundred and twenty degrees. Bake
+for thirty to thirty-five minutes; the loaf is done when it sounds hollow when you tap the
+bottom.""",
+    """Dear Ms Patel, thank you for your letter of the fourteenth about the delayed delivery of your
+order. I am sorry that the sofa did not arrive on the date we gave you, and that nobody called
+to explain why. Our driver was taken ill on the morning of the delivery, and the message to our
+customer team was not passed on.
+
+We have rearranged the delivery for Thursday the twenty-first, between eight in the morning and
+one in the afternoon. The driver will call you about thirty minutes before arriving. If that
+date does not suit you, please reply to this letter or call our customer team, and we will find
+another slot that week.
+
+As an apology for the inconvenience, we have refunded the delivery charge of forty-five pounds
+to the card you paid with. You should see it on your statement within five working days. Thank
+you for your patience, and please do not hesitate to contact me directly if anything else goes
+wrong.""",
+))
 
 
 @dataclass(frozen=True)
@@ -108,11 +156,21 @@ class Case:
 class Runs:
     """One engine's repeats of one case."""
 
-    seconds: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # wall clock, per repeat
+    cpu_seconds: list[float] = field(default_factory=list)  # this process's CPU time, per repeat
     output_tokens: int = 0
-    tokens: list[list[int]] | None = None  # the first repeat's greedy tokens, per prompt
+    tokens: list[list[int]] | None = None  # the first repeat's tokens, per prompt
     repeatable: bool = True  # every repeat gave the first one's tokens
     counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+
+    def add(self, wall: float, cpu: float, tokens: list[list[int]], counted: dict[str, float]) -> None:
+        self.seconds.append(wall)
+        self.cpu_seconds.append(cpu)
+        if self.tokens is None:
+            self.tokens, self.output_tokens = tokens, sum(map(len, tokens))
+        self.repeatable &= tokens == self.tokens
+        for name in COUNTERS:
+            self.counters[name] += counted[name]
 
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_disabled", "steps", "step_s",
@@ -120,17 +178,17 @@ COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_disabl
 
 
 class Timed:
-    """Wraps a bound method: calls and seconds spent in it."""
+    """Wraps a bound method: calls, and this process's CPU seconds spent in them."""
 
     def __init__(self, method) -> None:
         self.method, self.calls, self.seconds = method, 0, 0.0
 
     def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
+        start = time.process_time()
         try:
             return self.method(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - start
+            self.seconds += time.process_time() - start
             self.calls += 1
 
 
@@ -141,53 +199,56 @@ def counters(llm: LLM) -> dict[str, float]:
                      "propose_s": spec.propose.seconds if spec is not None else 0.0}
 
 
-def run_case(llm: LLM, case: Case, runs: Runs) -> None:
-    before = counters(llm)
-    start = time.perf_counter()
-    tokens = []
-    for i in range(0, len(case.prompts), case.batch):
-        outputs = llm.generate(case.prompts[i:i + case.batch], case.params[i:i + case.batch], use_tqdm=False)
-        tokens += [o.token_ids for o in outputs]
-    runs.seconds.append(time.perf_counter() - start)
-    after = counters(llm)
-    for name in COUNTERS:
-        runs.counters[name] += after[name] - before[name]
-    if runs.tokens is None:
-        runs.tokens = tokens
-        runs.output_tokens = sum(map(len, tokens))
-    runs.repeatable &= tokens == runs.tokens
-
-
 def measure(engines: dict[Setting, LLM], case: Case, repeats: int) -> dict[Setting, Runs]:
-    """Every engine once per repeat, starting one further along the list each time."""
-    order = list(engines)
+    """Each group of `batch` prompts on every engine in turn, the first engine one further
+    along the list each time: the engines share the machine's moments down to one
+    generate() call, and none is always first."""
+    order, turn = list(engines), 0
     results = {s: Runs() for s in order}
     for r in range(repeats):
-        for s in order[r % len(order):] + order[:r % len(order)]:
-            run_case(engines[s], case, results[s])
+        wall, cpu = dict.fromkeys(order, 0.0), dict.fromkeys(order, 0.0)
+        tokens: dict[Setting, list[list[int]]] = {s: [] for s in order}
+        before = {s: counters(engines[s]) for s in order}
+        for i in range(0, len(case.prompts), case.batch):
+            for s in order[turn % len(order):] + order[:turn % len(order)]:
+                start_wall, start_cpu = time.perf_counter(), time.process_time()
+                outputs = engines[s].generate(case.prompts[i:i + case.batch], case.params[i:i + case.batch],
+                                              use_tqdm=False)
+                wall[s] += time.perf_counter() - start_wall
+                cpu[s] += time.process_time() - start_cpu
+                tokens[s] += [o.token_ids for o in outputs]
+            turn += 1
+        for s in order:
+            after = counters(engines[s])
+            results[s].add(wall[s], cpu[s], tokens[s], {n: after[n] - before[s][n] for n in COUNTERS})
         print(f"  {case.name}, batch {case.batch}, repeat {r + 1}/{repeats}: "
-              + ", ".join(f"{s.label} {results[s].seconds[-1]:.2f} s" for s in order), file=sys.stderr, flush=True)
+              + ", ".join(f"{s.label} {wall[s]:.2f} s" for s in order), file=sys.stderr, flush=True)
     return results
 
 
 def summarize(case: Case, results: dict[Setting, Runs]) -> list[dict]:
     base = results[Setting()]
     base_rate = base.output_tokens / statistics.median(base.seconds)
+    base_cpu_rate = base.output_tokens / statistics.median(base.cpu_seconds)
     rows = []
     for s, runs in results.items():
         c, n = runs.counters, len(runs.seconds)
         rate = runs.output_tokens / statistics.median(runs.seconds)
+        cpu_rate = runs.output_tokens / statistics.median(runs.cpu_seconds)
         rows.append({
             "workload": case.name, "batch": case.batch, "setting": s.label, "speculative_config": s.config(),
             "prompts": len(case.prompts), "output_tokens": runs.output_tokens,
             "seconds": runs.seconds, "median_seconds": statistics.median(runs.seconds),
             "tokens_per_s": rate, "vs_baseline": rate / base_rate,
+            # Per second of this process's CPU time: what another process's load on the
+            # machine changes least (time it was not scheduled does not count).
+            "cpu_seconds": runs.cpu_seconds, "tokens_per_cpu_s": cpu_rate, "vs_baseline_cpu": cpu_rate / base_cpu_rate,
             "acceptance_rate": c["num_accepted_tokens"] / c["num_draft_tokens"] if c["num_draft_tokens"] else None,
             "mean_accepted_length": 1 + c["num_accepted_tokens"] / c["num_drafts"] if c["num_drafts"] else None,
             "requests_disabled": c["num_disabled"] // n,
             "output_tokens_per_step": runs.output_tokens * n / c["steps"],
-            "ms_per_step": c["step_s"] / c["steps"] * 1e3,
-            "propose_ms_per_step": c["propose_s"] / c["steps"] * 1e3,
+            "cpu_ms_per_step": c["step_s"] / c["steps"] * 1e3,
+            "propose_cpu_ms_per_step": c["propose_s"] / c["steps"] * 1e3,
             # Sampled cases draw different tokens with drafts (rejection sampling uses the
             # random stream differently): only their repeats are compared.
             "tokens_identical": (runs.tokens == base.tokens if case.greedy else None),
@@ -235,18 +296,20 @@ def make_engine(args: argparse.Namespace, setting: Setting) -> LLM:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| workload | batch | setting | output tokens | median s | tokens/s | vs baseline | acceptance "
-             "| mean accepted length | requests disabled | tokens / step | ms / step | propose ms / step "
-             "| tokens identical |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| workload | batch | setting | output tokens | median s | tokens/s | vs baseline "
+             "| vs baseline, CPU time | acceptance | mean accepted length | requests disabled | tokens / step "
+             "| CPU ms / step | propose CPU ms / step | tokens identical |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     same = {True: "yes", False: "NO", None: "(sampled)"}
     for r in rows:
         acc = "" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         length = "" if r["mean_accepted_length"] is None else f"{r['mean_accepted_length']:.2f}"
         lines.append(f"| {r['workload']} | {r['batch']} | {r['setting']} | {r['output_tokens']} | "
-                     f"{r['median_seconds']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_baseline']:.2f}x | {acc} | "
+                     f"{r['median_seconds']:.2f} | {r['tokens_per_s']:.1f} | {r['vs_baseline']:.2f}x | "
+                     f"{r['vs_baseline_cpu']:.2f}x | {acc} | "
                      f"{length} | {r['requests_disabled']} | {r['output_tokens_per_step']:.2f} | "
-                     f"{r['ms_per_step']:.1f} | {r['propose_ms_per_step']:.2f} | {same[r['tokens_identical']]} |")
+                     f"{r['cpu_ms_per_step']:.1f} | {r['propose_cpu_ms_per_step']:.2f} | "
+                     f"{same[r['tokens_identical']]} |")
     return "\n".join(lines)
 
 
@@ -262,7 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch1-prompts", type=int, default=4, help="prompts run one at a time at batch 1")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--random-words", type=int, default=120)
-    p.add_argument("--random-temperature", type=float, default=0.7)
+    p.add_argument("--random-temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kv-gib", type=float, default=1.0)

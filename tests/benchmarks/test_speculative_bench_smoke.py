@@ -14,8 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"workload", "batch", "setting", "speculative_config", "output_tokens", "seconds", "median_seconds",
-            "tokens_per_s", "vs_baseline", "acceptance_rate", "mean_accepted_length", "requests_disabled",
-            "output_tokens_per_step", "ms_per_step", "propose_ms_per_step", "tokens_identical", "repeatable"}
+            "tokens_per_s", "vs_baseline", "cpu_seconds", "tokens_per_cpu_s", "vs_baseline_cpu",
+            "acceptance_rate", "mean_accepted_length", "requests_disabled", "output_tokens_per_step",
+            "cpu_ms_per_step", "propose_cpu_ms_per_step", "tokens_identical", "repeatable"}
 
 
 @pytest.mark.timeout(120)
