@@ -39,6 +39,11 @@ Rows:
  5b. rows 3 and 4 again with async scheduling (greedy tokens identical to the synchronous
     engine's), and the offline workload again with all its requests in one batch and
     16k-token steps
+ 5c. n-gram speculative decoding (k=4): greedy tokens equal to the plain engine's in float32
+    on the device (random and repetitive prompts, with drafts verified); then, on the bf16
+    model of rows 3-5b, output tokens/s with and without drafts on repetitive prompts (a
+    random span repeated) at batch 1 and 16, and the acceptance rate (information: the
+    model is random; about a minute)
  6. KV transfer between two processes on the GPU, 256 MiB in 2 MiB descriptors:
     cuda_ipc, and nixl if its wheel came along (>= 150 GB/s)
  7. serve: configs/gpu-1p1d.yaml (a prefill and a decode worker sharing the GPU, KV over
@@ -82,9 +87,9 @@ Both also run on CPU with --smoke (tiny model; nixl over DRAM), which checks the
 
 Layout: this file is the command line; each section is a module of benchmarks/gpu/
 (kernels.py row 1, bandwidth.py row 2, tuning.py the tile sweep, fidelity.py and
-engine_rows.py rows 3-5b with decode_step.py and model.py, transfer.py row 6,
-serving.py row 7, step_profile.py and ucx.py the diagnostics, report.py the rows and the
-table). --smoke runs every default section on CPU in about a minute (tests/benchmarks/
+engine_rows.py rows 3-5b with decode_step.py and model.py, speculative.py row 5c,
+transfer.py row 6, serving.py row 7, step_profile.py and ucx.py the diagnostics,
+report.py the rows and the table). --smoke runs every default section on CPU in about a minute (tests/benchmarks/
 test_gpu_check_smoke.py, in make test): the kernels under the Triton interpreter, the
 engines on the torch attention backend, the served model tiny over shm; timing targets
 are shown there but not judged.
@@ -114,6 +119,7 @@ from benchmarks.gpu.kernels import check_kernels  # noqa: E402
 from benchmarks.gpu.report import judge_timings, print_table, section  # noqa: E402
 from benchmarks.gpu.serving import check_serving  # noqa: E402
 from benchmarks.gpu.shapes import H200, SMOKE  # noqa: E402
+from benchmarks.gpu.speculative import check_speculative  # noqa: E402
 from benchmarks.gpu.step_profile import check_profile  # noqa: E402
 from benchmarks.gpu.transfer import check_copy_kernels, check_transfer  # noqa: E402
 from benchmarks.gpu.tuning import check_tuning  # noqa: E402
@@ -123,7 +129,7 @@ from benchmarks.gpu.ucx import check_ucx  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    p.add_argument("--only", default="kernels,fp32,bandwidth,engine,transfer,serve",
+    p.add_argument("--only", default="kernels,fp32,bandwidth,engine,speculative,transfer,serve",
                    help="comma-separated sections; add tune to sweep the kernels' tiles; "
                         "profile and ucx are diagnostics (see the module docstring)")
     args = p.parse_args()
@@ -148,6 +154,8 @@ def main() -> None:
             section("decode bandwidth", lambda: check_bandwidth(s))
         if "engine" in only:
             section("engine", lambda: check_engine(s, work))
+        if "speculative" in only:
+            section("speculative decoding", lambda: check_speculative(s, work))
         if "profile" in only:
             section("decode step profile", lambda: check_profile(s, work))
         if "transfer" in only and s.device != "cpu":
