@@ -7,6 +7,7 @@ BPE trained in a fraction of a second on a fixed corpus.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,13 @@ def llama_dir(tiny_models: dict[str, Path]) -> Path:
 def mqa_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with one KV head (built only by the tests that use it)."""
     return build_tiny_model("llama_mqa", tmp_path_factory.mktemp("tiny_mqa") / "llama_mqa")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module's tests (pytestmark = usefixtures): the tiny model's
+    steps are all overhead, and two threads on a shared 2-core machine only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -30,14 +30,14 @@ def poison_rows(engine: EngineCore, after_steps: int) -> None:
     """From the `after_steps`-th sampling on, rows of POISONED requests get NaN logits."""
     sample, calls = engine.runner.sampler.sample, 0
 
-    def poisoned(logits, rows):
+    def poisoned(logits, rows, drafts=None):
         nonlocal calls
         calls += 1
         if calls >= after_steps:
             for i, row in enumerate(rows):
                 if row.params.max_tokens == POISONED:
                     logits[i] = float("nan")
-        return sample(logits, rows)
+        return sample(logits, rows, drafts)
 
     engine.runner.sampler.sample = poisoned
 

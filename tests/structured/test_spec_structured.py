@@ -38,14 +38,7 @@ MAX_TOKENS = 48
 CASES = [(p, c) for c in CONSTRAINTS for p in PROMPTS]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: the tiny model's steps are all overhead, and two threads on a
-    shared 2-core machine only contend (as tests/fuzz/test_fuzz_schedules.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def greedy(constraint: dict[str, Any]) -> SamplingParams:

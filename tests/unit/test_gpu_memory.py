@@ -25,16 +25,21 @@ def test_profiling_inputs_spread_a_budget_past_the_context_over_prompts() -> Non
     assert inputs.logits_indices.tolist() == list(range(236, 300))
 
 
+def fake_cuda_memory(monkeypatch: pytest.MonkeyPatch, in_use: int, peak: int, free: int, total: int) -> None:
+    """torch.cuda's memory counters as a GPU would report them (bytes); the rest no-ops."""
+    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: in_use)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: peak)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (free, total))
+
+
 def test_profile_runs_a_step_larger_than_the_context(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(str(llama_dir), max_model_len=128)
     core = llm.core
     gib = 2**30
-    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
-        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
     # The 2 GiB in use are this engine's weights; the step's peak is 1 GiB above them.
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: 2 * gib)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 3 * gib)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (8 * gib, 10 * gib))
+    fake_cuda_memory(monkeypatch, 2 * gib, 3 * gib, 8 * gib, 10 * gib)
     blocks = profile_num_kv_blocks(core.model, core.model_config, core.runner.attention_backend, "cpu",
                                    torch.float32, 16, 300, core.max_model_len, 64, 0.9)
     block_bytes = core.model_config.kv_bytes_per_token(4) * 16

@@ -35,14 +35,7 @@ ALPHA = 1e-4  # p-values below this fail (the seeds are fixed: the outcomes are 
 CONFIGS = [dict(temperature=1.0), dict(temperature=0.6, top_k=5), dict(temperature=1.4, top_k=8, top_p=0.8)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: the tiny model's steps are all overhead, and two threads on a
-    shared 2-core machine only contend (as tests/fuzz/test_fuzz_schedules.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def processed(temperature: float, top_k: int = -1, top_p: float = 1.0) -> np.ndarray:

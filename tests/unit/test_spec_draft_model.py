@@ -24,6 +24,7 @@ from engine.gpu_memory import profile_num_kv_blocks
 from kv_transfer import TransportConfig, create_transport
 from prefill_worker.remote_prefill import PrefillWorkerCore
 from tests.fidelity.test_hf_fidelity import random_prompts
+from tests.unit.test_gpu_memory import fake_cuda_memory
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -262,11 +263,7 @@ def test_gpu_profiling_counts_the_draft(llama_dir: Path, small_draft: Path, monk
     core = llm(llama_dir, small_draft, max_model_len=128).core
     draft = core.speculator.draft_model.runner
     gib = 2**30
-    for name in ("empty_cache", "reset_peak_memory_stats", "synchronize"):
-        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: 2 * gib)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 3 * gib)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *args: (8 * gib, 10 * gib))
+    fake_cuda_memory(monkeypatch, 2 * gib, 3 * gib, 8 * gib, 10 * gib)
     blocks = profile_num_kv_blocks(core.model, core.model_config, core.runner.attention_backend, "cpu",
                                    torch.float32, 16, 64, core.max_model_len, 64, 0.9,
                                    [(draft.model, draft.model.config, draft.attention_backend)])
