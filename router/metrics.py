@@ -121,6 +121,17 @@ class RouterMetrics:
                                  "prefill) alive", ["worker", "role"], registry=r)
         self.worker = {key: Gauge(name, help_, ["worker", "role"], registry=r)
                        for key, (name, help_) in WORKER_GAUGES.items()}
+        # Elastic pools (cluster/elastic.py) and their planner (cluster/autoscale/).
+        self.pool_workers = Gauge("pdserve_pool_workers", "workers taking work in each pool (not draining)",
+                                  ["role"], registry=r)
+        self.scale_events = Counter("pdserve_scale_events", "workers added or removed at runtime",
+                                    ["role", "action"], registry=r)
+        self.autoscale_decisions = Counter("pdserve_autoscale_decisions",
+                                           "the planner's decisions, by pool, action and reason",
+                                           ["pool", "action", "reason"], registry=r)
+        self.remote_prefill_min_tokens = Gauge("pdserve_remote_prefill_min_tokens",
+                                               "uncached prompt tokens from which a prompt is prefilled remotely",
+                                               registry=r)
         self.steps = WorkerHistograms()
         r.register(self.steps)
         self.spec_decode = WorkerSpecDecode()
