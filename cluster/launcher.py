@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cluster.config import ClusterConfig
 from security import DeploymentSecret
+
+if TYPE_CHECKING:
+    from cluster.elastic import PoolBackend
 
 # config.launcher (one of cluster.config.LAUNCHERS) -> "module:class", imported when picked.
 LAUNCHER_CLASSES = {"local": "cluster.local.launcher:LocalLauncher", "ray": "cluster.ray.launcher:RayLauncher"}
@@ -72,6 +75,9 @@ class Launcher(Protocol):
     def start(self, config: ClusterConfig) -> Workers:
         """Start every worker, tell each its peers, and return once all serve; raises,
         after stopping whatever started, if any fails."""
+
+    def pools(self, config: ClusterConfig, workers: Workers) -> "PoolBackend":
+        """What grows and shrinks these workers' pools at runtime (cluster/elastic.py)."""
 
     def supervise(self, config: ClusterConfig, workers: Workers, router: RouterHooks) -> None:
         """Watch the workers from a thread: report one that dies to its peers and the

@@ -53,6 +53,9 @@ class RouterConfig:
     # loaded, never in a repr; router/http_guard.py checks them. Serving a non-loopback
     # host without keys must be asked for (allow_unauthenticated).
     api_keys: Any = field(default=None, repr=False)
+    # Admin keys, spelt as api_keys are: the /admin/ endpoints (router/admin.py: scale
+    # the pools) need one of them; null: those endpoints are off.
+    admin_keys: Any = field(default=None, repr=False)
     metrics_need_key: bool = True
     allow_unauthenticated: bool = False
     # Input bounds (docs/configs.md says why each default): body bytes (413) and arrival
@@ -78,10 +81,11 @@ class RouterConfig:
     @classmethod
     def from_dict(cls, data: Any, path: str = "router") -> "RouterConfig":
         data = checked_mapping(cls, data, path, {"policy": POLICIES, "tool_call_parser": tuple(TOOL_PARSERS)})
-        try:
-            data = {**data, "api_keys": resolve_api_keys(data.get("api_keys")) or None}
-        except ValueError as exc:
-            raise ConfigError(f"{path}.api_keys: {exc}") from None
+        for name in ("api_keys", "admin_keys"):
+            try:
+                data = {**data, name: resolve_api_keys(data.get(name)) or None}
+            except ValueError as exc:
+                raise ConfigError(f"{path}.{name}: {exc}") from None
         out = cls(**data)
         served = _served_model_names(out.served_model_name, f"{path}.served_model_name")
         check(isinstance(out.host, str) and out.host != "", f"{path}.host", f"must be a host name, got {out.host!r}")
@@ -113,6 +117,9 @@ class RouterConfig:
                 integer(getattr(out, name), f"{path}.{name}", 1)
         check(out.max_sequences >= out.max_n, f"{path}.max_sequences",
               f"must be >= max_n ({out.max_n}): one prompt may sample max_n sequences; got {out.max_sequences}")
+        shared = set(out.api_keys or ()) & set(out.admin_keys or ())
+        check(not shared, f"{path}.admin_keys", "must not repeat a key of api_keys (a client of the model could "
+              "then scale the deployment)")
         rate = out.key_requests_per_s
         rate = None if rate is None else number(rate, f"{path}.key_requests_per_s", 0, strict=True)
         check(rate is not None or out.key_burst is None, f"{path}.key_burst",

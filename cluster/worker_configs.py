@@ -29,7 +29,7 @@ def worker_config(config: ClusterConfig, role: str, index: int, host: str = "127
 def without_router_secrets(config: ClusterConfig) -> ClusterConfig:
     """The config as a worker process may hold it: the API keys stay with the router (no
     worker reads them, and a worker's arguments may be kept, e.g. by Ray)."""
-    return dataclasses.replace(config, router=dataclasses.replace(config.router, api_keys=None))
+    return dataclasses.replace(config, router=dataclasses.replace(config.router, api_keys=None, admin_keys=None))
 
 
 def serve_worker(config: WorkerConfig, control: ControlChannel) -> None:

@@ -70,7 +70,7 @@ class DecodeWorker(WorkerLoop):
         self.core = core
         self.prefill_max_outstanding = prefill_max_outstanding
         self.requests: dict[str, _Client] = {}
-        self.prefill_workers: list[str] = []
+        self.prefill_workers: list[str] = []  # those that take new prompts (not draining)
         self.prefill_addresses: dict[str, str] = {}
         self.transfer = dict(saturated=0, kv_bytes_received=0, kv_transfer_seconds=0.0,
                              kv_transfer_failures=0)
@@ -78,8 +78,9 @@ class DecodeWorker(WorkerLoop):
     def set_peers(self, msg: Peers) -> list[str]:
         """The prefill workers to use (name -> ZMQ address). One that left the list, or
         came back at a new address (restarted), is gone: its prompts still waiting for
-        KV are prefilled here at once (a dead sender can write nothing more). The
-        senders make the KV handshakes, so none is cold here."""
+        KV are prefilled here at once (a dead sender can write nothing more). A
+        draining one gets no new prompt, and its prompts in flight go on. The senders
+        make the KV handshakes, so none is cold here."""
         addresses = msg.prefill
         for name in [n for n in self.prefill_addresses if addresses.get(n) != self.prefill_addresses[n]]:
             logger.warning("%s: prefill worker %s is gone; its prompts here are prefilled locally", self.name, name)
@@ -93,7 +94,7 @@ class DecodeWorker(WorkerLoop):
             if name not in self.prefill_addresses:
                 self.connect(name, address)
                 self.prefill_addresses[name] = address
-        self.prefill_workers = sorted(addresses)
+        self.prefill_workers = sorted(set(addresses) - set(msg.draining))
         return []
 
     def _pick_prefill_worker(self) -> str | None:

@@ -1,6 +1,7 @@
 """The messages between a launcher and a worker it started, on their control channel
 (workers/control.py): the worker says Ready, takes Peers, says Serving, and then takes
-Peers again whenever a peer died or came back, until Stop."""
+Peers again whenever a peer died, came back, joined, is being drained or left (the
+pools grow and shrink at runtime: cluster/elastic.py), until Stop."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ class Ready(Message, frozen=True, tag="ready"):
 
 
 class Peers(Message, frozen=True, tag="peers"):
-    """For a decode worker: the prefill workers' ZMQ addresses by name. For a prefill
-    worker: the decode workers' transport metadata (its KV destinations)."""
+    """For a decode worker: the prefill workers' ZMQ addresses by name, and those of
+    them being drained (scaled down: they finish the prompts they have but get no new
+    one). For a prefill worker: the decode workers' transport metadata (its KV
+    destinations)."""
 
     prefill: dict[str, str] = {}
+    draining: list[str] = []
     decode: list[bytes] = []
 
 

@@ -33,7 +33,7 @@ from router.errors import APIError
 from router.http_guard import HTTPGuard, client_of
 from router.limits import Limits
 from router.logprobs import LogprobFormatter, echoed
-from router import structured, tokenize_api
+from router import admin, structured, tokenize_api
 from router.parsing import ChatRequest, CompletionRequest, GenerateRequest
 from router.responses import DONE_EVENT, ResponseShaper, error_event, error_response
 from router.tool_calls import ToolCallStream
@@ -62,7 +62,7 @@ def create_app(router: Router) -> FastAPI:
     app.state.limits = limits = Limits(router.config)
     app.add_middleware(HTTPGuard, keys=KeyRing(router.config.api_keys or ()), limits=limits,
                        settings=router.config, rejected=lambda status: router.metrics.rejected.labels(
-                           status=str(status)).inc())
+                           status=str(status)).inc(), admin_keys=KeyRing(router.config.admin_keys or ()))
     if router.config.access_log:  # added last: outside the guard, whose answers it logs too
         app.add_middleware(AccessLog, keys=KeyRing(router.config.api_keys or ()))
     app.add_exception_handler(APIError, _api_error)
@@ -76,6 +76,8 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/admin/pools", admin_pools, methods=["GET"])
+    app.add_api_route("/admin/scale", admin_scale, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     return app
 
@@ -124,7 +126,8 @@ async def status(request: Request) -> dict[str, Any]:
     router = _router(request)
     pools = router.workers + router.prefill
     replies = await asyncio.gather(*(w.stats() if w.alive else _none() for w in pools))
-    rows = [{"name": w.name, "address": w.address, "live": w.alive, "stats": s} for w, s in zip(pools, replies)]
+    rows = [{"name": w.name, "address": w.address, "live": w.alive, "draining": w.draining, "stats": s}
+            for w, s in zip(pools, replies)]
     return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.prefill),
             "decode_workers": rows[:len(router.workers)], "prefill_workers": rows[len(router.workers):]}
 
@@ -139,6 +142,22 @@ async def metrics(request: Request) -> Response:
             router.metrics.set_worker(worker.name, role, stats)
     router.publish_live()
     return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def admin_pools(request: Request) -> dict[str, Any]:
+    """Each pool's workers taking work, and every worker with its state (admin key)."""
+    router = _router(request)
+    workers = [{"name": w.name, "role": role, "address": w.address, "live": w.alive, "draining": w.draining}
+               for role, pool in (("decode", router.workers), ("prefill", router.prefill)) for w in pool]
+    sizes = {role: sum(1 for w in workers if w["role"] == role and not w["draining"]) for role in ("prefill", "decode")}
+    return {**sizes, "scalable": router.scaler is not None, "workers": workers,
+            "remote_prefill_min_tokens": router.remote_prefill_min_tokens}
+
+
+async def admin_scale(request: Request) -> dict[str, Any]:
+    """Scale the pools (admin key): {"prefill": N, "decode": M}, either or both."""
+    router = _router(request)
+    return await admin.scale(router.scaler, await request.body())
 
 
 async def models(request: Request) -> dict[str, Any]:

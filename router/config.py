@@ -64,6 +64,10 @@ class RouterSettings(GuardSettings, BoundSettings, LimitSettings, Protocol):
     @property
     def api_keys(self) -> tuple[str, ...] | None: ...
 
+    # The admin keys (router/admin.py); none: the admin endpoints are off.
+    @property
+    def admin_keys(self) -> tuple[str, ...] | None: ...
+
 
 @dataclass(frozen=True)
 class ModelLimits:

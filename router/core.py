@@ -10,12 +10,14 @@ router/health.py). The HTTP endpoints are router/app.py.
 from __future__ import annotations
 
 import asyncio
-import functools
+import concurrent.futures
 import dataclasses
+import functools
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import zmq.asyncio
 
@@ -24,7 +26,9 @@ from engine.tokenizer import load_tokenizer
 from protocol import Generate, to_wire
 from router.bounds import InputBounds
 from router.config import ModelLimits, RouterSettings
+from router.admin import Scaling
 from router.errors import APIError
+from router.load import LoadSnapshot, buckets_of, total_of, worker_load
 from router.metrics import RouterMetrics
 from router.model_names import ServedModels
 from router.parsing import RequestParser
@@ -34,6 +38,8 @@ from router.worker_client import WorkerClient
 from security import DeploymentSecret
 
 __all__ = ["MAX_RETRIES", "Chunk", "Router", "_rejection"]  # Chunk, and what tests import, from their old place
+
+T = TypeVar("T")
 
 
 class Router:
@@ -55,21 +61,27 @@ class Router:
         # collected together with its still-open sockets, would hang in its finalizer
         # (term() waits on sockets the collector has not closed yet).
         self.ctx = zmq.asyncio.Context.instance()
-        timeout = config.worker_timeout_s
-        self.workers = [WorkerClient(self.ctx, n, a, timeout, secret) for n, a in sorted(decode_workers.items())]
-        self.prefill = [WorkerClient(self.ctx, n, a, timeout, secret)
-                        for n, a in sorted((prefill_workers or {}).items())]
+        self.secret = secret
+        self.workers: list[WorkerClient] = []  # the decode pool, in the routing policy's order
+        self.prefill: list[WorkerClient] = []
         # The router cannot see the pools' sizes; this bounds the history it keeps.
-        self.routing = RoutingPolicy(config.policy, len(self.workers), limits.block_size,
-                                     limits.num_kv_blocks or 65536)
-        for i, w in enumerate(self.workers):
-            w.on_kv_events = lambda events, reset, i=i: self.routing.kv_events(i, events, reset)
-        self.in_flight = 0
+        self.routing = RoutingPolicy(config.policy, 0, limits.block_size, limits.num_kv_blocks or 65536)
         self.metrics = RouterMetrics()
+        # Conditional disaggregation's threshold: the config's, until the planner moves it.
+        self.remote_prefill_min_tokens = config.remote_prefill_min_tokens
+        self.metrics.remote_prefill_min_tokens.set(self.remote_prefill_min_tokens)
+        self._readers: dict[str, asyncio.Task] = {}  # worker name -> its read_forever task
+        self.in_flight = 0
         self.loop: asyncio.AbstractEventLoop | None = None  # set while the app runs
         self._early_calls: list[Any] = []  # from other threads before it ran
         self._calls_lock = threading.Lock()
         self._tasks: list[asyncio.Task] = []
+        # Who grows and shrinks the pools (cluster/elastic.py sets it): the admin
+        # endpoint's scale requests go to it; None: the pools are fixed.
+        self.scaler: Scaling | None = None
+        for role, pool in (("decode", decode_workers), ("prefill", prefill_workers or {})):
+            for name, address in sorted(pool.items()):
+                self._add_client(role, name, address)
 
     @property
     def tokenizer(self) -> Any:
@@ -99,16 +111,16 @@ class Router:
             early, self._early_calls = self._early_calls, []
         for call in early:
             call()
-        self._tasks = [asyncio.create_task(w.read_forever()) for w in self.workers + self.prefill]
-        self._tasks.append(asyncio.create_task(self.monitor()))
+        self._readers = {w.name: asyncio.create_task(w.read_forever()) for w in self.workers + self.prefill}
+        self._tasks = [asyncio.create_task(self.monitor())]
 
     def stop(self) -> None:
         """As the app shuts down; calls from other threads wait for a next start, if any."""
         with self._calls_lock:
             self.loop = None
-        for task in self._tasks:
+        for task in [*self._tasks, *self._readers.values()]:
             task.cancel()
-        self._tasks = []
+        self._tasks, self._readers = [], {}
 
     # --- one request ----------------------------------------------------------------
 
@@ -169,7 +181,7 @@ class Router:
         params.max_tokens (for params.n sequences); the worker, the request's id there,
         and whether it was asked to prefill on a prefill worker. The caller listens for
         its answers (no message is read before it returns: one event loop)."""
-        live = [w.alive for w in self.workers]
+        live = [w.alive and not w.draining for w in self.workers]
         if not any(live):
             raise self.no_live_worker()
         tokens = prompt + generated
@@ -183,8 +195,8 @@ class Router:
         # Conditional disaggregation: only the part the worker must compute counts.
         # Prompt logprobs need the prompt's logits, which a prefill worker does not
         # send: such a prompt is prefilled on the decode worker (docs/architecture.md).
-        remote = (len(tokens) - cached >= self.config.remote_prefill_min_tokens
-                  and any(p.alive for p in self.prefill) and params.prompt_logprobs is None)
+        remote = (len(tokens) - cached >= self.remote_prefill_min_tokens
+                  and any(p.alive and not p.draining for p in self.prefill) and params.prompt_logprobs is None)
         if failover:
             self.metrics.failovers.inc()
         else:
@@ -196,26 +208,39 @@ class Router:
         return worker, request_id, remote
 
     def no_live_worker(self) -> APIError:
-        why = "; ".join(f"{w.name} {w.down_reason}" for w in self.workers)
+        why = "; ".join(f"{w.name} {'is being drained (scaled down)' if w.alive else w.down_reason}"
+                        for w in self.workers)
         return APIError(503, f"no decode worker is alive ({why}); retry later", kind="service_unavailable")
 
     # --- from a supervisor's thread (cluster/ray/supervisor.py on Ray, cluster/local/supervisor.py) ---
 
     def worker_down(self, name: str) -> None:
         """A decode or prefill worker is down; a decode worker's requests fail over."""
-        self._on_loop(lambda: self._client(name).declare_dead("is down (its supervisor saw it exit)"))
+        def down() -> None:
+            client = self._find(name)
+            if client is not None:  # else scaled away meanwhile
+                client.declare_dead("is down (its supervisor saw it exit)")
+        self._on_loop(down)
 
     def worker_moved(self, name: str, address: str) -> None:
         """Restarted at `address`, with an empty cache."""
         def move() -> None:
-            self._client(name).move(address)
-            for i, w in enumerate(self.workers):
-                if w.name == name:
-                    self.routing.forget(i)
+            client = self._find(name)
+            if client is None:  # scaled away meanwhile
+                return
+            client.move(address)
+            if client in self.workers:
+                self.routing.forget(self.workers.index(client))
         self._on_loop(move)
 
+    def _find(self, name: str) -> WorkerClient | None:
+        return next((w for w in self.workers + self.prefill if w.name == name), None)
+
     def _client(self, name: str) -> WorkerClient:
-        return next(w for w in self.workers + self.prefill if w.name == name)
+        client = self._find(name)
+        if client is None:
+            raise LookupError(f"the router has no worker named {name}")
+        return client
 
     def _on_loop(self, call: Any) -> None:
         """Run `call` on the router's event loop (its sockets and queues live there);
@@ -241,3 +266,133 @@ class Router:
                 w.check()
             self.publish_live()
 
+
+    # --- elastic pools (cluster/elastic.py calls these from its thread) -----------------
+
+    def _add_client(self, role: str, name: str, address: str) -> WorkerClient:
+        """A client for a worker that serves now (its peers know it); on the loop, or
+        before the app runs."""
+        if any(w.name == name for w in self.workers + self.prefill):
+            raise ValueError(f"the router already has a worker named {name}")
+        client = WorkerClient(self.ctx, name, address, self.config.worker_timeout_s, self.secret)
+        if role == "decode":
+            self.workers.append(client)
+            self.routing.add()
+            client.on_kv_events = lambda events, reset: self.routing.kv_events(self.workers.index(client), events,
+                                                                               reset)
+        else:
+            self.prefill.append(client)
+        if self.loop is not None:
+            self._readers[name] = asyncio.create_task(client.read_forever())
+        self._publish_pools()
+        return client
+
+    def add_worker(self, role: str, name: str, address: str, timeout: float = 30.0) -> None:
+        """A new worker of `role` ("decode" | "prefill") serves at `address`, its peers
+        told: route to it from now on."""
+        self.call(lambda: self._add_client(role, name, address), timeout)
+        self.metrics.scale_events.labels(role=role, action="add").inc()
+
+    def drain_worker(self, name: str, timeout: float = 30.0) -> None:
+        """No new request goes to the worker (a decode worker's running ones go on)."""
+        def drain() -> None:
+            self._client(name).draining = True
+            self._publish_pools()
+        self.call(drain, timeout)
+
+    def requests_on(self, name: str, timeout: float = 30.0) -> int:
+        """Sequences the router still awaits from a decode worker (0 for a prefill one)."""
+        def count() -> int:
+            client = self._client(name)
+            return sum(1 for q in client.queues.values() if getattr(q, "seq", True) is not None)
+        return self.call(count, timeout)
+
+    def evacuate(self, name: str, timeout: float = 30.0) -> int:
+        """A draining decode worker's sequences still running move to the others by the
+        failover path (each resubmitted as prompt + its tokens so far, its abort sent
+        here); how many."""
+        def move() -> int:
+            client = self._client(name)
+            moving = sum(1 for q in client.queues.values() if getattr(q, "seq", True) is not None)
+            if moving:
+                client.evacuate(f"was drained for {name}'s scale-down and its requests move")
+            return moving
+        return self.call(move, timeout)
+
+    def remove_worker(self, name: str, timeout: float = 30.0) -> None:
+        """The worker left its pool (stopped, or about to be): forget it."""
+        def remove() -> None:
+            client = self._client(name)
+            role = "decode" if client in self.workers else "prefill"
+            if role == "decode":
+                index = self.workers.index(client)
+                self.workers.pop(index)
+                self.routing.remove(index)
+            else:
+                self.prefill.remove(client)
+            reader = self._readers.pop(name, None)
+            if reader is not None:
+                reader.cancel()
+            client.close()
+            self.metrics.forget_worker(name, role)
+            self._publish_pools()
+        self.call(remove, timeout)
+        role = "decode" if name.startswith("decode") else "prefill"
+        self.metrics.scale_events.labels(role=role, action="remove").inc()
+
+    def worker_stats(self, name: str, timeout: float = 5.0) -> dict[str, Any] | None:
+        """A worker's stats reply, asked now from another thread (None: no answer, or
+        the app is not running)."""
+        with self._calls_lock:
+            loop = self.loop
+        if loop is None:
+            return None
+        client = self.call(lambda: self._client(name), timeout)
+        return asyncio.run_coroutine_threadsafe(client.stats(), loop).result(timeout)
+
+    def set_remote_prefill_min_tokens(self, value: int) -> None:
+        """Move conditional disaggregation's threshold (the planner, when prefill is
+        the bottleneck); requests submitted from now on use it."""
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"remote_prefill_min_tokens must be an integer >= 1, got {value!r}")
+        self.remote_prefill_min_tokens = value
+        self.metrics.remote_prefill_min_tokens.set(value)
+
+    def _publish_pools(self) -> None:
+        for role, pool in (("decode", self.workers), ("prefill", self.prefill)):
+            self.metrics.pool_workers.labels(role=role).set(sum(1 for w in pool if not w.draining))
+
+    def call(self, fn: Callable[[], T], timeout: float = 30.0) -> T:
+        """fn() on the router's event loop, from another thread, and its result (or
+        exception); run here when the app is not running (nothing else runs then)."""
+        with self._calls_lock:
+            loop = self.loop
+        if loop is None:
+            return fn()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+        loop.call_soon_threadsafe(run)
+        return future.result(timeout)
+
+    async def load_snapshot(self) -> LoadSnapshot:
+        """The deployment's load now (router/load.py): the router's counters and every
+        worker's figures, asked now (2 s at most: a silent worker reads as zeros)."""
+        m = self.metrics
+        pools = [(w, "decode") for w in self.workers] + [(w, "prefill") for w in self.prefill]
+        replies = await asyncio.gather(*(w.stats() if w.alive else _nothing() for w, _ in pools))
+        return LoadSnapshot(
+            at=time.monotonic(), requests=total_of(m.requests), finished=total_of(m.finished),
+            prompt_tokens=total_of(m.prompt_tokens), generation_tokens=total_of(m.generation_tokens),
+            in_flight=self.in_flight, ttft=buckets_of(m.ttft), tpot=buckets_of(m.tpot),
+            remote_prefill_min_tokens=self.remote_prefill_min_tokens,
+            workers=tuple(worker_load(w.name, role, w.alive, w.draining, stats)
+                          for (w, role), stats in zip(pools, replies)))
+
+
+async def _nothing() -> None:
+    return None

@@ -2,8 +2,10 @@
 per-key request rate, and the request body's size and arrival time.
 
 In order, before an endpoint runs:
-1. API key (router/auth.py), when router.api_keys is set: every path but /health
-   (and /metrics, unless router.metrics_need_key is false) needs one; else 401.
+1. API key (router/auth.py), when router.api_keys is set: every path but /health,
+   /admin/ (and /metrics, unless router.metrics_need_key is false) needs one; else
+   401. An /admin/ path needs an admin key (router.admin_keys; 401 without one of
+   them, API keys included), and is off (403) when none is configured.
 2. Requests per second per key (router/limits.py), for the generation endpoints and
    /tokenize, /detokenize (which use the same tokenizer thread): 429.
 3. A Content-Length over router.max_body_bytes: 413 without reading a byte of it.
@@ -25,6 +27,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from router.admin import ADMIN_PREFIX
 from router.auth import REALM, KeyRing, unauthorized
 from router.config import GuardSettings
 from router.errors import APIError
@@ -51,8 +54,9 @@ class HTTPGuard:
     request; `rejected(status)` counts each answer it gives itself in the metrics."""
 
     def __init__(self, app: ASGIApp, keys: KeyRing, limits: Limits, settings: GuardSettings,
-                 rejected: Callable[[int], None]) -> None:
+                 rejected: Callable[[int], None], admin_keys: KeyRing | None = None) -> None:
         self.app, self.keys, self.limits, self.settings, self.rejected = app, keys, limits, settings, rejected
+        self.admin_keys = admin_keys or KeyRing(())
 
     async def __call__(self, scope: dict[str, Any], receive: ASGIApp, send: ASGIApp) -> None:
         if scope["type"] != "http":
@@ -74,7 +78,9 @@ class HTTPGuard:
     def _admit(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> None:
         path = scope["path"]
         client = None
-        if len(self.keys) and path not in OPEN_PATHS and (path != "/metrics" or self.settings.metrics_need_key):
+        if path.startswith(ADMIN_PREFIX):
+            self._admit_admin(scope, headers)
+        elif len(self.keys) and path not in OPEN_PATHS and (path != "/metrics" or self.settings.metrics_need_key):
             if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
                 # Which one counts would be a guess, and a proxy in front may guess otherwise.
                 raise unauthorized("Send one Authorization header, not several", REALM)
@@ -90,6 +96,14 @@ class HTTPGuard:
                 raise APIError(400, "the Content-Length header is not a number") from None
             if size > self.settings.max_body_bytes:
                 raise _too_large(f"the request body is {size} bytes", self.settings.max_body_bytes)
+
+    def _admit_admin(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> None:
+        if not len(self.admin_keys):
+            raise APIError(403, "the admin endpoints are off: set router.admin_keys to scale this deployment "
+                                "over HTTP", kind="permission_error")
+        if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
+            raise unauthorized("Send one Authorization header, not several", REALM)
+        self.admin_keys.identify(headers.get(b"authorization"))
 
     def _bounded(self, receive: ASGIApp, body: "_Body") -> ASGIApp:
         """`receive` that raises APIError 413 once the body passes max_body_bytes and

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 # (upper bound, cumulative count) per bucket, +Inf last: a histogram as it stands.
 Buckets = tuple[tuple[float, float], ...]
@@ -58,6 +58,11 @@ def buckets_of(histogram: Histogram) -> Buckets:
             if sample.name.endswith("_bucket"):
                 out.append((float(sample.labels["le"]), float(sample.value)))
     return tuple(sorted(out, key=lambda b: b[0]))
+
+
+def total_of(counter: Counter) -> float:
+    """A counter's total over all its labels."""
+    return sum(s.value for metric in counter.collect() for s in metric.samples if s.name.endswith("_total"))
 
 
 def quantile_between(old: Buckets, new: Buckets, q: float) -> float | None:

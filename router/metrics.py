@@ -160,6 +160,17 @@ class RouterMetrics:
         self.steps.update(name, role, stats)
         self.spec_decode.update(name, role, stats)
 
+    def forget_worker(self, name: str, role: str) -> None:
+        """A worker scaled away: its labelled series leave /metrics (a restarted one
+        keeps its name, so only a scale-down forgets)."""
+        for gauge in [*self.worker.values(), self.worker_live]:
+            try:
+                gauge.remove(name, role)
+            except KeyError:  # it never reported that figure
+                pass
+        self.steps.forget(name, role)
+        self.spec_decode.forget(name, role)
+
     def set_live(self, decode: dict[str, bool], prefill: dict[str, bool]) -> None:
         """Each worker's health as the router sees it (router/health.py)."""
         for role, workers in (("decode", decode), ("prefill", prefill)):

@@ -61,6 +61,7 @@ class RoutingPolicy:
     def __init__(self, policy: str, num_workers: int, block_size: int, capacity_blocks: int) -> None:
         self.policy = policy
         self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
         self.indexes = [PrefixIndex(capacity_blocks) for _ in range(num_workers)]
         self._round_robin = itertools.cycle(range(num_workers))
 
@@ -83,6 +84,16 @@ class RoutingPolicy:
         best = min(candidates, key=lambda i: (len(prompt) - cached[i] + LOAD_TOKENS * loads[i], i))
         self.indexes[best].add(hashes)
         return best, cached[best]
+
+    def add(self) -> None:
+        """A worker joined the pool, after the others (its index: their number)."""
+        self.indexes.append(PrefixIndex(self.capacity_blocks))
+        self._round_robin = itertools.cycle(range(len(self.indexes)))
+
+    def remove(self, index: int) -> None:
+        """Worker `index` left the pool; those after it move down one."""
+        self.indexes.pop(index)
+        self._round_robin = itertools.cycle(range(len(self.indexes)))
 
     def forget(self, index: int) -> None:
         """Worker `index` restarted (its prefix cache is empty), or its events were lost."""

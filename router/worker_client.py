@@ -54,6 +54,9 @@ class WorkerClient:
         self.num_kv_blocks: int | None = None  # its KV pool, once a stats reply said
         self._seq = 0
         self.down_reason = "not answering yet"  # why it was last declared dead (the 503's message)
+        # Being scaled down (cluster/elastic.py): it gets no new request, but stays alive
+        # for those it serves.
+        self.draining = False
 
     @property
     def alive(self) -> bool:
@@ -144,9 +147,23 @@ class WorkerClient:
         self.address = address
         self.sock.connect(address)
 
-    def _lose_requests(self, reason: str) -> None:
-        self.down_reason = reason
-        logger.warning("worker %s (%s) %s: declared dead%s", self.name, self.address, reason,
+    def evacuate(self, reason: str) -> None:
+        """Move every request it serves to another worker by the failover path (it is
+        being drained and its time is up); it stays alive meanwhile, for their aborts."""
+        self._lose_requests(reason, declared_dead=False)
+
+    def close(self) -> None:
+        """It left the deployment: its socket goes (any request still listening fails
+        over first)."""
+        if self.queues:
+            self._lose_requests("left the deployment", declared_dead=False)
+        self.sock.close(linger=0)
+
+    def _lose_requests(self, reason: str, declared_dead: bool = True) -> None:
+        if declared_dead:
+            self.down_reason = reason
+        logger.warning("worker %s (%s) %s%s%s", self.name, self.address, reason,
+                       ": declared dead" if declared_dead else "",
                        f"; {len(self.queues)} request(s) fail over" if self.queues else "")
-        for queue in self.queues.values():
+        for queue in list(self.queues.values()):
             queue.put_nowait(WORKER_LOST)

@@ -66,6 +66,10 @@ class WorkerHistograms(Collector):
     def __init__(self) -> None:
         self._latest: dict[tuple[str, str], dict[str, tuple[Buckets, float]]] = {}  # (worker, role) -> key ->
 
+    def forget(self, worker: str, role: str) -> None:
+        """The worker left its pool (scaled down): its series go."""
+        self._latest.pop((worker, role), None)
+
     def update(self, worker: str, role: str, stats: dict[str, Any]) -> None:
         """One worker's stats reply (role: "decode" or "prefill")."""
         hists = self._latest.setdefault((worker, role), {})
@@ -99,6 +103,10 @@ class WorkerSpecDecode(Collector):
 
     def __init__(self) -> None:
         self._latest: dict[tuple[str, str], SpecDecodeStats] = {}  # (worker, role) ->
+
+    def forget(self, worker: str, role: str) -> None:
+        """The worker left its pool (scaled down): its series go."""
+        self._latest.pop((worker, role), None)
 
     def update(self, worker: str, role: str, stats: dict[str, Any]) -> None:
         if "spec_decode" not in stats:

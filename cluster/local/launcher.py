@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from cluster.config import ClusterConfig
 from cluster.launcher import RouterHooks
+from cluster.local.elastic import LocalPools
 from cluster.local.supervisor import LocalSupervisor
 from cluster.local.workers import LocalWorkers, start_workers
 
@@ -20,6 +21,9 @@ class LocalLauncher:
 
     def start(self, config: ClusterConfig) -> LocalWorkers:
         return start_workers(config)
+
+    def pools(self, config: ClusterConfig, workers: LocalWorkers) -> LocalPools:
+        return LocalPools(config, workers)
 
     def supervise(self, config: ClusterConfig, workers: LocalWorkers, router: RouterHooks) -> None:
         """Exited workers are reported, routed around, and started again (as Ray does)."""

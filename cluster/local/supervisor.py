@@ -31,8 +31,7 @@ from collections.abc import Callable
 
 from cluster import console
 from cluster.config import ClusterConfig
-from cluster.local.workers import LocalWorkers, Worker, await_ready, await_serving, spawn
-from cluster.peers import peers_messages
+from cluster.local.workers import LocalWorkers, Worker, await_ready, await_serving, spawn, stop_processes
 from engine.distributed.shm_files import sweep_orphans
 from kv_transfer.shm_segments import unlink_segment
 
@@ -58,9 +57,10 @@ class LocalSupervisor:
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
         self.restarts: Counter[str] = Counter()
-        self.gone: set[str] = set()  # down: being restarted, or for good
-        # Peers messages and pool updates come from the watch thread and from restarts.
-        self._lock = threading.Lock()
+        self.gone = workers.gone  # down: being restarted, or for good
+        # Peers messages and pool updates come from the watch thread, restarts and the
+        # elastic scaler: one lock, the workers'.
+        self._lock = workers.lock
         self._starting: dict[str, Worker] = {}  # restarted processes not yet serving
         self._stop = threading.Event()
         self._sigterm_seen: dict[int, float] = {}  # id(process) -> when its SIGTERM death was seen
@@ -77,49 +77,35 @@ class LocalSupervisor:
             self._thread.join(timeout)
         with self._lock:
             starting = list(self._starting.values())
-        LocalWorkers(decode=starting).stop()
+        stop_processes(starting)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for role, pool in (("decode", self.workers.decode), ("prefill", self.workers.prefill)):
-                for index, w in enumerate(pool):
-                    if w.name in self.gone or w.process.is_alive() or self._stop.is_set():
-                        continue
-                    if w.process.exitcode == -signal.SIGTERM and not self._grace_over(w):
-                        continue  # maybe the deployment is stopping: not a crash yet
-                    try:
-                        self._report_down(w)
-                    except Exception:  # supervision must outlive any one failure
-                        logger.exception("supervising %s", w.name)
-                    # In its own thread: loading a model takes a while, and other
-                    # workers' deaths must be reported meanwhile.
-                    threading.Thread(target=self._restart, args=(role, index, w), daemon=True,
-                                     name=f"restart-{w.name}").start()
+            with self._lock:  # a scale-down removes workers meanwhile
+                watched = self.workers.all
+            for w in watched:
+                if w.name in self.gone or w.process.is_alive() or self._stop.is_set() or not self._member(w):
+                    continue
+                if w.process.exitcode == -signal.SIGTERM and not self._grace_over(w):
+                    continue  # maybe the deployment is stopping: not a crash yet
+                try:
+                    self._report_down(w)
+                except Exception:  # supervision must outlive any one failure
+                    logger.exception("supervising %s", w.name)
+                # In its own thread: loading a model takes a while, and other
+                # workers' deaths must be reported meanwhile.
+                threading.Thread(target=self._restart, args=(w,), daemon=True, name=f"restart-{w.name}").start()
+
+    def _member(self, w: Worker) -> bool:
+        """Still in its pool (a worker scaled down is stopped, not crashed)."""
+        with self._lock:
+            return any(x is w for x in self.workers.all)
 
     def _grace_over(self, w: Worker) -> bool:
         """Whether SIGTERM_GRACE_S passed since this sweep first saw `w` dead (others'
         deaths are handled meanwhile)."""
         first = self._sigterm_seen.setdefault(id(w.process), time.monotonic())
         return time.monotonic() - first >= SIGTERM_GRACE_S
-
-    def _live(self, pool: list[Worker]) -> list[Worker]:
-        return [w for w in pool if w.name not in self.gone and w.process.is_alive()]
-
-    def _peers_messages(self) -> tuple[list[Worker], list[Worker], bytes, bytes]:
-        """The live workers of each pool, and the "peers" message for each pool (call
-        with the lock held)."""
-        decode, prefill = self._live(self.workers.decode), self._live(self.workers.prefill)
-        return decode, prefill, *peers_messages(decode, prefill)
-
-    def _tell_peers(self) -> None:
-        """Every live worker gets the live workers of the other pool."""
-        with self._lock:
-            decode, prefill, to_decode, to_prefill = self._peers_messages()
-            for w, message in [(w, to_decode) for w in decode] + [(w, to_prefill) for w in prefill]:
-                try:
-                    w.control.send_bytes(message)
-                except (BrokenPipeError, OSError):
-                    pass  # it died too: the watch thread handles it
 
     def _report_down(self, dead: Worker) -> None:
         logger.warning("worker %s exited with %s; telling its peers and the router", dead.name,
@@ -129,41 +115,45 @@ class LocalSupervisor:
         if dead.metadata:  # a killed worker could not remove its shared memory
             unlink_segment(dead.metadata)
         sweep_orphans()  # its TP rank caches, even if it died before saying ready
-        self._tell_peers()
+        self.workers.tell_peers()
 
-    def _restart(self, role: str, index: int, dead: Worker) -> None:
+    def _restart(self, dead: Worker) -> None:
         """Start it again until one start serves, at most max_restarts starts in all."""
-        while self.restarts[dead.name] < self.max_restarts and not self._stop.is_set():
+        while self.restarts[dead.name] < self.max_restarts and not self._stop.is_set() and self._member(dead):
             self.restarts[dead.name] += 1
-            if self._start(role, index, dead):
+            if self._start(dead):
                 return
-        if not self._stop.is_set():
+        if not self._stop.is_set() and self._member(dead):
             logger.error("worker %s stays down: started %d times", dead.name, self.restarts[dead.name])
 
-    def _start(self, role: str, index: int, dead: Worker) -> bool:
-        new = spawn(self.config, role, index, self.workers.secret)  # the deployment's, as before
+    def _start(self, dead: Worker) -> bool:
+        role = dead.role
+        new = spawn(self.config, role, dead.index, self.workers.secret)  # the deployment's, as before
         with self._lock:
             self._starting[new.name] = new
         try:
             await_ready(new, self.start_timeout_s)
             with self._lock:
-                _, _, to_decode, to_prefill = self._peers_messages()
+                to_decode, to_prefill = self.workers.peers_messages()
             new.control.send_bytes(to_decode if role == "decode" else to_prefill)
             await_serving(new, self.start_timeout_s)
         except Exception as exc:
             logger.error("worker %s did not restart: %s", dead.name, exc)
             with self._lock:
                 self._starting.pop(new.name, None)
-            LocalWorkers(decode=[new]).stop()  # also removes its shared memory
+            stop_processes([new])  # also removes its shared memory
             return False
         with self._lock:
             self._starting.pop(new.name, None)
-            if self._stop.is_set():  # shutting down: stop() may already have looked
-                LocalWorkers(decode=[new]).stop()
+            pool = self.workers.decode if role == "decode" else self.workers.prefill
+            at = next((i for i, w in enumerate(pool) if w is dead), None)
+            if self._stop.is_set() or at is None:  # shutting down, or scaled down meanwhile
+                stop_processes([new])
                 return True
-            (self.workers.decode if role == "decode" else self.workers.prefill)[index] = new
+            new.draining = dead.draining
+            pool[at] = new
             self.gone.discard(new.name)
-        self._tell_peers()  # the other pool learns it (a prefill worker makes its handshake)
+        self.workers.tell_peers()  # the other pool learns it (a prefill worker makes its handshake)
         self.moved(new.name, new.address)
         console.worker_back(new.name, new.address, time.monotonic() - new.started, self.restarts[dead.name],
                             self.max_restarts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait as wait_for_any
@@ -32,6 +33,15 @@ class Worker:
     address: str = ""
     metadata: bytes = b""
     started: float = field(default_factory=time.monotonic)  # when its process was started
+    draining: bool = False  # being scaled down (cluster/elastic.py)
+
+    @property
+    def role(self) -> str:
+        return self.name.rpartition("-")[0]
+
+    @property
+    def index(self) -> int:
+        return int(self.name.rpartition("-")[2])
 
 
 @dataclass
@@ -42,10 +52,44 @@ class LocalWorkers:
     # The deployment's (start_workers makes it): every worker has it, restarted ones
     # too, and the router gets it from here (cluster/serve.py).
     secret: DeploymentSecret | None = field(default=None, repr=False)
+    # Down (being restarted by the supervisor, or for good): told to nobody as a peer.
+    gone: set[str] = field(default_factory=set)
+    # Held while the pools change or a Peers message is made and sent: the supervisor's
+    # restarts and the elastic scaler's adds and removals (cluster/local/elastic.py).
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    # The next index of each pool's workers: a worker added at runtime never takes the
+    # name of one that left (the router and /metrics know workers by name).
+    indexes: dict[str, int] = field(default_factory=dict)
+
+    def next_index(self, role: str) -> int:
+        pool = self.decode if role == "decode" else self.prefill
+        index = max([self.indexes.get(role, 0), *(w.index + 1 for w in pool)])
+        self.indexes[role] = index + 1
+        return index
 
     @property
     def all(self) -> list[Worker]:
         return self.decode + self.prefill
+
+    def live(self, pool: list[Worker]) -> list[Worker]:
+        return [w for w in pool if w.name not in self.gone and w.process.is_alive()]
+
+    def peers_messages(self) -> tuple[bytes, bytes]:
+        """The Peers message for a decode and for a prefill worker: the live workers of
+        the other pool (call with the lock held)."""
+        return peers_messages(self.live(self.decode), self.live(self.prefill))
+
+    def tell_peers(self, roles: tuple[str, ...] = ("decode", "prefill")) -> None:
+        """Every live worker of `roles` gets the live workers of the other pool."""
+        with self.lock:
+            to_decode, to_prefill = self.peers_messages()
+            targets = [(w, to_decode) for w in self.live(self.decode) if "decode" in roles]
+            targets += [(w, to_prefill) for w in self.live(self.prefill) if "prefill" in roles]
+            for w, message in targets:
+                try:
+                    w.control.send_bytes(message)
+                except (BrokenPipeError, OSError):
+                    pass  # it died too: the supervisor handles it
 
     def stop_supervising(self, timeout: float = 10.0) -> None:
         """From now on no exit is taken for a crash, nor restarted: the first thing a
@@ -56,19 +100,24 @@ class LocalWorkers:
 
     def stop(self, timeout: float = 10.0) -> None:
         self.stop_supervising(timeout)  # first: a worker stopped now is not restarted
-        for w in self.all:
-            try:
-                w.control.send_bytes(encode(Stop()))
-            except (BrokenPipeError, OSError):
-                pass
-        for w in self.all:
+        stop_processes(self.all, timeout)
+
+
+def stop_processes(workers: list[Worker], timeout: float = 10.0) -> None:
+    """Ask each to stop, wait, kill those that do not, and remove what they held."""
+    for w in workers:
+        try:
+            w.control.send_bytes(encode(Stop()))
+        except (BrokenPipeError, OSError):
+            pass
+    for w in workers:
+        w.process.join(timeout)
+        if w.process.is_alive():
+            w.process.kill()
             w.process.join(timeout)
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(timeout)
-            if w.metadata:  # a worker that was killed could not remove its shared memory
-                unlink_segment(w.metadata)
-        sweep_orphans()  # rank caches of a TP worker killed before it said ready
+        if w.metadata:  # a worker that was killed could not remove its shared memory
+            unlink_segment(w.metadata)
+    sweep_orphans()  # rank caches of a TP worker killed before it said ready
 
 
 def spawn(config: ClusterConfig, role: str, index: int, secret: DeploymentSecret | None) -> Worker:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from cluster.config import ClusterConfig, check_ray_model_dir
 from cluster.launcher import RouterHooks
 from cluster.ray.deployment import down, serve_on_ray
+from cluster.ray.elastic import RayPools
 from cluster.ray.workers import RayWorkers, start_ray_workers
 
 
@@ -20,6 +21,9 @@ class RayLauncher:
 
     def start(self, config: ClusterConfig) -> RayWorkers:
         return start_ray_workers(config)
+
+    def pools(self, config: ClusterConfig, workers: RayWorkers) -> RayPools:
+        return RayPools(config, workers)
 
     def supervise(self, config: ClusterConfig, workers: RayWorkers, router: RouterHooks) -> None:
         workers.supervise(config.ray, router)

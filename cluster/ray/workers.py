@@ -55,6 +55,7 @@ class RayWorker:
     metadata: bytes = b""
     incarnation: str = ""  # the actor process's id (a restart changes it)
     alive: bool = True  # as the supervisor last saw it
+    draining: bool = False  # being scaled down (cluster/elastic.py)
 
 
 @dataclass

@@ -67,7 +67,7 @@ class Harness:
         monkeypatch.setattr(supervision, "spawn", spawn)
         monkeypatch.setattr(supervision, "await_ready", await_ready)
         monkeypatch.setattr(supervision, "await_serving", await_serving)
-        monkeypatch.setattr(supervision, "peers_messages", lambda decode, prefill: (b"to-decode", b"to-prefill"))
+        monkeypatch.setattr(local, "peers_messages", lambda decode, prefill: (b"to-decode", b"to-prefill"))
         for module in (supervision, local):
             monkeypatch.setattr(module, "unlink_segment", self.unlinked.append)
         self.workers = LocalWorkers(decode=[Worker("decode-0", Process(False), Control(), "tcp://a", b"old-0"),

@@ -1,0 +1,213 @@
+"""Pools that grow and shrink while the deployment serves: `PoolScaler.scale()`, which
+`pdserve scale`, the router's admin endpoint and the autoscaling planner call.
+
+Scale-up: a launcher's PoolBackend starts a worker by the path a restarted one takes
+(it gets its peers and serves, then the other pool learns it), and only then does the
+router route to it.
+
+Scale-down drains, newest workers first:
+- decode: the router sends it no new request; the requests it serves finish, until
+  `drain_timeout_s`; those still running then move to the other decode workers by the
+  failover path (each resubmitted as prompt + its tokens so far: greedy output goes on
+  token for token). Then the router forgets it, and the backend takes it out of its
+  pool (prefill workers drop it as a KV destination) and stops it.
+- prefill: the decode workers send it no new prompt, and those it computes finish,
+  until `drain_timeout_s`; then the backend takes it out (the decode workers prefill
+  locally any prompt it still had) and stops it, and the router forgets it.
+No request fails because of a scale event: each either finishes where it was or moves.
+
+One scale at a time (a lock): a request made while another runs waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cluster.config import ClusterConfig
+from cluster.launcher import NamedWorker
+
+logger = logging.getLogger("pdserve.scale")
+
+ROLES = ("prefill", "decode")
+
+
+class ScaleError(ValueError):
+    """A scale request that cannot be done: out of bounds, or a worker that would not start."""
+
+
+class PoolBackend(Protocol):
+    """What a launcher does for the scaler (cluster/local/elastic.py, cluster/ray/elastic.py)."""
+
+    def pool(self, role: str) -> Sequence[NamedWorker]: ...
+
+    def add_worker(self, role: str) -> NamedWorker:
+        """Start a worker of `role` under a new name; return it once it serves and the
+        other pool knows it. Raises (leaving nothing behind) if it cannot."""
+
+    def set_draining(self, name: str) -> None:
+        """Mark it draining; a prefill worker's decode peers are told to send it nothing new."""
+
+    def remove_worker(self, name: str) -> None:
+        """Take it out of its pool, tell the other pool, stop it and release its placement."""
+
+
+class RouterControl(Protocol):
+    """The router's verbs the scaler uses (router/core.py)."""
+
+    def add_worker(self, role: str, name: str, address: str, timeout: float = 30.0) -> None: ...
+
+    def drain_worker(self, name: str, timeout: float = 30.0) -> None: ...
+
+    def requests_on(self, name: str, timeout: float = 30.0) -> int: ...
+
+    def evacuate(self, name: str, timeout: float = 30.0) -> int: ...
+
+    def remove_worker(self, name: str, timeout: float = 30.0) -> None: ...
+
+    def worker_stats(self, name: str, timeout: float = 5.0) -> dict[str, Any] | None: ...
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How many workers each pool may have (autoscale.prefill / autoscale.decode)."""
+
+    prefill: tuple[int, int]  # (min, max)
+    decode: tuple[int, int]
+
+    def of(self, role: str) -> tuple[int, int]:
+        return self.prefill if role == "prefill" else self.decode
+
+
+def bounds_of(config: ClusterConfig) -> Bounds:
+    """The pools' bounds a config sets (its autoscale section), which scale requests,
+    manual or the planner's, keep within."""
+    return Bounds(prefill=(0, max(8, config.prefill.replicas)), decode=(1, max(8, config.decode.replicas)))
+
+
+def drain_timeout_s(config: ClusterConfig) -> float:
+    return 60.0
+
+
+@dataclass
+class ScaleResult:
+    sizes: dict[str, int]  # workers taking work in each pool, after
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    moved: int = 0  # sequences a drain timeout moved to another decode worker
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"prefill": self.sizes["prefill"], "decode": self.sizes["decode"], "added": self.added,
+                "removed": self.removed, "moved_requests": self.moved, "seconds": round(self.seconds, 3)}
+
+
+class PoolScaler:
+    def __init__(self, backend: PoolBackend, router: RouterControl, bounds: Bounds, drain_timeout_s: float,
+                 poll_s: float = 0.2) -> None:
+        self.backend = backend
+        self.router = router
+        self.bounds = bounds
+        self.drain_timeout_s = drain_timeout_s
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+
+    def sizes(self) -> dict[str, int]:
+        """Workers taking work in each pool (a draining one no longer counts)."""
+        return {role: sum(1 for w in self.backend.pool(role) if not getattr(w, "draining", False)) for role in ROLES}
+
+    def check(self, targets: dict[str, int | None]) -> None:
+        """ScaleError naming the pool and its bound for a target out of bounds."""
+        for role, target in targets.items():
+            if target is None:
+                continue
+            if role not in ROLES:
+                raise ScaleError(f"unknown pool {role!r}; the pools are {ROLES}")
+            if not isinstance(target, int) or isinstance(target, bool):
+                raise ScaleError(f"{role}: must be an integer number of workers, got {target!r}")
+            low, high = self.bounds.of(role)
+            if role == "decode" and target < 1:
+                raise ScaleError(f"decode: cannot scale to {target} workers: the decode pool serves every request "
+                                 "(at least 1)")
+            if target < low:
+                raise ScaleError(f"{role}: {target} is below autoscale.{role}.min ({low})")
+            if target > high:
+                raise ScaleError(f"{role}: {target} is beyond autoscale.{role}.max ({high})")
+
+    def scale(self, prefill: int | None = None, decode: int | None = None, reason: str = "manual") -> ScaleResult:
+        """Bring each pool given to its target, up first then down (capacity before it
+        goes); returns once done. ScaleError for a target out of bounds (nothing done)
+        or a worker that would not start (those that did, stay)."""
+        targets = {"prefill": prefill, "decode": decode}
+        self.check(targets)
+        with self._lock:
+            start = time.monotonic()
+            result = ScaleResult(self.sizes())
+            for role, target in targets.items():
+                while target is not None and self.sizes()[role] < target:
+                    self._add(role, reason, result)
+            leaving = {role: self._victims(role, target) for role, target in targets.items() if target is not None}
+            names = [w for role in ROLES for w in leaving.get(role, [])]
+            if names:
+                logger.warning("scale-down (%s): draining %s (drain_timeout_s %g)", reason, ", ".join(names),
+                               self.drain_timeout_s)
+                result.moved = self._drain(leaving.get("decode", []), leaving.get("prefill", []))
+                result.removed = names
+            result.sizes, result.seconds = self.sizes(), time.monotonic() - start
+            return result
+
+    def _add(self, role: str, reason: str, result: ScaleResult) -> None:
+        logger.warning("scale-up (%s): starting a %s worker", reason, role)
+        try:
+            worker = self.backend.add_worker(role)
+        except Exception as exc:
+            raise ScaleError(f"{role}: a new worker did not start: {exc}") from exc
+        self.router.add_worker(role, worker.name, worker.address)
+        result.added.append(worker.name)
+        logger.warning("scale-up (%s): %s serves at %s", reason, worker.name, worker.address)
+
+    def _victims(self, role: str, target: int) -> list[str]:
+        """The newest workers beyond `target`, not already draining."""
+        taking = [w for w in self.backend.pool(role) if not getattr(w, "draining", False)]
+        excess = max(0, len(taking) - target)
+        return [w.name for w in sorted(taking, key=_index)[len(taking) - excess:]]
+
+    def _drain(self, decode: list[str], prefill: list[str]) -> int:
+        """Drain them all at once; each leaves as soon as it is idle, or at the deadline.
+        Returns the sequences moved off decode workers at the deadline."""
+        for name in decode + prefill:
+            self.router.drain_worker(name)
+            self.backend.set_draining(name)
+        deadline = time.monotonic() + self.drain_timeout_s
+        moved = 0
+        pending = decode + prefill
+        while pending:
+            for name in list(pending):
+                late = time.monotonic() >= deadline
+                if name in decode:
+                    if self.router.requests_on(name) and not late:
+                        continue
+                    if late:
+                        moved += self.router.evacuate(name)
+                    self.router.remove_worker(name)
+                    self.backend.remove_worker(name)
+                else:
+                    stats = self.router.worker_stats(name)
+                    if stats is not None and stats.get("jobs", 0) and not late:
+                        continue
+                    self.backend.remove_worker(name)  # its decode peers drop it (local fallback)
+                    self.router.remove_worker(name)
+                pending.remove(name)
+                logger.warning("scale-down: %s left%s", name, " at the drain deadline" if late else " drained")
+            if pending:
+                time.sleep(self.poll_s)
+        return moved
+
+
+def _index(worker: NamedWorker) -> int:
+    tail = worker.name.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else 0

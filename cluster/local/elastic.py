@@ -1,0 +1,71 @@
+"""The local launcher's pools, grown and shrunk at runtime (cluster/elastic.py's
+PoolBackend): a worker process added under a new name, by the path a restarted one
+takes (ready, its peers, serving, then the other pool learns it); one removed is
+taken out of its pool first (so neither the supervisor nor a Peers message counts it
+any more), then the other pool is told, then it is stopped and its shared memory
+removed."""
+
+from __future__ import annotations
+
+import time
+
+from cluster import console
+from cluster.config import ClusterConfig
+from cluster.local.workers import LocalWorkers, Worker, await_ready, await_serving, spawn, stop_processes
+
+
+class LocalPools:
+    def __init__(self, config: ClusterConfig, workers: LocalWorkers, start_timeout_s: float = 180.0) -> None:
+        self.config = config
+        self.workers = workers
+        self.start_timeout_s = start_timeout_s
+
+    def pool(self, role: str) -> list[Worker]:
+        return self.workers.decode if role == "decode" else self.workers.prefill
+
+    def add_worker(self, role: str) -> Worker:
+        """Start one more worker of `role` and return it once it serves and the other
+        pool knows it; raises RuntimeError (nothing left behind) if it cannot start."""
+        with self.workers.lock:  # its name: never one the deployment used before
+            index = self.workers.next_index(role)
+        new = spawn(self.config, role, index, self.workers.secret)
+        try:
+            await_ready(new, self.start_timeout_s)
+            with self.workers.lock:
+                to_decode, to_prefill = self.workers.peers_messages()
+                new.control.send_bytes(to_decode if role == "decode" else to_prefill)
+            await_serving(new, self.start_timeout_s)
+        except BaseException:
+            stop_processes([new])
+            raise
+        with self.workers.lock:
+            self.pool(role).append(new)
+        self.workers.tell_peers(("prefill",) if role == "decode" else ("decode",))
+        console.worker_ready(new.name, new.address, time.monotonic() - new.started)
+        return new
+
+    def set_draining(self, name: str) -> None:
+        """A draining prefill worker gets no new prompt from the decode workers (told
+        now); a draining decode worker is the router's business only."""
+        with self.workers.lock:
+            worker = self._find(name)
+            worker.draining = True
+        if worker.role == "prefill":
+            self.workers.tell_peers(("decode",))
+
+    def remove_worker(self, name: str, timeout: float = 10.0) -> None:
+        """Out of its pool, the other pool told (a decode worker's prompts still on a
+        removed prefill worker are prefilled locally; a prefill worker's jobs for a
+        removed decode worker end), then stopped."""
+        with self.workers.lock:
+            worker = self._find(name)
+            self.pool(worker.role).remove(worker)
+            self.workers.gone.discard(name)
+        self.workers.tell_peers(("prefill",) if worker.role == "decode" else ("decode",))
+        stop_processes([worker], timeout)
+
+    def _find(self, name: str) -> Worker:
+        for w in self.workers.all:
+            if w.name == name:
+                return w
+        raise LookupError(f"no worker named {name} in the deployment")
