@@ -8,6 +8,8 @@ from pathlib import Path
 
 # The API key a CLI call to a router sends (`Authorization: Bearer`), unless --api-key.
 API_KEY_ENV = "PDSERVE_API_KEY"
+# The admin key `pdserve scale` sends to a router's /admin/ endpoints, unless --admin-key.
+ADMIN_KEY_ENV = "PDSERVE_ADMIN_KEY"
 
 
 def _cmd_model_prepare(args: argparse.Namespace) -> int:
@@ -92,6 +94,44 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_scale(args: argparse.Namespace) -> int:
+    """Scale a running deployment (or, with neither --prefill nor --decode, show its
+    pools): through its router's admin endpoint (--url, or a config of launcher local),
+    or, for a Ray deployment (a config of launcher ray, or its name), through Ray."""
+    import os
+
+    from cluster.admin_client import admin_request, describe
+
+    targets = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
+    key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
+    url, ray_name, ray_address = args.url, None, args.ray_address
+    if url is None and Path(args.target).is_file():
+        from cluster.config import load_cluster_config
+
+        config = load_cluster_config(args.target)
+        if config.launcher == "ray":
+            ray_name, ray_address = config.ray.name, ray_address or config.ray.address
+        else:
+            url = f"http://{config.router.host}:{config.router.port}"
+            key = key or (config.router.admin_keys or (None,))[0]  # the operator's own config: its first key
+    elif url is None:
+        ray_name = args.target  # not a file: a Ray deployment's name
+    try:
+        if ray_name is not None:
+            from cluster.ray.scale import scale_on_ray
+
+            result = scale_on_ray(ray_name, ray_address or "auto", targets.get("prefill"), targets.get("decode"))
+        elif targets:
+            result = admin_request(url, "POST", "/admin/scale", key, targets)
+        else:
+            result = admin_request(url, "GET", "/admin/pools", key, timeout=30)
+    except (ConnectionError, PermissionError, LookupError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"pdserve: {describe(result)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     down = sub.add_parser("down", help="stop a detached Ray deployment (pdserve serve --detach)")
     down.add_argument("config", help="its cluster config (Ray address and ray.name)")
     down.set_defaults(func=_cmd_down)
+
+    scale = sub.add_parser("scale", help="add or remove workers of a running deployment (drains those removed)")
+    scale.add_argument("target", help="its cluster config, or the name of a Ray deployment (ray.name)")
+    scale.add_argument("--prefill", type=int, default=None, help="the prefill pool's new number of workers")
+    scale.add_argument("--decode", type=int, default=None, help="the decode pool's new number of workers (>= 1)")
+    scale.add_argument("--url", default=None, help="the router's base URL (its admin endpoint), e.g. "
+                       "http://127.0.0.1:8000")
+    scale.add_argument("--admin-key", default=None, help=f"the admin key (default: ${ADMIN_KEY_ENV}; with a config "
+                       "and neither, its first router.admin_keys)")
+    scale.add_argument("--ray-address", default=None, help="the Ray cluster of a deployment named by NAME "
+                       "(default: auto, or the config's ray.address)")
+    scale.set_defaults(func=_cmd_scale)
 
     status = sub.add_parser("status", help="a running deployment's decode workers: health, queues, KV usage")
     where = status.add_mutually_exclusive_group()

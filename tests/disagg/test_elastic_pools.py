@@ -17,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from cluster.cli import main
 from cluster.config import ClusterConfig
 from cluster.serve import build
 from engine import LLM, SamplingParams
@@ -143,3 +144,15 @@ def test_bad_scale_requests_get_clear_errors_and_change_nothing(deployment) -> N
     assert admin(base, "POST", "/admin/scale", {"decode": 2}, key=API)[0] == 401  # a model key is no admin key
     pools = admin(base, "GET", "/admin/pools")[1]
     assert (pools["prefill"], pools["decode"]) == (1, 1)
+
+
+@pytest.mark.timeout(60)
+def test_pdserve_scale_shows_the_pools_and_says_why_it_refuses(deployment, capsys, monkeypatch) -> None:
+    base = deployment[0]
+    monkeypatch.setenv("PDSERVE_ADMIN_KEY", ADMIN)
+    assert main(["scale", "x", "--url", base]) == 0
+    assert capsys.readouterr().out.strip() == "pdserve: prefill 1, decode 1"
+    assert main(["scale", "x", "--url", base, "--decode", "9"]) == 2
+    assert "9 is beyond autoscale.decode.max (8)" in capsys.readouterr().err
+    assert main(["scale", "x", "--url", base, "--admin-key", API, "--decode", "2"]) == 1
+    assert "refused: Incorrect API key" in capsys.readouterr().err
