@@ -37,7 +37,11 @@ ROLES = ("prefill", "decode")
 
 
 class ScaleError(ValueError):
-    """A scale request that cannot be done: out of bounds, or a worker that would not start."""
+    """A scale request out of bounds (nothing was done)."""
+
+
+class ScaleFailed(RuntimeError):
+    """A new worker would not start (those started before it stay)."""
 
 
 class PoolBackend(Protocol):
@@ -140,8 +144,8 @@ class PoolScaler:
 
     def scale(self, prefill: int | None = None, decode: int | None = None, reason: str = "manual") -> ScaleResult:
         """Bring each pool given to its target, up first then down (capacity before it
-        goes); returns once done. ScaleError for a target out of bounds (nothing done)
-        or a worker that would not start (those that did, stay)."""
+        goes); returns once done. ScaleError for a target out of bounds (nothing done),
+        ScaleFailed for a worker that would not start (those that did, stay)."""
         targets = {"prefill": prefill, "decode": decode}
         self.check(targets)
         with self._lock:
@@ -165,7 +169,7 @@ class PoolScaler:
         try:
             worker = self.backend.add_worker(role)
         except Exception as exc:
-            raise ScaleError(f"{role}: a new worker did not start: {exc}") from exc
+            raise ScaleFailed(f"{role}: a new worker did not start: {exc}") from exc
         self.router.add_worker(role, worker.name, worker.address)
         result.added.append(worker.name)
         logger.warning("scale-up (%s): %s serves at %s", reason, worker.name, worker.address)

@@ -29,7 +29,8 @@ class Scaling(Protocol):
     def sizes(self) -> dict[str, int]: ...
 
     def scale(self, prefill: int | None = None, decode: int | None = None, reason: str = "manual") -> Scaled:
-        """Blocks until done; ValueError for a target it refuses (its message says why)."""
+        """Blocks until done; ValueError for a target it refuses (its message says why),
+        RuntimeError for a worker that did not start."""
 
 
 def scale_targets(body: bytes) -> dict[str, int]:
@@ -59,6 +60,8 @@ async def scale(scaling: Scaling | None, body: bytes) -> dict[str, Any]:
                        kind="service_unavailable")
     try:
         result = await asyncio.to_thread(scaling.scale, targets.get("prefill"), targets.get("decode"), "admin")
-    except ValueError as exc:
+    except ValueError as exc:  # out of bounds: nothing was done
         raise APIError(400, str(exc)) from None
+    except RuntimeError as exc:  # a new worker did not start; those before it serve
+        raise APIError(500, f"the scale request failed: {exc}", kind="internal_server_error") from None
     return result.as_dict()

@@ -1,0 +1,152 @@
+"""PoolScaler's rules with a fake backend and router (no process): bounds, up before
+down, the newest workers leave first, a drain waits for idle workers and moves what a
+decode worker still runs at the deadline, a prefill worker leaves once its jobs are
+done, and a worker that does not start fails the request loudly. The real thing runs in
+tests/disagg/test_elastic_pools.py."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from cluster.elastic import Bounds, PoolScaler, ScaleError, ScaleFailed
+
+
+@dataclass
+class FakeWorker:
+    name: str
+    address: str = ""
+    draining: bool = False
+
+
+class FakeBackend:
+    def __init__(self, prefill: int, decode: int, fail: bool = False) -> None:
+        self.pools = {"prefill": [FakeWorker(f"prefill-{i}") for i in range(prefill)],
+                      "decode": [FakeWorker(f"decode-{i}") for i in range(decode)]}
+        self.fail = fail
+        self.log: list[tuple[str, str]] = []
+
+    def pool(self, role: str) -> list[FakeWorker]:
+        return self.pools[role]
+
+    def add_worker(self, role: str) -> FakeWorker:
+        if self.fail:
+            raise RuntimeError("out of memory")
+        w = FakeWorker(f"{role}-{len(self.pools[role]) + 10}", "tcp://new")
+        self.pools[role].append(w)
+        self.log.append(("add", w.name))
+        return w
+
+    def set_draining(self, name: str) -> None:
+        self._find(name).draining = True
+        self.log.append(("draining", name))
+
+    def remove_worker(self, name: str) -> None:
+        w = self._find(name)
+        self.pools[name.rpartition("-")[0]].remove(w)
+        self.log.append(("remove", name))
+
+    def _find(self, name: str) -> FakeWorker:
+        return next(w for pool in self.pools.values() for w in pool if w.name == name)
+
+
+class FakeRouter:
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = {}  # decode worker -> sequences the router awaits
+        self.jobs: dict[str, int] = {}  # prefill worker -> jobs in flight
+        self.log: list[tuple[str, str]] = []
+
+    def add_worker(self, role: str, name: str, address: str, timeout: float = 30.0) -> None:
+        self.log.append(("router-add", name))
+
+    def drain_worker(self, name: str, timeout: float = 30.0) -> None:
+        self.log.append(("router-drain", name))
+
+    def requests_on(self, name: str, timeout: float = 30.0) -> int:
+        return self.requests.get(name, 0)
+
+    def evacuate(self, name: str, timeout: float = 30.0) -> int:
+        self.log.append(("evacuate", name))
+        moved, self.requests[name] = self.requests.get(name, 0), 0
+        return moved
+
+    def remove_worker(self, name: str, timeout: float = 30.0) -> None:
+        self.log.append(("router-remove", name))
+
+    def worker_stats(self, name: str, timeout: float = 5.0) -> dict | None:
+        return {"jobs": self.jobs.get(name, 0)}
+
+
+def scaler(prefill: int = 1, decode: int = 1, drain: float = 5.0, fail: bool = False) \
+        -> tuple[PoolScaler, FakeBackend, FakeRouter]:
+    backend, router = FakeBackend(prefill, decode, fail), FakeRouter()
+    router.log = backend.log  # one log: the order between them matters
+    return PoolScaler(backend, router, Bounds(prefill=(0, 3), decode=(1, 3)), drain, poll_s=0.01), backend, router
+
+
+@pytest.mark.parametrize("targets, words", [
+    ({"decode": 0}, "decode: cannot scale to 0 workers"),
+    ({"decode": 4}, "decode: 4 is beyond autoscale.decode.max (3)"),
+    ({"prefill": -1}, "prefill: -1 is below autoscale.prefill.min (0)"),
+    ({"prefill": 1.5}, "prefill: must be an integer"),
+])
+def test_a_target_out_of_bounds_is_refused_and_nothing_is_done(targets, words) -> None:
+    s, backend, router = scaler()
+    with pytest.raises(ScaleError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        s.scale(**targets)
+    assert backend.log == [] and router.log == []
+
+
+def test_up_comes_before_down_and_the_router_learns_a_worker_once_it_serves() -> None:
+    s, backend, router = scaler(prefill=2, decode=1)
+    result = s.scale(prefill=1, decode=2)
+    assert result.added == ["decode-11"] and result.removed == ["prefill-1"]
+    assert backend.log[:2] == [("add", "decode-11"), ("router-add", "decode-11")]
+    assert s.sizes() == {"prefill": 1, "decode": 2}
+
+
+def test_the_newest_workers_leave_first_and_a_prefill_worker_leaves_the_backend_before_the_router() -> None:
+    s, backend, router = scaler(prefill=3, decode=3)
+    result = s.scale(prefill=1, decode=1)
+    assert sorted(result.removed) == ["decode-1", "decode-2", "prefill-1", "prefill-2"]
+    assert [w.name for w in backend.pools["decode"]] == ["decode-0"]
+    # A prefill worker: out of the decode workers' peers first (their prompts fall back),
+    # then out of the router; a decode worker the other way round.
+    log = backend.log
+    assert log.index(("remove", "prefill-2")) < log.index(("router-remove", "prefill-2"))
+    assert log.index(("router-remove", "decode-2")) < log.index(("remove", "decode-2"))
+    assert log.index(("router-drain", "decode-2")) < log.index(("router-remove", "decode-2"))
+
+
+def test_a_drain_waits_for_the_decode_workers_requests_then_moves_them_at_the_deadline() -> None:
+    s, backend, router = scaler(decode=2, drain=0.3)
+    router.requests["decode-1"] = 2  # never finish by themselves
+    result = s.scale(decode=1)
+    assert result.moved == 2 and ("evacuate", "decode-1") in router.log
+    assert router.log.index(("evacuate", "decode-1")) < router.log.index(("router-remove", "decode-1"))
+
+
+def test_a_drained_decode_worker_leaves_as_soon_as_it_is_idle_without_moving_anything() -> None:
+    s, backend, router = scaler(decode=2, drain=30.0)
+    router.requests["decode-1"] = 1
+    threading.Timer(0.2, lambda: router.requests.update({"decode-1": 0})).start()
+    result = s.scale(decode=1)
+    assert result.moved == 0 and result.seconds < 5 and ("evacuate", "decode-1") not in router.log
+
+
+def test_a_draining_prefill_worker_finishes_its_jobs_before_it_leaves() -> None:
+    s, backend, router = scaler(prefill=2, drain=30.0)
+    router.jobs["prefill-1"] = 3
+    threading.Timer(0.3, lambda: router.jobs.update({"prefill-1": 0})).start()
+    result = s.scale(prefill=1)
+    assert result.removed == ["prefill-1"] and 0.25 < result.seconds < 5
+    assert backend.log[:2] == [("router-drain", "prefill-1"), ("draining", "prefill-1")]
+
+
+def test_a_worker_that_does_not_start_fails_the_request_loudly() -> None:
+    s, backend, router = scaler(fail=True)
+    with pytest.raises(ScaleFailed, match="decode: a new worker did not start: out of memory"):
+        s.scale(decode=2)
+    assert backend.log == []
