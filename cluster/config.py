@@ -17,6 +17,7 @@ typo never silently falls back to a default).
     launcher: local                 # local (processes) | ray (placement groups + actors)
     ray: {address: local, num_cpus: 2, strategy: PACK, decode: {num_cpus: 1, resources: {}}}
     local: {max_restarts: 3}        # read only by the local launcher
+    autoscale: {enabled: true, decode: {min: 1, max: 4}}   # cluster/autoscale/config.py
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from cluster.autoscale.config import AutoscaleConfig
 from cluster.config_fields import ConfigError, check, checked_mapping, integer, number
 from cluster.router_config import POLICIES, RouterConfig
 from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
@@ -206,6 +208,8 @@ class ClusterConfig:
     launcher: str = "local"  # how workers start: local processes, or Ray actors
     ray: RayConfig = field(default_factory=RayConfig)  # read only by the ray launcher
     local: LocalConfig = field(default_factory=LocalConfig)  # read only by the local launcher
+    # Pool bounds (for the planner and `pdserve scale`), SLO targets, thresholds, timing.
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     @classmethod
     def from_dict(cls, data: Any) -> "ClusterConfig":
@@ -240,7 +244,10 @@ class ClusterConfig:
                   prefill_deadline_s=float(deadline), router=RouterConfig.from_dict(data.get("router", {})),
                   prefill=PoolConfig.from_dict(data.get("prefill", {}), "prefill", minimum=0),
                   decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1),
-                  launcher=launcher, ray=ray, local=LocalConfig.from_dict(data.get("local", {})))
+                  launcher=launcher, ray=ray, local=LocalConfig.from_dict(data.get("local", {})),
+                  autoscale=AutoscaleConfig.from_dict(data.get("autoscale")))
+        out.autoscale.check_cluster({role: getattr(out, role).replicas for role in ("prefill", "decode")},
+                                    out.router.remote_prefill_min_tokens)
         for role in ("prefill", "decode"):  # Ray hides every GPU from an actor that asks for none
             check(launcher != "ray" or not on_gpu or getattr(out, role).replicas == 0
                   or getattr(ray, role).num_gpus >= 1, f"ray.{role}.num_gpus",

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from cluster.autoscale.config import AutoscaleConfig, DecodeBounds, PrefillBounds
 from cluster.config import (ROLE_FIELDS, ClusterConfig, LocalConfig, PoolConfig, RayConfig, RayPoolConfig,
                             RouterConfig, TransportOptions, load_cluster_config)
 from cluster.ray.resources import pool_bundles
@@ -23,7 +24,8 @@ SECTIONS: list[tuple[type, str]] = [
     (ClusterConfig, ""), (RouterConfig, "router."), (PoolConfig, "prefill."), (PoolConfig, "decode."),
     (EngineConfig, "<pool>.engine."), (RayConfig, "ray."), (RayPoolConfig, "ray.<pool>."),
     (TransportOptions, "transport_options."), (LocalConfig, "local."),
-    (SpeculativeConfig, "<pool>.engine.speculative_config."),
+    (SpeculativeConfig, "<pool>.engine.speculative_config."), (AutoscaleConfig, "autoscale."),
+    (PrefillBounds, "autoscale.prefill."), (DecodeBounds, "autoscale.decode."),
 ]
 
 

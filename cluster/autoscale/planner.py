@@ -1,0 +1,229 @@
+"""The P:D planner: from two load snapshots a window apart, how many prefill and decode
+workers the deployment needs, and where router.remote_prefill_min_tokens should sit.
+
+Each look (every interval_s, over the window_s before it) applies these rules, in the
+spirit of DistServe's and Dynamo's planners, one step at a time:
+
+- Decode is the bottleneck when p90 TPOT exceeds its target, the decode pool's mean
+  KV usage exceeds kv_usage_high, or waiting requests per decode worker exceed
+  queue_high: add a decode worker.
+- Prefill is the bottleneck when p90 TTFT exceeds its target while decode is not, or
+  remote prefills in flight per prefill worker exceed prefill_jobs_high: add a prefill
+  worker. (With no prefill pool allowed, prefill.max 0, a TTFT breach is decode's.)
+  At its max, double remote_prefill_min_tokens instead (up to min_tokens_max), so
+  decode workers prefill more of the short prompts; once prefill is no longer the
+  bottleneck and has room (below its max, or p90 TTFT and jobs per worker within half
+  their limits), halve it back toward the configured value, one step per down-cooldown.
+- Prediction: each pool's rate (prompt tokens/s for prefill, generated tokens/s for
+  decode) is projected half a window plus one interval ahead (a window's mean rate is
+  its middle's) along the line through its last few windows. Its per-worker capacity
+  is the mean rate per worker of its last few bottleneck windows (forecast.py). When
+  the projection needs more workers than the pool has at 90% of that capacity, add
+  one ("predicted_load"), before the SLO breaks.
+- A pool shrinks by one after it has been calm for scale_down_cooldown_s: p90 TTFT
+  and TPOT within half their targets (or nothing observed), every worker answering,
+  and for decode mean KV usage below kv_usage_low and no queue, for prefill jobs per
+  worker within half of prefill_jobs_high with one worker fewer and the threshold back
+  at its configured value; in both, the rate (now and projected) fitting one fewer. A
+  window with no request is calm by all of these ("idle").
+
+Never beyond a pool's [min, max]; a pool grows only scale_up_cooldown_s after its
+last change (changes made by hand count too); nothing is decided before one window
+has passed since the first look. decide() does no I/O: cluster/autoscale/loop.py
+applies what it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.autoscale.config import AutoscaleConfig
+from cluster.autoscale.forecast import Capacity, Trend
+from cluster.autoscale.window import Window, measure
+from router.load import LoadSnapshot
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Decision:
+    pool: str  # "prefill" | "decode" | "router"
+    action: str  # "up" | "down" for a pool, "set" for the router's threshold
+    target: int  # the pool's new size, or the new remote_prefill_min_tokens
+    # A fixed label, counted in /metrics: tpot_p90, kv_usage, decode_queue, ttft_p90,
+    # prefill_jobs, predicted_load, within_slo, idle, prefill_bottleneck, prefill_recovered.
+    reason: str
+    detail: str  # the figures that led to it, for the log
+
+
+class Planner:
+    """Called by one thread (the loop) only; keeps what the rules need between looks:
+    cooldown clocks, calm clocks, rate trends and learned capacities."""
+
+    def __init__(self, config: AutoscaleConfig, base_min_tokens: int) -> None:
+        self.config = config
+        self.base_min_tokens = base_min_tokens
+        self._started: float | None = None
+        self._sizes: dict[str, int] = {}  # as last seen or decided
+        self._changed = {name: float("-inf") for name in (*POOLS, "router")}
+        self._calm_since: dict[str, float | None] = {pool: None for pool in POOLS}
+        self._trends = {pool: Trend() for pool in POOLS}
+        self._capacity = {pool: Capacity() for pool in POOLS}
+
+    def decide(self, old: LoadSnapshot, new: LoadSnapshot, sizes: dict[str, int], now: float) -> list[Decision]:
+        """The decisions the window from old to new calls for; `sizes`: the workers
+        taking work in each pool now; `now`: time.monotonic()."""
+        sizes = {pool: sizes.get(pool, 0) for pool in POOLS}
+        self._observe_sizes(sizes, now)
+        if self._started is None:
+            self._started = now
+        window = measure(old, new)
+        if window is None:
+            return []
+        for pool in POOLS:
+            self._trends[pool].add(new.at, _rate(window, pool))
+        if now - self._started < self.config.window_s:
+            return []
+        pressure = self._pressure(window, sizes)
+        self._learn(window, sizes, pressure, now)
+        decisions = [d for pool in ("decode", "prefill")
+                     if (d := self._pool_decision(pool, window, sizes[pool], pressure[pool], now))]
+        router = self._router_decision(window, sizes, pressure, now)
+        if router:
+            decisions.append(router)
+        for d in decisions:
+            self._changed[d.pool] = now
+            if d.pool in POOLS:
+                self._sizes[d.pool] = d.target
+                self._calm_since[d.pool] = None
+        return decisions
+
+    def _observe_sizes(self, sizes: dict[str, int], now: float) -> None:
+        """A size other than the last seen or decided was changed by hand (or a worker
+        was lost): it restarts the pool's clocks as a decision would."""
+        for pool, size in sizes.items():
+            if pool in self._sizes and self._sizes[pool] != size:
+                self._changed[pool] = now
+                self._calm_since[pool] = None
+            self._sizes[pool] = size
+
+    def _pressure(self, w: Window, sizes: dict[str, int]) -> dict[str, list[tuple[str, str]]]:
+        """Per pool, the (reason, detail) of each rule that says it is the bottleneck."""
+        cfg = self.config
+        decode: list[tuple[str, str]] = []
+        if w.tpot_p90 is not None and w.tpot_p90 > cfg.tpot_p90_s:
+            decode.append(("tpot_p90", f"p90 TPOT {w.tpot_p90:.3f} s > target {cfg.tpot_p90_s:g} s"))
+        if w.decode_kv is not None and w.decode_kv > cfg.kv_usage_high:
+            decode.append(("kv_usage", f"decode KV usage {w.decode_kv:.0%} > {cfg.kv_usage_high:.0%}"))
+        if w.decode_waiting / max(sizes["decode"], 1) > cfg.queue_high:
+            decode.append(("decode_queue", f"{w.decode_waiting} requests waiting on {sizes['decode']} decode "
+                                           f"worker(s) > {cfg.queue_high:g} each"))
+        prefill: list[tuple[str, str]] = []
+        ttft = None
+        if w.ttft_p90 is not None and w.ttft_p90 > cfg.ttft_p90_s:
+            ttft = ("ttft_p90", f"p90 TTFT {w.ttft_p90:.3f} s > target {cfg.ttft_p90_s:g} s")
+        if ttft and cfg.prefill.max == 0:
+            decode.append(ttft)  # no prefill pool: decode workers prefill every prompt
+        elif ttft and not decode:
+            prefill.append(ttft)
+        if sizes["prefill"] and w.prefill_in_flight / sizes["prefill"] > cfg.prefill_jobs_high:
+            prefill.append(("prefill_jobs", f"{w.prefill_in_flight} remote prefills in flight on "
+                                            f"{sizes['prefill']} prefill worker(s) > {cfg.prefill_jobs_high:g} each"))
+        return {"decode": decode, "prefill": prefill}
+
+    def _learn(self, w: Window, sizes: dict[str, int], pressure: dict[str, list], now: float) -> None:
+        """Capacities, from windows in which the pool's size held throughout."""
+        assert self._started is not None
+        for pool in POOLS:
+            if now - max(self._changed[pool], self._started) < w.seconds:
+                continue
+            if pressure[pool]:
+                self._capacity[pool].learn(_rate(w, pool), sizes[pool])
+            else:
+                self._capacity[pool].lift(_rate(w, pool), sizes[pool])
+
+    def _pool_decision(self, pool: str, w: Window, size: int, pressure: list[tuple[str, str]],
+                       now: float) -> Decision | None:
+        cfg, bounds = self.config, self.config.bounds(pool)
+        since = now - self._changed[pool]
+        over, change = f" over the last {w.seconds:.0f} s", f"; {pool} {size} -> "
+        if pressure:
+            self._calm_since[pool] = None
+            if size < bounds.max and since >= cfg.scale_up_cooldown_s:
+                return Decision(pool, "up", size + 1, pressure[0][0],
+                                "; ".join(d for _, d in pressure) + f"{over}{change}{size + 1}")
+            return None
+        horizon = cfg.window_s / 2 + cfg.interval_s
+        projected = self._trends[pool].project(horizon)
+        needed = self._capacity[pool].workers_for(projected)
+        if needed is not None and needed > size:
+            self._calm_since[pool] = None
+            if size < bounds.max and since >= cfg.scale_up_cooldown_s:
+                return Decision(pool, "up", size + 1, "predicted_load",
+                                f"{_UNITS[pool]} projected to {projected:.1f}/s in {horizon:.0f} s needs {needed} "
+                                f"worker(s) at {self._capacity[pool].per_worker:.1f}/s each{change}{size + 1}")
+            return None
+        calm = self._calm(pool, w, size, max(projected, self._trends[pool].last))
+        if not calm:
+            self._calm_since[pool] = None
+            return None
+        if self._calm_since[pool] is None:
+            self._calm_since[pool] = now
+        calm_for = now - self._calm_since[pool]
+        if size > bounds.min and calm_for >= cfg.scale_down_cooldown_s:  # a change restarts the calm clock
+            reason = "idle" if w.idle else "within_slo"
+            detail = "no request" if w.idle else calm
+            return Decision(pool, "down", size - 1, reason,
+                            f"{detail}{over}, calm for {calm_for:.0f} s{change}{size - 1}")
+        return None
+
+    def _calm(self, pool: str, w: Window, size: int, rate: float) -> str:
+        """Why the pool could lose a worker ('' if it could not)."""
+        cfg = self.config
+        if not w.all_answered or size == 0:
+            return ""
+        if (w.ttft_p90 or 0.0) > cfg.ttft_p90_s / 2 or (w.tpot_p90 or 0.0) > cfg.tpot_p90_s / 2:
+            return ""
+        needed = self._capacity[pool].workers_for(rate)
+        if needed is not None and needed > size - 1:
+            return ""
+        if pool == "decode":
+            if w.decode_kv is None or w.decode_kv >= cfg.kv_usage_low or w.decode_waiting:
+                return ""
+            return f"p90s within half their targets, decode KV usage {w.decode_kv:.0%}, no queue"
+        if w.min_tokens > self.base_min_tokens:
+            return ""  # the threshold comes back first: prefill was short of workers
+        if w.prefill_in_flight > cfg.prefill_jobs_high / 2 * (size - 1):
+            return ""
+        return f"p90s within half their targets, {w.prefill_in_flight} remote prefills in flight"
+
+    def _router_decision(self, w: Window, sizes: dict[str, int], pressure: dict[str, list],
+                         now: float) -> Decision | None:
+        cfg, current = self.config, w.min_tokens
+        since = now - self._changed["router"]
+        short = pressure["prefill"] and not pressure["decode"] and sizes["prefill"] >= cfg.prefill.max
+        if short and current < cfg.min_tokens_max and since >= cfg.scale_up_cooldown_s:
+            target = min(current * 2, cfg.min_tokens_max)
+            return Decision("router", "set", target, "prefill_bottleneck",
+                            f"{pressure['prefill'][0][1]} with prefill at its max ({cfg.prefill.max}); "
+                            f"remote_prefill_min_tokens {current} -> {target}")
+        if pressure["prefill"] or current <= self.base_min_tokens or since < cfg.scale_down_cooldown_s:
+            return None
+        n = sizes["prefill"]
+        within = ((w.ttft_p90 or 0.0) <= cfg.ttft_p90_s / 2 and n > 0
+                  and w.prefill_in_flight / n <= cfg.prefill_jobs_high / 2)
+        if n < cfg.prefill.max or within:
+            target = max(self.base_min_tokens, current // 2)
+            room = f"prefill below its max ({n} < {cfg.prefill.max})" if n < cfg.prefill.max else \
+                f"prefill within half its targets ({w.prefill_in_flight} remote prefills on {n} workers)"
+            return Decision("router", "set", target, "prefill_recovered",
+                            f"{room}; remote_prefill_min_tokens {current} -> {target} "
+                            f"(configured {self.base_min_tokens})")
+        return None
+
+
+_UNITS = {"prefill": "prompt tokens", "decode": "generated tokens"}
+
+
+def _rate(w: Window, pool: str) -> float:
+    return w.prompt_rate if pool == "prefill" else w.generation_rate

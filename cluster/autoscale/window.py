@@ -1,0 +1,52 @@
+"""What happened between two LoadSnapshots, in the figures the planner's rules read:
+rates and p90 latencies over the window, and the pools' queue and KV figures as the
+newer snapshot has them. Pure arithmetic; no decision is taken here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.load import LoadSnapshot, quantile_between
+
+
+@dataclass(frozen=True)
+class Window:
+    seconds: float  # new.at - old.at, > 0
+    requests: float  # routed within the window
+    request_rate: float  # per second
+    prompt_rate: float  # prompt tokens routed per second
+    generation_rate: float  # tokens generated per second
+    ttft_p90: float | None  # None: no first token in the window
+    tpot_p90: float | None  # None: no request with two tokens finished in the window
+    in_flight: int  # requests the router serves now
+    decode_kv: float | None  # mean KV usage of the answering decode workers; None: none answered
+    decode_waiting: int  # requests in the decode workers' engine queues
+    prefill_in_flight: int  # remote prefills in flight (see measure())
+    all_answered: bool  # every worker taking work answered its stats ask
+    min_tokens: int  # router.remote_prefill_min_tokens in force
+
+    @property
+    def idle(self) -> bool:
+        return self.requests == 0 and self.in_flight == 0
+
+
+def measure(old: LoadSnapshot, new: LoadSnapshot) -> Window | None:
+    """The window from old to new; None if it is empty (new not after old)."""
+    seconds = new.at - old.at
+    if seconds <= 0:
+        return None
+    decode, prefill = new.pool("decode"), new.pool("prefill")
+    answered = [w.kv_used for w in decode if w.answered]
+    # One remote prefill is a job on its prefill worker and a request waiting for KV on
+    # its decode worker: the larger of the two counts still counts it when one side
+    # did not answer.
+    in_flight = max(sum(w.jobs for w in prefill), sum(w.waiting_for_kv for w in decode))
+    requests = max(0.0, new.requests - old.requests)
+    return Window(
+        seconds=seconds, requests=requests, request_rate=requests / seconds,
+        prompt_rate=max(0.0, new.prompt_tokens - old.prompt_tokens) / seconds,
+        generation_rate=max(0.0, new.generation_tokens - old.generation_tokens) / seconds,
+        ttft_p90=quantile_between(old.ttft, new.ttft, 0.9), tpot_p90=quantile_between(old.tpot, new.tpot, 0.9),
+        in_flight=new.in_flight, decode_kv=sum(answered) / len(answered) if answered else None,
+        decode_waiting=sum(w.waiting for w in decode), prefill_in_flight=in_flight,
+        all_answered=all(w.answered for w in decode + prefill), min_tokens=new.remote_prefill_min_tokens)

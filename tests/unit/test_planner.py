@@ -1,0 +1,359 @@
+"""The P:D planner on synthetic load (tests/unit/planner_sim.py: pools of fixed
+per-worker capacity whose latencies grow with utilisation), and the loop that runs it.
+No process, no sleep but the loop thread's own few milliseconds."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import pytest
+
+from cluster.autoscale.config import AutoscaleConfig
+from cluster.autoscale.forecast import Capacity, Trend
+from cluster.autoscale.loop import PlannerLoop
+from cluster.autoscale.planner import Decision, Planner
+from cluster.autoscale.window import measure
+from router.load import LoadSnapshot, WorkerLoad
+from tests.unit.planner_sim import Load, Sim, Step, drive
+
+# Targets on bucket bounds of router.metrics.LATENCY_BUCKETS, as a p90 read from the
+# histogram is interpolated within its bucket: TPOT breaches past 0.25 s (the sim's
+# decode utilisation > 0.8), TTFT past 2.5 s (prefill utilisation > 0.92).
+CFG = {"enabled": True, "ttft_p90_s": 2.5, "tpot_p90_s": 0.25, "interval_s": 10, "window_s": 30,
+       "scale_up_cooldown_s": 30, "scale_down_cooldown_s": 60, "prefill": {"min": 1, "max": 4},
+       "decode": {"min": 1, "max": 4}}
+
+
+def planner(**change: object) -> Planner:
+    return Planner(AutoscaleConfig.from_dict({**CFG, **change}), base_min_tokens=64)
+
+
+def ramp(start: float, end: float, seconds: float, steps: int = 10, **lengths: int) -> list[tuple[float, Load]]:
+    return [(seconds / steps, Load(start + (end - start) * i / (steps - 1), **lengths)) for i in range(steps)]
+
+
+def of(steps: list[Step], pool: str) -> list[Step]:
+    return [s for s in steps if s.decision.pool == pool]
+
+
+# Each rule alone: the others' thresholds set out of reach.
+@pytest.mark.parametrize("change,reason", [
+    ({}, "tpot_p90"),
+    ({"tpot_p90_s": 60, "queue_high": 100}, "kv_usage"),  # KV past 85% at utilisation 1.06
+    ({"tpot_p90_s": 60, "kv_usage_high": 1.0}, "decode_queue"),  # queue past 2 per worker at utilisation 1.25
+])
+def test_a_decode_heavy_ramp_adds_decode_workers(change: dict, reason: str) -> None:
+    sim = Sim()
+    steps = drive(planner(**change), sim, ramp(0.5, 3, 300) + [(120, Load(3))])
+    assert steps and all(s.decision.pool == "decode" and s.decision.action == "up" for s in steps)
+    assert steps[0].decision.reason == reason and {s.decision.reason for s in steps} <= {reason, "predicted_load"}
+    assert sim.sizes == {"prefill": 1, "decode": 4}
+    if not change:
+        assert steps[0].figures["tpot"] > 0.25 and [s.decision.target for s in steps] == [2, 3, 4]
+        assert sim.figures["tpot"] <= 0.25  # the SLO holds again at the peak
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"prefill_jobs_high": 100}, "ttft_p90"),
+    ({"ttft_p90_s": 60}, "prefill_jobs"),  # jobs past 4 per worker at utilisation 1.125
+])
+def test_a_prefill_heavy_ramp_adds_prefill_workers(change: dict, reason: str) -> None:
+    sim = Sim()
+    steps = drive(planner(**change), sim, ramp(0.5, 3, 300, prompt_len=1000, output_len=4) + [(120, Load(3, 1000, 4))])
+    assert steps and all(s.decision.pool == "prefill" and s.decision.action == "up" for s in steps)
+    assert steps[0].decision.reason == reason and {s.decision.reason for s in steps} <= {reason, "predicted_load"}
+    assert steps[0].figures["u_p"] > 0.92
+    assert sim.sizes == {"prefill": 4, "decode": 1} and sim.figures["ttft"] <= 2.5
+
+
+def test_prefill_short_at_its_max_raises_the_threshold_then_restores_it() -> None:
+    sim = Sim(prefill=2, decode=2)
+    steps = drive(planner(prefill={"min": 1, "max": 2}), sim, [(200, Load(6, 1000, 4)), (600, Load(0.5, 1000, 4))])
+    router = [(s.decision.target, s.decision.reason) for s in of(steps, "router")]
+    assert router == [(128, "prefill_bottleneck"), (256, "prefill_bottleneck"),
+                      (128, "prefill_recovered"), (64, "prefill_recovered")]
+    assert not [s for s in steps if s.decision.action == "up"]  # prefill at its max; decode never short
+    raised = of(steps, "router")[1]
+    assert raised.figures["u_p"] > 0.92 and "with prefill at its max (2)" in raised.decision.detail
+    # The threshold came back before prefill lost a worker.
+    assert of(steps, "prefill")[0].at > of(steps, "router")[-1].at and sim.min_tokens == 64
+
+
+def test_the_threshold_comes_back_before_prefill_loses_a_worker() -> None:
+    sim = Sim(prefill=2, decode=1, min_tokens=256)  # raised while prefill was short; now idle
+    steps = drive(planner(), sim, [(400, Load(0))])
+    assert [(s.decision.pool, s.decision.target) for s in steps] == [("router", 128), ("router", 64), ("prefill", 1)]
+    assert steps[2].at - steps[1].at >= 60  # prefill's calm clock starts once the threshold is back
+
+
+def test_the_threshold_stops_at_min_tokens_max() -> None:
+    sim = Sim(prefill=2, decode=4)
+    steps = drive(planner(prefill={"min": 1, "max": 2}, min_tokens_max=100), sim, [(400, Load(20, 1000, 4))])
+    assert [s.decision.target for s in of(steps, "router")] == [100]
+    assert sim.figures["ttft"] > 2.5  # still short: no further step is possible
+
+
+def test_idle_scales_both_pools_down_to_their_min_one_step_per_cooldown() -> None:
+    sim = Sim(prefill=3, decode=3)
+    steps = drive(planner(prefill={"min": 1, "max": 4}, decode={"min": 2, "max": 4}), sim, [(1200, Load(0))])
+    assert {(s.decision.action, s.decision.reason) for s in steps} == {("down", "idle")}
+    assert sim.sizes == {"prefill": 1, "decode": 2}
+    for pool, sizes in (("prefill", [2, 1]), ("decode", [2])):
+        assert [s.decision.target for s in of(steps, pool)] == sizes
+    prefill = of(steps, "prefill")
+    assert prefill[0].at - 1000 >= 60 and prefill[1].at - prefill[0].at >= 60
+
+
+def test_a_busy_pool_is_not_scaled_down() -> None:
+    sim = Sim(prefill=1, decode=3)  # decode utilisation 0.5: p90 TPOT within half its target, but KV 40% >= 30%
+    assert drive(planner(), sim, [(600, Load(1.5, 100, 100))]) == []
+    sim = Sim(prefill=1, decode=2)  # utilisation 0.75: KV under a raised kv_usage_low, but p90 TPOT > half its target
+    assert drive(planner(kv_usage_low=0.9, kv_usage_high=0.95), sim, [(600, Load(1.5, 100, 100))]) == []
+    sim = Sim(prefill=1, decode=5)  # utilisation 0.3, KV 24%: calm, so one goes; at 4 (KV 30%) it is not any more
+    steps = drive(planner(), sim, [(600, Load(1.5, 100, 100))])
+    assert [(s.decision.pool, s.decision.target, s.decision.reason) for s in steps] == [("decode", 4, "within_slo")]
+    assert "decode KV usage 24%" in steps[0].decision.detail
+
+
+def test_scale_up_waits_for_the_up_cooldown_per_pool() -> None:
+    sim = Sim()
+    steps = drive(planner(scale_up_cooldown_s=60, decode={"min": 1, "max": 8}, prefill={"min": 1, "max": 8}),
+                  sim, [(400, Load(8, 1000, 100))])
+    for pool in ("prefill", "decode"):
+        times = [s.at for s in of(steps, pool)]
+        assert len(times) >= 3 and all(b - a >= 60 for a, b in zip(times, times[1:]))
+    # Separate clocks: decode's step does not hold prefill's back (both pools short at once).
+    assert {s.decision.pool for s in steps if s.at == steps[0].at} == {"prefill", "decode"}
+
+
+def test_the_first_decision_waits_one_window() -> None:
+    sim = Sim()
+    steps = drive(planner(), sim, [(100, Load(8))])
+    assert steps[0].at == 1000 + 10 + 30  # first look at +10 s, then a full window
+
+
+def test_no_decision_breaks_the_bounds() -> None:
+    rng = random.Random(0)
+    sim = Sim(prefill=2, decode=3)
+    bounds = {"prefill": (1, 3), "decode": (2, 5)}
+    p = planner(prefill={"min": 1, "max": 3}, decode={"min": 2, "max": 5}, scale_up_cooldown_s=0,
+                scale_down_cooldown_s=10, min_tokens_max=512)
+    seen = {pool: set() for pool in bounds}
+    for _ in range(40):
+        load = Load(rng.choice([0, 0, 0.5, 5, 20]), rng.choice([10, 1000, 4000]), rng.choice([2, 100, 400]))
+        for step in drive(p, sim, [(rng.choice([30, 120]), load)]):
+            d = step.decision
+            if d.pool == "router":
+                assert 64 <= d.target <= 512
+            else:
+                assert bounds[d.pool][0] <= d.target <= bounds[d.pool][1], d
+            for pool in bounds:
+                seen[pool].add(sim.sizes[pool])
+    assert seen == {pool: set(range(low, high + 1)) for pool, (low, high) in bounds.items()}
+
+
+def test_predicted_load_adds_workers_before_the_slo_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    phases = ramp(0.5, 3.5, 400, steps=40) + [(100, Load(3.5))]
+
+    def run() -> tuple[list[Step], int]:
+        sim, steps, breached = Sim(), [], 0
+        p = planner()
+        for phase in phases:  # one interval at a time: count the looks past the target
+            for _ in range(round(phase[0] / 10)):
+                steps += drive(p, sim, [(10, phase[1])])
+                breached += sim.figures["tpot"] > 0.25
+        return steps, breached
+
+    predicted, breached = run()
+    assert "predicted_load" in {s.decision.reason for s in predicted}
+    assert all(s.figures["tpot"] <= 0.25 for s in predicted if s.decision.reason == "predicted_load")
+    monkeypatch.setattr(Capacity, "learn", lambda *args: None)  # nothing learned: SLO rules alone
+    reactive, breached_reactive = run()
+    assert "predicted_load" not in {s.decision.reason for s in reactive}
+    when = {s.decision.target: s.at for s in predicted}
+    assert all(when[s.decision.target] <= s.at for s in reactive) and when[3] < of(reactive, "decode")[1].at
+    assert breached < breached_reactive
+
+
+def test_a_worker_that_did_not_answer_holds_scale_down() -> None:
+    sim = Sim(prefill=2, decode=2, mute={"decode-1"})
+    assert drive(planner(), sim, [(600, Load(0))]) == []
+
+
+def test_a_size_changed_by_hand_restarts_the_pool_cooldown() -> None:
+    sim = Sim(decode=1)
+    p = planner(scale_up_cooldown_s=60, decode={"min": 1, "max": 8})
+    drive(p, sim, [(30, Load(6))])  # the first window
+    sim.decode = 2  # `pdserve scale` between two looks
+    steps = drive(p, sim, [(100, Load(6))])
+    assert of(steps, "decode")[0].at - 1000 >= 30 + 60
+
+
+def test_without_a_prefill_pool_a_ttft_breach_is_decode_s() -> None:
+    sim = Sim(prefill=0, decode=1)
+    p = planner(prefill={"min": 0, "max": 0}, ttft_p90_s=0.01)  # any TTFT breaches; decode itself is calm
+    steps = drive(p, sim, [(60, Load(0.2, 100, 10))])
+    assert [(s.decision.pool, s.decision.reason) for s in steps] == [("decode", "ttft_p90")]
+
+
+def test_trend_projects_along_its_last_windows() -> None:
+    trend = Trend(points=3)
+    assert trend.project(10) == 0.0
+    trend.add(0, 100)
+    assert trend.project(10) == 100
+    for at, rate in ((10, 110), (20, 120), (30, 130)):
+        trend.add(at, rate)
+    trend.add(30, 999)  # the same window again: ignored
+    assert trend.last == 130 and trend.project(25) == pytest.approx(155)
+    trend.add(40, 0)
+    assert trend.project(100) == 0.0  # never negative
+
+
+def test_capacity_is_learned_from_busy_windows_and_lifted_by_calm_ones() -> None:
+    cap = Capacity(samples=2)
+    assert cap.workers_for(500) is None
+    cap.learn(200, 2)
+    cap.learn(300, 2)
+    cap.learn(0, 2)  # nothing served says nothing about capacity
+    assert cap.per_worker == 125 and cap.workers_for(0) == 0
+    assert cap.workers_for(225) == 2 and cap.workers_for(226) == 3  # at 90% of 125/s per worker
+    cap.lift(300, 3)  # 100/s per worker within targets: no news
+    assert cap.per_worker == 125
+    cap.lift(360, 3)  # 120/s per worker within targets: it can do at least 120 / 0.9
+    assert cap.workers_for(360) == 3
+
+
+def worker(name: str, role: str, **figures: float) -> WorkerLoad:
+    return WorkerLoad(name, role, live=True, draining=False, answered=True, **figures)  # type: ignore[arg-type]
+
+
+def snapshot(at: float, workers: tuple[WorkerLoad, ...] = (), requests: float = 0.0) -> LoadSnapshot:
+    return LoadSnapshot(at, requests, requests, 10 * requests, 5 * requests, 0, ((float("inf"), 0.0),),
+                        ((float("inf"), 0.0),), 64, workers)
+
+
+def test_window_counts_a_remote_prefill_once_from_either_side() -> None:
+    workers = (worker("p0", "prefill", jobs=3), worker("d0", "decode", waiting_for_kv=2, kv_used=0.5),
+               worker("d1", "decode", waiting_for_kv=2, kv_used=0.3),
+               WorkerLoad("d2", "decode", live=True, draining=True, answered=True, kv_used=1.0))
+    w = measure(snapshot(0, requests=10), snapshot(5, workers, requests=20))
+    assert w is not None and w.prefill_in_flight == 4 and w.decode_kv == pytest.approx(0.4)  # d2 drains
+    assert (w.request_rate, w.prompt_rate, w.generation_rate, w.ttft_p90, w.idle) == (2, 20, 10, None, False)
+    assert measure(snapshot(5), snapshot(5)) is None
+
+
+class FixedPlanner(Planner):
+    """Decides what it is told, and remembers what it was asked."""
+
+    def __init__(self, decisions: list[Decision], **config: object) -> None:
+        super().__init__(AutoscaleConfig.from_dict({**CFG, **config}), 64)
+        self.decisions = decisions
+        self.asked: list[tuple[LoadSnapshot, LoadSnapshot, dict[str, int]]] = []
+
+    def decide(self, old: LoadSnapshot, new: LoadSnapshot, sizes: dict[str, int], now: float) -> list[Decision]:
+        self.asked.append((old, new, sizes))
+        return list(self.decisions)
+
+
+DECISIONS = [Decision("decode", "up", 3, "tpot_p90", "p90 TPOT 0.4 s > 0.25 s"),
+             Decision("prefill", "up", 9, "ttft_p90", "refused"),
+             Decision("router", "set", 128, "prefill_bottleneck", "prefill at max"),
+             Decision("prefill", "down", 1, "idle", "no request")]
+
+
+def test_the_loop_applies_logs_and_records_every_decision(caplog: pytest.LogCaptureFixture) -> None:
+    scaled, thresholds, recorded = [], [], []
+
+    def scale(pool: str, target: int, reason: str) -> None:
+        if target > 8:
+            raise ValueError(f"{pool}: {target} is above autoscale.{pool}.max (8)")
+        scaled.append((pool, target, reason))
+
+    loop = PlannerLoop(FixedPlanner(DECISIONS), lambda: snapshot(time.monotonic()), scale, thresholds.append,
+                       recorded.append)
+    with caplog.at_level(logging.INFO, logger="pdserve.autoscale"):
+        assert loop.run_once() == DECISIONS
+    assert scaled == [("decode", 3, "tpot_p90"), ("prefill", 1, "idle")] and thresholds == [128]
+    assert recorded == DECISIONS  # the refused one too: it was decided
+    logs = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "pdserve.autoscale"]
+    assert (logging.WARNING, "autoscale: decode scale up to 3 (tpot_p90): p90 TPOT 0.4 s > 0.25 s") in logs
+    assert (logging.INFO, "autoscale: router.remote_prefill_min_tokens set to 128 (prefill_bottleneck): "
+                          "prefill at max") in logs
+    assert any(level == logging.WARNING and "not applied: prefill: 9 is above" in text for level, text in logs)
+
+
+def test_the_loop_compares_with_the_snapshot_one_window_old() -> None:
+    clock = [0.0]
+    pools = (worker("p0", "prefill"), worker("d0", "decode"), worker("d1", "decode"),
+             WorkerLoad("d2", "decode", live=False, draining=False, answered=False))
+    planner_ = FixedPlanner([], window_s=30)
+    loop = PlannerLoop(planner_, lambda: snapshot(clock[0], pools), lambda *a: None, lambda v: None,
+                       lambda d: None, clock=lambda: clock[0])
+    for t in range(0, 100, 10):
+        clock[0] = float(t)
+        loop.run_once()
+    assert [(old.at, new.at) for old, new, _ in planner_.asked] == \
+        [(0, 0), (0, 10), (0, 20), (0, 30), (10, 40), (20, 50), (30, 60), (40, 70), (50, 80), (60, 90)]
+    assert planner_.asked[-1][2] == {"prefill": 1, "decode": 2}  # live, not draining
+
+
+def wait_for(condition, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_loop_survives_failing_passes_and_stops_promptly() -> None:
+    calls, scaled = [0], []
+
+    def take() -> LoadSnapshot:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("a stats reply that could not be read")
+        return snapshot(time.monotonic())
+
+    def scale(pool: str, target: int, reason: str) -> None:
+        scaled.append(target)
+        if len(scaled) == 1:
+            raise RuntimeError("the scaler broke once")
+
+    planner_ = FixedPlanner([DECISIONS[0]], interval_s=0.01, window_s=0.01)
+    loop = PlannerLoop(planner_, take, scale, lambda v: None, lambda d: None)
+    loop.start()
+    try:
+        wait_for(lambda: len(scaled) >= 3)
+    finally:
+        loop.stop()
+    assert calls[0] >= 4 and not loop.alive
+
+    slow = PlannerLoop(FixedPlanner([], interval_s=60, window_s=60), lambda: snapshot(time.monotonic()),
+                       lambda *a: None, lambda v: None, lambda d: None)
+    slow.start()
+    wait_for(lambda: len(slow.planner.asked) == 1)  # type: ignore[attr-defined]
+    started = time.monotonic()
+    slow.stop()
+    assert time.monotonic() - started < 0.5 and not slow.alive
+
+
+def test_stop_during_a_pass_applies_no_further_decision() -> None:
+    entered, release, scaled = threading.Event(), threading.Event(), []
+
+    def scale(pool: str, target: int, reason: str) -> None:
+        scaled.append(target)
+        entered.set()
+        release.wait(2)
+
+    loop = PlannerLoop(FixedPlanner(DECISIONS), lambda: snapshot(time.monotonic()), scale, lambda v: None,
+                       lambda d: None)
+    loop.start()
+    assert entered.wait(2)
+    stopper = threading.Thread(target=loop.stop)
+    stopper.start()
+    time.sleep(0.02)
+    release.set()
+    stopper.join(2)
+    assert scaled == [3] and not loop.alive
