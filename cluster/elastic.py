@@ -87,14 +87,12 @@ class Bounds:
         return self.prefill if role == "prefill" else self.decode
 
 
-def bounds_of(config: ClusterConfig) -> Bounds:
-    """The pools' bounds a config sets (its autoscale section), which scale requests,
-    manual or the planner's, keep within."""
-    return Bounds(prefill=(0, max(8, config.prefill.replicas)), decode=(1, max(8, config.decode.replicas)))
-
-
-def drain_timeout_s(config: ClusterConfig) -> float:
-    return 60.0
+def scaler_for(config: ClusterConfig, backend: PoolBackend, router: RouterControl) -> "PoolScaler":
+    """The scaler of a deployment: its config's autoscale bounds (which scale requests,
+    manual or the planner's, keep within) and drain timeout."""
+    auto = config.autoscale
+    bounds = Bounds(prefill=(auto.prefill.min, auto.prefill.max), decode=(auto.decode.min, auto.decode.max))
+    return PoolScaler(backend, router, bounds, auto.drain_timeout_s)
 
 
 @dataclass

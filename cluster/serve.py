@@ -20,7 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from cluster.config import ClusterConfig
-from cluster.elastic import PoolScaler, bounds_of, drain_timeout_s
+from cluster.elastic import scaler_for
 from cluster.http_protocol import with_header_deadline
 from cluster.launcher import RouterHooks, Workers, launcher_for
 from engine.model.config import ModelConfig, max_model_len
@@ -54,8 +54,7 @@ def build(config: ClusterConfig) -> tuple[Workers, Router]:
     try:
         router = router_for(config, {w.name: w.address for w in workers.decode},
                             {w.name: w.address for w in workers.prefill}, workers.secret)
-        router.scaler = PoolScaler(launcher.pools(config, workers), router, bounds_of(config),
-                                   drain_timeout_s(config))
+        router.scaler = scaler_for(config, launcher.pools(config, workers), router)
         if launcher.restarts_workers:
             launcher.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved))
     except BaseException:

@@ -379,6 +379,15 @@ class Router:
         loop.call_soon_threadsafe(run)
         return future.result(timeout)
 
+    def snapshot(self, timeout: float = 10.0) -> LoadSnapshot:
+        """load_snapshot() from another thread (the planner's); RuntimeError while the
+        app is not running."""
+        with self._calls_lock:
+            loop = self.loop
+        if loop is None:
+            raise RuntimeError("the router is not serving yet")
+        return asyncio.run_coroutine_threadsafe(self.load_snapshot(), loop).result(timeout)
+
     async def load_snapshot(self) -> LoadSnapshot:
         """The deployment's load now (router/load.py): the router's counters and every
         worker's figures, asked now (2 s at most: a silent worker reads as zeros)."""

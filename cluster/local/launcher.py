@@ -35,21 +35,25 @@ class LocalLauncher:
         """Serve until Ctrl-C (or SIGTERM), then stop the router and every worker."""
         # cluster/serve.py sits above the launchers (its build() picks this class), so
         # its HTTP server and build() are imported when serving, not with this module.
+        from cluster.autoscale.run import start_planner
         from cluster.serve import HTTPServer, build, check_port_free, wait_for_signal
 
         if detach:
             raise ValueError("--detach needs launcher: ray (local workers end with this command)")
         check_port_free(config.router.host, config.router.port)
         workers, router = build(config)
-        http = None
+        http = planner = None
         try:
             http = HTTPServer(router, config.router.host, config.router.port)
             self.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved))
+            planner = start_planner(config, router)
             print(f"pdserve: serving {config.model} at {http.url}/v1 ({len(workers.prefill)} prefill + "
                   f"{len(workers.decode)} decode workers, {config.transport} transport, local launcher); "
                   "Ctrl-C stops", flush=True)
             wait_for_signal(http.alive)
         finally:
+            if planner is not None:  # first: no scale request while the deployment stops
+                planner.stop()
             # Before the HTTP server drains its requests (which may take a while): a
             # SIGTERM to the process group is killing the workers now, not crashing them.
             workers.stop_supervising()

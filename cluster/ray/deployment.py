@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve"
 START_TIMEOUT_S = 300.0  # placement, every worker loading its model, the router
-SHUTDOWN_S = 40.0  # DeploymentActor.shutdown's worst case: router 5 s, supervisor and workers 10 + 20 s
+SHUTDOWN_S = 45.0  # DeploymentActor.shutdown's worst case: planner 5 s, router 5 s, supervisor and workers 10 + 20 s
 
 
 class DeploymentActor:
@@ -45,10 +45,12 @@ class DeploymentActor:
         self.config = config
         self.workers: Any = None  # RayWorkers
         self.http: Any = None  # cluster.serve.HTTPServer
+        self.planner: Any = None  # cluster.autoscale.loop.PlannerLoop, when autoscale.enabled
 
     def start(self) -> str:
         """Start the workers and the router; returns the endpoint's URL."""
         from cluster import console
+        from cluster.autoscale.run import start_planner
         from cluster.serve import HTTPServer, build  # the router's imports, in the actor only
 
         # This actor's stderr is what Ray forwards to the `pdserve serve` terminal.
@@ -59,6 +61,7 @@ class DeploymentActor:
         except BaseException:
             self.workers.stop()
             raise
+        self.planner = start_planner(self.config, router)
         return self.http.url
 
     def status(self) -> dict[str, Any]:
@@ -70,7 +73,10 @@ class DeploymentActor:
                 "workers": [{"name": x.name, "address": x.address, "alive": x.alive} for x in (w.all if w else [])]}
 
     def shutdown(self) -> None:
-        """The router, then the workers; at most SHUTDOWN_S in all."""
+        """The planner, the router, then the workers; at most SHUTDOWN_S in all."""
+        if self.planner is not None:
+            self.planner.stop()
+            self.planner = None
         if self.http is not None:
             self.http.stop(5.0)
             self.http = None

@@ -94,7 +94,8 @@ def test_scaling_up_and_down_under_load_fails_no_request(deployment, expected) -
     with ThreadPoolExecutor(4) as clients:
         running = [clients.submit(load, i) for i in range(4)]
         try:
-            # Up, then down with no time to drain: what decode-1 runs moves by failover.
+            # Up, then down with no time to drain: what decode-1 runs moves by failover
+            # (a drain that ends in time: tests/disagg/test_autoscale_serving.py).
             status, up = admin(base, "POST", "/admin/scale", {"prefill": 2, "decode": 2})
             assert status == 200 and sorted(up["added"]) == ["decode-1", "prefill-1"], up
             until(lambda: router.requests_on("decode-1") > 0, "decode-1 never took a request")
@@ -102,13 +103,6 @@ def test_scaling_up_and_down_under_load_fails_no_request(deployment, expected) -
             status, down = admin(base, "POST", "/admin/scale", {"prefill": 1, "decode": 1})
             assert status == 200 and sorted(down["removed"]) == ["decode-1", "prefill-1"], down
             assert down["moved_requests"] >= 1 and (down["prefill"], down["decode"]) == (1, 1)
-            # Up again (new names), then down with time to drain: nothing moves.
-            status, up = admin(base, "POST", "/admin/scale", {"prefill": 2, "decode": 2})
-            assert status == 200 and sorted(up["added"]) == ["decode-2", "prefill-2"], up
-            until(lambda: router.requests_on("decode-2") > 0, "decode-2 never took a request")
-            router.scaler.drain_timeout_s = 60.0
-            status, down = admin(base, "POST", "/admin/scale", {"prefill": 1, "decode": 1})
-            assert status == 200 and down["moved_requests"] == 0, down
         finally:
             stop.set()
             for client in running:
@@ -121,8 +115,8 @@ def test_scaling_up_and_down_under_load_fails_no_request(deployment, expected) -
     assert [w.name for w in workers.all] == ["decode-0", "prefill-0"]
     metrics = urllib.request.urlopen(urllib.request.Request(f"{base}/metrics", headers={
         "Authorization": f"Bearer {API}"}), timeout=30).read().decode()
-    assert 'pdserve_scale_events_total{action="add",role="decode"} 2.0' in metrics
-    assert 'pdserve_scale_events_total{action="remove",role="prefill"} 2.0' in metrics
+    assert 'pdserve_scale_events_total{action="add",role="decode"} 1.0' in metrics
+    assert 'pdserve_scale_events_total{action="remove",role="prefill"} 1.0' in metrics
     assert 'worker="decode-1"' not in metrics  # a worker scaled away leaves /metrics
 
 

@@ -221,7 +221,8 @@ def test_the_launcher_stops_supervising_before_draining_its_http_requests(monkey
     monkeypatch.setattr(serve_module, "wait_for_signal", lambda alive: None)
     monkeypatch.setattr(serve_module, "check_port_free", lambda host, port: None)
     monkeypatch.setattr(LocalLauncher, "supervise", lambda self, config, w, hooks: None)
-    config = type("C", (), {"model": "m", "transport": "shm", "router": type("R", (), {"host": "h", "port": 1})()})()
+    config = type("C", (), {"model": "m", "transport": "shm", "router": type("R", (), {"host": "h", "port": 1})(),
+                            "autoscale": type("A", (), {"enabled": False})()})()
     LocalLauncher().serve(config, detach=False)
     assert order == ["supervisor stopped", "http drained"]
 

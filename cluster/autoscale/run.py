@@ -1,0 +1,29 @@
+"""The planner of a serving deployment: its loop started on the router and the
+scaler, once the router serves (cluster/local/launcher.py, cluster/ray/deployment.py)."""
+
+from __future__ import annotations
+
+from cluster.autoscale.loop import PlannerLoop
+from cluster.autoscale.planner import Decision, Planner
+from cluster.config import ClusterConfig
+from router.core import Router
+
+
+def start_planner(config: ClusterConfig, router: Router) -> PlannerLoop | None:
+    """The running planner if the config's autoscale section enables it (None if not, or
+    if the router has no scaler)."""
+    if not config.autoscale.enabled or router.scaler is None:
+        return None
+    scaler = router.scaler
+
+    def scale(pool: str, target: int, reason: str) -> None:
+        scaler.scale(**{pool: target}, reason=f"autoscale: {reason}")
+
+    def record(decision: Decision) -> None:
+        router.metrics.autoscale_decisions.labels(pool=decision.pool, action=decision.action,
+                                                  reason=decision.reason).inc()
+
+    loop = PlannerLoop(Planner(config.autoscale, config.router.remote_prefill_min_tokens), router.snapshot, scale,
+                       router.set_remote_prefill_min_tokens, record, sizes=scaler.sizes)
+    loop.start()
+    return loop
