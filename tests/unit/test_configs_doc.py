@@ -31,8 +31,10 @@ SECTIONS: list[tuple[type, str]] = [
 
 @pytest.fixture(autouse=True)
 def api_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The configs that bind 0.0.0.0 read their API keys from this variable as they load."""
+    """The configs that bind 0.0.0.0 read their API keys from this variable as they load,
+    and configs/local-autoscale.yaml its admin key from PDSERVE_ADMIN_KEY."""
     monkeypatch.setenv("PDSERVE_API_KEYS", "sk-test-one,sk-test-two")
+    monkeypatch.setenv("PDSERVE_ADMIN_KEY", "admin-test-key")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
