@@ -80,7 +80,8 @@ def _table(title: str, workers: list[dict[str, Any]], columns: tuple[tuple[str, 
     rows = []
     for w in workers:
         s = w["stats"] or {}
-        rows.append((w["name"], "yes" if w["live"] else "NO", w.get("address", "?"), _ranks(s),
+        live = ("draining" if w.get("draining") else "yes") if w["live"] else "NO"  # draining: being scaled down
+        rows.append((w["name"], live, w.get("address", "?"), _ranks(s),
                      *(cell(s) for _, cell in columns)))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(header)]
     return [title, "  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip()] + [
