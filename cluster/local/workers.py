@@ -193,7 +193,8 @@ def start_workers(config: ClusterConfig, timeout: float = 180.0) -> LocalWorkers
     secret = DeploymentSecret.new()
     workers = LocalWorkers(decode=[spawn(config, "decode", i, secret) for i in range(config.decode.replicas)],
                            prefill=[spawn(config, "prefill", i, secret) for i in range(config.prefill.replicas)],
-                           secret=secret)
+                           secret=secret,
+                           indexes={"decode": config.decode.replicas, "prefill": config.prefill.replicas})
     try:
         await_all_ready(workers.all, timeout)
         to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)

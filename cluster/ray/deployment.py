@@ -37,13 +37,16 @@ SHUTDOWN_S = 45.0  # DeploymentActor.shutdown's worst case: planner 5 s, router 
 
 class DeploymentActor:
     """Who calls what: `pdserve serve` calls start() once, then shutdown() when it
-    stops; `pdserve down` calls shutdown(); status() is for tests and operators."""
+    stops; `pdserve down` calls shutdown(); `pdserve scale` calls scale()
+    (cluster/ray/scale.py), which may take minutes while status() and pools() still
+    answer (max_concurrency); status() and pools() are for tests and operators."""
 
     def __init__(self, config: ClusterConfig) -> None:
         # Nothing that can fail here: an exception in the constructor would come back
         # as an opaque actor death; from start() it comes back as itself.
         self.config = config
         self.workers: Any = None  # RayWorkers
+        self.router: Any = None  # router.app.Router; its scaler grows and shrinks the pools
         self.http: Any = None  # cluster.serve.HTTPServer
         self.planner: Any = None  # cluster.autoscale.loop.PlannerLoop, when autoscale.enabled
 
@@ -55,14 +58,35 @@ class DeploymentActor:
 
         # This actor's stderr is what Ray forwards to the `pdserve serve` terminal.
         console.configure()
-        self.workers, router = build(self.config)
+        self.workers, self.router = build(self.config)
         try:
-            self.http = HTTPServer(router, self.config.router.host, self.config.router.port)
+            self.http = HTTPServer(self.router, self.config.router.host, self.config.router.port)
         except BaseException:
             self.workers.stop()
             raise
         self.planner = start_planner(self.config, router)
         return self.http.url
+
+    def scale(self, prefill: int | None, decode: int | None) -> dict[str, Any]:
+        """Bring the pools to these sizes (None: leave that pool as it is) by the
+        router's PoolScaler (cluster/elastic.py), the admin endpoint's; returns once
+        done, its ScaleResult as a dict. ScaleError (a ValueError) for a target out of
+        bounds or a worker that would not start."""
+        return self._scaler().scale(prefill, decode, reason="manual").as_dict()
+
+    def pools(self) -> dict[str, Any]:
+        """Each pool's workers taking work, and every worker: its state and placement."""
+        sizes = self._scaler().sizes()
+        with self.workers.lock:
+            workers = [{"name": w.name, "role": w.role, "address": w.address, "alive": w.alive,
+                        "draining": w.draining, "placement_group": w.group.id.hex() if w.group else "",
+                        "bundle": w.bundle, "own_group": w.own_group} for w in self.workers.all]
+        return {**sizes, "workers": workers}
+
+    def _scaler(self) -> Any:
+        if self.router is None or self.workers is None or self.router.scaler is None:
+            raise RuntimeError(f"the deployment {self.config.ray.name!r} does not serve (not started, or stopping)")
+        return self.router.scaler
 
     def status(self) -> dict[str, Any]:
         """Whether the endpoint serves; each worker's address and health as the
@@ -80,6 +104,7 @@ class DeploymentActor:
         if self.http is not None:
             self.http.stop(5.0)
             self.http = None
+        self.router = None
         if self.workers is not None:
             self.workers.stop(10.0)  # bounded by about twice this (RayWorkers.stop)
             self.workers = None
@@ -104,7 +129,7 @@ def serve_on_ray(config: ClusterConfig, detach: bool) -> None:
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(config)
         try:
-            url = _unwrap(lambda: ray.get(actor.start.remote(), timeout=START_TIMEOUT_S))
+            url = unwrap(lambda: ray.get(actor.start.remote(), timeout=START_TIMEOUT_S))
         except BaseException:
             _stop(actor)
             raise
@@ -170,7 +195,7 @@ def _stop(actor: Any) -> None:
     ray.kill(actor, no_restart=True)
 
 
-def _unwrap(call: Any) -> Any:
+def unwrap(call: Any) -> Any:
     """Errors raised in the actor, as themselves (Ray wraps them in RayTaskError)."""
     try:
         return call()

@@ -39,7 +39,8 @@ def pool_bundles(config: ClusterConfig) -> dict[str, list[Resources]]:
     return out
 
 
-def _fmt(resources: Resources) -> str:
+def fmt_resources(resources: Resources) -> str:
+    """{CPU: 1, GPU: 0.5}: as error messages name resources."""
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
 
 
@@ -55,7 +56,7 @@ def missing_resources(bundles: dict[str, list[Resources]], nodes: list[Resources
             short = [f"{k} {v:g} (largest node has {max((n.get(k, 0.0) for n in nodes), default=0.0):g})"
                      for k, v in sorted(shape.items())
                      if not any(n.get(k, 0.0) >= v for n in nodes)]
-            problems.append(f"{role}: each worker needs {_fmt(shape)} on one node; "
+            problems.append(f"{role}: each worker needs {fmt_resources(shape)} on one node; "
                             f"missing: {', '.join(short) or 'no single node has all of it'}")
     need: Resources = {}
     for role_bundles in bundles.values():
@@ -65,5 +66,6 @@ def missing_resources(bundles: dict[str, list[Resources]], nodes: list[Resources
     have = {k: sum(n.get(k, 0.0) for n in nodes) for k in need}
     over = {k: v for k, v in need.items() if v > have[k]}
     if over:
-        problems.append(f"all pools together need {_fmt(over)}, the cluster has {_fmt({k: have[k] for k in over})}")
+        problems.append(f"all pools together need {fmt_resources(over)}, "
+                        f"the cluster has {fmt_resources({k: have[k] for k in over})}")
     return problems

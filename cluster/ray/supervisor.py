@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from cluster.launcher import RouterHooks
-from cluster.peers import peers_messages
 from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES, Ready
 
@@ -84,7 +83,13 @@ class Supervisor:
                 logger.exception("supervisor pass failed")
 
     def check(self) -> None:
-        """One pass: probe, classify, then handle deaths, then restarts."""
+        """One pass: probe, classify, then handle deaths, then restarts. Under the
+        workers' lock: a scale-up or scale-down (cluster/ray/elastic.py) happens between
+        two passes, never within one."""
+        with self.workers.lock:
+            self._check()
+
+    def _check(self) -> None:
         self._collect_restarts()
         watched = [w for w in self.workers.all if w.name not in self._starting]
         probes = [w.actor.incarnation.remote() for w in watched]
@@ -96,7 +101,7 @@ class Supervisor:
                 try:
                     incarnation, reason = ray.get(ref), ""
                 except ray.exceptions.RayError as exc:
-                    reason = _first_line(exc)
+                    reason = first_line(exc)
             if incarnation == w.incarnation:
                 continue
             if incarnation is None and not reason.startswith(("ActorDiedError", "ActorUnavailableError")) \
@@ -114,16 +119,20 @@ class Supervisor:
                 self.router.down(w.name)
         roles = {w.role for w, _ in down}
         if "decode" in roles:
-            self._tell(self.workers.prefill)
+            self.workers.tell(self.workers.prefill)
         if "prefill" in roles:
-            self._tell(self.workers.decode)
+            self.workers.tell(self.workers.decode)
         for w, incarnation in restarted:
             self._starting[w.name] = (incarnation, w.actor.ready.remote(self.ready_timeout_s),
                                       time.monotonic() + self.ready_timeout_s + 30)
 
     def _collect_restarts(self) -> None:
         """Wire in every restarted worker whose "ready" has come; kill one that failed
-        to start or took too long, so that Ray tries again."""
+        to start or took too long, so that Ray tries again. A worker scaled down while
+        Ray restarted it is dropped: it left its pool, and its actor was killed."""
+        members = {w.name for w in self.workers.all}
+        for name in [n for n in self._starting if n not in members]:
+            del self._starting[name]
         for w in self.workers.all:
             if w.name not in self._starting:
                 continue
@@ -138,7 +147,7 @@ class Supervisor:
                 self._wire_in(w, incarnation, CONTROL_MESSAGES.decode(ray.get(ref)))
             except (ray.exceptions.RayError, TimeoutError, RuntimeError) as exc:
                 logger.warning("restarted worker %s did not start (%s): restarting it again", w.name,
-                               _first_line(exc))
+                               first_line(exc))
                 ray.kill(w.actor, no_restart=False)
 
     def _wire_in(self, w: "RayWorker", incarnation: str, ready: Ready) -> None:
@@ -148,41 +157,19 @@ class Supervisor:
         # Itself first (it starts serving and makes its handshakes with peers that are
         # polling), then the other pool, then the router, so no request reaches it
         # before its peers know it.
-        to_decode, to_prefill = self._peers_messages()
+        to_decode, to_prefill = self.workers.peers_messages()
         cold = ray.get(w.actor.start_serving.remote(to_decode if w.role == "decode" else to_prefill, incarnation),
                        timeout=PEERS_WAIT_S * 2)
         if cold:
             logger.warning("%s has no KV handshake with %s", w.name, ", ".join(cold))
         w.alive = True
-        self._tell(self.workers.prefill if w.role == "decode" else self.workers.decode)
+        self.workers.tell(self.workers.prefill if w.role == "decode" else self.workers.decode)
         if self.router is not None:
             self.router.moved(w.name, w.address)
         self.restarts += 1
         logger.warning("worker %s restarted by Ray and back in service at %s", w.name, w.address)
 
-    def _peers_messages(self) -> tuple[bytes, bytes]:
-        return peers_messages([w for w in self.workers.decode if w.alive], [w for w in self.workers.prefill if w.alive])
 
-    def _tell(self, targets: "list[RayWorker]") -> None:
-        """Send each live target the peers message for its role: the live workers of the
-        other pool. Waits until each has acted on it; one that fails is left to the next
-        probe."""
-        to_decode, to_prefill = self._peers_messages()
-        targets = [t for t in targets if t.alive]
-        refs = [t.actor.peers.remote(to_decode if t.role == "decode" else to_prefill, t.incarnation, PEERS_WAIT_S)
-                for t in targets]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=PEERS_WAIT_S + 5) if refs else ([], [])
-        for t, ref in zip(targets, refs):
-            try:
-                ok = ref in done and ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                ok, reason = False, _first_line(exc)
-            else:
-                reason = "no answer in time"
-            if not ok:
-                logger.warning("worker %s did not take its new peers (%s)", t.name, reason)
-
-
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

@@ -31,7 +31,7 @@ from cluster.peers import peers_messages
 from cluster.ray.actor import WorkerActor
 from cluster.worker_configs import without_router_secrets
 from cluster.ray.resources import PlacementError, missing_resources, pool_bundles, rank_bundles, tp_size
-from cluster.ray.supervisor import Supervisor
+from cluster.ray.supervisor import PEERS_WAIT_S, Supervisor, first_line
 from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES
 from security import DeploymentSecret
@@ -56,6 +56,15 @@ class RayWorker:
     incarnation: str = ""  # the actor process's id (a restart changes it)
     alive: bool = True  # as the supervisor last saw it
     draining: bool = False  # being scaled down (cluster/elastic.py)
+    # Where it runs: a bundle of its pool's shared group (own_group False), or bundle 0
+    # of a group of its own (a TP worker, or one added at runtime), removed with it.
+    group: PlacementGroup | None = None
+    bundle: int = 0
+    own_group: bool = False
+
+    @property
+    def index(self) -> int:
+        return int(self.name.rpartition("-")[2])
 
 
 @dataclass
@@ -68,6 +77,17 @@ class RayWorkers:
     # The deployment's (start_ray_workers makes it): in every actor's constructor
     # arguments, so a restarted actor has it too; the router gets it from here.
     secret: DeploymentSecret | None = field(default=None, repr=False)
+    # Held while the pools change or a Peers message is made and sent: by each of the
+    # supervisor's passes (which mutate RayWorker objects) and by the elastic pools'
+    # adds and removals (cluster/ray/elastic.py), so that neither sees the other half done.
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    # The next index of each pool: a worker added at runtime never takes the name of one
+    # that left (the router and /metrics know workers by name).
+    indexes: dict[str, int] = field(default_factory=dict)
+    # Role -> bundles of its shared placement group whose worker was scaled down: a
+    # placement group cannot shrink, so they stay reserved for the next scale-up.
+    free_bundles: dict[str, list[tuple[PlacementGroup, int]]] = field(default_factory=dict)
+    closed: bool = False  # stop() began: nothing joins the pools any more
 
     def supervise(self, config: RayConfig, router: RouterHooks | None) -> Supervisor:
         """Start watching the workers (cluster/ray/supervisor.py); stop() ends it."""
@@ -79,6 +99,39 @@ class RayWorkers:
     def all(self) -> list[RayWorker]:
         return self.decode + self.prefill
 
+    def pool(self, role: str) -> list[RayWorker]:
+        return self.decode if role == "decode" else self.prefill
+
+    def next_index(self, role: str) -> int:
+        """A never-used index for a new worker of `role` (call with the lock held)."""
+        index = max([self.indexes.get(role, 0), *(w.index + 1 for w in self.pool(role))])
+        self.indexes[role] = index + 1
+        return index
+
+    def peers_messages(self) -> tuple[bytes, bytes]:
+        """The Peers message for a decode and for a prefill worker: the live workers of
+        the other pool (call with the lock held)."""
+        return peers_messages([w for w in self.decode if w.alive], [w for w in self.prefill if w.alive])
+
+    def tell(self, targets: list[RayWorker]) -> None:
+        """Send each live target the peers message for its role (call with the lock
+        held). Waits until each has acted on it; one that fails is left to the
+        supervisor's next probe."""
+        to_decode, to_prefill = self.peers_messages()
+        targets = [t for t in targets if t.alive]
+        refs = [t.actor.peers.remote(to_decode if t.role == "decode" else to_prefill, t.incarnation, PEERS_WAIT_S)
+                for t in targets]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=PEERS_WAIT_S + 5) if refs else ([], [])
+        for t, ref in zip(targets, refs):
+            try:
+                ok = ref in done and ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                ok, reason = False, first_line(exc)
+            else:
+                reason = "no answer in time"
+            if not ok:
+                logger.warning("worker %s did not take its new peers (%s)", t.name, reason)
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop every worker loop, kill the actors, free the placement groups, and
         disconnect from Ray (which stops a Ray this process started). Safe to call twice.
@@ -88,6 +141,12 @@ class RayWorkers:
         if self.supervisor is not None:  # first: a worker being stopped is not a crash
             self.supervisor.stop(timeout)
             self.supervisor = None
+        # A scale-up still starting a worker sees `closed` and removes its own actor; the
+        # lock is not waited for long (a scale holds it while a new worker takes its peers).
+        locked = self.lock.acquire(timeout=timeout)
+        self.closed = True
+        if locked:
+            self.lock.release()
         cleanup = threading.Thread(target=self._release, args=(timeout,), name="pdserve-ray-stop", daemon=True)
         cleanup.start()
         cleanup.join(timeout + 10)
@@ -96,7 +155,7 @@ class RayWorkers:
         for w in self.all:
             if w.metadata:  # a worker killed mid-loop cannot remove its shared memory
                 unlink_segment(w.metadata)
-        self.decode, self.prefill, self.groups = [], [], []
+        self.decode, self.prefill, self.groups, self.free_bundles = [], [], [], {}
 
     def _release(self, timeout: float) -> None:
         if ray.is_initialized():
@@ -110,6 +169,19 @@ class RayWorkers:
         if self.shutdown_ray and ray.is_initialized():
             self.shutdown_ray = False
             ray.shutdown()
+
+
+def new_actor(config: ClusterConfig, role: str, index: int, group: PlacementGroup, bundle: int,
+              secret: DeploymentSecret | None) -> Any:
+    """Create worker `index` of `role` as a WorkerActor in `group`'s bundle (it starts
+    loading at once; ready() says when it has)."""
+    pool = getattr(config.ray, role)
+    return ray.remote(WorkerActor).options(
+        num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
+        max_concurrency=ACTOR_CONCURRENCY, max_restarts=config.ray.max_restarts, max_task_retries=0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+        # Ray keeps an actor's arguments, for its restarts: no router secrets in them.
+    ).remote(role, without_router_secrets(config), index, secret=secret)
 
 
 def connect(config: RayConfig) -> bool:
@@ -126,12 +198,12 @@ def connect(config: RayConfig) -> bool:
         ray.init(address="local", num_cpus=config.num_cpus, include_dashboard=False,
                  object_store_memory=LOCAL_OBJECT_STORE_BYTES, _node_ip_address="127.0.0.1")
     else:
-        _probe(address)
+        probe_address(address)
         ray.init(address=address)
     return True
 
 
-def _probe(address: str, timeout: float = 5.0) -> None:
+def probe_address(address: str, timeout: float = 5.0) -> None:
     """Fail in seconds if nobody listens where `address` points: ray.init retries a dead
     GCS for a minute or more (e.g. `auto` finding the file a stopped `ray start` left).
     The address is resolved by ray._private.services, as ray.init itself does (private:
@@ -185,7 +257,7 @@ def _place(config: ClusterConfig) -> dict[str, list[tuple[PlacementGroup, int]]]
     return places
 
 
-def _await_all_ready(workers: list[RayWorker], timeout: float, started: float) -> None:
+def await_all_ready(workers: list[RayWorker], timeout: float, started: float) -> None:
     """Each worker's "ready" (address, metadata), taken as each comes, so that its line
     says when it was ready (of `started`, when its actor was created). Raises RayError
     (a worker failed) or TimeoutError."""
@@ -206,26 +278,24 @@ def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorke
     it, wait until each reports ready, then tell each its peers (as
     cluster.local.start_workers does). Raises, after stopping whatever started and
     releasing its resources, if any step fails."""
-    workers = RayWorkers(shutdown_ray=connect(config.ray), secret=DeploymentSecret.new())
+    # The initial workers' indexes are taken for good: a scale-up after the last of a
+    # pool left must not name its worker "prefill-0" again.
+    workers = RayWorkers(shutdown_ray=connect(config.ray), secret=DeploymentSecret.new(),
+                         indexes={"decode": config.decode.replicas, "prefill": config.prefill.replicas})
     try:
         check_capacity(config)
         places = _place(config)
         workers.groups = list(dict.fromkeys(group for role_places in places.values() for group, _ in role_places))
-        actor_class = ray.remote(WorkerActor)
-        workers_config = without_router_secrets(config)  # Ray keeps an actor's arguments, for its restarts
         started = time.monotonic()
         for role, role_places in places.items():
-            pool = getattr(config.ray, role)
+            own = tp_size(config, role) > 1  # a TP worker is a group of its own (_place)
             for i, (group, bundle) in enumerate(role_places):
-                actor = actor_class.options(
-                    num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
-                    max_concurrency=ACTOR_CONCURRENCY, max_restarts=config.ray.max_restarts, max_task_retries=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
-                ).remote(role, workers_config, i, secret=workers.secret)
-                getattr(workers, role).append(RayWorker(f"{role}-{i}", role, actor))
+                actor = new_actor(config, role, i, group, bundle, workers.secret)
+                workers.pool(role).append(RayWorker(f"{role}-{i}", role, actor, group=group, bundle=bundle,
+                                                    own_group=own))
                 console.worker_starting(f"{role}-{i}", config.engine_config(role))
         try:
-            _await_all_ready(workers.all, timeout, started)
+            await_all_ready(workers.all, timeout, started)
             incarnations = ray.get([w.actor.incarnation.remote() for w in workers.all], timeout=30)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise RuntimeError(f"a Ray worker did not start: {exc}") from None
