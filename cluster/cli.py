@@ -125,7 +125,9 @@ def _cmd_scale(args: argparse.Namespace) -> int:
             result = admin_request(url, "POST", "/admin/scale", key, targets)
         else:
             result = admin_request(url, "GET", "/admin/pools", key, timeout=30)
-    except (ConnectionError, PermissionError, LookupError) as exc:
+    # ScaleFailed (a worker did not start) is a RuntimeError; a bound refused is a
+    # ValueError, which main() reports with exit status 2.
+    except (ConnectionError, PermissionError, LookupError, RuntimeError, TimeoutError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 1
     print(f"pdserve: {describe(result)}")

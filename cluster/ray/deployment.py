@@ -64,14 +64,14 @@ class DeploymentActor:
         except BaseException:
             self.workers.stop()
             raise
-        self.planner = start_planner(self.config, router)
+        self.planner = start_planner(self.config, self.router)
         return self.http.url
 
     def scale(self, prefill: int | None, decode: int | None) -> dict[str, Any]:
         """Bring the pools to these sizes (None: leave that pool as it is) by the
         router's PoolScaler (cluster/elastic.py), the admin endpoint's; returns once
         done, its ScaleResult as a dict. ScaleError (a ValueError) for a target out of
-        bounds or a worker that would not start."""
+        bounds, ScaleFailed (a RuntimeError) for a worker that would not start."""
         return self._scaler().scale(prefill, decode, reason="manual").as_dict()
 
     def pools(self) -> dict[str, Any]:
