@@ -1,0 +1,82 @@
+"""The router's side of elastic pools against fake decode workers (no model runs):
+what a worker scaled away leaves behind, for the requests it served and the endpoints
+that were asking it something when it left."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.elastic import Bounds, PoolScaler
+from cluster.serve import router_for
+from engine.sampling_params import SamplingParams
+from router.app import Router
+from tests.unit.test_elastic_scaler import FakeBackend
+from tests.unit.test_router_http import FakeDecodeWorker
+
+GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def two() -> Iterator[tuple[FakeDecodeWorker, FakeDecodeWorker]]:
+    workers = FakeDecodeWorker(step_s=0.02), FakeDecodeWorker(step_s=0.02)
+    yield workers
+    for w in workers:
+        w.close()
+
+
+def router_of(llama_dir: Path, workers: dict[str, str]) -> Router:
+    config = ClusterConfig.from_dict({"model": str(llama_dir), "prefill": {"replicas": 0},
+                                      "router": {"policy": "round_robin", "health_interval_s": 0.1}})
+    return router_for(config, workers)
+
+
+@pytest.mark.timeout(20)
+def test_a_request_moved_at_the_drain_deadline_finishes_though_it_reads_its_move_late(llama_dir, two) -> None:
+    """Evacuate then remove: a sequence whose consumer was busy meanwhile reads its
+    WORKER_LOST after the socket closed; its resubmission must not fail on the abort
+    it sends there."""
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+    scaler = PoolScaler(FakeBackend(prefill=0, decode=2), router, Bounds((0, 2), (1, 2)), 0.0, poll_s=0.01)
+
+    async def main() -> tuple[str, int, str | None]:
+        router.start()
+        try:
+            await router.run([1, 2, 3], GREEDY).__anext__()  # round robin: decode-0, then decode-1
+            stream = router.run([4, 5, 6], GREEDY)
+            assert (await stream.__anext__()).worker == "decode-1"
+            await stream.__anext__()
+            done = threading.Event()
+            threading.Thread(target=lambda: (scaler.scale(decode=1), done.set()), daemon=True).start()
+            while not done.is_set():  # a busy consumer: it reads nothing while decode-1 leaves
+                await asyncio.sleep(0.01)
+            chunks = [chunk async for chunk in stream]
+            return chunks[-1].worker, chunks[-1].num_tokens, chunks[-1].finish_reason
+        finally:
+            router.stop()
+
+    assert asyncio.run(main()) == ("decode-0", 30, "length")
+    assert [w.name for w in router.workers] == ["decode-0"]
+
+
+@pytest.mark.timeout(20)
+def test_a_worker_leaving_while_a_snapshot_asks_for_stats_reads_as_silent(llama_dir, two) -> None:
+    """The planner's snapshot (and /status) list the workers, then ask each: one whose
+    socket closed in between answers nothing, instead of failing the whole snapshot."""
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+
+    async def main():  # type: ignore[no-untyped-def]
+        router.start()
+        try:
+            asyncio.get_running_loop().call_soon(router.workers[1].close)  # lands after the listing
+            return await router.load_snapshot()
+        finally:
+            router.stop()
+
+    snapshot = asyncio.run(main())
+    assert [(w.name, w.answered) for w in snapshot.workers] == [("decode-0", True), ("decode-1", False)]
