@@ -138,7 +138,7 @@ async def metrics(request: Request) -> Response:
     router = _router(request)
     live = [(w, "decode") for w in router.workers if w.alive] + [(w, "prefill") for w in router.prefill if w.alive]
     for (worker, role), stats in zip(live, await asyncio.gather(*(w.stats() for w, _ in live))):
-        if stats is not None:
+        if stats is not None and not worker.closed:  # one scaled away meanwhile stays forgotten
             router.metrics.set_worker(worker.name, role, stats)
     router.publish_live()
     return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)

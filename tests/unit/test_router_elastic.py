@@ -8,6 +8,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +16,7 @@ from cluster.config import ClusterConfig
 from cluster.elastic import Bounds, PoolScaler
 from cluster.serve import router_for
 from engine.sampling_params import SamplingParams
-from router.app import Router
+from router.app import Router, metrics as app_metrics
 from tests.unit.test_elastic_scaler import FakeBackend
 from tests.unit.test_router_http import FakeDecodeWorker
 
@@ -80,3 +81,37 @@ def test_a_worker_leaving_while_a_snapshot_asks_for_stats_reads_as_silent(llama_
 
     snapshot = asyncio.run(main())
     assert [(w.name, w.answered) for w in snapshot.workers] == [("decode-0", True), ("decode-1", False)]
+
+
+@pytest.mark.timeout(20)
+def test_a_worker_scaled_away_while_metrics_waits_for_another_stays_out_of_metrics(llama_dir, two) -> None:
+    """/metrics has decode-1's stats and waits for decode-0's when decode-1 leaves: the
+    reply it holds must not bring decode-1's series back for good."""
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+    two[1].stats = {"running": 3, "waiting": 1}
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+
+    async def main() -> str:
+        router.start()
+        try:
+            release = asyncio.Event()
+
+            async def held(timeout: float = 2.0) -> dict:  # decode-0 answers once decode-1 left
+                await release.wait()
+                return {"running": 0}
+            router.workers[0].stats = held
+            scrape = asyncio.create_task(app_metrics(request))
+            for _ in range(200):  # until decode-1's reply is in
+                await asyncio.sleep(0.005)
+                if not router.workers[1]._stats_waiters:
+                    break
+            await asyncio.to_thread(router.remove_worker, "decode-1")
+            release.set()
+            await scrape
+            return router.metrics.render().decode()
+        finally:
+            router.stop()
+
+    text = asyncio.run(main())
+    assert 'pdserve_worker_running{role="decode",worker="decode-0"}' in text
+    assert 'worker="decode-1"' not in text
