@@ -140,13 +140,23 @@ class PoolScaler:
             if target > high:
                 raise ScaleError(f"{role}: {target} is beyond autoscale.{role}.max ({high})")
 
-    def scale(self, prefill: int | None = None, decode: int | None = None, reason: str = "manual") -> ScaleResult:
+    def scale(self, prefill: int | None = None, decode: int | None = None, reason: str = "manual",
+              expect: dict[str, int] | None = None) -> ScaleResult:
         """Bring each pool given to its target, up first then down (capacity before it
         goes); returns once done. ScaleError for a target out of bounds (nothing done),
-        ScaleFailed for a worker that would not start (those that did, stay)."""
+        ScaleFailed for a worker that would not start (those that did, stay).
+
+        expect: the pools' sizes the target was computed from (the planner's one step
+        up or down). A scale made meanwhile (one waits for another) changed them: then
+        ScaleError and nothing is done, for the target no longer means that step."""
         targets = {"prefill": prefill, "decode": decode}
         self.check(targets)
         with self._lock:
+            sizes = self.sizes()
+            for role, size in (expect or {}).items():
+                if sizes[role] != size:
+                    raise ScaleError(f"{role}: has {sizes[role]} workers now, not the {size} this target was "
+                                     "decided from (another scale ran meanwhile)")
             start = time.monotonic()
             result = ScaleResult(self.sizes())
             for role, target in targets.items():
