@@ -40,7 +40,9 @@ class LocalPools:
             raise
         with self.workers.lock:
             self.pool(role).append(new)
-        self.workers.tell_peers(("prefill",) if role == "decode" else ("decode",))
+        # Both pools: the other learns it, and it learns any change to the other (a
+        # restart) made since its first peers, which a restart's tell_peers missed.
+        self.workers.tell_peers()
         console.worker_ready(new.name, new.address, time.monotonic() - new.started)
         return new
 

@@ -1,0 +1,54 @@
+"""LocalPools (the local launcher's elastic pools) with fake processes, no model: what a
+worker added at runtime is told when the other pool changes while it starts."""
+
+from __future__ import annotations
+
+import pytest
+
+import cluster.local.elastic as elastic
+import cluster.local.supervisor as supervision
+from cluster.config import ClusterConfig
+from cluster.local.workers import LocalWorkers, Worker
+from protocol import CONTROL_MESSAGES, Peers
+from tests.unit.test_local_supervisor import Control, Process
+
+CONFIG = ClusterConfig.from_dict({"model": "/nonexistent"})
+
+
+def worker(name: str, address: str = "") -> Worker:
+    return Worker(name, Process(), Control(), address or f"tcp://{name}", b"")
+
+
+def peers(w: Worker) -> list[Peers]:
+    return [m for m in map(CONTROL_MESSAGES.decode, w.control.sent) if isinstance(m, Peers)]
+
+
+@pytest.fixture
+def no_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(elastic.console, "worker_ready", lambda *a: None)
+    monkeypatch.setattr(supervision.console, "worker_back", lambda *a: None)
+
+
+def test_a_worker_added_while_the_other_pool_restarts_one_learns_the_restart(monkeypatch, no_console) -> None:
+    """decode-1 gets its first peers while prefill-0 is down; prefill-0's restart is wired
+    in before decode-1 serves (the restart's tell_peers misses decode-1, not in its pool
+    yet): decode-1 must still end up with prefill-0 as a peer."""
+    workers = LocalWorkers(decode=[worker("decode-0")], prefill=[worker("prefill-0")])
+    supervisor = supervision.LocalSupervisor(CONFIG, workers, lambda name: None, lambda name, address: None)
+    dead = workers.prefill[0]
+    workers.gone.add(dead.name)  # down, being restarted
+    added = worker("decode-1")
+
+    def serving(w: Worker, timeout: float) -> None:  # meanwhile, prefill-0's restart completes
+        monkeypatch.setattr(supervision, "spawn", lambda *a: worker("prefill-0", "tcp://prefill-0-back"))
+        monkeypatch.setattr(supervision, "await_ready", lambda w, timeout: None)
+        monkeypatch.setattr(supervision, "await_serving", lambda w, timeout: None)
+        assert supervisor._start(dead)
+
+    monkeypatch.setattr(elastic, "spawn", lambda *a: added)
+    monkeypatch.setattr(elastic, "await_ready", lambda w, timeout: None)
+    monkeypatch.setattr(elastic, "await_serving", serving)
+    elastic.LocalPools(CONFIG, workers).add_worker("decode")
+    assert peers(added)[0].prefill == {}  # its first: prefill-0 was down
+    assert peers(added)[-1].prefill == {"prefill-0": "tcp://prefill-0-back"}
+    assert [w.name for w in workers.decode] == ["decode-0", "decode-1"]
