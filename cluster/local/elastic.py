@@ -3,7 +3,8 @@ PoolBackend): a worker process added under a new name, by the path a restarted o
 takes (ready, its peers, serving, then the other pool learns it); one removed is
 taken out of its pool first (so neither the supervisor nor a Peers message counts it
 any more), then the other pool is told, then it is stopped and its shared memory
-removed."""
+removed. A shutdown (LocalWorkers.stop) stops a worker still starting too, and none is
+added after it."""
 
 from __future__ import annotations
 
@@ -27,19 +28,29 @@ class LocalPools:
         """Start one more worker of `role` and return it once it serves and the other
         pool knows it; raises RuntimeError (nothing left behind) if it cannot start."""
         with self.workers.lock:  # its name: never one the deployment used before
+            self._check_running(role)
             index = self.workers.next_index(role)
         new = spawn(self.config, role, index, self.workers.secret)
         try:
+            with self.workers.lock:  # from now on a shutdown stops it too
+                self.workers.starting.append(new)
+                self._check_running(role)
             await_ready(new, self.start_timeout_s)
             with self.workers.lock:
                 to_decode, to_prefill = self.workers.peers_messages()
                 new.control.send_bytes(to_decode if role == "decode" else to_prefill)
             await_serving(new, self.start_timeout_s)
-        except BaseException:
+            with self.workers.lock:
+                self._check_running(role)
+                self._unlist(new)
+                self.pool(role).append(new)
+        except BaseException as exc:
+            with self.workers.lock:
+                self._unlist(new)
             stop_processes([new])
+            if self.workers.stopped and isinstance(exc, Exception):  # its pipe broke because of that
+                raise RuntimeError(f"the deployment stopped while {new.name} started") from exc
             raise
-        with self.workers.lock:
-            self.pool(role).append(new)
         # Both pools: the other learns it, and it learns any change to the other (a
         # restart) made since its first peers, which a restart's tell_peers missed.
         self.workers.tell_peers()
@@ -65,6 +76,15 @@ class LocalPools:
             self.workers.gone.discard(name)
         self.workers.tell_peers(("prefill",) if worker.role == "decode" else ("decode",))
         stop_processes([worker], timeout)
+
+    def _check_running(self, role: str) -> None:
+        """RuntimeError once the deployment stops (call with the lock held): a worker
+        added then would be in no pool its shutdown stops."""
+        if self.workers.stopped:
+            raise RuntimeError(f"the deployment is stopping: no {role} worker is added")
+
+    def _unlist(self, new: Worker) -> None:
+        self.workers.starting[:] = [w for w in self.workers.starting if w is not new]
 
     def _find(self, name: str) -> Worker:
         for w in self.workers.all:

@@ -52,3 +52,20 @@ def test_a_worker_added_while_the_other_pool_restarts_one_learns_the_restart(mon
     assert peers(added)[0].prefill == {}  # its first: prefill-0 was down
     assert peers(added)[-1].prefill == {"prefill-0": "tcp://prefill-0-back"}
     assert [w.name for w in workers.decode] == ["decode-0", "decode-1"]
+
+
+def test_a_shutdown_while_a_worker_is_added_stops_it_and_adds_nothing(monkeypatch, no_console) -> None:
+    """The deployment stops while decode-1 loads (it is in no pool yet): the stop must
+    reach it, and add_worker must not put it in a pool of a stopped deployment."""
+    workers = LocalWorkers(decode=[worker("decode-0")], prefill=[worker("prefill-0")])
+    added = worker("decode-1")
+    monkeypatch.setattr(elastic, "spawn", lambda *a: added)
+    monkeypatch.setattr(elastic, "await_ready", lambda w, timeout: workers.stop())  # Ctrl-C meanwhile
+    monkeypatch.setattr(elastic, "await_serving", lambda w, timeout: None)
+    pools = elastic.LocalPools(CONFIG, workers)
+    with pytest.raises(RuntimeError, match="the deployment stopped while decode-1 started"):
+        pools.add_worker("decode")
+    assert not added.process.is_alive() and [w.name for w in workers.all] == ["decode-0", "prefill-0"]
+    assert workers.starting == []
+    with pytest.raises(RuntimeError, match="the deployment is stopping: no prefill worker is added"):
+        pools.add_worker("prefill")
