@@ -112,10 +112,11 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """200 while some decode worker is live; else 503, so that a load balancer or
-    a readiness probe sees that this deployment can serve nothing."""
+    """200 while some decode worker is live and takes new requests (not draining); else
+    503, so that a load balancer or a readiness probe sees that this deployment can
+    serve nothing new."""
     router = _router(request)
-    if not any(w.alive for w in router.workers):
+    if not any(w.alive and not w.draining for w in router.workers):
         return error_response(router.no_live_worker())
     return JSONResponse({"status": "ok"})
 

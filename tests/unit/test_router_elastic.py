@@ -16,7 +16,7 @@ from cluster.config import ClusterConfig
 from cluster.elastic import Bounds, PoolScaler
 from cluster.serve import router_for
 from engine.sampling_params import SamplingParams
-from router.app import Router, metrics as app_metrics
+from router.app import Router, health as app_health, metrics as app_metrics
 from tests.unit.test_elastic_scaler import FakeBackend
 from tests.unit.test_router_http import FakeDecodeWorker
 
@@ -115,3 +115,15 @@ def test_a_worker_scaled_away_while_metrics_waits_for_another_stays_out_of_metri
     text = asyncio.run(main())
     assert 'pdserve_worker_running{role="decode",worker="decode-0"}' in text
     assert 'worker="decode-1"' not in text
+
+
+def test_health_is_503_when_the_only_live_decode_worker_is_draining(llama_dir, two) -> None:
+    """decode-0 down, decode-1 being scaled away: nothing takes a new request, and a load
+    balancer must see it."""
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+    router.workers[0].declare_dead("is down (its supervisor saw it exit)")
+    assert asyncio.run(app_health(request)).status_code == 200  # decode-1 takes them
+    router.workers[1].draining = True
+    answer = asyncio.run(app_health(request))
+    assert answer.status_code == 503 and b"decode-1 is being drained" in answer.body
