@@ -369,6 +369,7 @@ class Router:
             loop = self.loop
         if loop is None:
             return fn()
+        _not_on(loop, "Router.call")
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
@@ -386,6 +387,7 @@ class Router:
             loop = self.loop
         if loop is None:
             raise RuntimeError("the router is not serving yet")
+        _not_on(loop, "Router.snapshot")
         return asyncio.run_coroutine_threadsafe(self.load_snapshot(), loop).result(timeout)
 
     async def load_snapshot(self) -> LoadSnapshot:
@@ -405,3 +407,15 @@ class Router:
 
 async def _nothing() -> None:
     return None
+
+
+def _not_on(loop: asyncio.AbstractEventLoop, what: str) -> None:
+    """The blocking verbs wait for the loop: called on it, they would hold it (every
+    request with it) until their timeout. Say so at once instead."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: the usual case
+        return
+    if running is loop:
+        raise RuntimeError(f"{what} blocks until the router's event loop runs it: call it from another thread "
+                           "(asyncio.to_thread), never from the loop itself")

@@ -127,3 +127,24 @@ def test_health_is_503_when_the_only_live_decode_worker_is_draining(llama_dir, t
     router.workers[1].draining = True
     answer = asyncio.run(app_health(request))
     assert answer.status_code == 503 and b"decode-1 is being drained" in answer.body
+
+
+def test_a_blocking_verb_called_on_the_routers_own_loop_fails_at_once(llama_dir, two) -> None:
+    """The scaler's verbs wait for the loop to run them: on the loop itself they would
+    hold it (and every request) until their timeout."""
+    router = router_of(llama_dir, {"decode-0": two[0].address})
+
+    async def main() -> None:
+        router.start()
+        try:
+            with pytest.raises(RuntimeError, match="Router.call blocks until the router's event loop runs it"):
+                router.drain_worker("decode-0", timeout=1.0)
+            with pytest.raises(RuntimeError, match="Router.snapshot blocks"):
+                router.snapshot(timeout=1.0)
+            assert not router.workers[0].draining
+            await asyncio.to_thread(router.drain_worker, "decode-0")  # from another thread: fine
+            assert router.workers[0].draining
+        finally:
+            router.stop()
+
+    asyncio.run(main())
