@@ -2,8 +2,8 @@
 PoolBackend): a worker process added under a new name, by the path a restarted one
 takes (ready, its peers, serving, then the other pool learns it); one removed is
 taken out of its pool first (so neither the supervisor nor a Peers message counts it
-any more), then the other pool is told, then it is stopped and its shared memory
-removed. A shutdown (LocalWorkers.stop) stops a worker still starting too, and none is
+any more), then the other pool is told and it is stopped, its shared memory removed (a
+prefill worker is stopped first: remove_worker says why). A shutdown (LocalWorkers.stop) stops a worker still starting too, and none is
 added after it."""
 
 from __future__ import annotations
@@ -67,15 +67,21 @@ class LocalPools:
             self.workers.tell_peers(("decode",))
 
     def remove_worker(self, name: str, timeout: float = 10.0) -> None:
-        """Out of its pool, the other pool told (a decode worker's prompts still on a
-        removed prefill worker are prefilled locally; a prefill worker's jobs for a
-        removed decode worker end), then stopped."""
+        """Out of its pool (the supervisor no longer watches it), the other pool told
+        and it stopped: a decode worker is stopped after its prefill workers drop it as
+        a KV destination (their jobs for it end); a prefill worker before its decode
+        workers learn it is gone, for they then release the blocks it was writing and
+        prefill those prompts locally in them, which only a sender that has exited
+        cannot write into any more (as after a crash)."""
         with self.workers.lock:
             worker = self._find(name)
             self.pool(worker.role).remove(worker)
             self.workers.gone.discard(name)
+        if worker.role == "prefill":
+            stop_processes([worker], timeout)
         self.workers.tell_peers(("prefill",) if worker.role == "decode" else ("decode",))
-        stop_processes([worker], timeout)
+        if worker.role == "decode":
+            stop_processes([worker], timeout)
 
     def _check_running(self, role: str) -> None:
         """RuntimeError once the deployment stops (call with the lock held): a worker

@@ -69,3 +69,21 @@ def test_a_shutdown_while_a_worker_is_added_stops_it_and_adds_nothing(monkeypatc
     assert workers.starting == []
     with pytest.raises(RuntimeError, match="the deployment is stopping: no prefill worker is added"):
         pools.add_worker("prefill")
+
+
+def test_a_prefill_worker_scaled_away_has_exited_when_the_decode_workers_learn_it_is_gone() -> None:
+    """They release the blocks it was writing and prefill locally in them: only a sender
+    that has exited can write there no more (its writes' notifications, on a socket they
+    drop, would never tell them it did)."""
+    workers = LocalWorkers(decode=[worker("decode-0")], prefill=[worker("prefill-0"), worker("prefill-1")])
+    leaving = workers.prefill[1]
+    told: list[tuple[dict, bool]] = []  # (prefill peers decode-0 was told, prefill-1 running then)
+    send = workers.decode[0].control.send_bytes
+
+    def watch(data: bytes) -> None:
+        send(data)
+        told.append((CONTROL_MESSAGES.decode(data).prefill, leaving.process.is_alive()))
+    workers.decode[0].control.send_bytes = watch  # type: ignore[method-assign]
+    elastic.LocalPools(CONFIG, workers).remove_worker("prefill-1", 0.01)
+    assert told == [({"prefill-0": "tcp://prefill-0"}, False)]
+    assert [w.name for w in workers.prefill] == ["prefill-0"]
