@@ -350,6 +350,10 @@ class Router:
         client = self.call(lambda: self._client(name), timeout)
         return asyncio.run_coroutine_threadsafe(client.stats(), loop).result(timeout)
 
+    def worker_live(self, name: str, timeout: float = 30.0) -> bool:
+        """Whether the router sees the worker alive (False for one it does not know)."""
+        return self.call(lambda: (client := self._find(name)) is not None and client.alive, timeout)
+
     def set_remote_prefill_min_tokens(self, value: int) -> None:
         """Move conditional disaggregation's threshold (the planner, when prefill is
         the bottleneck); requests submitted from now on use it."""

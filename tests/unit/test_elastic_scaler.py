@@ -64,6 +64,7 @@ class FakeRouter:
     def __init__(self) -> None:
         self.requests: dict[str, int] = {}  # decode worker -> sequences the router awaits
         self.jobs: dict[str, int] = {}  # prefill worker -> jobs in flight
+        self.down: set[str] = set()  # workers the router sees dead
         self.log: list[tuple[str, str]] = []
 
     def add_worker(self, role: str, name: str, address: str, timeout: float = 30.0) -> None:
@@ -85,6 +86,9 @@ class FakeRouter:
 
     def worker_stats(self, name: str, timeout: float = 5.0) -> dict | None:
         return {"jobs": self.jobs.get(name, 0)}
+
+    def worker_live(self, name: str, timeout: float = 30.0) -> bool:
+        return name not in self.down
 
 
 def scaler(prefill: int = 1, decode: int = 1, drain: float = 5.0, fail: bool = False) \
@@ -205,3 +209,13 @@ def test_the_planners_step_up_waiting_for_a_scale_by_hand_does_not_undo_it() -> 
         loop.stop()
     assert [w.name for w in backend.pools["decode"]] == ["decode-0", "decode-1", "decode-12", "decode-13"]
     assert not any(kind == "remove" for kind, _ in backend.log)
+
+
+def test_a_scale_down_takes_the_workers_that_are_down_first() -> None:
+    """decode-0 crashed (being restarted): scaling 3 -> 2 removes it, not the newest,
+    which serves; then the newest again."""
+    s, backend, router = scaler(decode=3)
+    router.down.add("decode-0")
+    assert s.scale(decode=2).removed == ["decode-0"]
+    assert [w.name for w in backend.pools["decode"]] == ["decode-1", "decode-2"]
+    assert s.scale(decode=1).removed == ["decode-2"]

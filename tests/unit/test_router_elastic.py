@@ -148,3 +148,9 @@ def test_a_blocking_verb_called_on_the_routers_own_loop_fails_at_once(llama_dir,
             router.stop()
 
     asyncio.run(main())
+
+
+def test_worker_live_is_the_routers_view_for_the_scaler(llama_dir, two) -> None:
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+    router.workers[0].declare_dead("is down (its supervisor saw it exit)")
+    assert [router.worker_live(n) for n in ("decode-0", "decode-1", "decode-9")] == [False, True, False]
