@@ -125,12 +125,12 @@ async def status(request: Request) -> dict[str, Any]:
     """Every worker of both pools: live or not, and its own figures (None if it did
     not answer); `pdserve status` prints this."""
     router = _router(request)
-    pools = router.workers + router.prefill
+    pools, decode = router.workers + router.prefill, len(router.workers)  # as listed: a scale may change them
     replies = await asyncio.gather(*(w.stats() if w.alive else _none() for w in pools))
     rows = [{"name": w.name, "address": w.address, "live": w.alive, "draining": w.draining, "stats": s}
             for w, s in zip(pools, replies)]
     return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.prefill),
-            "decode_workers": rows[:len(router.workers)], "prefill_workers": rows[len(router.workers):]}
+            "decode_workers": rows[:decode], "prefill_workers": rows[decode:]}
 
 
 async def metrics(request: Request) -> Response:

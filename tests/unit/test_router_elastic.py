@@ -16,7 +16,7 @@ from cluster.config import ClusterConfig
 from cluster.elastic import Bounds, PoolScaler
 from cluster.serve import router_for
 from engine.sampling_params import SamplingParams
-from router.app import Router, health as app_health, metrics as app_metrics
+from router.app import Router, health as app_health, metrics as app_metrics, status as app_status
 from tests.unit.test_elastic_scaler import FakeBackend
 from tests.unit.test_router_http import FakeDecodeWorker
 
@@ -154,3 +154,32 @@ def test_worker_live_is_the_routers_view_for_the_scaler(llama_dir, two) -> None:
     router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
     router.workers[0].declare_dead("is down (its supervisor saw it exit)")
     assert [router.worker_live(n) for n in ("decode-0", "decode-1", "decode-9")] == [False, True, False]
+
+
+@pytest.mark.timeout(20)
+def test_status_keeps_each_worker_under_its_pool_when_one_leaves_meanwhile(llama_dir, two) -> None:
+    config = ClusterConfig.from_dict({"model": str(llama_dir)})
+    router = router_for(config, {"decode-0": two[0].address, "decode-1": two[1].address},
+                        {"prefill-0": two[1].address})  # a fake that answers pings serves as a prefill worker
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+
+    async def main() -> dict:
+        router.start()
+        try:
+            release = asyncio.Event()
+
+            async def busy(timeout: float = 2.0) -> dict:  # decode-0 answers once decode-1 left
+                await release.wait()
+                return {}
+            router.workers[0].stats = busy
+            answer = asyncio.create_task(app_status(request))
+            await asyncio.sleep(0.05)
+            await asyncio.to_thread(router.remove_worker, "decode-1")
+            release.set()
+            return await answer
+        finally:
+            router.stop()
+
+    out = asyncio.run(main())
+    assert [r["name"] for r in out["decode_workers"]] == ["decode-0", "decode-1"]
+    assert [r["name"] for r in out["prefill_workers"]] == ["prefill-0"]
