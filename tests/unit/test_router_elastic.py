@@ -20,12 +20,12 @@ from router.app import Router, health as app_health, metrics as app_metrics, sta
 from tests.unit.test_elastic_scaler import FakeBackend
 from tests.unit.test_router_http import FakeDecodeWorker
 
-GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
 def two() -> Iterator[tuple[FakeDecodeWorker, FakeDecodeWorker]]:
-    workers = FakeDecodeWorker(step_s=0.02), FakeDecodeWorker(step_s=0.02)
+    workers = FakeDecodeWorker(step_s=0.01), FakeDecodeWorker(step_s=0.01)
     yield workers
     for w in workers:
         w.close()
@@ -61,7 +61,7 @@ def test_a_request_moved_at_the_drain_deadline_finishes_though_it_reads_its_move
         finally:
             router.stop()
 
-    assert asyncio.run(main()) == ("decode-0", 30, "length")
+    assert asyncio.run(main()) == ("decode-0", 12, "length")
     assert [w.name for w in router.workers] == ["decode-0"]
 
 
