@@ -5,7 +5,7 @@ Scale-up: a launcher's PoolBackend starts a worker by the path a restarted one t
 (it gets its peers and serves, then the other pool learns it), and only then does the
 router route to it.
 
-Scale-down drains, newest workers first:
+Scale-down drains, workers the router sees down first, then the newest:
 - decode: the router sends it no new request; the requests it serves finish, until
   `drain_timeout_s`; those still running then move to the other decode workers by the
   failover path (each resubmitted as prompt + its tokens so far: greedy output goes on
@@ -75,6 +75,8 @@ class RouterControl(Protocol):
 
     def worker_stats(self, name: str, timeout: float = 5.0) -> dict[str, Any] | None: ...
 
+    def worker_live(self, name: str, timeout: float = 30.0) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Bounds:
@@ -140,13 +142,23 @@ class PoolScaler:
             if target > high:
                 raise ScaleError(f"{role}: {target} is beyond autoscale.{role}.max ({high})")
 
-    def scale(self, prefill: int | None = None, decode: int | None = None, reason: str = "manual") -> ScaleResult:
+    def scale(self, prefill: int | None = None, decode: int | None = None, reason: str = "manual",
+              expect: dict[str, int] | None = None) -> ScaleResult:
         """Bring each pool given to its target, up first then down (capacity before it
         goes); returns once done. ScaleError for a target out of bounds (nothing done),
-        ScaleFailed for a worker that would not start (those that did, stay)."""
+        ScaleFailed for a worker that would not start (those that did, stay).
+
+        expect: the pools' sizes the target was computed from (the planner's one step
+        up or down). A scale made meanwhile (one waits for another) changed them: then
+        ScaleError and nothing is done, for the target no longer means that step."""
         targets = {"prefill": prefill, "decode": decode}
         self.check(targets)
         with self._lock:
+            sizes = self.sizes()
+            for role, size in (expect or {}).items():
+                if sizes[role] != size:
+                    raise ScaleError(f"{role}: has {sizes[role]} workers now, not the {size} this target was "
+                                     "decided from (another scale ran meanwhile)")
             start = time.monotonic()
             result = ScaleResult(self.sizes())
             for role, target in targets.items():
@@ -173,10 +185,16 @@ class PoolScaler:
         logger.warning("scale-up (%s): %s serves at %s", reason, worker.name, worker.address)
 
     def _victims(self, role: str, target: int) -> list[str]:
-        """The newest workers beyond `target`, not already draining."""
+        """The workers beyond `target`, not already draining: those the router sees
+        down first (draining the live ones instead would leave requests nowhere to
+        move, and the pool serving nothing until a restart), then the newest."""
         taking = [w for w in self.backend.pool(role) if not getattr(w, "draining", False)]
         excess = max(0, len(taking) - target)
-        return [w.name for w in sorted(taking, key=_index)[len(taking) - excess:]]
+        if not excess:
+            return []
+        down = {w.name for w in taking if not self.router.worker_live(w.name)}
+        order = sorted(taking, key=lambda w: (w.name in down, _index(w)))
+        return [w.name for w in order[len(taking) - excess:]]
 
     def _drain(self, decode: list[str], prefill: list[str]) -> int:
         """Drain them all at once; each leaves as soon as it is idle, or at the deadline.

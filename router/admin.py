@@ -28,7 +28,8 @@ class Scaling(Protocol):
 
     def sizes(self) -> dict[str, int]: ...
 
-    def scale(self, prefill: int | None = None, decode: int | None = None, reason: str = "manual") -> Scaled:
+    def scale(self, prefill: int | None = None, decode: int | None = None, reason: str = "manual",
+              expect: dict[str, int] | None = None) -> Scaled:
         """Blocks until done; ValueError for a target it refuses (its message says why),
         RuntimeError for a worker that did not start."""
 

@@ -112,10 +112,11 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """200 while some decode worker is live; else 503, so that a load balancer or
-    a readiness probe sees that this deployment can serve nothing."""
+    """200 while some decode worker is live and takes new requests (not draining); else
+    503, so that a load balancer or a readiness probe sees that this deployment can
+    serve nothing new."""
     router = _router(request)
-    if not any(w.alive for w in router.workers):
+    if not any(w.alive and not w.draining for w in router.workers):
         return error_response(router.no_live_worker())
     return JSONResponse({"status": "ok"})
 
@@ -124,12 +125,12 @@ async def status(request: Request) -> dict[str, Any]:
     """Every worker of both pools: live or not, and its own figures (None if it did
     not answer); `pdserve status` prints this."""
     router = _router(request)
-    pools = router.workers + router.prefill
+    pools, decode = router.workers + router.prefill, len(router.workers)  # as listed: a scale may change them
     replies = await asyncio.gather(*(w.stats() if w.alive else _none() for w in pools))
     rows = [{"name": w.name, "address": w.address, "live": w.alive, "draining": w.draining, "stats": s}
             for w, s in zip(pools, replies)]
     return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.prefill),
-            "decode_workers": rows[:len(router.workers)], "prefill_workers": rows[len(router.workers):]}
+            "decode_workers": rows[:decode], "prefill_workers": rows[decode:]}
 
 
 async def metrics(request: Request) -> Response:
@@ -138,7 +139,7 @@ async def metrics(request: Request) -> Response:
     router = _router(request)
     live = [(w, "decode") for w in router.workers if w.alive] + [(w, "prefill") for w in router.prefill if w.alive]
     for (worker, role), stats in zip(live, await asyncio.gather(*(w.stats() for w, _ in live))):
-        if stats is not None:
+        if stats is not None and not worker.closed:  # one scaled away meanwhile stays forgotten
             router.metrics.set_worker(worker.name, role, stats)
     router.publish_live()
     return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)

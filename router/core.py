@@ -350,6 +350,10 @@ class Router:
         client = self.call(lambda: self._client(name), timeout)
         return asyncio.run_coroutine_threadsafe(client.stats(), loop).result(timeout)
 
+    def worker_live(self, name: str, timeout: float = 30.0) -> bool:
+        """Whether the router sees the worker alive (False for one it does not know)."""
+        return self.call(lambda: (client := self._find(name)) is not None and client.alive, timeout)
+
     def set_remote_prefill_min_tokens(self, value: int) -> None:
         """Move conditional disaggregation's threshold (the planner, when prefill is
         the bottleneck); requests submitted from now on use it."""
@@ -369,6 +373,7 @@ class Router:
             loop = self.loop
         if loop is None:
             return fn()
+        _not_on(loop, "Router.call")
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
@@ -386,6 +391,7 @@ class Router:
             loop = self.loop
         if loop is None:
             raise RuntimeError("the router is not serving yet")
+        _not_on(loop, "Router.snapshot")
         return asyncio.run_coroutine_threadsafe(self.load_snapshot(), loop).result(timeout)
 
     async def load_snapshot(self) -> LoadSnapshot:
@@ -405,3 +411,15 @@ class Router:
 
 async def _nothing() -> None:
     return None
+
+
+def _not_on(loop: asyncio.AbstractEventLoop, what: str) -> None:
+    """The blocking verbs wait for the loop: called on it, they would hold it (every
+    request with it) until their timeout. Say so at once instead."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: the usual case
+        return
+    if running is loop:
+        raise RuntimeError(f"{what} blocks until the router's event loop runs it: call it from another thread "
+                           "(asyncio.to_thread), never from the loop itself")

@@ -57,6 +57,7 @@ class WorkerClient:
         # Being scaled down (cluster/elastic.py): it gets no new request, but stays alive
         # for those it serves.
         self.draining = False
+        self.closed = False  # it left the deployment (close()): nothing more is sent
 
     @property
     def alive(self) -> bool:
@@ -91,7 +92,11 @@ class WorkerClient:
     def send(self, message: Message) -> bool:
         """Queue a message for the worker; False if it cannot be queued (the socket's
         buffer is full: the worker has been unreachable for a long time). Never blocks,
-        so a dead worker cannot stall the router."""
+        so a dead worker cannot stall the router. A worker that left (close()) takes
+        nothing: a request moved off it still aborts its old id there, and a stats
+        request listed before it left still asks, after its socket is gone."""
+        if self.closed:
+            return False
         # With NOBLOCK the async socket sends at once and returns a finished future.
         sent = self.sock.send(encode(message), flags=zmq.NOBLOCK)
         error = sent.exception()
@@ -157,6 +162,7 @@ class WorkerClient:
         over first)."""
         if self.queues:
             self._lose_requests("left the deployment", declared_dead=False)
+        self.closed = True
         self.sock.close(linger=0)
 
     def _lose_requests(self, reason: str, declared_dead: bool = True) -> None:

@@ -15,15 +15,23 @@ def start_planner(config: ClusterConfig, router: Router) -> PlannerLoop | None:
     if not config.autoscale.enabled or router.scaler is None:
         return None
     scaler = router.scaler
+    seen: dict[str, int] = {}  # the sizes the loop's current pass decides from
+
+    def sizes() -> dict[str, int]:
+        seen.update(scaler.sizes())
+        return dict(seen)
 
     def scale(pool: str, target: int, reason: str) -> None:
-        scaler.scale(**{pool: target}, reason=f"autoscale: {reason}")
+        # A target is one step from what the pass saw: if a scale by hand changed the
+        # pool meanwhile (scale() waits for it), the step is void, not re-aimed at a size
+        # the planner never chose (ScaleError: logged, and the next pass sees the new size).
+        scaler.scale(**{pool: target}, reason=f"autoscale: {reason}", expect={pool: seen[pool]})
 
     def record(decision: Decision) -> None:
         router.metrics.autoscale_decisions.labels(pool=decision.pool, action=decision.action,
                                                   reason=decision.reason).inc()
 
     loop = PlannerLoop(Planner(config.autoscale, config.router.remote_prefill_min_tokens), router.snapshot, scale,
-                       router.set_remote_prefill_min_tokens, record, sizes=scaler.sizes)
+                       router.set_remote_prefill_min_tokens, record, sizes=sizes)
     loop.start()
     return loop

@@ -60,6 +60,10 @@ class LocalWorkers:
     # The next index of each pool's workers: a worker added at runtime never takes the
     # name of one that left (the router and /metrics know workers by name).
     indexes: dict[str, int] = field(default_factory=dict)
+    # Workers LocalPools is adding, in no pool until they serve: a shutdown stops them
+    # too. Once `stopped`, none is added (cluster/local/elastic.py checks under the lock).
+    starting: list[Worker] = field(default_factory=list)
+    stopped: bool = False
 
     def next_index(self, role: str) -> int:
         pool = self.decode if role == "decode" else self.prefill
@@ -99,8 +103,11 @@ class LocalWorkers:
             self.supervisor = None
 
     def stop(self, timeout: float = 10.0) -> None:
+        with self.lock:
+            self.stopped = True
+            starting = list(self.starting)
         self.stop_supervising(timeout)  # first: a worker stopped now is not restarted
-        stop_processes(self.all, timeout)
+        stop_processes(self.all + starting, timeout)
 
 
 def stop_processes(workers: list[Worker], timeout: float = 10.0) -> None:

@@ -7,11 +7,19 @@ tests/disagg/test_elastic_pools.py."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 
+import cluster.autoscale.run as run
+from cluster.autoscale.planner import Decision
+from cluster.config import ClusterConfig
 from cluster.elastic import Bounds, PoolScaler, ScaleError, ScaleFailed
+from router.metrics import RouterMetrics
+from tests.unit.test_planner import FixedPlanner, snapshot, wait_for
 
 
 @dataclass
@@ -56,6 +64,7 @@ class FakeRouter:
     def __init__(self) -> None:
         self.requests: dict[str, int] = {}  # decode worker -> sequences the router awaits
         self.jobs: dict[str, int] = {}  # prefill worker -> jobs in flight
+        self.down: set[str] = set()  # workers the router sees dead
         self.log: list[tuple[str, str]] = []
 
     def add_worker(self, role: str, name: str, address: str, timeout: float = 30.0) -> None:
@@ -77,6 +86,9 @@ class FakeRouter:
 
     def worker_stats(self, name: str, timeout: float = 5.0) -> dict | None:
         return {"jobs": self.jobs.get(name, 0)}
+
+    def worker_live(self, name: str, timeout: float = 30.0) -> bool:
+        return name not in self.down
 
 
 def scaler(prefill: int = 1, decode: int = 1, drain: float = 5.0, fail: bool = False) \
@@ -150,3 +162,60 @@ def test_a_worker_that_does_not_start_fails_the_request_loudly() -> None:
     with pytest.raises(ScaleFailed, match="decode: a new worker did not start: out of memory"):
         s.scale(decode=2)
     assert backend.log == []
+
+
+def test_a_target_decided_from_sizes_another_scale_changed_is_not_applied() -> None:
+    s, backend, router = scaler(decode=2)
+    s.scale(decode=3)
+    with pytest.raises(ScaleError, match="decode: has 3 workers now, not the 2 this target was decided from"):
+        s.scale(decode=2, expect={"decode": 2})  # the planner's "down from 2" after a scale by hand to 3
+    assert s.sizes()["decode"] == 3 and not any(kind == "remove" for kind, _ in backend.log)
+
+
+def test_the_planners_step_up_waiting_for_a_scale_by_hand_does_not_undo_it() -> None:
+    """The planner reads decode 2 while an operator's scale to 3 loads its worker, and
+    decides one more (3): after the operator's scale that is no step at all, and it
+    must not drain what the operator added, nor add one more."""
+    loading, release = threading.Event(), threading.Event()
+
+    class SlowBackend(FakeBackend):
+        def add_worker(self, role: str) -> FakeWorker:
+            loading.set()
+            release.wait(5)
+            return super().add_worker(role)
+
+    backend, router = SlowBackend(1, 2), FakeRouter()
+    s = PoolScaler(backend, router, Bounds(prefill=(0, 4), decode=(1, 4)), 0.0, poll_s=0.01)
+    operator = threading.Thread(target=s.scale, kwargs={"decode": 4})
+    operator.start()
+    assert loading.wait(5)
+    planner = FixedPlanner([], interval_s=60, window_s=60)
+    planner.decisions = [Decision("decode", "up", 3, "tpot_p90", "decided from decode 2")]
+    config = ClusterConfig.from_dict({"model": "/nonexistent", "decode": {"replicas": 2},
+                                      "autoscale": {"enabled": True, "decode": {"min": 1, "max": 4}}})
+    deployment = SimpleNamespace(scaler=s, metrics=RouterMetrics(), snapshot=lambda: snapshot(time.monotonic()),
+                                 set_remote_prefill_min_tokens=lambda v: None)
+    with mock.patch.object(run, "Planner", lambda config, base: planner):
+        loop = run.start_planner(config, deployment)  # type: ignore[arg-type]
+    assert loop is not None
+    try:
+        wait_for(lambda: planner.asked)  # it decided from decode 2 and waits for the operator
+        assert planner.asked[0][2]["decode"] == 2
+        release.set()
+        operator.join(5)
+        wait_for(lambda: deployment.metrics.autoscale_decisions.labels(
+            pool="decode", action="up", reason="tpot_p90")._value.get() == 1)
+    finally:
+        loop.stop()
+    assert [w.name for w in backend.pools["decode"]] == ["decode-0", "decode-1", "decode-12", "decode-13"]
+    assert not any(kind == "remove" for kind, _ in backend.log)
+
+
+def test_a_scale_down_takes_the_workers_that_are_down_first() -> None:
+    """decode-0 crashed (being restarted): scaling 3 -> 2 removes it, not the newest,
+    which serves; then the newest again."""
+    s, backend, router = scaler(decode=3)
+    router.down.add("decode-0")
+    assert s.scale(decode=2).removed == ["decode-0"]
+    assert [w.name for w in backend.pools["decode"]] == ["decode-1", "decode-2"]
+    assert s.scale(decode=1).removed == ["decode-2"]

@@ -1,0 +1,185 @@
+"""The router's side of elastic pools against fake decode workers (no model runs):
+what a worker scaled away leaves behind, for the requests it served and the endpoints
+that were asking it something when it left."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.config import ClusterConfig
+from cluster.elastic import Bounds, PoolScaler
+from cluster.serve import router_for
+from engine.sampling_params import SamplingParams
+from router.app import Router, health as app_health, metrics as app_metrics, status as app_status
+from tests.unit.test_elastic_scaler import FakeBackend
+from tests.unit.test_router_http import FakeDecodeWorker
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def two() -> Iterator[tuple[FakeDecodeWorker, FakeDecodeWorker]]:
+    workers = FakeDecodeWorker(step_s=0.01), FakeDecodeWorker(step_s=0.01)
+    yield workers
+    for w in workers:
+        w.close()
+
+
+def router_of(llama_dir: Path, workers: dict[str, str]) -> Router:
+    config = ClusterConfig.from_dict({"model": str(llama_dir), "prefill": {"replicas": 0},
+                                      "router": {"policy": "round_robin", "health_interval_s": 0.1}})
+    return router_for(config, workers)
+
+
+@pytest.mark.timeout(20)
+def test_a_request_moved_at_the_drain_deadline_finishes_though_it_reads_its_move_late(llama_dir, two) -> None:
+    """Evacuate then remove: a sequence whose consumer was busy meanwhile reads its
+    WORKER_LOST after the socket closed; its resubmission must not fail on the abort
+    it sends there."""
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+    scaler = PoolScaler(FakeBackend(prefill=0, decode=2), router, Bounds((0, 2), (1, 2)), 0.0, poll_s=0.01)
+
+    async def main() -> tuple[str, int, str | None]:
+        router.start()
+        try:
+            await router.run([1, 2, 3], GREEDY).__anext__()  # round robin: decode-0, then decode-1
+            stream = router.run([4, 5, 6], GREEDY)
+            assert (await stream.__anext__()).worker == "decode-1"
+            await stream.__anext__()
+            done = threading.Event()
+            threading.Thread(target=lambda: (scaler.scale(decode=1), done.set()), daemon=True).start()
+            while not done.is_set():  # a busy consumer: it reads nothing while decode-1 leaves
+                await asyncio.sleep(0.01)
+            chunks = [chunk async for chunk in stream]
+            return chunks[-1].worker, chunks[-1].num_tokens, chunks[-1].finish_reason
+        finally:
+            router.stop()
+
+    assert asyncio.run(main()) == ("decode-0", 12, "length")
+    assert [w.name for w in router.workers] == ["decode-0"]
+
+
+@pytest.mark.timeout(20)
+def test_a_worker_leaving_while_a_snapshot_asks_for_stats_reads_as_silent(llama_dir, two) -> None:
+    """The planner's snapshot (and /status) list the workers, then ask each: one whose
+    socket closed in between answers nothing, instead of failing the whole snapshot."""
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+
+    async def main():  # type: ignore[no-untyped-def]
+        router.start()
+        try:
+            asyncio.get_running_loop().call_soon(router.workers[1].close)  # lands after the listing
+            return await router.load_snapshot()
+        finally:
+            router.stop()
+
+    snapshot = asyncio.run(main())
+    assert [(w.name, w.answered) for w in snapshot.workers] == [("decode-0", True), ("decode-1", False)]
+
+
+@pytest.mark.timeout(20)
+def test_a_worker_scaled_away_while_metrics_waits_for_another_stays_out_of_metrics(llama_dir, two) -> None:
+    """/metrics has decode-1's stats and waits for decode-0's when decode-1 leaves: the
+    reply it holds must not bring decode-1's series back for good."""
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+    two[1].stats = {"running": 3, "waiting": 1}
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+
+    async def main() -> str:
+        router.start()
+        try:
+            release = asyncio.Event()
+
+            async def held(timeout: float = 2.0) -> dict:  # decode-0 answers once decode-1 left
+                await release.wait()
+                return {"running": 0}
+            router.workers[0].stats = held
+            scrape = asyncio.create_task(app_metrics(request))
+            for _ in range(200):  # until decode-1's reply is in
+                await asyncio.sleep(0.005)
+                if not router.workers[1]._stats_waiters:
+                    break
+            await asyncio.to_thread(router.remove_worker, "decode-1")
+            release.set()
+            await scrape
+            return router.metrics.render().decode()
+        finally:
+            router.stop()
+
+    text = asyncio.run(main())
+    assert 'pdserve_worker_running{role="decode",worker="decode-0"}' in text
+    assert 'worker="decode-1"' not in text
+
+
+def test_health_is_503_when_the_only_live_decode_worker_is_draining(llama_dir, two) -> None:
+    """decode-0 down, decode-1 being scaled away: nothing takes a new request, and a load
+    balancer must see it."""
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+    router.workers[0].declare_dead("is down (its supervisor saw it exit)")
+    assert asyncio.run(app_health(request)).status_code == 200  # decode-1 takes them
+    router.workers[1].draining = True
+    answer = asyncio.run(app_health(request))
+    assert answer.status_code == 503 and b"decode-1 is being drained" in answer.body
+
+
+def test_a_blocking_verb_called_on_the_routers_own_loop_fails_at_once(llama_dir, two) -> None:
+    """The scaler's verbs wait for the loop to run them: on the loop itself they would
+    hold it (and every request) until their timeout."""
+    router = router_of(llama_dir, {"decode-0": two[0].address})
+
+    async def main() -> None:
+        router.start()
+        try:
+            with pytest.raises(RuntimeError, match="Router.call blocks until the router's event loop runs it"):
+                router.drain_worker("decode-0", timeout=1.0)
+            with pytest.raises(RuntimeError, match="Router.snapshot blocks"):
+                router.snapshot(timeout=1.0)
+            assert not router.workers[0].draining
+            await asyncio.to_thread(router.drain_worker, "decode-0")  # from another thread: fine
+            assert router.workers[0].draining
+        finally:
+            router.stop()
+
+    asyncio.run(main())
+
+
+def test_worker_live_is_the_routers_view_for_the_scaler(llama_dir, two) -> None:
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+    router.workers[0].declare_dead("is down (its supervisor saw it exit)")
+    assert [router.worker_live(n) for n in ("decode-0", "decode-1", "decode-9")] == [False, True, False]
+
+
+@pytest.mark.timeout(20)
+def test_status_keeps_each_worker_under_its_pool_when_one_leaves_meanwhile(llama_dir, two) -> None:
+    config = ClusterConfig.from_dict({"model": str(llama_dir)})
+    router = router_for(config, {"decode-0": two[0].address, "decode-1": two[1].address},
+                        {"prefill-0": two[1].address})  # a fake that answers pings serves as a prefill worker
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+
+    async def main() -> dict:
+        router.start()
+        try:
+            release = asyncio.Event()
+
+            async def busy(timeout: float = 2.0) -> dict:  # decode-0 answers once decode-1 left
+                await release.wait()
+                return {}
+            router.workers[0].stats = busy
+            answer = asyncio.create_task(app_status(request))
+            await asyncio.sleep(0.05)
+            await asyncio.to_thread(router.remove_worker, "decode-1")
+            release.set()
+            return await answer
+        finally:
+            router.stop()
+
+    out = asyncio.run(main())
+    assert [r["name"] for r in out["decode_workers"]] == ["decode-0", "decode-1"]
+    assert [r["name"] for r in out["prefill_workers"]] == ["prefill-0"]
