@@ -180,7 +180,11 @@ class PoolScaler:
             worker = self.backend.add_worker(role)
         except Exception as exc:
             raise ScaleFailed(f"{role}: a new worker did not start: {exc}") from exc
-        self.router.add_worker(role, worker.name, worker.address)
+        try:
+            self.router.add_worker(role, worker.name, worker.address)
+        except Exception as exc:  # a worker the router cannot know must not stay in the pool
+            self._leave(worker.name, role, in_router=False)
+            raise ScaleFailed(f"{role}: the router could not add {worker.name}: {exc}") from exc
         result.added.append(worker.name)
         logger.warning("scale-up (%s): %s serves at %s", reason, worker.name, worker.address)
 
@@ -198,34 +202,54 @@ class PoolScaler:
 
     def _drain(self, decode: list[str], prefill: list[str]) -> int:
         """Drain them all at once; each leaves as soon as it is idle, or at the deadline.
-        Returns the sequences moved off decode workers at the deadline."""
-        for name in decode + prefill:
-            self.router.drain_worker(name)
-            self.backend.set_draining(name)
-        deadline = time.monotonic() + self.drain_timeout_s
-        moved = 0
+        Returns the sequences moved off decode workers at the deadline. If a step
+        fails, every worker still draining is taken out anyway (none is left draining
+        for ever: taking no work, yet counted in its pool), then ScaleFailed."""
         pending = decode + prefill
-        while pending:
-            for name in list(pending):
-                late = time.monotonic() >= deadline
-                if name in decode:
-                    if self.router.requests_on(name) and not late:
-                        continue
-                    if late:
-                        moved += self.router.evacuate(name)
-                    self.router.remove_worker(name)
-                    self.backend.remove_worker(name)
-                else:
-                    stats = self.router.worker_stats(name)
-                    if stats is not None and stats.get("jobs", 0) and not late:
-                        continue
-                    self.backend.remove_worker(name)  # its decode peers drop it (local fallback)
-                    self.router.remove_worker(name)
-                pending.remove(name)
-                logger.warning("scale-down: %s left%s", name, " at the drain deadline" if late else " drained")
-            if pending:
-                time.sleep(self.poll_s)
+        moved = 0
+        try:
+            for name in pending:
+                self.router.drain_worker(name)
+                self.backend.set_draining(name)
+            deadline = time.monotonic() + self.drain_timeout_s
+            while pending:
+                for name in list(pending):
+                    late = time.monotonic() >= deadline
+                    if name in decode:
+                        if self.router.requests_on(name) and not late:
+                            continue
+                        if late:
+                            moved += self.router.evacuate(name)
+                    else:
+                        stats = self.router.worker_stats(name)
+                        if stats is not None and stats.get("jobs", 0) and not late:
+                            continue
+                    self._leave(name, "decode" if name in decode else "prefill")
+                    pending.remove(name)
+                    logger.warning("scale-down: %s left%s", name, " at the drain deadline" if late else " drained")
+                if pending:
+                    time.sleep(self.poll_s)
+        except Exception as exc:
+            logger.exception("scale-down failed while draining %s; taking them out", ", ".join(pending))
+            for name in pending:
+                try:
+                    if name in decode:
+                        self.router.evacuate(name)
+                    self._leave(name, "decode" if name in decode else "prefill")
+                except Exception:  # noqa: BLE001 - the others still go
+                    logger.exception("could not take %s out", name)
+            raise ScaleFailed(f"scale-down failed while draining: {type(exc).__name__}: {exc}") from exc
         return moved
+
+    def _leave(self, name: str, role: str, in_router: bool = True) -> None:
+        """Out of the router and its pool: a decode worker leaves the router first (it
+        sends it nothing more), a prefill worker its pool first (its decode peers drop
+        it, falling back to local prefill)."""
+        if role == "decode" and in_router:
+            self.router.remove_worker(name)
+        self.backend.remove_worker(name)
+        if role == "prefill" and in_router:
+            self.router.remove_worker(name)
 
 
 def _index(worker: NamedWorker) -> int:

@@ -140,14 +140,18 @@ class RayPools:
                 self.workers.tell(self.workers.decode)
 
     def remove_worker(self, name: str) -> None:
-        """Out of its pool, the other pool told (decode workers prefill locally the
-        prompts a removed prefill worker still had; prefill workers end their jobs for a
-        removed decode worker), then stopped, killed for good (Ray does not restart it),
-        its shared memory removed and its placement released."""
+        """Out of its pool, the other pool told, then stopped, killed for good (Ray does
+        not restart it), its shared memory removed and its placement released. A decode
+        worker is stopped after its prefill workers drop it as a KV destination (their
+        jobs for it end); a prefill worker before its decode workers learn it is gone,
+        for they then release the blocks it was writing and prefill those prompts
+        locally in them, which only a sender that has exited cannot write into any more
+        (as after a crash)."""
         with self.workers.lock:
             worker = self._find(name)
             self.pool(worker.role).remove(worker)
-            self.workers.tell(self._others(worker.role))
+            if worker.role == "decode":
+                self.workers.tell(self._others(worker.role))
         if worker.alive:  # a dead or restarting one has no loop to stop
             try:
                 ray.get(worker.actor.stop.remote(self.stop_timeout_s), timeout=self.stop_timeout_s + 5)
@@ -155,6 +159,9 @@ class RayPools:
                 logger.warning("%s did not stop cleanly (%s): killing it", name, first_line(exc))
         ray.kill(worker.actor, no_restart=True)
         _await_death(worker, self.stop_timeout_s)
+        if worker.role == "prefill":
+            with self.workers.lock:
+                self.workers.tell(self._others(worker.role))
         if worker.metadata:  # a killed worker cannot remove its shared memory itself
             unlink_segment(worker.metadata)
         self._release(worker)

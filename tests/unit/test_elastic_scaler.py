@@ -219,3 +219,27 @@ def test_a_scale_down_takes_the_workers_that_are_down_first() -> None:
     assert s.scale(decode=2).removed == ["decode-0"]
     assert [w.name for w in backend.pools["decode"]] == ["decode-1", "decode-2"]
     assert s.scale(decode=1).removed == ["decode-2"]
+
+
+def test_a_worker_the_router_cannot_add_is_taken_out_of_its_pool_again() -> None:
+    s, backend, router = scaler()
+
+    def refuse(role: str, name: str, address: str, timeout: float = 30.0) -> None:
+        raise TimeoutError("the router's loop did not answer")
+    router.add_worker = refuse
+    with pytest.raises(ScaleFailed, match="the router could not add decode-11"):
+        s.scale(decode=2)
+    assert backend.log == [("add", "decode-11"), ("remove", "decode-11")] and s.sizes()["decode"] == 1
+
+
+def test_a_drain_that_fails_part_way_leaves_no_worker_draining_for_ever() -> None:
+    s, backend, router = scaler(prefill=3, decode=1, drain=30.0)
+    router.jobs.update({"prefill-1": 1, "prefill-2": 1})  # both still busy when the step fails
+
+    def broken(name: str, timeout: float = 5.0) -> dict:
+        raise TimeoutError("no stats reply")
+    router.worker_stats = broken
+    with pytest.raises(ScaleFailed, match="scale-down failed while draining: TimeoutError"):
+        s.scale(prefill=1)
+    assert [w.name for w in backend.pools["prefill"]] == ["prefill-0"]
+    assert ("router-remove", "prefill-1") in backend.log and ("router-remove", "prefill-2") in backend.log
