@@ -54,7 +54,7 @@ def resolve_api_keys(value: Any) -> tuple[str, ...]:
                          + (" (a bare string is not taken as a key)" if isinstance(value, str) else "")
                          + f"; got {got}")
     if not keys:
-        raise ValueError(f"{source} holds no key (leave router.api_keys null to serve without keys)")
+        raise ValueError(f"{source} holds no key (leave the field null for none)")
     for i, key in enumerate(keys):
         if not isinstance(key, str) or not key:
             raise ValueError(f"key {i} of {source} must be a non-empty string, got a {type(key).__name__}")

@@ -115,6 +115,9 @@ def _cmd_scale(args: argparse.Namespace) -> int:
             url = f"http://{config.router.host}:{config.router.port}"
             key = key or (config.router.admin_keys or (None,))[0]  # the operator's own config: its first key
     elif url is None:
+        if Path(args.target).suffix in (".yaml", ".yml") or "/" in args.target:
+            raise FileNotFoundError(f"no config file {args.target!r} (a Ray deployment's name has no '/' "
+                                    "or .yaml)")
         ray_name = args.target  # not a file: a Ray deployment's name
     try:
         if ray_name is not None:

@@ -179,6 +179,7 @@ class PoolScaler:
         try:
             worker = self.backend.add_worker(role)
         except Exception as exc:
+            logger.error("scale-up (%s): a new %s worker did not start: %s", reason, role, exc)
             raise ScaleFailed(f"{role}: a new worker did not start: {exc}") from exc
         try:
             self.router.add_worker(role, worker.name, worker.address)

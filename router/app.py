@@ -77,6 +77,7 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/admin/pools", admin_pools, methods=["GET"])
+    app.add_api_route("/admin/pools", admin_pools, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/admin/scale", admin_scale, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     return app

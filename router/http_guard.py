@@ -103,7 +103,13 @@ class HTTPGuard:
                                 "over HTTP", kind="permission_error")
         if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
             raise unauthorized("Send one Authorization header, not several", REALM)
-        self.admin_keys.identify(headers.get(b"authorization"))
+        try:
+            self.admin_keys.identify(headers.get(b"authorization"))
+        except APIError as exc:
+            if exc.status == 401 and "Incorrect API key" in exc.message:  # an API key is not an admin key
+                raise unauthorized("Incorrect admin key provided: the /admin/ endpoints need a key of "
+                                   "router.admin_keys", f'{REALM}, error="invalid_token"') from None
+            raise
 
     def _bounded(self, receive: ASGIApp, body: "_Body") -> ASGIApp:
         """`receive` that raises APIError 413 once the body passes max_body_bytes and

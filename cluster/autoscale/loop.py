@@ -101,6 +101,10 @@ class PlannerLoop:
                 self._set_min_tokens(decision.target)
             else:
                 self._scale(decision.pool, decision.target, decision.reason)
+                # Done: the pool's clocks, and the window, start now (the snapshots
+                # kept so far were taken before the change served).
+                self.planner.applied(decision.pool, self._clock())
+                self._history.clear()
         except ValueError as exc:
             logger.warning("autoscale: %s %s to %d not applied: %s", decision.pool, decision.action,
                            decision.target, exc)

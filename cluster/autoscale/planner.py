@@ -98,6 +98,15 @@ class Planner:
                 self._calm_since[d.pool] = None
         return decisions
 
+    def applied(self, pool: str, now: float) -> None:
+        """A decision on `pool` took effect at `now` (a new worker serves, a removed one
+        left: minutes after the decision for a model that loads slowly). The pool's
+        cooldown and calm clocks count from here, so that the next decision about it
+        sees the change's effect, not the time it was loading."""
+        self._changed[pool] = now
+        if pool in POOLS:
+            self._calm_since[pool] = None
+
     def _observe_sizes(self, sizes: dict[str, int], now: float) -> None:
         """A size other than the last seen or decided was changed by hand (or a worker
         was lost): it restarts the pool's clocks as a decision would."""
@@ -112,7 +121,7 @@ class Planner:
         cfg = self.config
         decode: list[tuple[str, str]] = []
         if w.tpot_p90 is not None and w.tpot_p90 > cfg.tpot_p90_s:
-            decode.append(("tpot_p90", f"p90 TPOT {w.tpot_p90:.3f} s > target {cfg.tpot_p90_s:g} s"))
+            decode.append(("tpot_p90", f"p90 TPOT {w.tpot_p90:.4g} s > target {cfg.tpot_p90_s:g} s"))
         if w.decode_kv is not None and w.decode_kv > cfg.kv_usage_high:
             decode.append(("kv_usage", f"decode KV usage {w.decode_kv:.0%} > {cfg.kv_usage_high:.0%}"))
         if w.decode_waiting / max(sizes["decode"], 1) > cfg.queue_high:
@@ -121,7 +130,7 @@ class Planner:
         prefill: list[tuple[str, str]] = []
         ttft = None
         if w.ttft_p90 is not None and w.ttft_p90 > cfg.ttft_p90_s:
-            ttft = ("ttft_p90", f"p90 TTFT {w.ttft_p90:.3f} s > target {cfg.ttft_p90_s:g} s")
+            ttft = ("ttft_p90", f"p90 TTFT {w.ttft_p90:.4g} s > target {cfg.ttft_p90_s:g} s")
         if ttft and cfg.prefill.max == 0:
             decode.append(ttft)  # no prefill pool: decode workers prefill every prompt
         elif ttft and not decode:
@@ -201,17 +210,20 @@ class Planner:
                          now: float) -> Decision | None:
         cfg, current = self.config, w.min_tokens
         since = now - self._changed["router"]
-        short = pressure["prefill"] and not pressure["decode"] and sizes["prefill"] >= cfg.prefill.max
+        # Only a backlog on the prefill workers makes prefill the bottleneck here: with
+        # TTFT over target and the prefill pool idle, raising the threshold would only
+        # starve it further (every prompt prefilled on the decode workers).
+        busy = any(reason == "prefill_jobs" for reason, _ in pressure["prefill"])
+        short = busy and not pressure["decode"] and sizes["prefill"] >= cfg.prefill.max
         if short and current < cfg.min_tokens_max and since >= cfg.scale_up_cooldown_s:
             target = min(current * 2, cfg.min_tokens_max)
             return Decision("router", "set", target, "prefill_bottleneck",
                             f"{pressure['prefill'][0][1]} with prefill at its max ({cfg.prefill.max}); "
                             f"remote_prefill_min_tokens {current} -> {target}")
-        if pressure["prefill"] or current <= self.base_min_tokens or since < cfg.scale_down_cooldown_s:
+        if busy or current <= self.base_min_tokens or since < cfg.scale_down_cooldown_s:
             return None
         n = sizes["prefill"]
-        within = ((w.ttft_p90 or 0.0) <= cfg.ttft_p90_s / 2 and n > 0
-                  and w.prefill_in_flight / n <= cfg.prefill_jobs_high / 2)
+        within = n > 0 and w.prefill_in_flight / n <= cfg.prefill_jobs_high / 2  # prefill has room
         if n < cfg.prefill.max or within:
             target = max(self.base_min_tokens, current // 2)
             room = f"prefill below its max ({n} < {cfg.prefill.max})" if n < cfg.prefill.max else \

@@ -134,6 +134,8 @@ def test_bad_scale_requests_get_clear_errors_and_change_nothing(deployment) -> N
     for body, status, words in cases:
         got, answer = admin(base, "POST", "/admin/scale", body)
         assert got == status and words in answer["error"]["message"], (body, got, answer)
+    head = urllib.request.Request(f"{base}/admin/pools", headers={"Authorization": f"Bearer {ADMIN}"}, method="HEAD")
+    assert urllib.request.urlopen(head, timeout=30).status == 200  # as every GET endpoint
     assert admin(base, "POST", "/admin/scale", {"decode": 2}, key=None)[0] == 401
     assert admin(base, "POST", "/admin/scale", {"decode": 2}, key=API)[0] == 401  # a model key is no admin key
     pools = admin(base, "GET", "/admin/pools")[1]
@@ -149,4 +151,4 @@ def test_pdserve_scale_shows_the_pools_and_says_why_it_refuses(deployment, capsy
     assert main(["scale", "x", "--url", base, "--decode", "9"]) == 2
     assert "9 is beyond autoscale.decode.max (8)" in capsys.readouterr().err
     assert main(["scale", "x", "--url", base, "--admin-key", API, "--decode", "2"]) == 1
-    assert "refused: Incorrect API key" in capsys.readouterr().err
+    assert "refused: Incorrect admin key provided" in capsys.readouterr().err

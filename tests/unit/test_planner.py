@@ -357,3 +357,49 @@ def test_stop_during_a_pass_applies_no_further_decision() -> None:
     release.set()
     stopper.join(2)
     assert scaled == [3] and not loop.alive
+
+
+def ttft_snapshot(at: float, slow: float, min_tokens: int, jobs: int = 0) -> LoadSnapshot:
+    """`slow` requests with a TTFT of 3-5 s so far; an idle prefill pool of two (jobs
+    each), a calm decode worker."""
+    buckets = ((1.0, 0.0), (5.0, slow), (float("inf"), slow))
+    workers = (worker("p0", "prefill", jobs=jobs), worker("p1", "prefill", jobs=jobs),
+               worker("d0", "decode", kv_used=0.1))
+    return LoadSnapshot(at, slow, slow, 100 * slow, 10 * slow, 0, buckets, ((float("inf"), 0.0),), min_tokens,
+                        workers)
+
+
+def test_a_slow_ttft_with_the_prefill_pool_idle_never_raises_the_threshold() -> None:
+    """Raising it would only starve the prefill pool further: prompts go to the decode
+    workers, whose prefill makes TTFT slow. A backlog on the prefill workers does."""
+    p, sizes = planner(prefill={"min": 1, "max": 2}), {"prefill": 2, "decode": 1}
+    decided = [d for t in range(0, 400, 10) for d in p.decide(ttft_snapshot(t - 30, t, 64), ttft_snapshot(t, t + 10, 64),
+                                                             sizes, float(t))]
+    assert not [d for d in decided if d.pool == "router"], decided
+    busy = p.decide(ttft_snapshot(400, 400, 64, jobs=9), ttft_snapshot(430, 410, 64, jobs=9), sizes, 430.0)
+    assert [(d.pool, d.target, d.reason) for d in busy] == [("router", 128, "prefill_bottleneck")]
+
+
+def test_a_raised_threshold_comes_back_once_the_prefill_pool_idles_even_with_ttft_slow() -> None:
+    p, sizes = planner(prefill={"min": 1, "max": 2}), {"prefill": 2, "decode": 1}
+    decided = [d for t in range(0, 200, 10) for d in p.decide(ttft_snapshot(t - 30, t, 256),
+                                                             ttft_snapshot(t, t + 10, 256), sizes, float(t))]
+    assert [(d.pool, d.target, d.reason) for d in decided if d.pool == "router"][:1] == \
+        [("router", 128, "prefill_recovered")]
+
+
+def test_the_loop_counts_a_pools_cooldown_and_window_from_when_its_scale_was_done() -> None:
+    clock = [0.0]
+
+    def slow_scale(pool: str, target: int, reason: str) -> None:
+        clock[0] += 100.0  # a worker that loads for 100 s
+
+    planner_ = FixedPlanner([DECISIONS[0]])
+    loop = PlannerLoop(planner_, lambda: snapshot(clock[0]), slow_scale, lambda v: None, lambda d: None,
+                       clock=lambda: clock[0])
+    loop.run_once()
+    assert planner_._changed["decode"] == 100.0  # not 0.0, when it was decided
+    clock[0] = 110.0
+    planner_.decisions = []
+    loop.run_once()
+    assert planner_.asked[-1][0].at == 110.0  # no snapshot from before the new worker served
