@@ -91,6 +91,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("error"):  # the router's event for a stream broken after its headers
+                    result.error = f"stream error: {chunk['error'].get('message', chunk['error'])}"
+                    return
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 if not chunk.get("choices"):

@@ -69,6 +69,19 @@ def test_open_loop_sends_at_arrival_times_whatever_is_in_flight(monkeypatch: pyt
     assert state["max"] >= 8 and len(results) == 10 and all(r.ok for r in results)
 
 
+def test_a_stream_that_ends_in_the_routers_error_event_is_a_failed_request() -> None:
+    body = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"error": {"message": "no decode worker is alive"}}\n\n'
+    result = Result(prompt_words=3, output_tokens=8)
+
+    async def send() -> None:
+        transport = load.httpx.MockTransport(lambda request: load.httpx.Response(200, content=body))
+        async with load.httpx.AsyncClient(transport=transport) as client:
+            await load.one_request(client, "http://x/v1", "m", [1, 2, 3], result)
+
+    asyncio.run(send())
+    assert not result.ok and result.error == "stream error: no decode worker is alive"
+
+
 def test_transfer_time_is_the_difference_of_two_scrapes() -> None:
     metrics = RouterMetrics()
     metrics.observe_phases({"queue": 0.001, "prefill": 0.5, "transfer": 0.007, "decode": 1.0})
