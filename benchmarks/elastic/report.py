@@ -55,6 +55,9 @@ def summarize_run(trace: Trace, window_s: float, slo: tuple[float, float], sampl
         "scale_events_by_kind": counter_total(metrics, "pdserve_scale_events"),
         "autoscale_decisions": counter_total(metrics, "pdserve_autoscale_decisions"),
         "phases": phases, "pools": timeline(samples),
+        # Every request, to judge other SLOs by: [phase, arrival s, TTFT s, TPOT s, ok]
+        "by_request": [[name, round(t, 3), round(r.ttft, 4), None if r.tpot is None else round(r.tpot, 5), r.ok]
+                       for (t, _, r), name in zip(trace.schedule, trace.phase_of)],
     }
 
 

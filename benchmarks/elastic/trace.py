@@ -14,8 +14,8 @@ from benchmarks.serving.load import Result, Workload
 # (docs/benchmarks.md, "Elastic pools"): prefill-heavy at about 1.5x what one prefill
 # worker computes, decode-heavy at a batch that one decode worker runs well above the
 # TPOT SLO and two run within it, idle a request now and then.
-PREFILL_RATE = 0.5
-DECODE_RATE = 2.5
+PREFILL_RATE = 0.6
+DECODE_RATE = 1.2
 IDLE_RATE = 0.1
 
 
