@@ -134,6 +134,24 @@ class Deployment:
                 pass
         return count
 
+    def cpu_seconds(self) -> dict[int, float]:
+        """User + system CPU seconds so far of pdserve serve and each process under it, by pid."""
+        if self.process is None:
+            return {}
+        out = {}
+        try:
+            root = psutil.Process(self.process.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return {}
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        return out
+
     def admin(self, method: str, path: str, body: dict | None = None, timeout: float = 300.0) -> dict:
         response = httpx.request(method, f"{self.root}{path}", json=body, timeout=timeout,
                                  headers={"Authorization": f"Bearer {self.admin_key}"})

@@ -89,11 +89,14 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def run_line(run: dict[str, Any]) -> str:
+    cpu = run["cpu"]
     phases = "; ".join(f"{name} {number(p['within_slo'], 100, 0)}% of {p['requests']}"
                        for name, p in run["phases"].items())
     return (f"{run['arm']} #{run['repeat']}: goodput {run['goodput']:.3f} req/s, "
             f"{number(run['within_slo'], 100, 0)}% within SLO ({phases}), "
             f"p90 TTFT {number(run['ttft_p90'], 1, 2)} s, p90 TPOT {number(run['tpot_p90'], 1e3, 0)} ms, "
             f"{run['worker_s']:.0f} worker-s ({run['process_s']:.0f} process-s), {run['scale_events']:.0f} scale events, "
-            f"{run['failed']} failed" + (f" {run['errors']}" if run["errors"] else ""))
+            f"{run['failed']} failed; CPU cores: deployment {cpu['deployment_s'] / cpu['window_s']:.2f}, "
+            f"others {cpu['others_s'] / cpu['window_s']:.2f} of {cpu['cpus']}"
+            + (f" {run['errors']}" if run["errors"] else ""))
 

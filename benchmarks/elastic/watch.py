@@ -1,13 +1,16 @@
 """Workers counted while a deployment serves: every `period_s` the router's /admin/pools
 (the workers it lists, draining ones included: they still run) and the worker processes
 alive (those still loading included), so that worker-seconds are measured, not assumed
-from the arm's shape."""
+from the arm's shape; and the CPU time the deployment, this process and everything
+else on the machine took meanwhile."""
 
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
+
+import psutil
 
 from benchmarks.elastic.deployment import Deployment
 
@@ -33,6 +36,7 @@ class PoolWatcher:
     errors: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.cpu = CpuShares(self.deployment)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pool-watcher", daemon=True)
 
@@ -65,6 +69,45 @@ class PoolWatcher:
             listed[w["role"]] += 1
         self.samples.append(Sample(time.perf_counter() - self.t0, listed["prefill"], listed["decode"],
                                    self.deployment.worker_processes()))
+        self.cpu.sample()
+
+
+class CpuShares:
+    """Where the machine's CPU time went while the trace ran: the deployment's processes
+    (its workers' start-up included, for those added), this benchmark process, and
+    everything else (other users of a shared machine), in CPU-seconds. A process's time
+    is read at each sample: one that exits between two loses at most a period's."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+        self.first: dict[int, float] | None = None
+        self.last: dict[int, float] = {}
+        self.machine = self._busy()
+        self.own = self._own()
+
+    def sample(self) -> None:
+        now = self.deployment.cpu_seconds()
+        if self.first is None:
+            self.first = dict(now)
+        self.last.update(now)
+
+    def totals(self) -> dict[str, float]:
+        first = self.first or {}
+        deployment = sum(t - first.get(pid, 0.0) for pid, t in self.last.items())
+        bench = self._own() - self.own
+        busy = self._busy() - self.machine
+        return {"deployment_s": deployment, "benchmark_s": bench, "others_s": max(0.0, busy - deployment - bench),
+                "cpus": psutil.cpu_count() or 1}
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+    @staticmethod
+    def _own() -> float:
+        t = psutil.Process().cpu_times()
+        return t.user + t.system
 
 
 def integrate(samples: list[Sample], start: float, end: float, what: str = "workers") -> float:
