@@ -65,8 +65,8 @@ from benchmarks.serving.server import server_model  # noqa: E402
 
 # From `--calibrate` on the 2-core machine (docs/benchmarks.md, "Elastic pools"): 3x an
 # unloaded 1P1D's p90 TTFT of the prefill-heavy requests and p90 TPOT of the decode-heavy ones.
-SLO_TTFT_S = 7.3
-SLO_TPOT_S = 0.075
+SLO_TTFT_S = 12.5
+SLO_TPOT_S = 0.105
 # The autoscaled arm's section: timescales short enough to act within a phase of tens of
 # seconds (the defaults are sized for minutes), bounds filled in from --max-workers.
 AUTOSCALE = {"enabled": True, "interval_s": 2.0, "window_s": 6.0, "scale_up_cooldown_s": 6.0,
