@@ -1,17 +1,18 @@
 """Elastic pools under a three-phase trace (issue 22): fixed pools against pools scaled
 at runtime, by goodput under the SLOs and by the worker-seconds they used.
 
-    # the doc run: both fixed arms and the scripted reference, twice each (~10 min on 2 cores)
+    # the doc run: both fixed arms and the scripted reference, twice each (~7 min on 2 cores)
     .venv/bin/python benchmarks/autoscale.py --json docs/data/autoscale-bench.json
-    # the planner's arm, added to that JSON (same trace and SLOs; its runs replaced if there)
+    # the planner's arm, added to that JSON (same trace and SLOs; its runs replaced if there; ~2.5 min)
     .venv/bin/python benchmarks/autoscale.py --arms autoscaled --append --json docs/data/autoscale-bench.json
     # the SLO defaults: an unloaded 1P1D's p90 TTFT and TPOT on the trace's requests, times --slo-factor
     .venv/bin/python benchmarks/autoscale.py --calibrate
 
 The trace (benchmarks/elastic/trace.py): --phase-s seconds each of prefill-heavy (prompts
 of 400-800 token ids, 4-8 output tokens), decode-heavy (16-48, 64-128 out) and idle
-(a request now and then), Poisson arrivals drawn from --seed (+ the repeat's index), so
-every arm sees the same requests at the same times; --scale multiplies the rates. Each
+(a request now and then), rate x --phase-s requests each at Poisson arrival times drawn
+from --seed (+ the repeat's index), so every arm sees the same requests at the same
+times; --scale multiplies the rates. Each
 request is streamed (TTFT, TPOT as benchmarks/serve.py defines them); goodput is the
 requests/s that met both SLOs (DistServe's definition), over the run's window: the
 trace's start to its end or the last answer, whichever is later.
@@ -24,10 +25,13 @@ a time, every process of one stopped before the next starts:
   autoscaled  the config's autoscale section on (the planner's SLO targets are the SLOs
               here, its bounds --max-workers' split, its timescales short for a short trace;
               --autoscale FILE overrides keys), starting at 1P1D
-No arm has more than --max-workers workers. Worker-seconds are measured: the router's
-/admin/pools every 0.5 s (every worker it lists, draining ones included), and the worker
-processes alive (those still loading included). Runs go arm by arm within a repeat; the
-table shows each arm's medians over --repeats.
+The fixed and scripted arms never have more than --max-workers workers; the planner's
+bounds are per pool, so the autoscaled arm may (a warning says so). Worker-seconds are
+measured: the router's /admin/pools every 0.5 s (every worker it lists, draining ones
+included), and the worker processes alive (those still loading included). Every run also
+records the CPU time its deployment and the rest of the machine took (a shared machine
+makes every arm collapse). Runs go arm by arm within a repeat; the table shows each
+arm's medians over --repeats.
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ from benchmarks.serving.server import server_model  # noqa: E402
 
 # From `--calibrate` on the 2-core machine (docs/benchmarks.md, "Elastic pools"): 3x an
 # unloaded 1P1D's p90 TTFT of the prefill-heavy requests and p90 TPOT of the decode-heavy ones.
-SLO_TTFT_S = 12.5
-SLO_TPOT_S = 0.105
+SLO_TTFT_S = 6.0
+SLO_TPOT_S = 0.073
 # The autoscaled arm's section: timescales short enough to act within a phase of tens of
 # seconds (the defaults are sized for minutes), bounds filled in from --max-workers.
 AUTOSCALE = {"enabled": True, "interval_s": 2.0, "window_s": 6.0, "scale_up_cooldown_s": 6.0,
@@ -230,24 +234,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def report_for(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The JSON report: how it was run, the trace, and every run (added to --json's with --append)."""
-    same = {"phase_s": args.phase_s, "scale": args.scale, "seed": args.seed, "slo_ttft": args.slo_ttft,
-            "slo_tpot": args.slo_tpot, "max_workers": args.max_workers, "model": args.model}
-    report: dict[str, Any] = {
-        "benchmark": "autoscale", "args": same, "config": args.config, "script": args.script,
+    report = earlier_report(args) or {
+        "benchmark": "autoscale", "args": same_trace(args), "config": args.config, "script": args.script,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "trace": draw_trace(args.phases, args.seed, args.token_ids).describe(), "runs": []}
-    if args.append and Path(args.json_path).exists():
-        report = json.loads(Path(args.json_path).read_text())
-        theirs = report["args"]
-        differ = [f"{k} {theirs.get(k)!r}" for k in SAME_TRACE if theirs.get(k) != same[k]]
-        if differ:
-            sys.exit(f"autoscale.py: --append: {args.json_path} was run with {', '.join(differ)}: "
-                     "rerun with those")
-        mine = {arm.name for arm in args.arm_list}
-        report["runs"] = [r for r in report["runs"] if r["arm"] not in mine]
+    mine = {arm.name for arm in args.arm_list}
+    report["runs"] = [r for r in report["runs"] if r["arm"] not in mine] + runs
     report.setdefault("commands", []).append(" ".join(sys.argv))
-    report["runs"] += runs
     report["medians"] = medians(report["runs"])
+    return report
+
+
+def same_trace(args: argparse.Namespace) -> dict[str, Any]:
+    return {"phase_s": args.phase_s, "scale": args.scale, "seed": args.seed, "slo_ttft": args.slo_ttft,
+            "slo_tpot": args.slo_tpot, "max_workers": args.max_workers, "model": args.model}
+
+
+def earlier_report(args: argparse.Namespace) -> dict[str, Any] | None:
+    """With --append, the report at --json (None if there is none yet); ValueError if it
+    was run with another trace or other SLOs, whose runs these cannot join."""
+    if not args.append or not Path(args.json_path).exists():
+        return None
+    report = json.loads(Path(args.json_path).read_text())
+    theirs, ours = report.get("args", {}), same_trace(args)
+    differ = [f"{k} {theirs.get(k)!r}" for k in SAME_TRACE if theirs.get(k) != ours[k]]
+    if differ:
+        raise ValueError(f"--append: {args.json_path} was run with {', '.join(differ)}: rerun with those")
     return report
 
 
@@ -261,6 +273,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{os.getloadavg()[0]:.1f} -> --slo-ttft {got['slo_ttft']:.2f} "
               f"--slo-tpot {got['slo_tpot']:.3f} (x{args.slo_factor:g})")
         return
+    try:
+        earlier_report(args)  # before any run: runs that could not join it would be lost
+    except ValueError as exc:
+        sys.exit(f"autoscale.py: error: {exc}")
     deadline = time.monotonic() + args.max_minutes * 60
     runs: list[dict[str, Any]] = []
     try:

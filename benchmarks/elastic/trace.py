@@ -1,21 +1,22 @@
-"""The load trace: phases played one after the other, each with its own Poisson rate and
-request shape, drawn from a seed before the first request goes out, so that every arm
-sees the same requests at the same times (benchmarks/serving/load.py draws each phase)."""
+"""The load trace: phases played one after the other, each with its own rate and request
+shape, drawn from a seed before the first request goes out, so that every arm sees the
+same requests at the same times (benchmarks/serving/load.py draws each phase's requests)."""
 
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.serving.load import Result, Workload
 
 # Requests/s of each phase at --scale 1, for the demo model on one CPU thread per worker
-# (docs/benchmarks.md, "Elastic pools"): prefill-heavy at about 1.5x what one prefill
-# worker computes, decode-heavy at a batch that one decode worker runs well above the
-# TPOT SLO and two run within it, idle a request now and then.
-PREFILL_RATE = 0.6
-DECODE_RATE = 1.2
+# on a quiet 2-core machine (docs/benchmarks.md, "Elastic pools"): prefill-heavy a little
+# beyond what one prefill worker computes, decode-heavy beyond what one decode worker
+# serves within the TPOT SLO and within what two do, idle a request now and then.
+PREFILL_RATE = 0.7
+DECODE_RATE = 1.6
 IDLE_RATE = 0.1
 
 
@@ -23,7 +24,7 @@ IDLE_RATE = 0.1
 class Phase:
     name: str
     seconds: float
-    rate: float  # Poisson arrivals, requests/s
+    rate: float  # requests/s: rate * seconds of them, at Poisson arrival times
     prompt_tokens: tuple[int, int]  # random token ids, U[lo, hi] of them
     output_len: tuple[int, int]  # max_tokens, U[lo, hi] (ignore_eos: exactly that many)
 
@@ -67,13 +68,19 @@ class Trace:
 
 
 def draw_trace(phases: list[Phase], seed: int, token_ids: tuple[int, int]) -> Trace:
-    """The trace's requests: phase i's drawn from seed * 100 + i, shifted to its start."""
+    """The trace's requests: phase i's drawn from seed * 100 + i. Each phase has exactly
+    round(rate * seconds) requests, at the times of a Poisson process given that count
+    (uniform, sorted), so that the seeds of the repeats differ in when and what, not in
+    how much: with tens of requests a phase, a free count varies by +-25%."""
     schedule: list[tuple[float, list[int], Result]] = []
     phase_of: list[str] = []
     start = 0.0
     for i, phase in enumerate(phases):
         workload = Workload(output_len=phase.output_len, prompt_tokens=phase.prompt_tokens, token_ids=token_ids)
-        for t, prompt, result in workload.draw(None, seed * 100 + i, phase.rate, phase.seconds):
+        count = round(phase.rate * phase.seconds)
+        rng = random.Random(seed * 100 + i)
+        times = sorted(rng.uniform(0.0, phase.seconds) for _ in range(count))
+        for t, (_, prompt, result) in zip(times, workload.draw(count, seed * 100 + i)):
             assert isinstance(prompt, list)  # prompt_tokens set: token ids, never text
             schedule.append((start + t, prompt, result))
             phase_of.append(phase.name)
