@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,3 +47,15 @@ def ray_local_config(port: int = 8000, **ray_changes: object) -> ClusterConfig:
 
 def descendants() -> set[int]:
     return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
+
+
+def assert_ray_gone(before: set[int], what: str = "Ray processes") -> None:
+    """After a deployment stopped: Ray disconnected, and none of the processes started
+    since `before` (descendants() then) still runs, within 15 s."""
+    import ray
+
+    assert not ray.is_initialized()
+    end = time.monotonic() + 15
+    while descendants() - before and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not descendants() - before, f"{what} outlived the deployment"

@@ -21,7 +21,7 @@ from cluster.serve import build
 from engine import LLM, SamplingParams
 from tests.http_server import free_port, serving
 from tests.disagg.test_worker_processes import Client
-from tests.ray.conftest import descendants, ray_local_config
+from tests.ray.conftest import assert_ray_gone, descendants, ray_local_config
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_PROMPT = "Paged attention keeps keys and values in fixed-size blocks of the cache. " * 8
@@ -39,11 +39,7 @@ def served() -> Iterator[tuple[openai.OpenAI, RayWorkers, str]]:
             yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60, max_retries=0), workers, config.model
     finally:
         workers.stop()
-    assert not ray.is_initialized()
-    end = time.monotonic() + 15
-    while descendants() - before and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not descendants() - before, "Ray processes outlived the deployment"
+    assert_ray_gone(before)
 
 
 @pytest.fixture(scope="module")

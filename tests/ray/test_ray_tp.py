@@ -5,7 +5,6 @@ prefill worker; and nothing it started outlives the deployment."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx2 as httpx
@@ -18,7 +17,7 @@ from cluster.ray.workers import RayWorkers
 from cluster.serve import build
 from engine import LLM, SamplingParams
 from tests.http_server import free_port, serving
-from tests.ray.conftest import descendants
+from tests.ray.conftest import assert_ray_gone, descendants
 
 PROMPT = "Paged attention stores keys and values in fixed-size blocks."
 
@@ -49,8 +48,4 @@ def test_a_tp_worker_is_one_strict_pack_group_with_a_bundle_per_rank(llama_dir: 
             assert len(decode["ranks"]) == 2 and decode["remote"] == 1
     finally:
         workers.stop()
-    assert not ray.is_initialized()
-    end = time.monotonic() + 15
-    while descendants() - before and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not descendants() - before, "processes outlived the deployment"
+    assert_ray_gone(before, "processes")
