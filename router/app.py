@@ -127,7 +127,7 @@ async def status(request: Request) -> dict[str, Any]:
     not answer); `pdserve status` prints this."""
     router = _router(request)
     pools, decode = router.workers + router.prefill, len(router.workers)  # as listed: a scale may change them
-    replies = await asyncio.gather(*(w.stats() if w.alive else _none() for w in pools))
+    replies = await router.stats_of(pools)
     rows = [{"name": w.name, "address": w.address, "live": w.alive, "draining": w.draining, "stats": s}
             for w, s in zip(pools, replies)]
     return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.prefill),
@@ -286,10 +286,6 @@ async def _within_limits(request: Request, parsed: GenerateRequest,
     finally:
         limits.release(lease)
         await stream.aclose()
-
-
-async def _none() -> None:
-    return None
 
 
 async def _all_unless_disconnected(request: Request, stream: AsyncIterator[Chunk]) -> list[Chunk] | None:

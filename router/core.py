@@ -272,7 +272,7 @@ class Router:
     def _add_client(self, role: str, name: str, address: str) -> WorkerClient:
         """A client for a worker that serves now (its peers know it); on the loop, or
         before the app runs."""
-        if any(w.name == name for w in self.workers + self.prefill):
+        if self._find(name) is not None:
             raise ValueError(f"the router already has a worker named {name}")
         client = WorkerClient(self.ctx, name, address, self.config.worker_timeout_s, self.secret)
         if role == "decode":
@@ -302,10 +302,7 @@ class Router:
 
     def requests_on(self, name: str, timeout: float = 30.0) -> int:
         """Sequences the router still awaits from a decode worker (0 for a prefill one)."""
-        def count() -> int:
-            client = self._client(name)
-            return sum(1 for q in client.queues.values() if getattr(q, "seq", True) is not None)
-        return self.call(count, timeout)
+        return self.call(lambda: _sequences_awaited(self._client(name)), timeout)
 
     def evacuate(self, name: str, timeout: float = 30.0) -> int:
         """A draining decode worker's sequences still running move to the others by the
@@ -313,7 +310,7 @@ class Router:
         here); how many."""
         def move() -> int:
             client = self._client(name)
-            moving = sum(1 for q in client.queues.values() if getattr(q, "seq", True) is not None)
+            moving = _sequences_awaited(client)
             if moving:
                 client.evacuate(f"was drained for {name}'s scale-down and its requests move")
             return moving
@@ -321,7 +318,7 @@ class Router:
 
     def remove_worker(self, name: str, timeout: float = 30.0) -> None:
         """The worker left its pool (stopped, or about to be): forget it."""
-        def remove() -> None:
+        def remove() -> str:
             client = self._client(name)
             role = "decode" if client in self.workers else "prefill"
             if role == "decode":
@@ -336,8 +333,8 @@ class Router:
             client.close()
             self.metrics.forget_worker(name, role)
             self._publish_pools()
-        self.call(remove, timeout)
-        role = "decode" if name.startswith("decode") else "prefill"
+            return role
+        role = self.call(remove, timeout)
         self.metrics.scale_events.labels(role=role, action="remove").inc()
 
     def worker_stats(self, name: str, timeout: float = 5.0) -> dict[str, Any] | None:
@@ -399,7 +396,7 @@ class Router:
         worker's figures, asked now (2 s at most: a silent worker reads as zeros)."""
         m = self.metrics
         pools = [(w, "decode") for w in self.workers] + [(w, "prefill") for w in self.prefill]
-        replies = await asyncio.gather(*(w.stats() if w.alive else _nothing() for w, _ in pools))
+        replies = await self.stats_of([w for w, _ in pools])
         return LoadSnapshot(
             at=time.monotonic(), requests=total_of(m.requests), finished=total_of(m.finished),
             prompt_tokens=total_of(m.prompt_tokens), generation_tokens=total_of(m.generation_tokens),
@@ -408,9 +405,20 @@ class Router:
             workers=tuple(worker_load(w.name, role, w.alive, w.draining, stats)
                           for (w, role), stats in zip(pools, replies)))
 
+    async def stats_of(self, clients: list[WorkerClient]) -> list[dict[str, Any] | None]:
+        """Each worker's stats reply, asked now and side by side; None for one the
+        router holds dead (it would only time out) or that did not answer in time."""
+        return await asyncio.gather(*(w.stats() if w.alive else _nothing() for w in clients))
+
 
 async def _nothing() -> None:
     return None
+
+
+def _sequences_awaited(client: WorkerClient) -> int:
+    """Sequences the router awaits from the worker (a parallel-sampling group's own
+    entry, which only a rejection of the whole group would use, does not count)."""
+    return sum(1 for q in client.queues.values() if getattr(q, "seq", True) is not None)
 
 
 def _not_on(loop: asyncio.AbstractEventLoop, what: str) -> None:
