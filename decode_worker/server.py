@@ -31,7 +31,7 @@ from security import DeploymentSecret
 from workers.config import WorkerConfig
 from workers.start import engine_and_transport
 from workers.control import ControlChannel
-from workers.loop import WorkerLoop, run_worker
+from workers.loop import IDLE_POLL_MS, WAIT_POLL_MS, WorkerLoop, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,14 @@ class DecodeWorker(WorkerLoop):
 
     def busy(self) -> bool:
         return self.core.engine.has_unfinished()
+
+    def poll_ms(self) -> int:
+        # Requests that only wait for their prompt's KV wait on a prefill worker (its
+        # PrefillDone wakes the poll): spinning here would take a core from it.
+        engine = self.core.engine
+        if engine.has_runnable():
+            return 0
+        return WAIT_POLL_MS if engine.has_unfinished() else IDLE_POLL_MS
 
     def handle(self, sender: bytes, msg: Message, sock: zmq.Socket) -> None:
         if isinstance(msg, Generate):

@@ -425,8 +425,9 @@ class EngineCore:
 
     def has_runnable(self) -> bool:
         """Requests a step can advance: running, or queued (waiting for blocks, a slot,
-        or ready to resume); not those only waiting for remote KV."""
-        return bool(self.scheduler.running) or self.scheduler.num_waiting > 0
+        or ready to resume), or a launched step to collect; not those only waiting for
+        remote KV."""
+        return bool(self.scheduler.running) or self.scheduler.num_waiting > 0 or self._in_flight is not None
 
     def step(self) -> StepOutput:
         """Run one step and report the requests it advanced and finished.

@@ -80,6 +80,10 @@ class WorkerStalled(WorkerFailed):
 
 
 IDLE_POLL_MS = 10  # how long an idle worker waits for a message before looking again
+# A worker whose work only waits on another process (pushed KV, a write's acknowledgement)
+# looks again this soon: not at once, so that on a machine with few cores it does not
+# spin a core away from the process it waits on.
+WAIT_POLL_MS = 1
 
 
 class WorkerLoop:
@@ -177,6 +181,11 @@ class WorkerLoop:
     def busy(self) -> bool:
         raise NotImplementedError
 
+    def poll_ms(self) -> int:
+        """How long the loop may wait for a message before its next step: 0 while a
+        step has work. A role whose work can wait on another process says so here."""
+        return 0 if self.busy() else IDLE_POLL_MS
+
     def pending(self) -> bool:
         """Work a step could advance now (StallWatchdog); False: none, or only work
         waiting on something with its own deadline (pushed KV)."""
@@ -246,7 +255,7 @@ class WorkerLoop:
                     if isinstance(message, Stop):
                         break
                     self.set_peers(message)
-                for sock, _ in self.poller.poll(0 if self.busy() else IDLE_POLL_MS):
+                for sock, _ in self.poller.poll(self.poll_ms()):
                     self._drain(sock)
                 self.step()
                 if not self.busy():
