@@ -73,8 +73,8 @@ SLO_TTFT_S = 6.0
 SLO_TPOT_S = 0.073
 # The autoscaled arm's section: timescales short enough to act within a phase of tens of
 # seconds (the defaults are sized for minutes), bounds filled in from --max-workers.
-AUTOSCALE = {"enabled": True, "interval_s": 2.0, "window_s": 6.0, "scale_up_cooldown_s": 6.0,
-             "scale_down_cooldown_s": 10.0, "drain_timeout_s": 10.0}
+AUTOSCALE = {"enabled": True, "interval_s": 1.0, "window_s": 4.0, "scale_up_cooldown_s": 4.0,
+             "scale_down_cooldown_s": 4.0, "drain_timeout_s": 5.0}
 # Setting up and stopping an arm's deployment, on top of its trace (for the time check).
 ARM_OVERHEAD_S = 30.0
 # Arguments that must be equal for --append to add runs to a report.
@@ -83,9 +83,11 @@ SAME_TRACE = ("phase_s", "scale", "seed", "slo_ttft", "slo_tpot", "max_workers",
 
 def autoscale_section(args: argparse.Namespace) -> dict[str, Any]:
     """The autoscaled arm's `autoscale:` section: the built-in one, the SLOs as the
-    planner's targets, bounds within --max-workers, then --autoscale's keys over it."""
+    planner's targets, bounds within --max-workers (both pools together too), then
+    --autoscale's keys over it."""
     decode_max = max(1, args.max_workers - 1)
     section: dict[str, Any] = {**AUTOSCALE, "ttft_p90_s": args.slo_ttft, "tpot_p90_s": args.slo_tpot,
+                               "max_workers": args.max_workers,
                                "prefill": {"min": 0, "max": args.max_workers - 1},
                                "decode": {"min": 1, "max": decode_max}}
     if args.autoscale:

@@ -52,8 +52,10 @@ def main() -> int:
             for seed in seeds(args.seeds):
                 start = time.monotonic()
                 run = run_scale_seed(seed, base, config.model, router.scaler, oracle, args.events, args.requests)
-                moved = sum(e["result"]["moved_requests"] for e in run.events)
-                print(json.dumps({"seed": seed, "requests": run.requests, "events": len(run.events), "moved": moved,
+                moved = sum(e["result"]["moved_requests"] for e in run.events if "result" in e)
+                refused = sum("refused" in e for e in run.events)
+                print(json.dumps({"seed": seed, "requests": run.requests, "events": len(run.events),
+                                  "refused": refused, "moved": moved,
                                   "failures": len(run.failures), "seconds": round(time.monotonic() - start, 1)}),
                       flush=True)
                 failures += run.failures

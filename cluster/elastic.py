@@ -16,6 +16,10 @@ Scale-down drains, workers the router sees down first, then the newest:
   locally any prompt it still had) and stops it, and the router forgets it.
 No request fails because of a scale event: each either finishes where it was or moves.
 
+Growing goes before shrinking (capacity before it goes), unless the deployment would
+then pass `autoscale.max_workers` (both pools together): then the leaving workers drain
+first. A target beyond that bound is refused, as one beyond a pool's own.
+
 One scale at a time (a lock): a request made while another runs waits for it.
 """
 
@@ -84,6 +88,7 @@ class Bounds:
 
     prefill: tuple[int, int]  # (min, max)
     decode: tuple[int, int]
+    total: int | None = None  # the most workers of both pools together (autoscale.max_workers)
 
     def of(self, role: str) -> tuple[int, int]:
         return self.prefill if role == "prefill" else self.decode
@@ -93,7 +98,8 @@ def scaler_for(config: ClusterConfig, backend: PoolBackend, router: RouterContro
     """The scaler of a deployment: its config's autoscale bounds (which scale requests,
     manual or the planner's, keep within) and drain timeout."""
     auto = config.autoscale
-    bounds = Bounds(prefill=(auto.prefill.min, auto.prefill.max), decode=(auto.decode.min, auto.decode.max))
+    bounds = Bounds(prefill=(auto.prefill.min, auto.prefill.max), decode=(auto.decode.min, auto.decode.max),
+                    total=auto.total_max)
     return PoolScaler(backend, router, bounds, auto.drain_timeout_s)
 
 
@@ -145,8 +151,9 @@ class PoolScaler:
     def scale(self, prefill: int | None = None, decode: int | None = None, reason: str = "manual",
               expect: dict[str, int] | None = None) -> ScaleResult:
         """Bring each pool given to its target, up first then down (capacity before it
-        goes); returns once done. ScaleError for a target out of bounds (nothing done),
-        ScaleFailed for a worker that would not start (those that did, stay).
+        goes), or down first where growing first would pass the bound on both pools
+        together; returns once done. ScaleError for a target out of bounds (nothing
+        done), ScaleFailed for a worker that would not start (those that did, stay).
 
         expect: the pools' sizes the target was computed from (the planner's one step
         up or down). A scale made meanwhile (one waits for another) changed them: then
@@ -159,20 +166,37 @@ class PoolScaler:
                 if sizes[role] != size:
                     raise ScaleError(f"{role}: has {sizes[role]} workers now, not the {size} this target was "
                                      "decided from (another scale ran meanwhile)")
+            after = {role: sizes[role] if targets[role] is None else targets[role] for role in ROLES}
+            total = self.bounds.total
+            if total is not None and sum(after.values()) > total:
+                raise ScaleError(f"prefill {after['prefill']} + decode {after['decode']} = {sum(after.values())} "
+                                 f"workers is beyond autoscale.max_workers ({total})")
             start = time.monotonic()
             result = ScaleResult(self.sizes())
+            growing = sum(max(0, after[role] - sizes[role]) for role in ROLES)
+            down_first = total is not None and len(self._workers()) + growing > total
+            if down_first:
+                self._shrink(targets, reason, result)
             for role, target in targets.items():
                 while target is not None and self.sizes()[role] < target:
                     self._add(role, reason, result)
-            leaving = {role: self._victims(role, target) for role, target in targets.items() if target is not None}
-            names = [w for role in ROLES for w in leaving.get(role, [])]
-            if names:
-                logger.warning("scale-down (%s): draining %s (drain_timeout_s %g)", reason, ", ".join(names),
-                               self.drain_timeout_s)
-                result.moved = self._drain(leaving.get("decode", []), leaving.get("prefill", []))
-                result.removed = names
+            if not down_first:
+                self._shrink(targets, reason, result)
             result.sizes, result.seconds = self.sizes(), time.monotonic() - start
             return result
+
+    def _workers(self) -> list[NamedWorker]:
+        """Every worker of both pools, draining ones included (each holds its resources)."""
+        return [w for role in ROLES for w in self.backend.pool(role)]
+
+    def _shrink(self, targets: dict[str, int | None], reason: str, result: ScaleResult) -> None:
+        leaving = {role: self._victims(role, target) for role, target in targets.items() if target is not None}
+        names = [w for role in ROLES for w in leaving.get(role, [])]
+        if names:
+            logger.warning("scale-down (%s): draining %s (drain_timeout_s %g)", reason, ", ".join(names),
+                           self.drain_timeout_s)
+            result.moved = self._drain(leaving.get("decode", []), leaving.get("prefill", []))
+            result.removed = names
 
     def _add(self, role: str, reason: str, result: ScaleResult) -> None:
         logger.warning("scale-up (%s): starting a %s worker", reason, role)

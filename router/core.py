@@ -160,6 +160,8 @@ class Router:
             group.submit()
             m.requests.labels(prefill="remote" if group.seqs[0].remote else "local").inc()
             m.prompt_tokens.inc(sum(map(len, prompts)))
+            for prompt in prompts:
+                m.prompt_length.observe(len(prompt))
             yield admission(group)
             async for chunk in group.chunks():
                 yield chunk
@@ -400,7 +402,8 @@ class Router:
         return LoadSnapshot(
             at=time.monotonic(), requests=total_of(m.requests), finished=total_of(m.finished),
             prompt_tokens=total_of(m.prompt_tokens), generation_tokens=total_of(m.generation_tokens),
-            in_flight=self.in_flight, ttft=buckets_of(m.ttft), tpot=buckets_of(m.tpot),
+            in_flight=self.in_flight, ttft=buckets_of(m.ttft), itl=buckets_of(m.itl), tpot=buckets_of(m.tpot),
+            prompt_lengths=buckets_of(m.prompt_length),
             remote_prefill_min_tokens=self.remote_prefill_min_tokens,
             workers=tuple(worker_load(w.name, role, w.alive, w.draining, stats)
                           for (w, role), stats in zip(pools, replies)))

@@ -30,6 +30,7 @@ class WorkerLoad:
     kv_used: float = 0.0  # fraction of its KV blocks in use
     waiting_for_kv: int = 0  # a decode worker's requests whose prompt a prefill worker computes
     jobs: int = 0  # a prefill worker's remote prefills in flight
+    tokens_computed: int = 0  # a prefill worker's prompt tokens computed so far (cumulative)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class LoadSnapshot:
     tpot: Buckets  # time per output token, cumulative
     remote_prefill_min_tokens: int  # the threshold in force
     workers: tuple[WorkerLoad, ...]
+    itl: Buckets = ()  # time between two tokens of a stream, cumulative (observed as tokens go out)
+    prompt_lengths: Buckets = ()  # prompt tokens per sequence routed, cumulative
 
     def pool(self, role: str) -> tuple[WorkerLoad, ...]:
         """The workers of one pool that take work (live, not draining)."""
@@ -103,4 +106,5 @@ def worker_load(name: str, role: str, live: bool, draining: bool, stats: dict[st
     blocks, free = figure("num_blocks"), figure("free_blocks")
     return WorkerLoad(name, role, live, draining, answered=True, running=figure("running"),
                       waiting=figure("waiting"), kv_used=(1 - free / blocks) if blocks else 0.0,
-                      waiting_for_kv=figure("waiting_for_kv"), jobs=figure("jobs"))
+                      waiting_for_kv=figure("waiting_for_kv"), jobs=figure("jobs"),
+                      tokens_computed=figure("tokens_computed"))

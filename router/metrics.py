@@ -53,6 +53,10 @@ from router.worker_metrics import WorkerHistograms, WorkerSpecDecode
 # From 0.1 ms: a KV transfer on one GPU (phase kv_write) takes well under 5 ms, and
 # a quantile read from buckets is only as fine as they are.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Prompt tokens per request: steps of 1.5x and 2x, fine enough for the planner to place
+# router.remote_prefill_min_tokens within a prompt-length spread (cluster/autoscale/).
+PROMPT_LENGTH_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192,
+                         12288, 16384, 32768)
 WORKER_GAUGES = {  # stats key -> (metric, help); a worker reports those of its role
     "num_blocks": ("pdserve_worker_num_blocks", "KV blocks in the worker's pool"),
     "free_blocks": ("pdserve_worker_free_blocks", "KV blocks free (or only cached) in the worker's pool"),
@@ -101,6 +105,8 @@ class RouterMetrics:
         self.rejected = Counter("pdserve_requests_rejected", "requests refused, by HTTP status",
                                 ["status"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens routed", registry=r)
+        self.prompt_length = Histogram("pdserve_request_prompt_tokens", "prompt tokens per sequence routed",
+                                       registry=r, buckets=PROMPT_LENGTH_BUCKETS)
         self.cached_tokens = Counter("pdserve_router_predicted_cached_tokens",
                                      "prompt tokens the routing policy expected to be cached", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "tokens generated", registry=r)

@@ -60,6 +60,10 @@ class AutoscaleConfig:
     enabled: bool = False
     prefill: PrefillBounds = field(default_factory=PrefillBounds)
     decode: DecodeBounds = field(default_factory=DecodeBounds)
+    # The most workers of both pools together (None: prefill.max + decode.max). With
+    # it below that sum the pools share a budget: a pool that needs a worker while the
+    # deployment is at it gets one from the other pool, if that one can spare it.
+    max_workers: int | None = None
     # SLO targets over the planner's window: p90 time to first token, p90 time per
     # output token (router/metrics.py's definitions). The CPU demo model's TPOT is
     # 100-200 ms; a GPU deployment wants tens of milliseconds.
@@ -110,6 +114,11 @@ class AutoscaleConfig:
         queue = number(out.queue_high, f"{path}.queue_high", 0)
         jobs = number(out.prefill_jobs_high, f"{path}.prefill_jobs_high", 0, strict=True)
         integer(out.min_tokens_max, f"{path}.min_tokens_max", 1)
+        if out.max_workers is not None:
+            integer(out.max_workers, f"{path}.max_workers", 1)
+            fewest = out.prefill.min + out.decode.min
+            check(out.max_workers >= fewest, f"{path}.max_workers",
+                  f"must be >= prefill.min + decode.min ({fewest}), got {out.max_workers}")
         return dataclasses.replace(out, kv_usage_high=high, kv_usage_low=low, queue_high=queue,
                                    prefill_jobs_high=jobs, **seconds)
 
@@ -119,10 +128,19 @@ class AutoscaleConfig:
             raise ValueError(f"no pool {pool!r}: 'prefill' or 'decode'")
         return getattr(self, pool)
 
+    @property
+    def total_max(self) -> int:
+        """The most workers of both pools together."""
+        return self.prefill.max + self.decode.max if self.max_workers is None else self.max_workers
+
     def check_cluster(self, replicas: dict[str, int], remote_prefill_min_tokens: int, path: str = "autoscale") -> None:
         """What needs the rest of the file: each pool's starting replicas within its
-        bounds, and room above the router's configured remote-prefill threshold."""
+        bounds and together within max_workers, and room above the router's configured
+        remote-prefill threshold."""
         for pool in ("prefill", "decode"):
             self.bounds(pool).check_replicas(replicas[pool], pool, f"{path}.{pool}")
+        total = replicas["prefill"] + replicas["decode"]
+        check(total <= self.total_max, f"{path}.max_workers",
+              f"must be >= prefill.replicas + decode.replicas ({total}), got {self.total_max}")
         check(self.min_tokens_max >= remote_prefill_min_tokens, f"{path}.min_tokens_max",
               f"must be >= router.remote_prefill_min_tokens ({remote_prefill_min_tokens}), got {self.min_tokens_max}")

@@ -4,28 +4,38 @@ workers the deployment needs, and where router.remote_prefill_min_tokens should 
 Each look (every interval_s, over the window_s before it) applies these rules, in the
 spirit of DistServe's and Dynamo's planners, one step at a time:
 
-- Decode is the bottleneck when p90 TPOT exceeds its target, the decode pool's mean
-  KV usage exceeds kv_usage_high, or waiting requests per decode worker exceed
-  queue_high: add a decode worker.
+- Decode is the bottleneck when p90 TPOT (requests that finished) or p90 time between
+  streamed tokens (requests still running: seen within the window, not at their end)
+  exceeds the TPOT target, the decode pool's mean KV usage exceeds kv_usage_high, or
+  waiting requests per decode worker exceed queue_high: add a decode worker.
 - Prefill is the bottleneck when p90 TTFT exceeds its target while decode is not, or
   remote prefills in flight per prefill worker exceed prefill_jobs_high: add a prefill
-  worker. (With no prefill pool allowed, prefill.max 0, a TTFT breach is decode's.)
-  At its max, double remote_prefill_min_tokens instead (up to min_tokens_max), so
-  decode workers prefill more of the short prompts; once prefill is no longer the
-  bottleneck and has room (below its max, or p90 TTFT and jobs per worker within half
-  their limits), halve it back toward the configured value, one step per down-cooldown.
-- Prediction: each pool's rate (prompt tokens/s for prefill, generated tokens/s for
-  decode) is projected half a window plus one interval ahead (a window's mean rate is
-  its middle's) along the line through its last few windows. Its per-worker capacity
-  is the mean rate per worker of its last few bottleneck windows (forecast.py). When
-  the projection needs more workers than the pool has at 90% of that capacity, add
-  one ("predicted_load"), before the SLO breaks.
-- A pool shrinks by one after it has been calm for scale_down_cooldown_s: p90 TTFT
-  and TPOT within half their targets (or nothing observed), every worker answering,
-  and for decode mean KV usage below kv_usage_low and no queue, for prefill jobs per
-  worker within half of prefill_jobs_high with one worker fewer and the threshold back
-  at its configured value; in both, the rate (now and projected) fitting one fewer. A
-  window with no request is calm by all of these ("idle").
+  worker. (With no prefill pool allowed, prefill.max 0, or prefill workers that
+  computed nothing in the window, a TTFT breach is decode's: it prefilled them all.)
+  At its max, raise remote_prefill_min_tokens instead (up to min_tokens_max): to the
+  window's median prompt length if that is above it (about half the prompts then go
+  to the decode workers), else its upper quartile, else doubled. Once prefill is no
+  longer the bottleneck and has room (below its max, or jobs per worker within half
+  their limit), halve it back toward the configured value, one step per
+  down-cooldown; at once if the prefill pool computed nothing in the window.
+- Prediction: each pool's rate (prompt tokens the prefill workers computed per second,
+  generated tokens/s for decode) is projected half a window plus one interval ahead (a
+  window's mean rate is its middle's) along the line through its last few windows.
+  Its per-worker capacity is the mean rate per worker of its last few bottleneck
+  windows (forecast.py). When the projection needs more workers than the pool has at
+  90% of that capacity, add one ("predicted_load"), before the SLO breaks.
+- A pool shrinks by one after it has been calm for scale_down_cooldown_s, with every
+  worker answering and the rate (now and projected) fitting one fewer. Decode: p90
+  TTFT, TPOT and time between tokens within half their targets, mean KV usage below
+  kv_usage_low, no queue. Prefill: p90 TTFT within half its target (unless decode is
+  the bottleneck: then first tokens wait on decode), jobs per worker within half of
+  prefill_jobs_high with one worker fewer, the threshold back at its configured value,
+  and the last prefill worker only once it computes nothing. A window with no request
+  is calm by all of these ("idle").
+- Both pools together stay within max_workers: a pool that would grow past it first
+  takes a worker from the other pool ("rebalance": that pool shrinks first), if the
+  other is above its min, not the bottleneck, calm now and unchanged for an
+  up-cooldown; otherwise it does not grow.
 
 Never beyond a pool's [min, max]; a pool grows only scale_up_cooldown_s after its
 last change (changes made by hand count too); nothing is decided before one window
@@ -35,6 +45,7 @@ applies what it returns.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cluster.autoscale.config import AutoscaleConfig
@@ -50,8 +61,9 @@ class Decision:
     pool: str  # "prefill" | "decode" | "router"
     action: str  # "up" | "down" for a pool, "set" for the router's threshold
     target: int  # the pool's new size, or the new remote_prefill_min_tokens
-    # A fixed label, counted in /metrics: tpot_p90, kv_usage, decode_queue, ttft_p90,
-    # prefill_jobs, predicted_load, within_slo, idle, prefill_bottleneck, prefill_recovered.
+    # A fixed label, counted in /metrics: tpot_p90, itl_p90, kv_usage, decode_queue, ttft_p90,
+    # prefill_jobs, predicted_load, within_slo, idle, rebalance, prefill_bottleneck,
+    # prefill_recovered.
     reason: str
     detail: str  # the figures that led to it, for the log
 
@@ -87,7 +99,9 @@ class Planner:
         pressure = self._pressure(window, sizes)
         self._learn(window, sizes, pressure, now)
         decisions = [d for pool in ("decode", "prefill")
-                     if (d := self._pool_decision(pool, window, sizes[pool], pressure[pool], now))]
+                     if (d := self._pool_decision(pool, window, sizes[pool], pressure[pool], now,
+                                                  bool(pressure["decode"])))]
+        decisions = self._within_budget(decisions, window, sizes, pressure, now)
         router = self._router_decision(window, sizes, pressure, now)
         if router:
             decisions.append(router)
@@ -122,6 +136,8 @@ class Planner:
         decode: list[tuple[str, str]] = []
         if w.tpot_p90 is not None and w.tpot_p90 > cfg.tpot_p90_s:
             decode.append(("tpot_p90", f"p90 TPOT {w.tpot_p90:.4g} s > target {cfg.tpot_p90_s:g} s"))
+        if w.itl_p90 is not None and w.itl_p90 > cfg.tpot_p90_s:
+            decode.append(("itl_p90", f"p90 time between tokens {w.itl_p90:.4g} s > TPOT target {cfg.tpot_p90_s:g} s"))
         if w.decode_kv is not None and w.decode_kv > cfg.kv_usage_high:
             decode.append(("kv_usage", f"decode KV usage {w.decode_kv:.0%} > {cfg.kv_usage_high:.0%}"))
         if w.decode_waiting / max(sizes["decode"], 1) > cfg.queue_high:
@@ -131,8 +147,10 @@ class Planner:
         ttft = None
         if w.ttft_p90 is not None and w.ttft_p90 > cfg.ttft_p90_s:
             ttft = ("ttft_p90", f"p90 TTFT {w.ttft_p90:.4g} s > target {cfg.ttft_p90_s:g} s")
-        if ttft and cfg.prefill.max == 0:
-            decode.append(ttft)  # no prefill pool: decode workers prefill every prompt
+        # No prefill pool, or one that computed nothing: decode workers prefilled every prompt.
+        unused = sizes["prefill"] > 0 and not w.prefill_rate and not w.prefill_in_flight
+        if ttft and (cfg.prefill.max == 0 or unused):
+            decode.append(ttft)
         elif ttft and not decode:
             prefill.append(ttft)
         if sizes["prefill"] and w.prefill_in_flight / sizes["prefill"] > cfg.prefill_jobs_high:
@@ -152,7 +170,7 @@ class Planner:
                 self._capacity[pool].lift(_rate(w, pool), sizes[pool])
 
     def _pool_decision(self, pool: str, w: Window, size: int, pressure: list[tuple[str, str]],
-                       now: float) -> Decision | None:
+                       now: float, decode_pressed: bool) -> Decision | None:
         cfg, bounds = self.config, self.config.bounds(pool)
         since = now - self._changed[pool]
         over, change = f" over the last {w.seconds:.0f} s", f"; {pool} {size} -> "
@@ -172,7 +190,7 @@ class Planner:
                                 f"{_UNITS[pool]} projected to {projected:.1f}/s in {horizon:.0f} s needs {needed} "
                                 f"worker(s) at {self._capacity[pool].per_worker:.1f}/s each{change}{size + 1}")
             return None
-        calm = self._calm(pool, w, size, max(projected, self._trends[pool].last))
+        calm = self._calm(pool, w, size, max(projected, self._trends[pool].last), decode_pressed)
         if not calm:
             self._calm_since[pool] = None
             return None
@@ -186,25 +204,68 @@ class Planner:
                             f"{detail}{over}, calm for {calm_for:.0f} s{change}{size - 1}")
         return None
 
-    def _calm(self, pool: str, w: Window, size: int, rate: float) -> str:
+    def _within_budget(self, decisions: list[Decision], w: Window, sizes: dict[str, int],
+                       pressure: dict[str, list], now: float) -> list[Decision]:
+        """Keep both pools within max_workers: a pool that grows while the deployment is
+        at it first takes a worker from the other pool, if that one can spare it (above
+        its min, not the bottleneck, calm now, and not changed within an up-cooldown);
+        if not, it does not grow. Shrinking goes first then, so the total never passes."""
+        cap = self.config.total_max
+        after = dict(sizes)
+        out: list[Decision] = []
+        for d in sorted(decisions, key=lambda d: d.action != "down"):
+            if d.action == "up" and sum(after.values()) >= cap:
+                other = "prefill" if d.pool == "decode" else "decode"
+                spare = self._spare(other, w, after[other], pressure, now)
+                if not spare:
+                    continue
+                n = after[other]
+                out.append(Decision(other, "down", n - 1, "rebalance",
+                                    f"{d.pool} needs a worker ({d.detail}) with {sum(after.values())} of "
+                                    f"max_workers {cap} in use; {other} can spare one: {spare}; {other} {n} -> {n - 1}"))
+                after[other] = n - 1
+            out.append(d)
+            after[d.pool] = d.target
+        return out
+
+    def _spare(self, pool: str, w: Window, size: int, pressure: dict[str, list], now: float) -> str:
+        """Why `pool` can give a worker to the other now ('' if it cannot)."""
+        cfg = self.config
+        if size <= cfg.bounds(pool).min or pressure[pool] or now - self._changed[pool] < cfg.scale_up_cooldown_s:
+            return ""
+        rate = max(self._trends[pool].project(cfg.window_s / 2 + cfg.interval_s), self._trends[pool].last)
+        return self._calm(pool, w, size, rate, bool(pressure["decode"]))
+
+    def _calm(self, pool: str, w: Window, size: int, rate: float, decode_pressed: bool = False) -> str:
         """Why the pool could lose a worker ('' if it could not)."""
         cfg = self.config
         if not w.all_answered or size == 0:
-            return ""
-        if (w.ttft_p90 or 0.0) > cfg.ttft_p90_s / 2 or (w.tpot_p90 or 0.0) > cfg.tpot_p90_s / 2:
             return ""
         needed = self._capacity[pool].workers_for(rate)
         if needed is not None and needed > size - 1:
             return ""
         if pool == "decode":
+            if max(w.tpot_p90 or 0.0, w.itl_p90 or 0.0) > cfg.tpot_p90_s / 2 or (w.ttft_p90 or 0.0) > cfg.ttft_p90_s / 2:
+                return ""
             if w.decode_kv is None or w.decode_kv >= cfg.kv_usage_low or w.decode_waiting:
                 return ""
             return f"p90s within half their targets, decode KV usage {w.decode_kv:.0%}, no queue"
-        if w.min_tokens > self.base_min_tokens:
+        # Prefill answers for TTFT only, and not while decode is the bottleneck (then the
+        # first tokens wait on decode, and a prefill worker more would not bring them),
+        # nor while it computes nothing (every prompt was short enough to stay local).
+        unused = not w.prefill_rate and not w.prefill_in_flight
+        if not decode_pressed and not unused and (w.ttft_p90 or 0.0) > cfg.ttft_p90_s / 2:
+            return ""
+        if w.min_tokens > self.base_min_tokens and not unused:
             return ""  # the threshold comes back first: prefill was short of workers
         if w.prefill_in_flight > cfg.prefill_jobs_high / 2 * (size - 1):
             return ""
-        return f"p90s within half their targets, {w.prefill_in_flight} remote prefills in flight"
+        if size == 1 and (w.prefill_rate or w.prefill_in_flight):
+            return ""  # the last one goes only when it computes nothing
+        latency = ("decode the bottleneck" if decode_pressed else "prefill unused" if unused
+                   else "p90 TTFT within half its target")
+        return (f"{latency}, {w.prefill_rate:.0f} prompt tokens/s prefilled remotely, "
+                f"{w.prefill_in_flight} remote prefills in flight")
 
     def _router_decision(self, w: Window, sizes: dict[str, int], pressure: dict[str, list],
                          now: float) -> Decision | None:
@@ -216,13 +277,29 @@ class Planner:
         busy = any(reason == "prefill_jobs" for reason, _ in pressure["prefill"])
         short = busy and not pressure["decode"] and sizes["prefill"] >= cfg.prefill.max
         if short and current < cfg.min_tokens_max and since >= cfg.scale_up_cooldown_s:
-            target = min(current * 2, cfg.min_tokens_max)
+            # To the window's median prompt, then its upper quartile, when above: about
+            # half, then three quarters of the prompts go to the decode workers, where
+            # doubling from a small threshold would take several cooldowns to reach
+            # prompts of that length at all, and one doubling past them sends them all.
+            above = [(math.ceil(q), name) for q, name in ((w.prompt_p50, "median"), (w.prompt_p75, "upper quartile"))
+                     if q is not None and math.ceil(q) > current]
+            target, how = above[0] if above else (current * 2, "")
+            target = min(target, cfg.min_tokens_max)
+            how = f"the {how} prompt length ({above[0][0]} tokens)" if above else "doubled"
             return Decision("router", "set", target, "prefill_bottleneck",
                             f"{pressure['prefill'][0][1]} with prefill at its max ({cfg.prefill.max}); "
-                            f"remote_prefill_min_tokens {current} -> {target}")
-        if busy or current <= self.base_min_tokens or since < cfg.scale_down_cooldown_s:
+                            f"remote_prefill_min_tokens {current} -> {target}, {how}")
+        if busy or current <= self.base_min_tokens:
             return None
         n = sizes["prefill"]
+        if n and not w.prefill_rate and not w.prefill_in_flight:
+            # Prefill computed nothing: no prompt at the raised threshold is coming, so the
+            # threshold has nothing to shift; back at once, and the pool may shrink.
+            return Decision("router", "set", self.base_min_tokens, "prefill_recovered",
+                            f"the prefill pool computed nothing; remote_prefill_min_tokens {current} -> "
+                            f"{self.base_min_tokens} (configured)")
+        if since < cfg.scale_down_cooldown_s:
+            return None
         within = n > 0 and w.prefill_in_flight / n <= cfg.prefill_jobs_high / 2  # prefill has room
         if n < cfg.prefill.max or within:
             target = max(self.base_min_tokens, current // 2)
@@ -234,8 +311,8 @@ class Planner:
         return None
 
 
-_UNITS = {"prefill": "prompt tokens", "decode": "generated tokens"}
+_UNITS = {"prefill": "prompt tokens prefilled remotely", "decode": "generated tokens"}
 
 
 def _rate(w: Window, pool: str) -> float:
-    return w.prompt_rate if pool == "prefill" else w.generation_rate
+    return w.prefill_rate if pool == "prefill" else w.generation_rate

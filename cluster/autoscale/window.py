@@ -18,6 +18,12 @@ class Window:
     generation_rate: float  # tokens generated per second
     ttft_p90: float | None  # None: no first token in the window
     tpot_p90: float | None  # None: no request with two tokens finished in the window
+    # p90 time between two streamed tokens: TPOT as the requests still running feel it,
+    # seen within the window rather than when they finish; None: no token followed another.
+    itl_p90: float | None
+    prefill_rate: float  # prompt tokens/s the prefill workers computed (remote prefill's own load)
+    prompt_p50: float | None  # the median prompt length routed in the window; None: no prompt
+    prompt_p75: float | None  # its upper quartile
     in_flight: int  # requests the router serves now
     decode_kv: float | None  # mean KV usage of the answering decode workers; None: none answered
     decode_waiting: int  # requests in the decode workers' engine queues
@@ -42,11 +48,19 @@ def measure(old: LoadSnapshot, new: LoadSnapshot) -> Window | None:
     # did not answer.
     in_flight = max(sum(w.jobs for w in prefill), sum(w.waiting_for_kv for w in decode))
     requests = max(0.0, new.requests - old.requests)
+    # Per worker, between its two answers (a worker added or removed in the window
+    # counts from or until the snapshot that saw it; one that did not answer, not at all).
+    before = {w.name: w.tokens_computed for w in old.workers if w.role == "prefill" and w.answered}
+    computed = sum(max(0, w.tokens_computed - before[w.name]) for w in new.workers
+                   if w.role == "prefill" and w.answered and w.name in before)
     return Window(
         seconds=seconds, requests=requests, request_rate=requests / seconds,
         prompt_rate=max(0.0, new.prompt_tokens - old.prompt_tokens) / seconds,
         generation_rate=max(0.0, new.generation_tokens - old.generation_tokens) / seconds,
         ttft_p90=quantile_between(old.ttft, new.ttft, 0.9), tpot_p90=quantile_between(old.tpot, new.tpot, 0.9),
+        itl_p90=quantile_between(old.itl, new.itl, 0.9), prefill_rate=computed / seconds,
+        prompt_p50=quantile_between(old.prompt_lengths, new.prompt_lengths, 0.5),
+        prompt_p75=quantile_between(old.prompt_lengths, new.prompt_lengths, 0.75),
         in_flight=new.in_flight, decode_kv=sum(answered) / len(answered) if answered else None,
         decode_waiting=sum(w.waiting for w in decode), prefill_in_flight=in_flight,
         all_answered=all(w.answered for w in decode + prefill), min_tokens=new.remote_prefill_min_tokens)

@@ -1,5 +1,6 @@
 """The scale fuzzer: a seeded schedule of scale events (random targets for both pools,
-random drain timeouts, from none to enough) on a live local deployment, while seeded
+random drain timeouts, from none to enough; those past max_workers must be refused
+with nothing changed) on a live local deployment, while seeded
 greedy requests (random token-id prompts, long enough to go to the prefill pool or
 not, random lengths, sometimes n=2) stream over HTTP. Every request must finish whole,
 with the text of its tokens alone in the colocated oracle engine: a scale event may
@@ -16,6 +17,7 @@ from typing import Any
 
 import openai
 
+from cluster.elastic import ScaleError
 from engine.detokenizer import Detokenizer
 from engine.sampling_params import SamplingParams
 from tests.fuzz.common import VOCAB, Oracle
@@ -35,9 +37,12 @@ def plan(seed: int, events: int, requests: int) -> tuple[list[tuple[float, dict[
     schedule = []
     for _ in range(events):
         targets = {}
-        if rng.random() < 0.7:
+        if rng.random() < 0.3:  # a shift at 3 workers (2P1D <-> 1P2D): drains first under max_workers 3
+            prefill = rng.randint(1, 2)
+            targets = {"prefill": prefill, "decode": 3 - prefill}
+        if not targets and rng.random() < 0.7:
             targets["decode"] = rng.randint(1, 2)
-        if rng.random() < 0.7 or not targets:
+        if not targets or (len(targets) == 1 and "decode" in targets and rng.random() < 0.7):
             targets["prefill"] = rng.randint(0, 2)
         schedule.append((rng.uniform(0.0, 1.5), targets, rng.choice([0.0, 0.3, 30.0])))
     reqs = [{"prompt": [rng.randrange(2, VOCAB) for _ in range(rng.choice([3, 12, 40, 90]))],
@@ -80,8 +85,15 @@ def run_scale_seed(seed: int, base: str, model: str, scaler: Any, oracle: Oracle
             for delay, targets, drain in schedule:
                 time.sleep(delay)
                 scaler.drain_timeout_s = drain
+                before = scaler.sizes()
                 try:
                     result = scaler.scale(**targets, reason=f"fuzz seed {seed}").as_dict()
+                except ScaleError as exc:  # targets drawn blind to the sizes: past max_workers is refused
+                    if "autoscale.max_workers" not in str(exc) or scaler.sizes() != before:
+                        run.failures.append(f"seed {seed} scale {targets}: {exc}")
+                        return
+                    run.events.append({"targets": targets, "drain": drain, "refused": str(exc)})
+                    continue
                 except Exception as exc:  # noqa: BLE001
                     run.failures.append(f"seed {seed} scale {targets} (drain {drain}): {type(exc).__name__}: {exc}")
                     return

@@ -62,6 +62,8 @@ class Sim:
     generation_tokens: float = 0.0
     ttft: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
+    itl: Histogram = field(default_factory=Histogram)
+    computed: dict[str, float] = field(default_factory=dict)  # per prefill worker, cumulative
     mute: set[str] = field(default_factory=set)  # workers whose stats reply does not come
     figures: dict[str, float] = field(default_factory=dict)  # the last advance's latencies and utilisations
 
@@ -83,15 +85,22 @@ class Sim:
         if n:
             self.ttft.observe(ttft, n)
             self.tpot.observe(tpot, n)
+            self.itl.observe(tpot, n * max(load.output_len - 1, 0))
+        # Each prefill worker computes its share of the remote prompts, up to its capacity.
+        per_worker = min(prompt_rate * remote_share / self.prefill, PREFILL_CAPACITY) if self.prefill else 0.0
+        for i in range(self.prefill):
+            self.computed[f"prefill-{i}"] = self.computed.get(f"prefill-{i}", 0.0) + per_worker * seconds
         self.figures = {"u_d": u_d, "u_p": u_p, "tpot": tpot, "ttft": ttft}
         jobs = round(4 * u_p)  # per prefill worker
         workers = [self._worker(f"decode-{i}", "decode", kv_used=min(1.0, 0.8 * u_d),
                                 waiting=max(0, round((u_d - 1) * 10)),
                                 waiting_for_kv=jobs * self.prefill // self.decode) for i in range(self.decode)]
-        workers += [self._worker(f"prefill-{i}", "prefill", jobs=jobs) for i in range(self.prefill)]
+        workers += [self._worker(f"prefill-{i}", "prefill", jobs=jobs,
+                                 tokens_computed=round(self.computed[f"prefill-{i}"])) for i in range(self.prefill)]
         in_flight = round(load.rps * (ttft + load.output_len * tpot))
         return LoadSnapshot(self.at, self.requests, self.requests, self.prompt_tokens, self.generation_tokens,
-                            in_flight, self.ttft.buckets(), self.tpot.buckets(), self.min_tokens, tuple(workers))
+                            in_flight, self.ttft.buckets(), self.tpot.buckets(), self.min_tokens, tuple(workers),
+                            self.itl.buckets())
 
     def _worker(self, name: str, role: str, **figures: float) -> WorkerLoad:
         if name in self.mute:

@@ -25,6 +25,8 @@ def test_a_full_section_loads() -> None:
         "interval_s": 1, "window_s": 3, "scale_up_cooldown_s": 0, "scale_down_cooldown_s": 5,
         "drain_timeout_s": 20, "min_tokens_max": 64}}).autoscale
     assert cfg.enabled and cfg.bounds("prefill").max == 3 and cfg.bounds("decode").max == 4
+    assert cfg.max_workers is None and cfg.total_max == 7  # no shared budget: the pools' maxima
+    assert AutoscaleConfig.from_dict({"max_workers": 5}).total_max == 5
     assert cfg.ttft_p90_s == 1.0 and isinstance(cfg.ttft_p90_s, float) and cfg.min_tokens_max == 64
     with pytest.raises(ValueError, match="no pool 'router'"):
         cfg.bounds("router")
@@ -58,6 +60,10 @@ def test_a_full_section_loads() -> None:
     ({"drain_timeout_s": 0}, "autoscale.drain_timeout_s: must be > 0, got 0"),
     ({"min_tokens_max": 0}, "autoscale.min_tokens_max: must be >= 1, got 0"),
     ({"min_tokens_max": 100.0}, "autoscale.min_tokens_max: must be an integer, got 100.0"),
+    ({"max_workers": 0}, "autoscale.max_workers: must be >= 1, got 0"),
+    ({"max_workers": "3"}, "autoscale.max_workers: must be an integer, got '3'"),
+    ({"max_workers": 2, "prefill": {"min": 1}, "decode": {"min": 2}},
+     "autoscale.max_workers: must be >= prefill.min + decode.min (3), got 2"),
 ])
 def test_mistakes_are_named_with_their_path(section: object, message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -73,6 +79,8 @@ def test_mistakes_are_named_with_their_path(section: object, message: str) -> No
     ({"prefill": {"replicas": 0}, "autoscale": {"prefill": {"min": 1}}},
      "autoscale.prefill.min: must be <= prefill.replicas (0), got 1"),
     ({"prefill": {"replicas": 9}}, "autoscale.prefill.max: must be >= prefill.replicas (9), got 8"),
+    ({"prefill": {"replicas": 2}, "decode": {"replicas": 2}, "autoscale": {"max_workers": 3}},
+     "autoscale.max_workers: must be >= prefill.replicas + decode.replicas (4), got 3"),
     ({"router": {"remote_prefill_min_tokens": 128}, "autoscale": {"min_tokens_max": 64}},
      "autoscale.min_tokens_max: must be >= router.remote_prefill_min_tokens (128), got 64"),
 ])

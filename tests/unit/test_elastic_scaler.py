@@ -111,6 +111,32 @@ def test_a_target_out_of_bounds_is_refused_and_nothing_is_done(targets, words) -
     assert backend.log == [] and router.log == []
 
 
+def budget_scaler(prefill: int, decode: int, total: int) -> tuple[PoolScaler, FakeBackend]:
+    backend, router = FakeBackend(prefill, decode), FakeRouter()
+    router.log = backend.log
+    return PoolScaler(backend, router, Bounds(prefill=(0, 3), decode=(1, 3), total=total), 5.0, poll_s=0.01), backend
+
+
+def test_a_target_beyond_max_workers_is_refused_and_nothing_is_done() -> None:
+    s, backend = budget_scaler(prefill=1, decode=2, total=3)
+    with pytest.raises(ScaleError, match=r"prefill 2 \+ decode 2 = 4 workers is beyond autoscale.max_workers \(3\)"):
+        s.scale(prefill=2)
+    assert backend.log == []
+    s.scale(prefill=2, decode=1)  # within the budget once the decode pool shrinks in the same call
+    assert s.sizes() == {"prefill": 2, "decode": 1}
+
+
+def test_at_max_workers_the_leaving_worker_drains_before_the_new_one_starts() -> None:
+    s, backend = budget_scaler(prefill=2, decode=1, total=3)
+    s.scale(prefill=1, decode=2)
+    order = [event for event in backend.log if event[0] in ("remove", "add")]
+    assert order == [("remove", "prefill-1"), ("add", "decode-11")]  # never 4 at once
+    s, backend = budget_scaler(prefill=1, decode=1, total=4)  # room for both: capacity first, as usual
+    s.scale(prefill=0, decode=2)
+    assert [event for event in backend.log if event[0] in ("remove", "add")] == [("add", "decode-11"),
+                                                                               ("remove", "prefill-0")]
+
+
 def test_up_comes_before_down_and_the_router_learns_a_worker_once_it_serves() -> None:
     s, backend, router = scaler(prefill=2, decode=1)
     result = s.scale(prefill=1, decode=2)
