@@ -1,10 +1,11 @@
 """Elastic pools under a three-phase trace (issue 22): fixed pools against pools scaled
 at runtime, by goodput under the SLOs and by the worker-seconds they used.
 
-    # the doc run: both fixed arms and the scripted reference, twice each (~7 min on 2 cores)
-    .venv/bin/python benchmarks/autoscale.py --json docs/data/autoscale-bench.json
-    # the planner's arm, added to that JSON (same trace and SLOs; its runs replaced if there; ~2.5 min)
-    .venv/bin/python benchmarks/autoscale.py --arms autoscaled --append --json docs/data/autoscale-bench.json
+    # the doc run: both fixed arms, the scripted reference and the planner, 3 times each (~16 min on 2 cores)
+    .venv/bin/python benchmarks/autoscale.py --arms 1p1d,1p2d,scripted,autoscaled --repeats 3 \
+        --max-minutes 20 --json docs/data/autoscale-bench.json
+    # the planner's arm alone, added to that JSON (same trace and SLOs; its runs replaced if there; ~4 min)
+    .venv/bin/python benchmarks/autoscale.py --arms autoscaled --repeats 3 --append --json docs/data/autoscale-bench.json
     # the SLO defaults: an unloaded 1P1D's p90 TTFT and TPOT on the trace's requests, times --slo-factor
     .venv/bin/python benchmarks/autoscale.py --calibrate
 
@@ -23,10 +24,11 @@ a time, every process of one stopped before the next starts:
   scripted    the pools set through /admin/scale at each phase's start to --script's shape
               for that phase: an oracle schedule, a reference for what a planner could reach
   autoscaled  the config's autoscale section on (the planner's SLO targets are the SLOs
-              here, its bounds --max-workers' split, its timescales short for a short trace;
-              --autoscale FILE overrides keys), starting at 1P1D
-The fixed and scripted arms never have more than --max-workers workers; the planner's
-bounds are per pool, so the autoscaled arm may (a warning says so). Worker-seconds are
+              here, autoscale.max_workers --max-workers, the pools' bounds AUTOSCALE's, its
+              timescales short for a short trace; --autoscale FILE overrides keys),
+              starting at 1P1D
+No arm has more than --max-workers workers taking work at once (a warning says if one
+did). Worker-seconds are
 measured: the router's /admin/pools every 0.5 s (every worker it lists, draining ones
 included), and the worker processes alive (those still loading included). Every run also
 records the CPU time its deployment and the rest of the machine took (a shared machine
@@ -72,9 +74,15 @@ from benchmarks.serving.server import server_model  # noqa: E402
 SLO_TTFT_S = 6.0
 SLO_TPOT_S = 0.073
 # The autoscaled arm's section: timescales short enough to act within a phase of tens of
-# seconds (the defaults are sized for minutes), bounds filled in from --max-workers.
+# seconds (the defaults are sized for minutes); max_workers and the SLO targets filled in
+# from the arguments. One prefill worker at most: on 2 cores a second only shares the
+# cores the decode worker idles on in a prefill-heavy phase, which the planner reaches
+# instead by moving remote_prefill_min_tokens (prompts to the decode worker). Prefill
+# jobs above 2 per worker queue: a step of max_num_batched_tokens 512 takes one prompt of
+# 400-800 tokens.
 AUTOSCALE = {"enabled": True, "interval_s": 1.0, "window_s": 4.0, "scale_up_cooldown_s": 4.0,
-             "scale_down_cooldown_s": 4.0, "drain_timeout_s": 5.0}
+             "scale_down_cooldown_s": 4.0, "drain_timeout_s": 5.0, "prefill_jobs_high": 2.0,
+             "prefill": {"min": 0, "max": 1}}
 # Setting up and stopping an arm's deployment, on top of its trace (for the time check).
 ARM_OVERHEAD_S = 30.0
 # Arguments that must be equal for --append to add runs to a report.
@@ -86,10 +94,8 @@ def autoscale_section(args: argparse.Namespace) -> dict[str, Any]:
     planner's targets, bounds within --max-workers (both pools together too), then
     --autoscale's keys over it."""
     decode_max = max(1, args.max_workers - 1)
-    section: dict[str, Any] = {**AUTOSCALE, "ttft_p90_s": args.slo_ttft, "tpot_p90_s": args.slo_tpot,
-                               "max_workers": args.max_workers,
-                               "prefill": {"min": 0, "max": args.max_workers - 1},
-                               "decode": {"min": 1, "max": decode_max}}
+    section: dict[str, Any] = {"decode": {"min": 1, "max": decode_max}, **AUTOSCALE, "ttft_p90_s": args.slo_ttft,
+                               "tpot_p90_s": args.slo_tpot, "max_workers": args.max_workers}
     if args.autoscale:
         extra = yaml.safe_load(Path(args.autoscale).read_text()) or {}
         if not isinstance(extra, dict):
@@ -141,7 +147,7 @@ def play(arm: Arm, trace: Trace, base: dict[str, Any], slo: tuple[float, float],
         run["scale_calls"] = scaler.calls
     if watcher.errors:
         run["sample_errors"] = watcher.errors[:10]
-    if run["max_workers"] > max_workers:  # the planner's bounds are per pool, not for both together
+    if run["max_workers"] > max_workers:  # autoscale.max_workers bounds the planner; a warning if it did not
         print(f"warning: {arm.name} ran {run['max_workers']} workers at once, beyond --max-workers {max_workers}",
               file=sys.stderr)
     if arm.autoscale is not None and not run["autoscale_decisions"] and not run["scale_events"]:

@@ -118,8 +118,10 @@ class DecodeWorker(WorkerLoop):
         return self.core.engine.has_unfinished()
 
     def poll_ms(self) -> int:
-        # Requests that only wait for their prompt's KV wait on a prefill worker (its
-        # PrefillDone wakes the poll): spinning here would take a core from it.
+        # Requests that only wait for their prompt's KV wait on a prefill worker:
+        # spinning here would take a core from it. The transport learns of a finished
+        # write at its next poll (in step()), so this adds up to WAIT_POLL_MS to a
+        # remote prefill, against a prefill of hundreds of milliseconds on a CPU.
         engine = self.core.engine
         if engine.has_runnable():
             return 0

@@ -26,7 +26,8 @@ class PlannerLoop:
 
     snapshot:        the deployment's load now (router.load.LoadSnapshot); called on the loop's thread
     scale:           (pool, target, reason) -> None: resize a pool, blocking until done; a ValueError
-                     (a size the bounds refuse, a scale already under way) is logged and skipped
+                     (a size the bounds refuse, a scale already under way) is logged and skipped, a
+                     RuntimeError (a worker that did not start) logged as an error; the pass goes on
     set_min_tokens:  the router's remote_prefill_min_tokens from now on
     record:          counts each decision (router.metrics' autoscale_decisions), whether or not it applied
     sizes:           workers taking work per pool; default: the snapshot's live, not draining ones
@@ -108,5 +109,7 @@ class PlannerLoop:
         except ValueError as exc:
             logger.warning("autoscale: %s %s to %d not applied: %s", decision.pool, decision.action,
                            decision.target, exc)
+        except RuntimeError as exc:  # ScaleFailed: a worker did not start; the pass's other decisions still go
+            logger.error("autoscale: %s %s to %d failed: %s", decision.pool, decision.action, decision.target, exc)
         finally:  # counted whatever became of it: the planner decided it
             self._record(decision)

@@ -99,8 +99,7 @@ class Planner:
         pressure = self._pressure(window, sizes)
         self._learn(window, sizes, pressure, now)
         decisions = [d for pool in ("decode", "prefill")
-                     if (d := self._pool_decision(pool, window, sizes[pool], pressure[pool], now,
-                                                  bool(pressure["decode"])))]
+                     if (d := self._pool_decision(pool, window, sizes[pool], pressure, now))]
         decisions = self._within_budget(decisions, window, sizes, pressure, now)
         router = self._router_decision(window, sizes, pressure, now)
         if router:
@@ -147,9 +146,11 @@ class Planner:
         ttft = None
         if w.ttft_p90 is not None and w.ttft_p90 > cfg.ttft_p90_s:
             ttft = ("ttft_p90", f"p90 TTFT {w.ttft_p90:.4g} s > target {cfg.ttft_p90_s:g} s")
-        # No prefill pool, or one that computed nothing: decode workers prefilled every prompt.
-        unused = sizes["prefill"] > 0 and not w.prefill_rate and not w.prefill_in_flight
-        if ttft and (cfg.prefill.max == 0 or unused):
+        # The decode workers prefilled every prompt: no prefill pool allowed, one that
+        # computed nothing, or none now while no prompt reached the threshold (a prefill
+        # worker would get none of them).
+        local = cfg.prefill.max == 0 or (w.prefill_unused if sizes["prefill"] else not w.long_prompts)
+        if ttft and local:
             decode.append(ttft)
         elif ttft and not decode:
             prefill.append(ttft)
@@ -169,9 +170,10 @@ class Planner:
             else:
                 self._capacity[pool].lift(_rate(w, pool), sizes[pool])
 
-    def _pool_decision(self, pool: str, w: Window, size: int, pressure: list[tuple[str, str]],
-                       now: float, decode_pressed: bool) -> Decision | None:
+    def _pool_decision(self, pool: str, w: Window, size: int, pressures: dict[str, list[tuple[str, str]]],
+                       now: float) -> Decision | None:
         cfg, bounds = self.config, self.config.bounds(pool)
+        pressure = pressures[pool]
         since = now - self._changed[pool]
         over, change = f" over the last {w.seconds:.0f} s", f"; {pool} {size} -> "
         if pressure:
@@ -190,7 +192,7 @@ class Planner:
                                 f"{_UNITS[pool]} projected to {projected:.1f}/s in {horizon:.0f} s needs {needed} "
                                 f"worker(s) at {self._capacity[pool].per_worker:.1f}/s each{change}{size + 1}")
             return None
-        calm = self._calm(pool, w, size, max(projected, self._trends[pool].last), decode_pressed)
+        calm = self._calm(pool, w, size, max(projected, self._trends[pool].last), pressures)
         if not calm:
             self._calm_since[pool] = None
             return None
@@ -234,9 +236,9 @@ class Planner:
         if size <= cfg.bounds(pool).min or pressure[pool] or now - self._changed[pool] < cfg.scale_up_cooldown_s:
             return ""
         rate = max(self._trends[pool].project(cfg.window_s / 2 + cfg.interval_s), self._trends[pool].last)
-        return self._calm(pool, w, size, rate, bool(pressure["decode"]))
+        return self._calm(pool, w, size, rate, pressure)
 
-    def _calm(self, pool: str, w: Window, size: int, rate: float, decode_pressed: bool = False) -> str:
+    def _calm(self, pool: str, w: Window, size: int, rate: float, pressure: dict[str, list]) -> str:
         """Why the pool could lose a worker ('' if it could not)."""
         cfg = self.config
         if not w.all_answered or size == 0:
@@ -245,7 +247,12 @@ class Planner:
         if needed is not None and needed > size - 1:
             return ""
         if pool == "decode":
-            if max(w.tpot_p90 or 0.0, w.itl_p90 or 0.0) > cfg.tpot_p90_s / 2 or (w.ttft_p90 or 0.0) > cfg.ttft_p90_s / 2:
+            # Decode answers for TTFT too, unless the breach is prefill's (then a decode
+            # worker may even go to prefill, under max_workers).
+            prefill_ttft = any(reason == "ttft_p90" for reason, _ in pressure["prefill"])
+            if max(w.tpot_p90 or 0.0, w.itl_p90 or 0.0) > cfg.tpot_p90_s / 2:
+                return ""
+            if not prefill_ttft and (w.ttft_p90 or 0.0) > cfg.ttft_p90_s / 2:
                 return ""
             if w.decode_kv is None or w.decode_kv >= cfg.kv_usage_low or w.decode_waiting:
                 return ""
@@ -253,14 +260,14 @@ class Planner:
         # Prefill answers for TTFT only, and not while decode is the bottleneck (then the
         # first tokens wait on decode, and a prefill worker more would not bring them),
         # nor while it computes nothing (every prompt was short enough to stay local).
-        unused = not w.prefill_rate and not w.prefill_in_flight
+        decode_pressed, unused = bool(pressure["decode"]), w.prefill_unused
         if not decode_pressed and not unused and (w.ttft_p90 or 0.0) > cfg.ttft_p90_s / 2:
             return ""
         if w.min_tokens > self.base_min_tokens and not unused:
             return ""  # the threshold comes back first: prefill was short of workers
         if w.prefill_in_flight > cfg.prefill_jobs_high / 2 * (size - 1):
             return ""
-        if size == 1 and (w.prefill_rate or w.prefill_in_flight):
+        if size == 1 and not unused:
             return ""  # the last one goes only when it computes nothing
         latency = ("decode the bottleneck" if decode_pressed else "prefill unused" if unused
                    else "p90 TTFT within half its target")
@@ -292,12 +299,12 @@ class Planner:
         if busy or current <= self.base_min_tokens:
             return None
         n = sizes["prefill"]
-        if n and not w.prefill_rate and not w.prefill_in_flight:
-            # Prefill computed nothing: no prompt at the raised threshold is coming, so the
-            # threshold has nothing to shift; back at once, and the pool may shrink.
+        if w.prompt_max is None or w.prompt_max <= self.base_min_tokens:
+            # No prompt of the window reached even the configured threshold: the raised one
+            # has nothing to shift. Back at once, and the prefill pool may shrink.
             return Decision("router", "set", self.base_min_tokens, "prefill_recovered",
-                            f"the prefill pool computed nothing; remote_prefill_min_tokens {current} -> "
-                            f"{self.base_min_tokens} (configured)")
+                            f"no prompt above {self.base_min_tokens} tokens in the window; "
+                            f"remote_prefill_min_tokens {current} -> {self.base_min_tokens} (configured)")
         if since < cfg.scale_down_cooldown_s:
             return None
         within = n > 0 and w.prefill_in_flight / n <= cfg.prefill_jobs_high / 2  # prefill has room

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from cluster.autoscale.planner import Decision, Planner
 from router.load import LoadSnapshot, WorkerLoad
-from router.metrics import LATENCY_BUCKETS
+from router.metrics import LATENCY_BUCKETS, PROMPT_LENGTH_BUCKETS
 
 DECODE_CAPACITY = 100.0  # generated tokens/s per decode worker
 PREFILL_CAPACITY = 1000.0  # prompt tokens/s per prefill worker
@@ -27,17 +27,19 @@ BOUNDS = (*LATENCY_BUCKETS, float("inf"))
 
 @dataclass
 class Histogram:
-    counts: list[float] = field(default_factory=lambda: [0.0] * len(BOUNDS))
+    bounds: tuple[float, ...] = BOUNDS
+    counts: list[float] = field(default_factory=list)
 
     def observe(self, value: float, n: float) -> None:
-        for i, le in enumerate(BOUNDS):
+        self.counts = self.counts or [0.0] * len(self.bounds)
+        for i, le in enumerate(self.bounds):
             if value <= le:
                 self.counts[i] += n
                 return
 
     def buckets(self) -> tuple[tuple[float, float], ...]:
         out, total = [], 0.0
-        for le, n in zip(BOUNDS, self.counts):
+        for le, n in zip(self.bounds, self.counts or [0.0] * len(self.bounds)):
             total += n
             out.append((le, total))
         return tuple(out)
@@ -63,6 +65,7 @@ class Sim:
     ttft: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
     itl: Histogram = field(default_factory=Histogram)
+    prompt_lengths: Histogram = field(default_factory=lambda: Histogram((*PROMPT_LENGTH_BUCKETS, float("inf"))))
     computed: dict[str, float] = field(default_factory=dict)  # per prefill worker, cumulative
     mute: set[str] = field(default_factory=set)  # workers whose stats reply does not come
     figures: dict[str, float] = field(default_factory=dict)  # the last advance's latencies and utilisations
@@ -86,6 +89,7 @@ class Sim:
             self.ttft.observe(ttft, n)
             self.tpot.observe(tpot, n)
             self.itl.observe(tpot, n * max(load.output_len - 1, 0))
+            self.prompt_lengths.observe(load.prompt_len, n)
         # Each prefill worker computes its share of the remote prompts, up to its capacity.
         per_worker = min(prompt_rate * remote_share / self.prefill, PREFILL_CAPACITY) if self.prefill else 0.0
         for i in range(self.prefill):
@@ -100,7 +104,7 @@ class Sim:
         in_flight = round(load.rps * (ttft + load.output_len * tpot))
         return LoadSnapshot(self.at, self.requests, self.requests, self.prompt_tokens, self.generation_tokens,
                             in_flight, self.ttft.buckets(), self.tpot.buckets(), self.min_tokens, tuple(workers),
-                            self.itl.buckets())
+                            self.itl.buckets(), self.prompt_lengths.buckets())
 
     def _worker(self, name: str, role: str, **figures: float) -> WorkerLoad:
         if name in self.mute:

@@ -74,10 +74,12 @@ def test_prefill_short_at_its_max_raises_the_threshold_then_restores_it() -> Non
     sim = Sim(prefill=2, decode=2)
     steps = drive(planner(prefill={"min": 1, "max": 2}), sim, [(200, Load(6, 1000, 4)), (600, Load(0.5, 1000, 4))])
     router = [(s.decision.target, s.decision.reason) for s in of(steps, "router")]
-    assert router == [(128, "prefill_bottleneck"), (256, "prefill_bottleneck"),
-                      (128, "prefill_recovered"), (64, "prefill_recovered")]
+    # At once to the median prompt (1000 tokens, read within its bucket: 896); then, with
+    # prompts still coming, back one halving per down-cooldown.
+    assert router == [(896, "prefill_bottleneck"), (448, "prefill_recovered"), (224, "prefill_recovered"),
+                      (112, "prefill_recovered"), (64, "prefill_recovered")]
     assert not [s for s in steps if s.decision.action == "up"]  # prefill at its max; decode never short
-    raised = of(steps, "router")[1]
+    raised = of(steps, "router")[0]
     assert raised.figures["u_p"] > 0.92 and "with prefill at its max (2)" in raised.decision.detail
     # The threshold came back before prefill lost a worker.
     assert of(steps, "prefill")[0].at > of(steps, "router")[-1].at and sim.min_tokens == 64
@@ -508,3 +510,75 @@ def test_a_prefill_worker_that_computes_nothing_is_calm_whatever_the_ttft() -> N
                                      dataclasses.replace(ttft_snapshot(t, t + 10, 64), workers=workers),
                                      {"prefill": 1, "decode": 1}, float(t))]
     assert [(d.pool, d.action, d.reason) for d in decided] == [("decode", "up", "ttft_p90")]
+
+
+def test_at_max_workers_prefill_short_takes_a_worker_from_a_calm_decode_pool() -> None:
+    """The other direction: prefill's TTFT breach must not count against decode's calm."""
+    sim = Sim(prefill=1, decode=2)
+    p = planner(max_workers=3, prefill={"min": 0, "max": 3}, decode={"min": 1, "max": 3})
+    steps = drive(p, sim, [(600, Load(2, 1000, 4))])  # 2000 prompt tokens/s on one prefill worker; decode idle
+    assert [(s.decision.pool, s.decision.action, s.decision.reason) for s in steps] == [
+        ("decode", "down", "rebalance"), ("prefill", "up", "ttft_p90")]
+    assert sim.sizes == {"prefill": 2, "decode": 1}
+
+
+def test_a_prefill_worker_that_missed_an_ask_or_restarted_is_not_read_as_unused() -> None:
+    busy = worker("p0", "prefill", tokens_computed=80_000)
+    new = snapshot(40, (busy, worker("d0", "decode")))
+    missed = snapshot(0, (WorkerLoad("p0", "prefill", live=True, draining=False, answered=False),))
+    w = measure(missed, new)
+    assert w is not None and not w.prefill_counted and not w.prefill_unused  # unknown, not idle
+    restarted = measure(snapshot(0, (worker("p0", "prefill", tokens_computed=200_000),)), new)
+    assert restarted is not None and restarted.prefill_rate == 2000 and not restarted.prefill_unused
+
+
+def test_short_prompts_and_a_slow_decode_pool_do_not_bring_the_prefill_worker_back() -> None:
+    """At prefill 0, a TTFT breach with no prompt long enough for the prefill pool is
+    decode's: a prefill worker would compute nothing, go, and come back for ever."""
+    p = planner(prefill={"min": 0, "max": 2}, decode={"min": 1, "max": 1}, scale_down_cooldown_s=60)
+    sizes = {"prefill": 1, "decode": 1}
+
+    def snap(t: float) -> LoadSnapshot:
+        n = t / 10.0  # a request every 10 s; TTFT 3-5 s; every prompt 30 tokens
+        workers = (worker("d0", "decode", kv_used=0.1),
+                   *(worker(f"p{i}", "prefill") for i in range(sizes["prefill"])))
+        return dataclasses.replace(snapshot(float(t), workers, requests=n),
+                                   ttft=((1.0, 0.0), (5.0, n), (float("inf"), n)),
+                                   prompt_lengths=((16, 0.0), (32, n), (float("inf"), n)))
+
+    history: list[LoadSnapshot] = []
+    decided = []
+    for t in range(0, 1500, 10):
+        new = snap(t)
+        history.append(new)
+        old = [s for s in history if s.at <= t - 30][-1:] or history[:1]
+        for d in p.decide(old[0], new, dict(sizes), float(t)):
+            sizes[d.pool] = d.target
+            history = [new]
+            decided.append((d.pool, d.action, d.target))
+    assert decided == [("prefill", "down", 0)]
+
+
+@pytest.mark.parametrize("other_state", ["pressed", "changed_recently", "not_calm"])
+def test_at_max_workers_a_pool_that_cannot_spare_one_keeps_it(other_state: str) -> None:
+    """Each of _spare's guards alone stops the rebalance: the other pool is a
+    bottleneck itself, was changed within an up-cooldown, or is not calm."""
+    p = planner(max_workers=3, prefill={"min": 0, "max": 2}, decode={"min": 1, "max": 2}, scale_up_cooldown_s=30)
+    sizes = {"prefill": 2, "decode": 1}
+    jobs = {"pressed": 9, "changed_recently": 0, "not_calm": 3}[other_state]  # 3 > 4 / 2 * (2 - 1): not calm
+    slow = ((0.05, 0.0), (0.5, 50.0), (float("inf"), 50.0))  # time between tokens: decode is short
+
+    def snap(t: float, p_jobs: int) -> LoadSnapshot:
+        workers = (worker("d0", "decode", kv_used=0.1), worker("p0", "prefill", jobs=p_jobs),
+                   worker("p1", "prefill", jobs=0))
+        return dataclasses.replace(snapshot(t, workers), itl=slow if t else ())
+
+    p.decide(snap(0, 0), snap(0, 0), sizes, 0.0)
+    if other_state == "changed_recently":
+        p.decide(snap(0, 0), snap(0, 0), {"prefill": 2, "decode": 1}, 20.0)  # (same sizes: nothing changes)
+        p._observe_sizes({"prefill": 2, "decode": 1}, 20.0)
+        p.applied("prefill", 20.0)  # a prefill scale took effect at 20 s
+    decided = p.decide(snap(0, 0), snap(40, jobs), sizes, 40.0)
+    assert not [d for d in decided if d.action == "up" or d.reason == "rebalance"], decided
+    calm = p.decide(snap(0, 0), snap(60, 0), sizes, 60.0)  # once it can spare one, it does
+    assert [(d.pool, d.reason) for d in calm][:2] == [("prefill", "rebalance"), ("decode", "itl_p90")]
