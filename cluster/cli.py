@@ -105,19 +105,23 @@ def _cmd_scale(args: argparse.Namespace) -> int:
     targets = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode)) if v is not None}
     key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
     url, ray_name, ray_address = args.url, None, args.ray_address
-    if url is None and Path(args.target).is_file():
+    if args.target is None and url is None:
+        raise ValueError("name the deployment: its cluster config, its Ray name, or --url")
+    if args.target is not None and Path(args.target).is_file():
         from cluster.config import load_cluster_config
 
         config = load_cluster_config(args.target)
-        if config.launcher == "ray":
+        if config.launcher == "ray" and url is None:
             ray_name, ray_address = config.ray.name, ray_address or config.ray.address
-        else:
-            url = f"http://{config.router.host}:{config.router.port}"
+        elif config.launcher != "ray":
+            url = url or f"http://{config.router.host}:{config.router.port}"
             key = key or (config.router.admin_keys or (None,))[0]  # the operator's own config: its first key
-    elif url is None:
+    elif args.target is not None:
         if Path(args.target).suffix in (".yaml", ".yml") or "/" in args.target:
             raise FileNotFoundError(f"no config file {args.target!r} (a Ray deployment's name has no '/' "
                                     "or .yaml)")
+        if url is not None:
+            raise ValueError(f"--url names a router; {args.target!r} names a Ray deployment: give one of them")
         ray_name = args.target  # not a file: a Ray deployment's name
     try:
         if ray_name is not None:
@@ -177,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     down.set_defaults(func=_cmd_down)
 
     scale = sub.add_parser("scale", help="add or remove workers of a running deployment (drains those removed)")
-    scale.add_argument("target", help="its cluster config, or the name of a Ray deployment (ray.name)")
+    scale.add_argument("target", nargs="?", default=None, help="its cluster config, or the name of a Ray "
+                       "deployment (ray.name); with --url, a config only lends its admin key")
     scale.add_argument("--prefill", type=int, default=None, help="the prefill pool's new number of workers")
     scale.add_argument("--decode", type=int, default=None, help="the decode pool's new number of workers (>= 1)")
     scale.add_argument("--url", default=None, help="the router's base URL (its admin endpoint), e.g. "

@@ -38,7 +38,9 @@ def scale_targets(body: bytes) -> dict[str, int]:
     """The pools' targets a scale request names; APIError 400 naming what is wrong."""
     try:
         data = json.loads(body or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except RecursionError:  # nesting deeper than the parser's recursion: bad input, not a 500
+        raise APIError(400, "the body is not JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
         raise APIError(400, f"the body is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise APIError(400, 'the body must be a JSON object such as {"prefill": 1, "decode": 2}')
@@ -53,6 +55,13 @@ def scale_targets(body: bytes) -> dict[str, int]:
     return data
 
 
+def _param_of(message: str, targets: dict[str, int]) -> str | None:
+    """The field a refusal names (the scaler's messages start with the pool; one past
+    max_workers names both pools, so no single field)."""
+    pool = message.partition(":")[0]
+    return pool if pool in targets else None
+
+
 async def scale(scaling: Scaling | None, body: bytes) -> dict[str, Any]:
     """Run a scale request (in a thread: it waits for workers to start and drain)."""
     targets = scale_targets(body)
@@ -62,7 +71,7 @@ async def scale(scaling: Scaling | None, body: bytes) -> dict[str, Any]:
     try:
         result = await asyncio.to_thread(scaling.scale, targets.get("prefill"), targets.get("decode"), "admin")
     except ValueError as exc:  # out of bounds: nothing was done
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), _param_of(str(exc), targets)) from None
     except RuntimeError as exc:  # a new worker did not start; those before it serve
         raise APIError(500, f"the scale request failed: {exc}", kind="internal_server_error") from None
     return result.as_dict()

@@ -62,7 +62,8 @@ def create_app(router: Router) -> FastAPI:
     app.state.limits = limits = Limits(router.config)
     app.add_middleware(HTTPGuard, keys=KeyRing(router.config.api_keys or ()), limits=limits,
                        settings=router.config, rejected=lambda status: router.metrics.rejected.labels(
-                           status=str(status)).inc(), admin_keys=KeyRing(router.config.admin_keys or ()))
+                           status=str(status)).inc(),
+                       admin_keys=KeyRing(router.config.admin_keys or (), kind="admin key"))
     if router.config.access_log:  # added last: outside the guard, whose answers it logs too
         app.add_middleware(AccessLog, keys=KeyRing(router.config.api_keys or ()))
     app.add_exception_handler(APIError, _api_error)

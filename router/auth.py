@@ -27,8 +27,9 @@ class KeyRing:
     """Who calls what: the HTTP guard (router/http_guard.py) calls identify() once per
     request that needs a key."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Iterable[str], kind: str = "API key") -> None:
         self._digests = [_digest(k) for k in keys]
+        self.kind = kind  # what its errors call a key: "API key", or "admin key" for router.admin_keys
 
     def __len__(self) -> int:
         return len(self._digests)
@@ -37,8 +38,8 @@ class KeyRing:
         """The index of the configured key the header carries; APIError(401) for a
         missing or malformed header or a key that is not configured."""
         if authorization is None:
-            raise unauthorized("You didn't provide an API key. Send it in an Authorization header using Bearer "
-                               "auth (Authorization: Bearer YOUR_KEY)", REALM)
+            raise unauthorized(f"You didn't provide an {self.kind}. Send it in an Authorization header using "
+                               "Bearer auth (Authorization: Bearer YOUR_KEY)", REALM)
         scheme, _, token = authorization.decode("latin-1").strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
@@ -50,7 +51,7 @@ class KeyRing:
             if hmac.compare_digest(presented, digest):
                 found = i
         if found < 0:
-            raise unauthorized("Incorrect API key provided", f'{REALM}, error="invalid_token"')
+            raise unauthorized(f"Incorrect {self.kind} provided", f'{REALM}, error="invalid_token"')
         return found
 
     def fingerprint(self, index: int) -> str:

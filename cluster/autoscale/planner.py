@@ -8,7 +8,8 @@ spirit of DistServe's and Dynamo's planners, one step at a time:
   streamed tokens (requests still running: seen within the window, not at their end)
   exceeds the TPOT target, the decode pool's mean KV usage exceeds kv_usage_high, or
   waiting requests per decode worker exceed queue_high: add a decode worker.
-- Prefill is the bottleneck when p90 TTFT exceeds its target while decode is not, or
+- Prefill is the bottleneck when p90 TTFT exceeds its target while decode is not (or
+  while there is no prefill worker and prompts reach the threshold), or
   remote prefills in flight per prefill worker exceed prefill_jobs_high: add a prefill
   worker. (With no prefill pool allowed, prefill.max 0, or prefill workers that
   computed nothing in the window, a TTFT breach is decode's: it prefilled them all.)
@@ -152,7 +153,9 @@ class Planner:
         local = cfg.prefill.max == 0 or (w.prefill_unused if sizes["prefill"] else not w.long_prompts)
         if ttft and local:
             decode.append(ttft)
-        elif ttft and not decode:
+        elif ttft and (not decode or not sizes["prefill"]):
+            # With no prefill worker, decode's own slowness is partly the long prompts it
+            # prefills: a prefill worker takes those off it, so prefill is short too.
             prefill.append(ttft)
         if sizes["prefill"] and w.prefill_in_flight / sizes["prefill"] > cfg.prefill_jobs_high:
             prefill.append(("prefill_jobs", f"{w.prefill_in_flight} remote prefills in flight on "

@@ -146,9 +146,15 @@ def test_bad_scale_requests_get_clear_errors_and_change_nothing(deployment) -> N
 def test_pdserve_scale_shows_the_pools_and_says_why_it_refuses(deployment, capsys, monkeypatch) -> None:
     base = deployment[0]
     monkeypatch.setenv("PDSERVE_ADMIN_KEY", ADMIN)
-    assert main(["scale", "x", "--url", base]) == 0
+    assert main(["scale", "--url", base]) == 0
     assert capsys.readouterr().out.strip() == "pdserve: prefill 1, decode 1"
-    assert main(["scale", "x", "--url", base, "--decode", "9"]) == 2
+    assert main(["scale", "--url", base, "--decode", "9"]) == 2
     assert "9 is beyond autoscale.decode.max (8)" in capsys.readouterr().err
-    assert main(["scale", "x", "--url", base, "--admin-key", API, "--decode", "2"]) == 1
+    assert main(["scale", "x", "--url", base]) == 2  # a Ray deployment's name and a router: which?
+    assert "give one of them" in capsys.readouterr().err
+    assert main(["scale", "gone.yaml", "--url", base]) == 2
+    assert "no config file 'gone.yaml'" in capsys.readouterr().err
+    assert main(["scale"]) == 2
+    assert "name the deployment" in capsys.readouterr().err
+    assert main(["scale", "--url", base, "--admin-key", API, "--decode", "2"]) == 1
     assert "refused: Incorrect admin key provided" in capsys.readouterr().err

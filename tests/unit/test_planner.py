@@ -582,3 +582,20 @@ def test_at_max_workers_a_pool_that_cannot_spare_one_keeps_it(other_state: str) 
     assert not [d for d in decided if d.action == "up" or d.reason == "rebalance"], decided
     calm = p.decide(snap(0, 0), snap(60, 0), sizes, 60.0)  # once it can spare one, it does
     assert [(d.pool, d.reason) for d in calm][:2] == [("prefill", "rebalance"), ("decode", "itl_p90")]
+
+
+def test_with_no_prefill_worker_long_prompts_bring_one_even_while_decode_is_short() -> None:
+    """Decode at its max, slow from prefilling long prompts itself: a prefill worker
+    takes them off it (the black-box run saw the planner add nothing for 35 s)."""
+    slow_tpot = ((0.25, 0.0), (0.5, 10.0), (float("inf"), 10.0))
+
+    def snap(t: float, lengths: tuple) -> LoadSnapshot:
+        return dataclasses.replace(ttft_snapshot(t, t + 10, 64), workers=(worker("d0", "decode", kv_used=0.1),),
+                                   tpot=slow_tpot if t else ((float("inf"), 0.0),), prompt_lengths=lengths)
+
+    long_, short = ((512, 0.0), (768, 20.0), (float("inf"), 20.0)), ((32, 0.0), (64, 20.0), (float("inf"), 20.0))
+    for lengths, wanted in ((long_, [("prefill", "up", "ttft_p90")]), (short, [])):
+        q = planner(prefill={"min": 0, "max": 2}, decode={"min": 1, "max": 1})
+        q.decide(snap(0, ()), snap(0, ()), {"prefill": 0, "decode": 1}, 0.0)
+        decided = q.decide(snap(0, ()), snap(30, lengths), {"prefill": 0, "decode": 1}, 30.0)
+        assert [(d.pool, d.action, d.reason) for d in decided] == wanted, lengths

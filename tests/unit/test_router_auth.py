@@ -114,3 +114,14 @@ def test_key_ring_names_the_key_by_its_position() -> None:
         assert err.value.status == 401 and err.value.code == "invalid_api_key"
     assert "_digests" in vars(ring) and all(len(d) == 32 for d in vars(ring)["_digests"])  # hashes, not keys
     assert all(KEYS[0] not in repr(v) for v in vars(ring).values())
+
+
+def test_the_admin_key_ring_says_admin_key_in_its_errors() -> None:
+    """/admin/* asks for an admin key (router.admin_keys): its 401s must not send the
+    operator looking for an API key."""
+    ring = KeyRing(["adm-secret"], kind="admin key")
+    for header, words in ((None, "You didn't provide an admin key"), (b"Bearer nope", "Incorrect admin key")):
+        with pytest.raises(APIError) as err:
+            ring.identify(header)
+        assert err.value.status == 401 and words in str(err.value)
+    assert ring.identify(b"Bearer adm-secret") == 0
