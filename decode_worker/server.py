@@ -31,7 +31,7 @@ from security import DeploymentSecret
 from workers.config import WorkerConfig
 from workers.start import engine_and_transport
 from workers.control import ControlChannel
-from workers.loop import IDLE_POLL_MS, WAIT_POLL_MS, WorkerLoop, run_worker
+from workers.loop import WorkerLoop, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -117,15 +117,12 @@ class DecodeWorker(WorkerLoop):
     def busy(self) -> bool:
         return self.core.engine.has_unfinished()
 
-    def poll_ms(self) -> int:
-        # Requests that only wait for their prompt's KV wait on a prefill worker:
-        # spinning here would take a core from it. The transport learns of a finished
-        # write at its next poll (in step()), so this adds up to WAIT_POLL_MS to a
-        # remote prefill, against a prefill of hundreds of milliseconds on a CPU.
-        engine = self.core.engine
-        if engine.has_runnable():
-            return 0
-        return WAIT_POLL_MS if engine.has_unfinished() else IDLE_POLL_MS
+    def runnable(self) -> bool:
+        # Not requests that only wait for their prompt's KV: they wait on a prefill
+        # worker. The transport learns of a finished write at its next poll (in step()),
+        # so that wait adds up to WAIT_POLL_MS to a remote prefill, against a prefill of
+        # hundreds of milliseconds on a CPU.
+        return self.core.engine.has_runnable()
 
     def handle(self, sender: bytes, msg: Message, sock: zmq.Socket) -> None:
         if isinstance(msg, Generate):

@@ -21,7 +21,7 @@ from security import DeploymentSecret
 from workers.config import WorkerConfig
 from workers.start import engine_and_transport
 from workers.control import ControlChannel
-from workers.loop import IDLE_POLL_MS, WAIT_POLL_MS, WorkerLoop, run_worker
+from workers.loop import WorkerLoop, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +65,10 @@ class PrefillWorker(WorkerLoop):
     def busy(self) -> bool:
         return bool(self.core.jobs)
 
-    def poll_ms(self) -> int:
-        # Jobs computed and only waiting for their writes to be acknowledged wait on
-        # the decode worker: look again soon, without spinning.
-        if self.core.engine.has_runnable():
-            return 0
-        return WAIT_POLL_MS if self.core.jobs else IDLE_POLL_MS
+    def runnable(self) -> bool:
+        # Not jobs computed and only waiting for their writes to be acknowledged: they
+        # wait on the decode worker.
+        return self.core.engine.has_runnable()
 
     def pending(self) -> bool:
         """Prompts running or queued in the engine (the stall watchdog's question);

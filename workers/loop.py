@@ -181,10 +181,18 @@ class WorkerLoop:
     def busy(self) -> bool:
         raise NotImplementedError
 
+    def runnable(self) -> bool:
+        """Work a step can advance now; a role whose work can also wait on another
+        process (busy() but not this) says so here."""
+        return self.busy()
+
     def poll_ms(self) -> int:
         """How long the loop may wait for a message before its next step: 0 while a
-        step has work. A role whose work can wait on another process says so here."""
-        return 0 if self.busy() else IDLE_POLL_MS
+        step has work, WAIT_POLL_MS while the work waits on another process (spinning
+        would take a core from it), IDLE_POLL_MS with none."""
+        if self.runnable():
+            return 0
+        return WAIT_POLL_MS if self.busy() else IDLE_POLL_MS
 
     def pending(self) -> bool:
         """Work a step could advance now (StallWatchdog); False: none, or only work

@@ -185,8 +185,7 @@ class Planner:
                 return Decision(pool, "up", size + 1, pressure[0][0],
                                 "; ".join(d for _, d in pressure) + f"{over}{change}{size + 1}")
             return None
-        horizon = cfg.window_s / 2 + cfg.interval_s
-        projected = self._trends[pool].project(horizon)
+        horizon, projected = self._projection(pool)
         needed = self._capacity[pool].workers_for(projected)
         if needed is not None and needed > size:
             self._calm_since[pool] = None
@@ -238,8 +237,14 @@ class Planner:
         cfg = self.config
         if size <= cfg.bounds(pool).min or pressure[pool] or now - self._changed[pool] < cfg.scale_up_cooldown_s:
             return ""
-        rate = max(self._trends[pool].project(cfg.window_s / 2 + cfg.interval_s), self._trends[pool].last)
-        return self._calm(pool, w, size, rate, pressure)
+        _, projected = self._projection(pool)
+        return self._calm(pool, w, size, max(projected, self._trends[pool].last), pressure)
+
+    def _projection(self, pool: str) -> tuple[float, float]:
+        """(horizon, the pool's rate projected that far): half a window plus one
+        interval ahead, as a window's mean rate is its middle's."""
+        horizon = self.config.window_s / 2 + self.config.interval_s
+        return horizon, self._trends[pool].project(horizon)
 
     def _calm(self, pool: str, w: Window, size: int, rate: float, pressure: dict[str, list]) -> str:
         """Why the pool could lose a worker ('' if it could not)."""
@@ -252,7 +257,7 @@ class Planner:
         if pool == "decode":
             # Decode answers for TTFT too, unless the breach is prefill's (then a decode
             # worker may even go to prefill, under max_workers).
-            prefill_ttft = any(reason == "ttft_p90" for reason, _ in pressure["prefill"])
+            prefill_ttft = _names(pressure["prefill"], "ttft_p90")
             if max(w.tpot_p90 or 0.0, w.itl_p90 or 0.0) > cfg.tpot_p90_s / 2:
                 return ""
             if not prefill_ttft and (w.ttft_p90 or 0.0) > cfg.ttft_p90_s / 2:
@@ -284,7 +289,7 @@ class Planner:
         # Only a backlog on the prefill workers makes prefill the bottleneck here: with
         # TTFT over target and the prefill pool idle, raising the threshold would only
         # starve it further (every prompt prefilled on the decode workers).
-        busy = any(reason == "prefill_jobs" for reason, _ in pressure["prefill"])
+        busy = _names(pressure["prefill"], "prefill_jobs")
         short = busy and not pressure["decode"] and sizes["prefill"] >= cfg.prefill.max
         if short and current < cfg.min_tokens_max and since >= cfg.scale_up_cooldown_s:
             # To the window's median prompt, then its upper quartile, when above: about
@@ -293,15 +298,16 @@ class Planner:
             # prompts of that length at all, and one doubling past them sends them all.
             above = [(math.ceil(q), name) for q, name in ((w.prompt_p50, "median"), (w.prompt_p75, "upper quartile"))
                      if q is not None and math.ceil(q) > current]
-            target, how = above[0] if above else (current * 2, "")
+            if above:
+                target, how = above[0][0], f"the {above[0][1]} prompt length ({above[0][0]} tokens)"
+            else:
+                target, how = current * 2, "doubled"
             target = min(target, cfg.min_tokens_max)
-            how = f"the {how} prompt length ({above[0][0]} tokens)" if above else "doubled"
             return Decision("router", "set", target, "prefill_bottleneck",
                             f"{pressure['prefill'][0][1]} with prefill at its max ({cfg.prefill.max}); "
                             f"remote_prefill_min_tokens {current} -> {target}, {how}")
         if busy or current <= self.base_min_tokens:
             return None
-        n = sizes["prefill"]
         if w.prompt_max is None or w.prompt_max <= self.base_min_tokens:
             # No prompt of the window reached even the configured threshold: the raised one
             # has nothing to shift. Back at once, and the prefill pool may shrink.
@@ -310,6 +316,7 @@ class Planner:
                             f"remote_prefill_min_tokens {current} -> {self.base_min_tokens} (configured)")
         if since < cfg.scale_down_cooldown_s:
             return None
+        n = sizes["prefill"]
         within = n > 0 and w.prefill_in_flight / n <= cfg.prefill_jobs_high / 2  # prefill has room
         if n < cfg.prefill.max or within:
             target = max(self.base_min_tokens, current // 2)
@@ -322,6 +329,11 @@ class Planner:
 
 
 _UNITS = {"prefill": "prompt tokens prefilled remotely", "decode": "generated tokens"}
+
+
+def _names(pressure: list[tuple[str, str]], reason: str) -> bool:
+    """One of the pool's pressures is `reason`."""
+    return any(r == reason for r, _ in pressure)
 
 
 def _rate(w: Window, pool: str) -> float:
