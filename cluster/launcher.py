@@ -28,9 +28,11 @@ class RouterHooks:
     """What a supervisor tells the router about workers of either pool; both are called
     from the supervisor's threads (the router's own methods hop onto its event loop)."""
 
-    def __init__(self, down: Callable[[str], None], moved: Callable[[str, str], None]) -> None:
+    def __init__(self, down: Callable[[str], None], moved: Callable[[str, str], None],
+                 silent: Callable[[str], bool] = lambda name: False) -> None:
         self.down = down  # (name): declared dead; a decode worker's requests fail over
         self.moved = moved  # (name, new ZMQ address): restarted there
+        self.silent = silent  # (name): the router declared it dead for its silence: maybe hung
 
 
 class NamedWorker(Protocol):

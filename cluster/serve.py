@@ -56,7 +56,7 @@ def build(config: ClusterConfig) -> tuple[Workers, Router]:
                             {w.name: w.address for w in workers.prefill}, workers.secret)
         router.scaler = scaler_for(config, launcher.pools(config, workers), router)
         if launcher.restarts_workers:
-            launcher.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved))
+            launcher.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved, router.silent))
     except BaseException:
         workers.stop()
         raise

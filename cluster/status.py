@@ -42,8 +42,8 @@ def _mean_batch(s: dict[str, Any]) -> str:
 DECODE_COLUMNS: tuple[tuple[str, Cell], ...] = (
     ("running", _figure("running")), ("waiting", _figure("waiting")), ("waiting_kv", _figure("waiting_for_kv")),
     ("kv_used", _kv_used), ("remote", _figure("remote")), ("local", _figure("local")),
-    ("fallbacks", _figure("fallbacks")), ("step_p50", _step_p50), ("batch", _mean_batch),
-    ("preempted", _figure("preemptions")))
+    ("fallbacks", _figure("fallbacks")), ("fenced", _figure("quarantined_blocks")), ("step_p50", _step_p50),
+    ("batch", _mean_batch), ("preempted", _figure("preemptions")))
 PREFILL_COLUMNS: tuple[tuple[str, Cell], ...] = (
     ("jobs", _figure("jobs")), ("kv_used", _kv_used), ("prefills", _figure("prefills")),
     ("blocks_sent", _figure("blocks_written")), ("failed", _figure("failed")),

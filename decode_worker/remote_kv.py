@@ -3,16 +3,25 @@
 add_request(..., remote=True) reserves blocks for the prompt and returns the
 RemotePrefill to send to a prefill worker. step() polls the transport: a Completed
 reservation makes the request runnable (its first step computes the last prompt token
-and samples); an Expired one, or prefill_failed(), falls back to prefilling locally,
-but only once the transport has Released the blocks (a one-sided write can no longer
-land in them). An abort of a request still waiting for its KV waits for the same.
+and samples).
+
+The fence. From the reservation until its KV is Completed, the blocks a prefill worker
+writes are fenced in the engine (EngineCore.fence_blocks): a step that would read one
+raises instead. A reservation given up on (Expired, the prefill worker's failure or
+death, an abort) keeps its blocks fenced and held out of the pool (hold_blocks) until
+the transport Releases them: on the sender's cancel_ack or its exit, never on a timer
+(kv_transfer/receiver.py). The request does not wait for that: it prefills locally in
+new blocks at once (EngineCore.remote_kv_failed), or ends at once (abort). A sender
+that lives but never answers so holds blocks for as long as it lives; once its held
+blocks pass QUARANTINE_LIMIT of the pool, it gets no new prompt from here
+(accepts_prompts_from), so it can never take more than that and one reservation.
 
 Should a one-sided write land after all in blocks already released (Overwritten: a
-data plane slower than the transport's bounds), their contents are unknown: step()
-tells the engine (EngineCore.invalidate_blocks: they leave the prefix cache), aborts
-every request holding one (reported among the step's finished requests, status abort),
-and lists those in `corrupted`, which the caller drains to have the router retry each
-(decode_worker/server.py).
+transport that broke the fence), their contents are unknown: step() tells the engine
+(EngineCore.invalidate_blocks: they leave the prefix cache), aborts every request
+holding one (reported among the step's finished requests, status abort), and lists
+those in `corrupted`, which the caller drains to have the router retry each
+(decode_worker/server.py). With the fence this never happens; it stays as the alarm.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 from engine.engine_core import EngineCore, StepOutput
+from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import cdiv
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -32,14 +42,30 @@ from workers.step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
+# A prefill worker whose given-up reservations hold more than this share of the pool
+# (it does not confirm them: stopped, or wedged) gets no new prompt from this worker.
+QUARANTINE_LIMIT = 0.25
+
 
 @dataclass
 class _RemoteKV:
     """A request whose prompt KV was (or is being) pushed here."""
 
-    waiting: bool = True  # for its KV: neither arrived nor Released
-    on_release: str | None = None  # what its Released does: "fallback" (the default) or "abort"
+    epoch: int
+    sender: str | None
+    first: int  # the reservation: the request's blocks [first, end)
+    end: int
+    blocks: list[int]  # their ids, fenced until Completed or Released
+    waiting: bool = True  # for its KV: it has neither arrived nor been given up on
     ready_at: float | None = None  # time.monotonic() its pushed KV completed
+
+
+@dataclass
+class _Fence:
+    """A given-up reservation's blocks, held out of the pool until Released."""
+
+    sender: str | None
+    blocks: list[KVBlock]
 
 
 class DecodeWorkerCore:
@@ -51,10 +77,11 @@ class DecodeWorkerCore:
         self.deadline_s = deadline_s
         self.block_size = engine.config.block_size
         self._remote: dict[str, _RemoteKV] = {}  # forget() drops a request's
+        self._fences: dict[tuple[str, int], _Fence] = {}  # (request, epoch) -> held blocks
         # Unique per reservation, so a late write for an earlier one under a reused
         # request id is never taken for the new one's.
         self._epochs = itertools.count(1)
-        self.stats = dict(remote=0, local=0, fallbacks=0)
+        self.stats = dict(remote=0, local=0, fallbacks=0, fenced_refusals=0)
         self.steps = StepMetrics()  # its engine steps' time and batch (stats replies)
         # Requests aborted because a late KV write overwrote blocks they hold (their KV is
         # corrupt): the caller takes them from here (and clears it) and fails each one
@@ -76,9 +103,18 @@ class DecodeWorkerCore:
         kv = self._remote.get(request_id)
         return None if kv is None else kv.ready_at
 
+    def quarantined_blocks(self, sender: str | None = None) -> int:
+        """Blocks held out of the pool for given-up reservations (of `sender`, or all)."""
+        return sum(len(f.blocks) for f in self._fences.values() if sender is None or f.sender == sender)
+
+    def accepts_prompts_from(self, sender: str) -> bool:
+        """False while `sender`'s unconfirmed reservations hold QUARANTINE_LIMIT of the
+        pool: another prompt to it could starve this worker."""
+        return self.quarantined_blocks(sender) <= QUARANTINE_LIMIT * self.engine.stats().num_blocks
+
     def forget(self, request_id: str) -> None:
         """The request has ended and been reported: drop what is kept of it (not while
-        it waits for its KV: its blocks come back through the transport)."""
+        it waits for its KV)."""
         if not self.is_waiting_for_kv(request_id):
             self._remote.pop(request_id, None)
 
@@ -87,8 +123,11 @@ class DecodeWorkerCore:
                     resumed: int = 0) -> RemotePrefill | None:
         """Queue a request. With remote=True and blocks to spare, returns what the prefill
         worker must do; None means it prefills here. `sender`: the prefill worker's
-        agent name, if known, so that its death releases the blocks at once
-        (KVTransport.peer_gone). `resumed`: EngineCore.add_request's."""
+        agent name (one-sided transports need it: they fence on it). `resumed`:
+        EngineCore.add_request's."""
+        if remote and sender is not None and not self.accepts_prompts_from(sender):
+            self.stats["fenced_refusals"] += 1
+            remote = False
         if remote and len(prompt_token_ids) >= 2:
             request = self.engine.add_remote_prefill_request(request_id, prompt_token_ids, params, priority,
                                                              resumed)
@@ -109,27 +148,40 @@ class DecodeWorkerCore:
         epoch = next(self._epochs)
         deadline = time.time() + self.deadline_s
         self.transport.expect(request_id, epoch, blocks[first:end], deadline, sender)
-        self._remote[request_id] = _RemoteKV()
+        self.engine.fence_blocks(blocks[first:end])
+        self._remote[request_id] = _RemoteKV(epoch, sender, first, end, blocks[first:end])
         self.stats["remote"] += 1
         return RemotePrefill(request_id=request_id, prompt_token_ids=list(prompt), peer=self.transport.agent_name,
                              block_ids=blocks, first_block=first, epoch=epoch, deadline=deadline,
                              session=self.transport.session)
 
+    def _give_up(self, request_id: str, abort: bool) -> list[Request]:
+        """Stop waiting for the request's pushed KV: its reserved blocks stay held and
+        fenced until Released; the request prefills locally in new blocks, or ends
+        (abort: returned)."""
+        kv = self._remote[request_id]
+        kv.waiting = False
+        held = self.engine.hold_blocks(request_id, kv.first, kv.end)
+        self._fences[(request_id, kv.epoch)] = _Fence(kv.sender, held)
+        if abort:
+            del self._remote[request_id]  # ended: nobody reports it
+            return self.engine.abort([request_id])
+        self.stats["fallbacks"] += 1
+        self.engine.remote_kv_failed(request_id)
+        return []
+
     def prefill_failed(self, request_id: str) -> None:
         """The prefill worker reported failure (or died): prefill locally instead."""
-        kv = self._remote.get(request_id)
-        if kv is not None and kv.waiting:
-            kv.on_release = kv.on_release or "fallback"
+        if self.is_waiting_for_kv(request_id):
             self.transport.abort(request_id)
+            self._give_up(request_id, abort=False)
 
     def abort(self, request_id: str) -> list[Request]:
-        """End a request; returns it if it ended now (one waiting for its KV ends once
-        its blocks are Released)."""
-        kv = self._remote.get(request_id)
-        if kv is not None and kv.waiting:
-            kv.on_release = "abort"
+        """End a request now; returns it if it was queued or running. The blocks a
+        prefill worker was writing stay fenced until the transport releases them."""
+        if self.is_waiting_for_kv(request_id):
             self.transport.abort(request_id)
-            return []
+            return self._give_up(request_id, abort=True)
         return self.engine.abort([request_id])
 
     def step(self) -> StepOutput:
@@ -137,34 +189,38 @@ class DecodeWorkerCore:
         for event in self.transport.poll():
             if isinstance(event, Overwritten):
                 ended += self._overwritten(event)
-                continue
-            kv = self._remote.get(event.req)
-            if kv is None or not kv.waiting:
-                continue
-            if isinstance(event, Completed):
-                kv.waiting, kv.ready_at = False, time.monotonic()
-                self.engine.remote_kv_arrived(event.req)
-            elif isinstance(event, Expired):
-                kv.on_release = kv.on_release or "fallback"
             elif isinstance(event, Released):
-                kv.waiting = False
-                if kv.on_release == "abort":
-                    del self._remote[event.req]  # ended: nobody reports it
-                    self.engine.abort([event.req])
-                else:
-                    self.stats["fallbacks"] += 1
-                    self.engine.remote_kv_failed(event.req)
+                self._released(event.req, event.epoch)
+            else:
+                kv = self._remote.get(event.req)
+                if kv is None or not kv.waiting or kv.epoch != event.epoch:
+                    continue
+                if isinstance(event, Completed):
+                    kv.waiting, kv.ready_at = False, time.monotonic()
+                    self.engine.unfence_blocks(kv.blocks)
+                    self.engine.remote_kv_arrived(event.req)
+                elif isinstance(event, Expired):
+                    self._give_up(event.req, abort=False)
         out = self.steps.step(self.engine) if self.engine.has_unfinished() else StepOutput()
         out.finished += ended
         return out
 
+    def _released(self, request_id: str, epoch: int) -> None:
+        """Nothing can land in the reservation's blocks any more: they go back."""
+        kv = self._remote.get(request_id)
+        if kv is not None and kv.waiting and kv.epoch == epoch:  # released before it was given up on
+            self._give_up(request_id, abort=False)
+        fence = self._fences.pop((request_id, epoch), None)
+        if fence is not None:
+            self.engine.unfence_blocks([b.block_id for b in fence.blocks])
+            self.engine.release_blocks(fence.blocks)
+
     def _overwritten(self, event: Overwritten) -> list[Request]:
         """A late write of released reservation (event.req, event.epoch) landed in
         event.blocks: whatever they hold now is unknown."""
-        # Its own request too, if it prefills locally in them now: the write's last,
-        # partial block carries whatever P's block held past the prompt, over the slots
-        # of the tokens generated here since.
         holders = self.engine.invalidate_blocks(list(event.blocks))
+        if event.fenced and not holders:  # the fence held: nobody reads them before they come back
+            return []
         logger.error("a late KV write for %s overwrote blocks %s after their release; ending the requests "
                      "holding them, for the router to retry: %s", event.req, list(event.blocks)[:16], holders)
         ended = []

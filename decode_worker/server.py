@@ -89,7 +89,7 @@ class DecodeWorker(WorkerLoop):
             for client in self.requests.values():
                 if client.prefill == name:
                     client.prefill = None
-            self.core.transport.peer_gone(name)  # Released -> local fallback (remote_kv.py)
+            self.core.transport.peer_gone(name)  # Expired -> local fallback (remote_kv.py)
         for name, address in addresses.items():
             if name not in self.prefill_addresses:
                 self.connect(name, address)
@@ -108,7 +108,12 @@ class DecodeWorker(WorkerLoop):
             if client.prefill is not None and not self.core.is_waiting_for_kv(request_id):
                 client.prefill = None
         load = Counter(c.prefill for c in self.requests.values() if c.prefill is not None)
-        name = min(self.prefill_workers, key=lambda n: (load[n], n))
+        # One whose unconfirmed writes already hold too many of our blocks gets none.
+        usable = [n for n in self.prefill_workers if self.core.accepts_prompts_from(n)]
+        if not usable:
+            self.core.stats["fenced_refusals"] += 1
+            return None
+        name = min(usable, key=lambda n: (load[n], n))
         if load[name] >= self.prefill_max_outstanding:
             self.transfer["saturated"] += 1
             return None
@@ -222,8 +227,8 @@ class DecodeWorker(WorkerLoop):
         or queued. Not requests waiting for pushed KV (their deadline bounds that), or
         for their grammar to compile (engine.grammar_compile_timeout_s bounds that), nor
         a queue that, with nothing running, waits for blocks while KV reservations are
-        open: those blocks come back by the reservation's deadline plus the transport's
-        cancel grace at the latest."""
+        open or fenced: those come back when their prefill worker confirms or exits,
+        and whether it is dead is its own watchdog's and supervisor's question."""
         stats = self.core.engine.stats()
         if stats.running:
             return True
@@ -326,8 +331,11 @@ class DecodeWorker(WorkerLoop):
         return {"name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
                 "running": engine.running, "waiting": engine.waiting, "ranks": list(engine.ranks),
                 "waiting_for_kv": len(self.core.waiting_for_kv), "preemptions": engine.preemptions,
+                "quarantined_blocks": self.core.quarantined_blocks(),
                 **self.core.stats, **self.transfer, **self.core.steps.stats(),
                 "late_writes_dropped": self.core.transport.stats["late_writes_dropped"],
+                "kv_overwritten": self.core.transport.stats["overwritten"],
+                "kv_overwritten_in_use": self.core.transport.stats["overwritten_in_use"],
                 "refused_peers": self.refused_peers(self.core.transport), **self.health(),
                 # protocol SpecDecodeStats' fields; only while speculating
                 **({"spec_decode": asdict(engine.spec)} if engine.spec is not None else {})}

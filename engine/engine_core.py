@@ -330,8 +330,19 @@ class EngineCore:
         self.scheduler.remote_kv_arrived(self.scheduler.requests[request_id])
 
     def remote_kv_failed(self, request_id: str) -> None:
-        """Prefill locally instead; only once no remote write can land any more."""
+        """Prefill locally instead, in new blocks: the request lets go of those it
+        reserved. Hold (hold_blocks) and fence any a remote write may still land in
+        first: they stay out of use until release_blocks and unfence_blocks."""
         self.scheduler.remote_kv_failed(self.scheduler.requests[request_id])
+
+    def fence_blocks(self, block_ids: list[int]) -> None:
+        """A remote KV write may land in these blocks: a step that reads one raises
+        EngineStateError instead of computing on them, until unfence_blocks."""
+        self.kv.fence(block_ids)
+
+    def unfence_blocks(self, block_ids: list[int]) -> None:
+        """Their KV is final (the write completed) or nothing can land any more."""
+        self.kv.unfence(block_ids)
 
     def invalidate_blocks(self, block_ids: list[int]) -> list[str]:
         """The contents of these KV blocks are unknown (a late remote write landed in

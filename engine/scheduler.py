@@ -10,7 +10,10 @@ latest-arriving running request is preempted: its blocks are freed and it recomp
 later (its tokens so far are kept, and its freed blocks are usually prefix-cache hits).
 
 Progress. Every block is held by one of: a running request (preemptible), a request
-whose KV a prefill worker is writing (released by its deadline at the latest), a
+whose KV a prefill worker is writing (given up at its deadline at the latest), a
+decode worker's fence over blocks a dead reservation's sender may still write (lifted
+by its cancel_ack or its exit: a live sender that never answers shrinks the pool, the
+one case where the engine waits on another process), a
 prefill worker's computed prompt (released once written out), a queued request that
 holds its blocks (`ready`: its KV arrived, or it prefills locally in them), or a step
 or KV write in flight (both end). Ready requests need no new block for their prompt
@@ -379,12 +382,15 @@ class Scheduler(ForkGroups):
             self._push_ready(request)
 
     def remote_kv_failed(self, request: Request) -> None:
-        """Prefill locally after all, in the blocks it holds, from the local prefix hits
-        it took at reservation (their KV is known good; no new lookup: the request holds
-        blocks). Call only once no remote write can land in them any more."""
+        """Prefill locally after all, in new blocks: the request lets go of the blocks
+        it reserved (a remote write may still land in those: the caller holds them out
+        of use, fenced, until it cannot) and waits like a preempted request, whose
+        admission looks the prefix cache up again."""
         self._expect_status(request, RequestStatus.WAITING_FOR_REMOTE_KV)
-        request.num_computed_tokens = request.num_cached_tokens
-        self._push_ready(request)
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = request.num_cached_tokens = 0
+        self._push_waiting(request)
 
     def _push_ready(self, request: Request) -> None:
         request.status = RequestStatus.WAITING

@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 
+from kv_transfer import liveness
 from kv_transfer.compat import IncompatiblePeerError, KVCompat
 from kv_transfer.config import TransportConfig
 from kv_transfer.control import ControlPlane, Peer
 from kv_transfer.events import Event
+from kv_transfer.messages import encode
 from kv_transfer.rank_pairs import HeadRange, plan
 from kv_transfer.receiver import ReceiverState
 from kv_transfer.sender import SenderState, Write, written_message
@@ -63,7 +65,8 @@ class KVTransport(ABC):
         self.control_address = self.control.address
         self._events: list[Event] = []  # appended to by both parts, handed out by poll()
         self.stats: dict[str, int] = dict(writes=0, writes_done=0, writes_failed=0, bytes_written=0,
-                                          descriptors=0, late_writes_dropped=0, expired=0, overwritten=0)
+                                          descriptors=0, late_writes_dropped=0, expired=0, overwritten=0,
+                                          overwritten_in_use=0)
         self.sending = SenderState(self, self.control, self.config.timeout_s, self._events, self.stats)
         self.receiving = ReceiverState(self, self.control, self.config.timeout_s, self.config.cancel_grace_s,
                                        self._events, self.stats)
@@ -220,6 +223,11 @@ class KVTransport(ABC):
             peer.socket.close(0)
             raise
         self.control.peers[name] = peer
+        # Who we are, for the receiver's fence: it keeps the blocks of a reservation it
+        # gave up on out of use until we confirm (cancel_ack) or this process is gone.
+        me = liveness.this_process()
+        peer.socket.send(encode("hello", session=self.session, pid=me.pid, start=me.start, boot=me.boot,
+                                pidns=me.pidns))
         return name
 
     def warm_up(self, name: str) -> None:
@@ -237,8 +245,9 @@ class KVTransport(ABC):
         """The process of agent `name` is gone (its supervisor says so). As sender: our
         writes to it fail now (reported once the data plane no longer reads their source
         blocks: at once, or at a later poll), and it is forgotten (add_peer it again once
-        restarted). As receiver: the reservations it was writing are released at once,
-        since a dead sender can land nothing more (no cancel_ack will come from it)."""
+        restarted). As receiver: its live reservations die (Expired) and every
+        reservation it was writing is Released once it can no longer write: at once if
+        its process has exited or cannot be checked from here (receiver.py)."""
         # First the socket (linger 0): it drops the frames still queued for the peer
         # (tcp sends them from the cache, zero-copy), so that ZMQ lets go of our source
         # blocks at once and the writes can fail (they do once it has: _source_in_use).
@@ -269,17 +278,24 @@ class KVTransport(ABC):
                sender: str | None = None) -> None:
         """Reserve `blocks` for writes of (req, epoch) until `deadline` (time.time()).
 
-        `sender` (its agent name), when known, lets an abort reach it at once."""
+        `sender`: the agent name of the one sender that may write it. A dead one-sided
+        reservation's blocks stay fenced until that sender confirms (cancel_ack) or has
+        exited; unnamed (and no write came yet), until every sender that said hello has
+        (receiver.py). The decode worker always names it."""
         self.receiving.expect(req, epoch, blocks, deadline, sender)
 
     def holds_reservations(self) -> bool:
         """D: some reserved blocks are not back yet: live reservations, or dead ones
-        waiting for Released (by deadline + cancel_grace_s at the latest)."""
+        waiting for Released (the sender's cancel_ack, or its exit)."""
         return self.receiving.holds()
 
     def abort(self, req: str) -> None:
         """Drop the reservation; Released follows once its blocks are safe to reuse."""
         self.receiving.abort(req)
+
+    def quarantined_blocks(self) -> int:
+        """D: blocks of dead reservations not yet Released (a write may still land)."""
+        return self.receiving.quarantined_blocks()
 
     # ------------------------------------------------------------------ both
 
@@ -310,7 +326,10 @@ class KVTransport(ABC):
         if msg["kind"] == "written":
             self.receiving.on_written(sender, msg, data)
         elif msg["kind"] == "cancel_ack":
-            self.receiving.release(msg["req"], msg["epoch"])
+            self.receiving.on_cancel_ack(sender.decode(), msg["req"], msg["epoch"], msg["session"])
+        elif msg["kind"] == "hello":
+            self.receiving.on_hello(sender.decode(), msg["session"], liveness.ProcessId(
+                msg["pid"], msg["start"], msg["boot"], msg["pidns"]))
         elif msg["kind"] == "join":
             self._on_join(sender.decode(), msg["session"])
 

@@ -11,11 +11,11 @@ from security import DeploymentSecret
 @dataclass(frozen=True)
 class TransportConfig:
     timeout_s: float = 10.0  # a write not acknowledged within this fails
-    # After a reservation's deadline, D releases its blocks without waiting for a
-    # cancel_ack once this has passed too (receiver.py): it must exceed the time the
-    # bytes of a write started just before the deadline can take to land. shm
-    # enforces it (a copy still running at deadline + cancel_grace_s / 2 stops); where
-    # it is not met, D reports the blocks overwritten after their release (Overwritten).
+    # How long a write started just before its reservation's deadline may keep moving
+    # bytes: shm stops a copy still running at deadline + cancel_grace_s / 2 (between
+    # chunks), so that a receiver that gave up on the reservation gets its cancel_ack
+    # soon. A latency bound only: the receiver frees those blocks on the cancel_ack or
+    # the sender's exit, never on a timer (receiver.py).
     cancel_grace_s: float = 10.0
     host: str = "127.0.0.1"  # where this agent's control socket listens
     # nixl: drive UCX from a background thread. Off, progress happens in poll(): the

@@ -199,6 +199,12 @@ class ControlPlane:
             except zmq.Again:
                 return
             sender = frames[0].bytes
+            if sender[:1] == b"\x00" or not _utf8(sender):
+                # ZMQ's own name for a connection whose identity a newer one took over
+                # (ROUTER_HANDOVER: a restarted sender): what it still delivers is from
+                # the process before, and names no agent.
+                logger.info("dropped a control message from a replaced connection")
+                continue
             msg = self.decode(sender, frames[1].bytes)
             if msg is not None:
                 yield sender, msg, frames[2:]
@@ -221,3 +227,11 @@ class ControlPlane:
         if self.guard is not None:  # its sockets too, or term() would wait for them
             self.guard.close()
         self.ctx.term()
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True

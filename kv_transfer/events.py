@@ -50,10 +50,13 @@ class Released:  # D: blocks of an aborted or expired reservation may be reused
 
 
 @dataclass(frozen=True)
-class Overwritten:  # D: a one-sided write of a released reservation landed after all
-    req: str  # the released reservation's request and epoch
+class Overwritten:  # D: a one-sided write of a reservation D had given up on landed after all
+    req: str  # the dead reservation's request and epoch
     epoch: int
     blocks: tuple[int, ...]  # the blocks it landed in: their contents are unknown now
+    # True: they were still fenced (out of use: harmless). False: already released,
+    # maybe in use (the alarm: a transport broke the fence).
+    fenced: bool = False
 
 
 Event = WriteDone | WriteFailed | Received | Completed | Expired | Released | Overwritten

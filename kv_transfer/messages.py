@@ -77,7 +77,9 @@ class Schema:
 
 # Version 2: cancel carries the reservation's deadline (the sender forgets it then).
 # Version 3: written carries its pieces (writes between TP sizes).
-CONTROL = Schema(3, {
+# Version 4: hello (the sender's process, for the receiver's fence: liveness.py), and
+# cancel_ack names the sender's session (an ack from a restarted sender is no proof).
+CONTROL = Schema(4, {
     # sender -> receiver: blocks [dst...] of (request, epoch) hold the data now (for
     # one-sided transports), or follow in this message's data frames (two-sided).
     # runs: [dst_start, count]; pieces: [dst_rank, dst_head, num_heads, whole], the heads
@@ -89,7 +91,10 @@ CONTROL = Schema(3, {
     # receiver -> sender: stop writing (request, epoch); reply cancel_ack once no write
     # of it can land any more.
     "cancel": {"req": _STR, "epoch": _INT, "deadline": _FLOAT},
-    "cancel_ack": {"req": _STR, "epoch": _INT},
+    "cancel_ack": {"req": _STR, "epoch": _INT, "session": _STR},
+    # sender -> receiver, once per connection (add_peer): who is writing, so that the
+    # receiver can tell when that process can no longer write (liveness.ProcessId).
+    "hello": {"session": _STR, "pid": _INT, "start": _INT, "boot": _STR, "pidns": _INT},
     # sender -> receiver, once per connection: set up the data plane's pairwise
     # channel (nccl). `session` is new each time the sender connects, so a restarted
     # peer (same name) rendezvouses afresh.

@@ -4,19 +4,28 @@ quarantine of dead ones, and the memory of released ones that catches a late lan
 D accepts a write only into blocks it reserved for that request and epoch, before the
 reservation's deadline. A late write (aborted, expired or unknown request, stale epoch)
 is dropped, counted and refused to P. Two-sided transports (tcp, nccl) apply every
-byte themselves, so a reservation that dies is Released at once. One-sided transports
-(shm, nixl, cuda_ipc) land bytes before D can look at them, so D keeps the blocks of an
-aborted or expired reservation out of use (quarantine) until P confirms it will write
-no more (cancel_ack), until the sender is declared gone (peer_gone), or until deadline
-+ cancel_grace_s, after which P refuses to start any write for it (P checks the
-deadline before every write, and shm again when its copy actually starts; shm also
-stops a copy still running at deadline + cancel_grace_s / 2, between two chunks).
-`Released` tells D when the blocks are safe to reuse. Should the bytes of a one-sided
-write land after all once its blocks were released (a data plane slower than those
-bounds, or a sender declared gone that was not), its notification says so: D reports
-`Overwritten` with the blocks whose contents are then unknown, for a while after the
-release (until deadline + 2 * cancel_grace_s + timeout_s, at most MAX_RELEASED
-reservations); their user must treat them as corrupt.
+byte themselves, so a reservation that dies is Released at once.
+
+One-sided transports (shm, nixl, cuda_ipc) land bytes before D can look at them, so the
+blocks of a reservation that dies (aborted, expired, its sender declared gone) are
+fenced: quarantined, out of use, until one of two things proves that no write for it
+can land any more, and never on a timer:
+- the sender's cancel_ack, which it sends only once none of its writes for that
+  (request, epoch) is still moving (sender.py), from the same process (its session,
+  announced in its hello) that the reservation was sent to. D sends the cancel when
+  the reservation dies and again every CANCEL_RESEND_S until the ack comes;
+- the sender's process no longer exists: its pid and start time (liveness.py, from
+  its hello) checked on this host at each resend, or, where that cannot be checked
+  (another host or pid namespace), its supervisor's word (peer_gone: the supervisors
+  kill a worker before declaring it gone). A sender declared gone that still runs
+  (being killed) keeps its blocks fenced until it has exited.
+A sender that lives but never answers (SIGSTOP, wedged) keeps its reservations' blocks
+out of use for as long as it lives: the decode worker serves with fewer blocks and sends
+that sender no new prompt once its quarantine would starve the pool (remote_kv.py).
+Should bytes land after all in released blocks (a bug, or a sender that broke the
+protocol), the write's notification says so: D reports `Overwritten` naming the blocks
+(it remembers released reservations for cancel_grace_s + timeout_s, at most
+MAX_RELEASED), and their user must treat them as corrupt.
 
 Who owns cancellation. Two messages stop a remote prefill; only the transport's frees
 blocks.
@@ -30,14 +39,16 @@ blocks.
   goes D's transport -> P's transport, one-sided transports only, whenever a
   reservation dies: abort() here (the decode worker aborting a request that waits for
   its KV, or falling back after P reported a failure in `prefill_done`), its expiry,
-  and again in reply to every write for a quarantined or released reservation. It
-  goes to the reservation's sender (named at expect(), else its first writer). P then
-  refuses that (request, epoch), fails its writes not yet notified once their bytes
-  have landed, and replies cancel_ack once none can land any more.
+  and again every CANCEL_RESEND_S while quarantined, and in reply to every write for a
+  quarantined or released reservation. It goes to the reservation's sender (named at
+  expect(), else its first writer; with neither, to every sender that said hello,
+  each of which must then confirm or be gone). P then refuses that (request,
+  epoch), fails its writes not yet notified once their bytes have landed, and replies
+  cancel_ack once none can land any more.
 - KVTransport.cancel(req) on P sends nothing: the prefill worker calls it whenever a
   job ends early (an abort, a failed step or write, a dead or restarted peer).
-Authoritative for freeing blocks: on D, `Released` (after cancel_ack, the sender's
-death, or deadline + cancel_grace_s; at once when two-sided), on which alone the
+Authoritative for freeing blocks: on D, `Released` (after cancel_ack or the sender's
+death; at once when two-sided), on which alone the
 decode worker frees or reuses a reserved block; on P, each write's WriteDone /
 WriteFailed, on which the prefill worker drops its hold on the source blocks. So an
 abort travels both ways on purpose: the worker `abort` stops P's compute early (for
@@ -59,6 +70,7 @@ import torch
 from kv_transfer.compat import KVCompat
 from kv_transfer.control import ControlPlane
 from kv_transfer.events import Completed, Event, Expired, Overwritten, Received, Released
+from kv_transfer.liveness import ProcessId, is_gone
 from kv_transfer.messages import encode
 from kv_transfer.rank_pairs import check_wire
 
@@ -67,6 +79,9 @@ logger = logging.getLogger(__name__)
 # D remembers at most this many released one-sided reservations (their blocks), to name
 # the blocks a write landing after all overwrote (Overwritten); the oldest go first.
 MAX_RELEASED = 4096
+# How often a quarantined reservation's cancel is sent again (a lost message, a sender
+# that was stopped), and its sender's process checked.
+CANCEL_RESEND_S = 0.5
 
 
 @dataclass
@@ -74,8 +89,18 @@ class Reservation:
     epoch: int
     blocks: set[int]
     deadline: float  # time.time()
-    sender: str | None  # agent name of the writer, once known
+    sender: str | None  # agent name of the writer (one-sided: named at expect())
     pending: set[int] = field(default_factory=set)  # reserved blocks not written yet
+    # Quarantined (one-sided): the senders whose word (cancel_ack) or exit lifts the
+    # fence, each with its hello's (session, process) when it died (None: no hello
+    # yet), which of them were declared gone, and when the cancels go out again.
+    # Unnamed (no sender known): every sender known, and any that says hello before
+    # the fence lifts.
+    waiting_on: dict[str, tuple[str, ProcessId] | None] = field(default_factory=dict)
+    declared_gone: set[str] = field(default_factory=set)
+    unnamed: bool = False
+    killed_at: float = 0.0  # time.monotonic()
+    cancel_at: float = 0.0  # time.monotonic()
 
 
 def _covered(runs: Any) -> set[int] | None:
@@ -113,6 +138,7 @@ class ReceiverState:
         self._stats = stats
         self.reservations: dict[str, Reservation] = {}  # live, by request
         self.quarantine: dict[tuple[str, int], Reservation] = {}  # dead, not yet released
+        self.senders: dict[str, tuple[str, ProcessId]] = {}  # agent name -> (session, process): hellos
         # One-sided: released (req, epoch) -> (its blocks, its deadline, until when a
         # write landing for it is reported as Overwritten), oldest first, MAX_RELEASED at most.
         self._released: OrderedDict[tuple[str, int], tuple[tuple[int, ...], float, float]] = OrderedDict()
@@ -130,6 +156,9 @@ class ReceiverState:
     def holds(self) -> bool:
         return bool(self.reservations or self.quarantine)
 
+    def quarantined_blocks(self) -> int:
+        return sum(len(r.blocks) for r in self.quarantine.values())
+
     def abort(self, req: str) -> None:
         r = self.reservations.pop(req, None)
         if r is not None:
@@ -139,12 +168,46 @@ class ReceiverState:
         if not self._plane.one_sided:  # we apply every byte ourselves: nothing can land any more
             self._events.append(Released(req, r.epoch, tuple(sorted(r.blocks))))
             return
+        r.unnamed = r.sender is None
+        r.waiting_on = dict(self.senders) if r.unnamed else {r.sender: self.senders.get(r.sender)}
+        r.killed_at = time.monotonic()
         self.quarantine[(req, r.epoch)] = r
-        if r.sender is not None:
-            self._control.send(r.sender, encode("cancel", req=req, epoch=r.epoch, deadline=r.deadline))
+        self._send_cancel(req, r)
+
+    def _send_cancel(self, req: str, r: Reservation) -> None:
+        r.cancel_at = time.monotonic() + CANCEL_RESEND_S
+        for name in r.waiting_on:
+            self._control.send(name, encode("cancel", req=req, epoch=r.epoch, deadline=r.deadline))
+
+    def on_hello(self, sender: str, session: str, proc: ProcessId) -> None:
+        """A sender connected (again): the process behind its name from now on."""
+        self.senders[sender] = (session, proc)
+        for r in self.quarantine.values():
+            if r.unnamed and sender not in r.waiting_on:  # it may have been sent the request
+                r.waiting_on[sender] = (session, proc)
+
+    def on_cancel_ack(self, sender: str, req: str, epoch: int, session: str) -> None:
+        """The sender says none of its writes for (req, epoch) can land any more. Only
+        the process the reservation's writes came from can say so."""
+        r = self.quarantine.get((req, epoch))
+        if r is None or sender not in r.waiting_on:
+            return
+        known = r.waiting_on[sender]
+        if known is not None and known[0] != session:
+            logger.warning("ignored a cancel_ack for %s/%d from another process of %s (session %s, not %s)",
+                           req, epoch, sender, session[:8], known[0][:8])
+            return
+        del r.waiting_on[sender]
+        self._lift(req, r)
+
+    def _lift(self, req: str, r: Reservation) -> None:
+        """Release `r` once no sender it waits on can write (an unnamed one: not before
+        CANCEL_RESEND_S, for the hello of a sender connecting meanwhile)."""
+        if not r.waiting_on and not (r.unnamed and time.monotonic() - r.killed_at < CANCEL_RESEND_S):
+            self.release(req, r.epoch)
 
     def release(self, req: str, epoch: int) -> None:
-        """Out of quarantine (cancel_ack, the grace passed, or the sender is gone)."""
+        """Out of quarantine: nothing can land in its blocks any more."""
         r = self.quarantine.pop((req, epoch), None)
         if r is not None:
             self._remember_released(req, r)
@@ -155,34 +218,57 @@ class ReceiverState:
         write for it whose bytes land after all is reported (Overwritten) naming them."""
         if not self._plane.one_sided:
             return
-        until = r.deadline + 2 * self._cancel_grace_s + self._timeout_s
+        until = time.time() + self._cancel_grace_s + self._timeout_s
         self._released[(req, r.epoch)] = (tuple(sorted(r.blocks)), r.deadline, until)
         self._released.move_to_end((req, r.epoch))
         while len(self._released) > MAX_RELEASED:
             self._released.popitem(last=False)
 
+    @staticmethod
+    def _cannot_write(r: Reservation, name: str) -> bool:
+        """Can sender `name` of quarantined `r` no longer write? Its process checked
+        here where possible; elsewhere, its supervisor's word (peer_gone)."""
+        known = r.waiting_on.get(name)
+        if known is not None:
+            gone = is_gone(known[1])
+            if gone is not None:
+                return gone
+        return name in r.declared_gone
+
+    def _check_senders(self, req: str, r: Reservation) -> None:
+        for name in [n for n in r.waiting_on if self._cannot_write(r, n)]:
+            del r.waiting_on[name]
+        self._lift(req, r)
+
     def peer_gone(self, name: str) -> None:
-        """Sender `name` is dead: it can land nothing more, and no cancel_ack will come."""
+        """Sender `name` is declared gone: its live reservations die (Expired: the caller
+        prefills those prompts elsewhere), and every reservation it was writing is
+        released once it can no longer write (at once if it has exited)."""
         for req, r in [(q, r) for q, r in self.reservations.items() if r.sender == name]:
             del self.reservations[req]
-            self._remember_released(req, r)
-            self._events.append(Released(req, r.epoch, tuple(sorted(r.blocks))))
-        for (req, epoch), r in list(self.quarantine.items()):
-            if r.sender == name:
-                self.release(req, epoch)
+            self._events.append(Expired(req, r.epoch))
+            self._kill(req, r)
+        for (req, _), r in list(self.quarantine.items()):
+            if name in r.waiting_on:
+                r.declared_gone.add(name)
+                self._check_senders(req, r)
 
     def expire(self, now: float) -> None:
-        """Each poll: reservations past their deadline die; quarantined ones past deadline
-        + cancel_grace_s are released (the sender refuses to start writes this late)."""
+        """Each poll: reservations past their deadline die (Expired); quarantined ones
+        whose senders have all confirmed or exited are released, the others get their
+        cancel again."""
         for req, r in list(self.reservations.items()):
             if now > r.deadline:
                 self._stats["expired"] += 1
                 del self.reservations[req]
                 self._events.append(Expired(req, r.epoch))
                 self._kill(req, r)
-        for (req, epoch), r in list(self.quarantine.items()):
-            if now > r.deadline + self._cancel_grace_s:
-                self.release(req, epoch)
+        mono = time.monotonic()
+        for (req, _), r in list(self.quarantine.items()):
+            if mono >= r.cancel_at:
+                self._check_senders(req, r)
+                if (req, r.epoch) in self.quarantine:
+                    self._send_cancel(req, r)
         for key in [k for k, (*_, until) in self._released.items() if now > until]:
             del self._released[key]
 
@@ -193,10 +279,17 @@ class ReceiverState:
         r = self.reservations.get(req)
         reason = ""
         if (req, epoch) in self.quarantine:
+            fenced = self.quarantine[(req, epoch)]
             reason = "the request was aborted or expired"
+            landed = fenced.blocks & (set(blocks) | (_covered(msg["runs"]) or set())) if self._plane.one_sided else set()
+            if landed:  # into blocks the fence keeps out of use: harmless, and said
+                self._stats["overwritten"] += 1
+                logger.warning("a write from %s for %s/%d landed after the reservation was given up, in blocks "
+                               "%s, which stay fenced until its sender confirms", sender.decode(), req, epoch,
+                               sorted(landed)[:16])
+                self._events.append(Overwritten(req, epoch, tuple(sorted(landed)), fenced=True))
             # The cancel may not have reached this sender before: repeat it.
-            self._control.send(sender, encode("cancel", req=req, epoch=epoch,
-                                              deadline=self.quarantine[(req, epoch)].deadline))
+            self._control.send(sender, encode("cancel", req=req, epoch=epoch, deadline=fenced.deadline))
         elif self._plane.one_sided and (req, epoch) in self._released:
             # Its bytes landed in blocks that may be in use again: say which, loudly.
             released, deadline, _ = self._released[(req, epoch)]
@@ -204,6 +297,7 @@ class ReceiverState:
             reason = "the request's blocks were already released"
             if landed:
                 self._stats["overwritten"] += 1
+                self._stats["overwritten_in_use"] += 1
                 logger.error("a write from %s for %s/%d landed in blocks %s after they were released: "
                              "their contents are unknown", sender.decode(), req, epoch, sorted(landed)[:16])
                 self._events.append(Overwritten(req, epoch, tuple(sorted(landed))))

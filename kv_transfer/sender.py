@@ -271,4 +271,4 @@ class SenderState:
         for key, peer in list(self._acks_due.items()):
             if not any((w.req, w.epoch) == key for w in self.writes.values() if not w.notified):
                 del self._acks_due[key]
-                peer.socket.send(encode("cancel_ack", req=key[0], epoch=key[1]))
+                peer.socket.send(encode("cancel_ack", req=key[0], epoch=key[1], session=self._control.session))

@@ -8,7 +8,9 @@ the router stops routing to it and fails its requests over (router/core.py); the
 message it sends re-admits it (a hung process that resumes; a restarted one, once its
 supervisor has told the router its new address: cluster/ray/supervisor.py on Ray,
 cluster/local/supervisor.py on one machine). The supervisor may also declare a worker
-dead at once (`kill`), when it saw the process go.
+dead at once (`kill`), when it saw the process go. A worker dead by its silence alone
+is `silent`: the local supervisor kills such a process (it may be hung, not gone), as
+the Ray supervisor kills an actor that does not answer its probe.
 
 Detection is bounded: a worker that dies is declared dead at most
 worker_timeout_s + health_interval_s after its last message.
@@ -28,23 +30,27 @@ class WorkerHealth:
         self.timeout_s = timeout_s
         self.last_heard = now  # a worker reported ready just before the router started
         self.alive = True
+        # Dead by its silence alone: maybe hung (SIGSTOP, a wedged step) rather than
+        # gone, so its supervisor kills it (a hung prefill worker holds decode workers'
+        # KV blocks fenced for as long as it lives: kv_transfer/receiver.py).
+        self.silent = False
 
     def heard(self, now: float) -> bool:
         """A message arrived from the worker. True if that re-admits a dead worker."""
         self.last_heard = max(self.last_heard, now)
         revived = not self.alive
-        self.alive = True
+        self.alive, self.silent = True, False
         return revived
 
     def kill(self) -> bool:
         """Declared dead from outside (a supervisor); True if it was alive."""
-        was_alive, self.alive = self.alive, False
+        was_alive, self.alive, self.silent = self.alive, False, False
         return was_alive
 
     def expired(self, now: float) -> bool:
         """True exactly once per death: when the worker, alive until now, has been
         silent for longer than timeout_s."""
         if self.alive and now - self.last_heard > self.timeout_s:
-            self.alive = False
+            self.alive, self.silent = False, True
             return True
         return False

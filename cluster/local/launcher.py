@@ -28,7 +28,7 @@ class LocalLauncher:
     def supervise(self, config: ClusterConfig, workers: LocalWorkers, router: RouterHooks) -> None:
         """Exited workers are reported, routed around, and started again (as Ray does)."""
         workers.supervisor = LocalSupervisor(config, workers, router.down, router.moved,
-                                             max_restarts=config.local.max_restarts)
+                                             max_restarts=config.local.max_restarts, silent=router.silent)
         workers.supervisor.start()
 
     def serve(self, config: ClusterConfig, detach: bool) -> None:
@@ -45,7 +45,7 @@ class LocalLauncher:
         http = planner = None
         try:
             http = HTTPServer(router, config.router.host, config.router.port)
-            self.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved))
+            self.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved, router.silent))
             planner = start_planner(config, router)
             print(f"pdserve: serving {config.model} at {http.url}/v1 ({len(workers.prefill)} prefill + "
                   f"{len(workers.decode)} decode workers, {config.transport} transport, local launcher); "

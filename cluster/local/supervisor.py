@@ -3,7 +3,10 @@ same on Ray, where Ray restarts the process).
 
 Every `interval_s` the thread looks for a worker process that has exited: killed, or
 given up on its own (an error it cannot recover from, a stall, a hung step: it exits
-with status 1 after telling its clients, workers/loop.py). For each:
+with status 1 after telling its clients, workers/loop.py). A process the router has
+declared dead for its silence (router.worker_timeout_s) while it still runs (stopped,
+wedged) is killed first, as the Ray supervisor kills an actor that does not answer.
+For each that exited:
 
 - down: the router is told at once (a decode worker's requests fail over without
   waiting for its health timeout), its shared-memory segment is removed, and the other
@@ -47,12 +50,14 @@ SIGTERM_GRACE_S = 2.0
 class LocalSupervisor:
     def __init__(self, config: ClusterConfig, workers: LocalWorkers, down: Callable[[str], None],
                  moved: Callable[[str, str], None], interval_s: float = 0.5, max_restarts: int = 3,
-                 start_timeout_s: float = 180.0) -> None:
+                 start_timeout_s: float = 180.0, silent: Callable[[str], bool] = lambda name: False) -> None:
         """down(name) and moved(name, new ZMQ address): what the router is told
-        (Router.worker_down / worker_moved), from this supervisor's threads."""
+        (Router.worker_down / worker_moved), from this supervisor's threads.
+        silent(name): whether the router declared it dead for its silence
+        (Router.silent): such a process is killed."""
         self.config = config
         self.workers = workers
-        self.down, self.moved = down, moved
+        self.down, self.moved, self.silent = down, moved, silent
         self.interval_s = interval_s
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
@@ -84,7 +89,10 @@ class LocalSupervisor:
             with self._lock:  # a scale-down removes workers meanwhile
                 watched = self.workers.all
             for w in watched:
-                if w.name in self.gone or w.process.is_alive() or self._stop.is_set() or not self._member(w):
+                if w.name in self.gone or self._stop.is_set() or not self._member(w):
+                    continue
+                if w.process.is_alive():
+                    self._kill_if_hung(w)
                     continue
                 if w.process.exitcode == -signal.SIGTERM and not self._grace_over(w):
                     continue  # maybe the deployment is stopping: not a crash yet
@@ -95,6 +103,20 @@ class LocalSupervisor:
                 # In its own thread: loading a model takes a while, and other
                 # workers' deaths must be reported meanwhile.
                 threading.Thread(target=self._restart, args=(w,), daemon=True, name=f"restart-{w.name}").start()
+
+    def _kill_if_hung(self, w: Worker) -> None:
+        """A process the router declared dead for its silence still runs: stopped or
+        wedged. Kill it (its exit is then handled as a crash, next pass): alive, a hung
+        prefill worker keeps decode workers' blocks fenced, and a hung worker of either
+        pool could wake and write KV into blocks given to others since."""
+        try:
+            hung = self.silent(w.name)
+        except Exception:  # the router is stopping, or too busy to answer: next pass
+            return
+        if hung and w.process.is_alive():
+            logger.warning("worker %s has not answered the router for router.worker_timeout_s but its process "
+                           "runs: killing it (a hung worker could still write KV)", w.name)
+            w.process.kill()
 
     def _member(self, w: Worker) -> bool:
         """Still in its pool (a worker scaled down is stopped, not crashed)."""

@@ -32,6 +32,11 @@ class KVCacheManager:
         # (source, destination) block ids to copy before the next step's forward: the
         # engine core takes them (take_copies) and the runner copies on every rank.
         self._copies: list[tuple[int, int]] = []
+        # Blocks a remote KV write may still land in (a decode worker's reservations
+        # in flight, and dead ones until their sender confirms): no step may read them.
+        # Per block a count, as two fences may name one block.
+        self._fences = np.zeros(num_blocks, dtype=np.int32)
+        self.num_fenced = 0  # blocks with a fence
 
     @property
     def num_free_blocks(self) -> int:
@@ -44,8 +49,31 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def block_tables(self, request_ids: list[str]) -> np.ndarray:
-        """[len(request_ids), max blocks held] int32 block ids, rows padded with 0."""
-        return self.block_table.gather(request_ids)
+        """[len(request_ids), max blocks held] int32 block ids, rows padded with 0.
+        Raises EngineStateError if any request holds a fenced block: a step must never
+        read KV that a remote write may still overwrite."""
+        table = self.block_table.gather(request_ids)
+        if self.num_fenced and len(request_ids):
+            held = np.array([len(self.req_blocks.get(r, ())) for r in request_ids])
+            hit = (self._fences[table] > 0) & (np.arange(table.shape[1])[None, :] < held[:, None])
+            if hit.any():
+                rows = np.nonzero(hit.any(axis=1))[0]
+                raise EngineStateError(f"requests {[request_ids[i] for i in rows[:4]]} hold fenced blocks "
+                                       f"{sorted(set(table[hit].tolist()))[:8]}: a remote write may still land there")
+        return table
+
+    def fence(self, block_ids: list[int]) -> None:
+        """A remote write may land in these blocks: no step reads them until unfence()."""
+        for b in block_ids:
+            self.num_fenced += int(self._fences[b] == 0)
+            self._fences[b] += 1
+
+    def unfence(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            if self._fences[b] <= 0:
+                raise EngineStateError(f"block {b} unfenced more often than fenced")
+            self._fences[b] -= 1
+            self.num_fenced -= int(self._fences[b] == 0)
 
     def _update_hashes(self, request: Request) -> None:
         request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size,

@@ -12,6 +12,7 @@ def fake_core(gone: list[str] | None = None) -> SimpleNamespace:
     """What DecodeWorker touches of its core outside a step."""
     waiting: set[str] = set()
     return SimpleNamespace(waiting_for_kv=waiting, is_waiting_for_kv=waiting.__contains__,
+                           accepts_prompts_from=lambda name: True, stats={"fenced_refusals": 0},
                            engine=SimpleNamespace(collect_kv_events=lambda max_per_block: None),
                            transport=SimpleNamespace(peer_gone=(gone if gone is not None else []).append))
 

@@ -51,7 +51,7 @@ def run(decode: DecodeWorkerCore, prefill: PrefillWorkerCore | None, prompts: li
     both workers until done; returns the finished requests."""
     outputs = {}
     for i, prompt in enumerate(prompts):
-        rp = decode.add_request(f"r{i}", prompt, GREEDY, remote=True)
+        rp = decode.add_request(f"r{i}", prompt, GREEDY, remote=True, sender="prefill")
         if rp is not None and prefill is not None:
             prefill.submit(rp)
         end = time.monotonic() + timeout
@@ -64,6 +64,16 @@ def run(decode: DecodeWorkerCore, prefill: PrefillWorkerCore | None, prompts: li
             for r in decode.step().finished:
                 outputs[r.request_id] = r
     return outputs
+
+
+def settle_fences(decode: DecodeWorkerCore, prefill: PrefillWorkerCore, timeout: float = 10.0) -> None:
+    """Step both until the prefill worker has confirmed every reservation the decode
+    worker gave up on (its blocks fenced meanwhile)."""
+    end = time.monotonic() + timeout
+    while decode.quarantined_blocks():
+        assert time.monotonic() < end, f"{decode.quarantined_blocks()} blocks stay fenced"
+        prefill.step()
+        decode.step()
 
 
 def tokens(requests: dict[str, Request]) -> dict[str, list[int]]:
@@ -98,9 +108,15 @@ def test_pushed_kv_gives_colocated_tokens(llama_dir: Path, reference, transport:
 def test_dead_prefill_worker_falls_back_to_local_prefill(llama_dir: Path, reference, transport: str) -> None:
     decode, prefill = worker_pair(llama_dir, transport, deadline_s=0.3, grace_s=0.2)
     try:
-        # No prefill worker steps: every reservation expires and decode prefills locally.
+        # No prefill worker steps: every reservation expires and decode prefills locally,
+        # at once, in other blocks.
         assert tokens(run(decode, None, PROMPTS[:3])) == {k: reference[k] for k in ("r0", "r1", "r2")}
         assert decode.stats["fallbacks"] == decode.stats["remote"] > 0
+        fenced = decode.quarantined_blocks()
+        # One-sided: the reserved blocks stay fenced while the silent prefill worker
+        # lives, and come back once it answers; two-sided: at once.
+        assert fenced > 0 if transport == "shm" else fenced == 0
+        settle_fences(decode, prefill)
         assert decode.engine.kv.num_free_blocks == decode.engine.kv.pool.num_blocks
     finally:
         decode.transport.close()

@@ -12,7 +12,7 @@ import pytest
 from decode_worker.remote_kv import DecodeWorkerCore
 from engine import LLM, SamplingParams
 from prefill_worker.remote_prefill import PrefillWorkerCore
-from tests.disagg.test_remote_prefill import GREEDY, worker_pair
+from tests.disagg.test_remote_prefill import GREEDY, settle_fences, worker_pair
 from tests.fidelity.test_hf_fidelity import random_prompts
 
 
@@ -36,15 +36,16 @@ def finish(decode: DecodeWorkerCore, prefill: PrefillWorkerCore, want: int, time
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_local_fallback_after_a_prefix_hit(llama_dir: Path, transport: str) -> None:
     """Finding 1: two concurrent remote requests share a prompt the decode cache did not
-    hold; A's KV arrives (and is cached); B's remote prefill fails. B prefills locally
-    in its own blocks: it crashed the decode worker (an assert), or under -O decoded
-    from never-written blocks."""
+    hold; A's KV arrives (and is cached); B's remote prefill fails. B prefills locally,
+    in new blocks from A's cached prefix (its reserved ones stay fenced until the
+    prefill worker confirms): it crashed the decode worker (an assert), or under -O
+    decoded from never-written blocks."""
     prompt = random_prompts([40], seed=11)[0]
     expected = oracle(llama_dir, [prompt], GREEDY)[0]
     decode, prefill = worker_pair(llama_dir, transport, grace_s=0.5)
     try:
-        rp_a = decode.add_request("A", prompt, GREEDY, remote=True)
-        assert decode.add_request("B", prompt, GREEDY, remote=True) is not None  # its message is lost
+        rp_a = decode.add_request("A", prompt, GREEDY, remote=True, sender="prefill")
+        assert decode.add_request("B", prompt, GREEDY, remote=True, sender="prefill") is not None  # message lost
         prefill.submit(rp_a)
 
         def fail_b_once_a_arrived() -> None:
@@ -52,6 +53,7 @@ def test_local_fallback_after_a_prefix_hit(llama_dir: Path, transport: str) -> N
                 decode.prefill_failed("B")
         assert finish(decode, prefill, 2, before_step=fail_b_once_a_arrived) == {"A": expected, "B": expected}
         assert decode.stats["fallbacks"] == 1
+        settle_fences(decode, prefill)  # B's reserved blocks, until the prefill worker confirms
         assert decode.engine.kv.num_free_blocks == decode.engine.kv.pool.num_blocks
     finally:
         decode.transport.close()

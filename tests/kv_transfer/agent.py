@@ -110,7 +110,7 @@ def run_agent(conn: Connection, transport: str, name: str, seed: int, timeout_s:
                 reply["xfer"] = t.write(cmd["peer"], cmd["req"], cmd["epoch"], cmd["src"], cmd["dst"],
                                         cmd["deadline"])
             elif op == "expect":
-                t.expect(**cmd)
+                t.expect(**{"sender": "prefill", **cmd})
             elif op == "abort":
                 t.abort(cmd["req"])
             elif op == "poll":

@@ -29,7 +29,7 @@ def test_the_receiver_drops_a_malformed_write_and_keeps_polling() -> None:
     receiver = cpu_agent("shm", "decode")
     sock = receiver.control.ctx.socket(zmq.DEALER)
     try:
-        receiver.expect("a", 1, [2, 3], deadline=time.time() + 60)
+        receiver.expect("a", 1, [2, 3], deadline=time.time() + 60, sender="prefill")
         sock.setsockopt(zmq.ROUTING_ID, b"prefill")
         sock.connect(receiver.control_address)
         sock.send(msgpack.packb({"v": CONTROL.version, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,

@@ -90,7 +90,7 @@ def test_a_strangers_written_message_never_arrives() -> None:
     decode = cpu_agent("shm", "decode", secret)
     ctx = zmq.Context()
     try:
-        decode.expect("a", 1, [2, 3], deadline=time.time() + 60)
+        decode.expect("a", 1, [2, 3], deadline=time.time() + 60, sender="prefill")
         for key in (None, DeploymentSecret.new()):
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)

@@ -48,7 +48,7 @@ def test_a_forged_notification_is_dropped_before_it_is_acted_on(caplog: pytest.L
     try:
         receiver.register_kv_cache(receiver.allocate_kv_cache(cache_shape(), torch.float32, "cpu"), "test-model")
         forger.add_remote_agent(msgpack.unpackb(receiver.metadata(), raw=False)["data"]["agent"])
-        receiver.expect("a", 1, [2, 3], deadline=time.time() + 60)
+        receiver.expect("a", 1, [2, 3], deadline=time.time() + 60, sender="prefill")
 
         def events_after(notification: bytes, count: int) -> list:
             forger.send_notif("decode", notification)

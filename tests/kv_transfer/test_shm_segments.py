@@ -117,7 +117,7 @@ def test_a_peers_segment_is_refused_unless_it_is_a_private_pdserve_segment(pair,
     # The receiver's own announcement passes every check, and a write lands.
     assert sender.add_peer(receiver.metadata()) == "decode"
     sender.kv_cache[3] = 5.0
-    receiver.expect("a", 1, [7], deadline=time.time() + 60)
+    receiver.expect("a", 1, [7], deadline=time.time() + 60, sender="prefill")
     sender.write("decode", "a", 1, [3], [7], deadline=time.time() + 60)
     end = time.monotonic() + 10
     while not (receiver.kv_cache[7] == 5.0).all() or not any(type(e).__name__ == "WriteDone" for e in sender.poll()):

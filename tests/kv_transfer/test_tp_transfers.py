@@ -139,7 +139,7 @@ def test_each_decode_rank_gets_exactly_its_heads(make, transport: str, kv_heads:
         cache.copy_(whole[:, start:end])
     assert prefill.t.add_peer(decode.t.metadata()) == "decode"
     for i, (_, dst) in enumerate(WRITES):
-        decode.t.expect(f"r{i}", 1, dst, deadline=time.time() + 60)
+        decode.t.expect(f"r{i}", 1, dst, deadline=time.time() + 60, sender="prefill")
     for i, (src, dst) in enumerate(WRITES):
         prefill.t.write("decode", f"r{i}", 1, src, dst, deadline=time.time() + 60)
     received: list[str] = []
@@ -191,7 +191,7 @@ def test_a_write_whose_pieces_leave_heads_unwritten_is_refused(make) -> None:
     decode = make("shm", "decode", 4, 2)
     sock = decode.t.control.ctx.socket(zmq.DEALER)
     try:
-        decode.t.expect("a", 1, [2, 3], deadline=time.time() + 60)
+        decode.t.expect("a", 1, [2, 3], deadline=time.time() + 60, sender="prefill")
         sock.setsockopt(zmq.ROUTING_ID, b"prefill")
         sock.connect(decode.t.control_address)
         sock.send(encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]],
@@ -212,7 +212,7 @@ def refusal(decode: Worker, pieces: list[list[int]], frames: list[bytes]) -> str
     socket; the reason of its refusal ("" if it accepted it)."""
     sock = decode.t.control.ctx.socket(zmq.DEALER)
     try:
-        decode.t.expect("a", 1, [2, 3], deadline=time.time() + 60)
+        decode.t.expect("a", 1, [2, 3], deadline=time.time() + 60, sender="prefill")
         sock.setsockopt(zmq.ROUTING_ID, b"prefill")
         sock.connect(decode.t.control_address)
         sock.send_multipart([encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]],
@@ -329,7 +329,7 @@ def test_nixl_refuses_peers_it_cannot_describe_and_connects_once_they_are_right(
     assert prefill.t.add_peer(good) == "decode"
     for cache in prefill.caches:
         cache.fill_(3.0)
-    decode.t.expect("a", 1, [5, 6], deadline=time.time() + 60)
+    decode.t.expect("a", 1, [5, 6], deadline=time.time() + 60, sender="prefill")
     prefill.t.write("decode", "a", 1, [1, 2], [5, 6], deadline=time.time() + 60)
     assert all(isinstance(e, WriteDone) for e in poll_until_done(prefill.t, decode.t, 1)
                if type(e).__name__.startswith("Write"))

@@ -216,7 +216,7 @@ def test_the_launcher_stops_supervising_before_draining_its_http_requests(monkey
     workers = LocalWorkers()
     workers.supervisor = Supervisor()
     monkeypatch.setattr(serve_module, "build", lambda config: (workers, type("R", (), {
-        "worker_down": None, "worker_moved": None})()))
+        "worker_down": None, "worker_moved": None, "silent": None})()))
     monkeypatch.setattr(serve_module, "HTTPServer", HTTP)
     monkeypatch.setattr(serve_module, "wait_for_signal", lambda alive: None)
     monkeypatch.setattr(serve_module, "check_port_free", lambda host, port: None)
@@ -238,3 +238,24 @@ def test_a_lone_sigterm_death_is_a_crash_after_the_grace(monkeypatch) -> None:
         serving.set()
         h.wait(lambda: not any(t.name.startswith("restart-") for t in threading.enumerate()),
                "the restart thread ended (before this test's fakes are undone)")
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_the_router_declared_dead_for_its_silence_is_killed_then_restarted(monkeypatch) -> None:
+    """A stopped or wedged process that still runs (a hung prefill worker keeps decode
+    workers' blocks fenced for as long as it lives): killed, then handled as a crash.
+    A worker the router hears from is left alone."""
+    serving = threading.Event()
+    serving.set()
+    h = Harness(monkeypatch, serving, ok=True)
+    h.workers.decode[0].process.alive = True  # both run
+    hung = {"decode-1"}
+    h.supervisor.silent = lambda name: name in hung
+    h.supervisor.start()
+    try:
+        h.wait(lambda: ("moved", "decode-1") in h.events, "decode-1 killed, reported down and restarted")
+        hung.clear()
+        assert h.events[:1] == [("down", "decode-1")] and len(h.spawned) == 1
+        assert h.workers.decode[0].process.alive  # never silent: untouched
+    finally:
+        h.supervisor.stop()

@@ -28,3 +28,16 @@ def test_a_late_timestamp_never_moves_last_heard_back() -> None:
 def test_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="timeout_s must be > 0, got 0"):
         WorkerHealth(timeout_s=0, now=0.0)
+
+
+def test_only_a_death_by_silence_marks_the_worker_silent() -> None:
+    """`silent` (the local supervisor kills such a process: it may be hung): set by the
+    timeout alone, cleared by any message or by a supervisor's own word."""
+    health = WorkerHealth(timeout_s=1.0, now=0.0)
+    assert not health.silent
+    assert health.expired(1.5) and health.silent
+    health.heard(2.0)
+    assert not health.silent
+    assert health.expired(3.5) and health.silent
+    health.kill()  # its supervisor saw it exit (or it was restarted): not hung
+    assert not health.silent and not health.alive

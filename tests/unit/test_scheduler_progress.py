@@ -25,25 +25,30 @@ def request(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
     return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def test_local_fallback_after_a_prefix_hit_resumes_in_its_own_blocks() -> None:
-    """Finding 1: two remote requests with one prompt reserve blocks while the cache is
-    cold; A's KV arrives and is cached; B's remote prefill fails. B prefills locally in
-    the blocks it holds, from its own (none) cached tokens: no prefix lookup, which
-    asserted (and under -O decoded from never-written blocks)."""
+def test_local_fallback_after_a_prefix_hit_recomputes_in_new_blocks() -> None:
+    """Finding 1, under the fence (issue 34): two remote requests with one prompt reserve
+    blocks while the cache is cold; A's KV arrives and is cached; B's remote prefill
+    fails. B lets go of its reserved blocks (the decode worker holds them, fenced: a
+    late write may still land there) and is admitted again like a preempted request:
+    its prefix comes from A's cached, known-good KV, the rest is computed in new
+    blocks, never in the fenced ones."""
     sched = make(32)
     prompt = list(range(1, 20))
     a, b = request("a", prompt), request("b", prompt)
     assert sched.reserve_for_remote_prefill(a) and sched.reserve_for_remote_prefill(b)
     b_blocks = sched.kv.block_ids("b")
+    fenced = sched.kv.hold("b", 0, len(b_blocks))
     sched.remote_kv_arrived(a)
     sched.remote_kv_failed(b)
     out = sched.schedule()
     work = {s.request.request_id: (s.start, s.num_new_tokens) for s in out.scheduled}
-    assert work == {"a": (18, 1), "b": (0, 19)}
-    assert sched.kv.block_ids("b") == b_blocks
+    assert work == {"a": (18, 1), "b": (16, 3)}
+    assert not set(sched.kv.block_ids("b")) & set(b_blocks)
     sched.update(out, [7] * out.num_samples)
     run_to_completion(sched)
     assert a.output_token_ids == b.output_token_ids == [7] * 4
+    sched.kv.free_blocks(fenced)
+    assert sched.kv.num_free_blocks == 32
 
 
 def test_a_request_holding_blocks_never_takes_prefix_hits() -> None:
