@@ -12,9 +12,12 @@ death, an abort) keeps its blocks fenced and held out of the pool (hold_blocks) 
 the transport Releases them: on the sender's cancel_ack or its exit, never on a timer
 (kv_transfer/receiver.py). The request does not wait for that: it prefills locally in
 new blocks at once (EngineCore.remote_kv_failed), or ends at once (abort). A sender
-that lives but never answers so holds blocks for as long as it lives; once its held
-blocks pass QUARANTINE_LIMIT of the pool, it gets no new prompt from here
-(accepts_prompts_from), so it can never take more than that and one reservation.
+that lives but never answers so holds blocks for as long as it lives. Once it has left
+a given-up reservation unconfirmed, it gets a new prompt from here only while its
+fenced and in-flight blocks stay within QUARANTINE_LIMIT of the pool
+(accepts_prompts_from): it can hold at most that plus one reservation, or what was in
+flight to it when its first reservation was given up (router.prefill_max_outstanding
+prompts at most), whichever is more.
 
 Should a one-sided write land after all in blocks already released (Overwritten: a
 transport that broke the fence), their contents are unknown: step() tells the engine
@@ -108,9 +111,15 @@ class DecodeWorkerCore:
         return sum(len(f.blocks) for f in self._fences.values() if sender is None or f.sender == sender)
 
     def accepts_prompts_from(self, sender: str) -> bool:
-        """False while `sender`'s unconfirmed reservations hold QUARANTINE_LIMIT of the
-        pool: another prompt to it could starve this worker."""
-        return self.quarantined_blocks(sender) <= QUARANTINE_LIMIT * self.engine.stats().num_blocks
+        """False once `sender` has left given-up reservations unconfirmed and those,
+        with its reservations in flight (which may end the same way), hold more than
+        QUARANTINE_LIMIT of the pool: another prompt to it could starve this worker. A
+        sender with none unconfirmed is not suspect, however much it has in flight."""
+        fenced = self.quarantined_blocks(sender)
+        if not fenced:
+            return True
+        in_flight = sum(len(kv.blocks) for kv in self._remote.values() if kv.waiting and kv.sender == sender)
+        return fenced + in_flight <= QUARANTINE_LIMIT * self.engine.stats().num_blocks
 
     def forget(self, request_id: str) -> None:
         """The request has ended and been reported: drop what is kept of it (not while

@@ -157,6 +157,8 @@ class DecodeWorker(WorkerLoop):
                 logger.warning("prefill of %s failed on %s: %s", request_id, prefill, msg.error)
                 self.transfer["kv_transfer_failures"] += 1
                 self.core.prefill_failed(request_id)
+            if msg.refused_epoch is not None:  # it wrote nothing: no cancel_ack needed from it
+                self.core.transport.unwritten(request_id, msg.refused_epoch, prefill)
         elif request_id in self.requests:
             self.requests[request_id].remote_compute_s = msg.compute_s
             self.requests[request_id].remote_transfer_s = msg.transfer_s

@@ -293,6 +293,11 @@ class KVTransport(ABC):
         """Drop the reservation; Released follows once its blocks are safe to reuse."""
         self.receiving.abort(req)
 
+    def unwritten(self, req: str, epoch: int, sender: str) -> None:
+        """D: `sender` refused reservation (req, epoch) before writing anything (it said
+        so over the worker plane): its blocks need no cancel_ack from it."""
+        self.receiving.unwritten(req, epoch, sender)
+
     def quarantined_blocks(self) -> int:
         """D: blocks of dead reservations not yet Released (a write may still land)."""
         return self.receiving.quarantined_blocks()

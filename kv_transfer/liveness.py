@@ -26,23 +26,24 @@ class ProcessId:
     pidns: int  # inode of /proc/self/ns/pid: pids name processes only inside one namespace
 
 
-def _read(path: str) -> str:
+def _read(path: str) -> bytes:
+    """The file's bytes (a process's name in /proc/<pid>/stat need not be UTF-8)."""
     try:
-        with open(path) as f:
+        with open(path, "rb") as f:
             return f.read().strip()
     except OSError:
-        return ""
+        return b""
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time) of a running pid, or None if there is no such process."""
-    text = _read(f"/proc/{pid}/stat")
-    if not text:
+    data = _read(f"/proc/{pid}/stat")
+    if not data:
         return None
-    # The command name (field 2) is in parentheses and may hold spaces or ')'.
-    fields = text[text.rfind(")") + 2:].split()
+    # The command name (field 2) is in parentheses and may hold spaces, ')' or any byte.
+    fields = data[data.rfind(b")") + 2:].split()
     try:
-        return fields[0], int(fields[19])
+        return fields[0].decode("ascii", "replace"), int(fields[19])
     except (IndexError, ValueError):
         return None
 
@@ -56,7 +57,8 @@ def _pidns() -> int:
 
 def this_process() -> ProcessId:
     stat = _stat(os.getpid())
-    return ProcessId(os.getpid(), stat[1] if stat else 0, _read("/proc/sys/kernel/random/boot_id"), _pidns())
+    boot = _read("/proc/sys/kernel/random/boot_id").decode("ascii", "replace")
+    return ProcessId(os.getpid(), stat[1] if stat else 0, boot, _pidns())
 
 
 def is_gone(proc: ProcessId) -> bool | None:

@@ -16,9 +16,14 @@ can land any more, and never on a timer:
   the reservation dies and again every CANCEL_RESEND_S until the ack comes;
 - the sender's process no longer exists: its pid and start time (liveness.py, from
   its hello) checked on this host at each resend, or, where that cannot be checked
-  (another host or pid namespace), its supervisor's word (peer_gone: the supervisors
-  kill a worker before declaring it gone). A sender declared gone that still runs
-  (being killed) keeps its blocks fenced until it has exited.
+  (another host or pid namespace, or no hello read yet), its supervisor's word
+  (peer_gone: the supervisors kill a worker before declaring it gone). A sender
+  declared gone that still runs (being killed) keeps its blocks fenced until it has
+  exited. A sender that says hello again under the same name (restarted) while a
+  reservation waits on that name must confirm too: it may have been sent it;
+- the sender's refusal of the request before any write (`unwritten`, on its word over
+  the worker plane: a prefill worker that has no control connection to us, whose
+  cancel_ack could never arrive, refuses the request for that reason).
 A sender that lives but never answers (SIGSTOP, wedged) keeps its reservations' blocks
 out of use for as long as it lives: the decode worker serves with fewer blocks and sends
 that sender no new prompt once its quarantine would starve the pool (remote_kv.py).
@@ -89,15 +94,22 @@ class Reservation:
     epoch: int
     blocks: set[int]
     deadline: float  # time.time()
-    sender: str | None  # agent name of the writer (one-sided: named at expect())
+    sender: str | None  # agent name of the writer: named at expect(), else its first write
     pending: set[int] = field(default_factory=set)  # reserved blocks not written yet
     # Quarantined (one-sided): the senders whose word (cancel_ack) or exit lifts the
     # fence, each with its hello's (session, process) when it died (None: no hello
     # yet), which of them were declared gone, and when the cancels go out again.
     # Unnamed (no sender known): every sender known, and any that says hello before
     # the fence lifts.
-    waiting_on: dict[str, tuple[str, ProcessId] | None] = field(default_factory=dict)
+    # Keyed (agent name, session): each process of that name that might write it (a
+    # sender that says hello again under its name, restarted, is added: it may have
+    # been sent the request); session None: no hello had come when it died.
+    waiting_on: dict[tuple[str, str | None], ProcessId | None] = field(default_factory=dict)
     declared_gone: set[str] = field(default_factory=set)
+    # A sender let go on its supervisor's word alone (not confirmed, not seen gone
+    # here): a notification after the release may then mean bytes landed late.
+    unproven: bool = False
+    landing_seen: bool = False  # a write for it landed after it died (counted once)
     unnamed: bool = False
     killed_at: float = 0.0  # time.monotonic()
     cancel_at: float = 0.0  # time.monotonic()
@@ -141,7 +153,7 @@ class ReceiverState:
         self.senders: dict[str, tuple[str, ProcessId]] = {}  # agent name -> (session, process): hellos
         # One-sided: released (req, epoch) -> (its blocks, its deadline, until when a
         # write landing for it is reported as Overwritten), oldest first, MAX_RELEASED at most.
-        self._released: OrderedDict[tuple[str, int], tuple[tuple[int, ...], float, float]] = OrderedDict()
+        self._released: OrderedDict[tuple[str, int], tuple[tuple[int, ...], float, float, bool]] = OrderedDict()
 
     def expect(self, req: str, epoch: int, blocks: Sequence[int], deadline: float, sender: str | None) -> None:
         """KVTransport.expect."""
@@ -169,75 +181,102 @@ class ReceiverState:
             self._events.append(Released(req, r.epoch, tuple(sorted(r.blocks))))
             return
         r.unnamed = r.sender is None
-        r.waiting_on = dict(self.senders) if r.unnamed else {r.sender: self.senders.get(r.sender)}
+        names = list(self.senders) if r.unnamed else [r.sender]
+        r.waiting_on = {self._incarnation(name): self.senders[name][1] if name in self.senders else None
+                        for name in names}
         r.killed_at = time.monotonic()
         self.quarantine[(req, r.epoch)] = r
         self._send_cancel(req, r)
 
+    def _incarnation(self, name: str) -> tuple[str, str | None]:
+        known = self.senders.get(name)
+        return name, known[0] if known is not None else None
+
     def _send_cancel(self, req: str, r: Reservation) -> None:
         r.cancel_at = time.monotonic() + CANCEL_RESEND_S
-        for name in r.waiting_on:
+        for name in {name for name, _ in r.waiting_on}:
             self._control.send(name, encode("cancel", req=req, epoch=r.epoch, deadline=r.deadline))
 
     def on_hello(self, sender: str, session: str, proc: ProcessId) -> None:
-        """A sender connected (again): the process behind its name from now on."""
+        """A sender connected (again): the process behind its name from now on. A
+        reservation that died waiting on that name waits on this process too: it may
+        have been sent the request before we read this hello."""
         self.senders[sender] = (session, proc)
         for r in self.quarantine.values():
-            if r.unnamed and sender not in r.waiting_on:  # it may have been sent the request
-                r.waiting_on[sender] = (session, proc)
+            if r.unnamed or r.sender == sender:
+                r.waiting_on.setdefault((sender, session), proc)
 
     def on_cancel_ack(self, sender: str, req: str, epoch: int, session: str) -> None:
-        """The sender says none of its writes for (req, epoch) can land any more. Only
-        the process the reservation's writes came from can say so."""
+        """The sender says none of its writes for (req, epoch) can land any more: it
+        speaks for its own process (its session), or for a process of its name whose
+        hello had not come when the reservation died."""
         r = self.quarantine.get((req, epoch))
-        if r is None or sender not in r.waiting_on:
+        if r is None:
             return
-        known = r.waiting_on[sender]
-        if known is not None and known[0] != session:
-            logger.warning("ignored a cancel_ack for %s/%d from another process of %s (session %s, not %s)",
-                           req, epoch, sender, session[:8], known[0][:8])
+        key = (sender, session) if (sender, session) in r.waiting_on else (sender, None)
+        if key not in r.waiting_on:
+            logger.info("a cancel_ack for %s/%d from %s (session %s) that the reservation does not wait on",
+                        req, epoch, sender, session[:8])
             return
-        del r.waiting_on[sender]
+        del r.waiting_on[key]
+        self._lift(req, r)
+
+    def unwritten(self, req: str, epoch: int, sender: str) -> None:
+        """`sender` refused reservation (req, epoch) before starting any write for it
+        (its own word, over the worker plane): it can land nothing there, even if its
+        cancel_ack cannot reach us (no control connection to it)."""
+        r = self.quarantine.get((req, epoch))
+        if r is None:
+            return
+        for key in [k for k in r.waiting_on if k[0] == sender]:
+            del r.waiting_on[key]
         self._lift(req, r)
 
     def _lift(self, req: str, r: Reservation) -> None:
         """Release `r` once no sender it waits on can write (an unnamed one: not before
         CANCEL_RESEND_S, for the hello of a sender connecting meanwhile)."""
         if not r.waiting_on and not (r.unnamed and time.monotonic() - r.killed_at < CANCEL_RESEND_S):
-            self.release(req, r.epoch)
+            self.release(req, r.epoch, proven=not r.unproven)
 
-    def release(self, req: str, epoch: int) -> None:
-        """Out of quarantine: nothing can land in its blocks any more."""
+    def release(self, req: str, epoch: int, proven: bool = False) -> None:
+        """Out of quarantine: nothing can land in its blocks any more. `proven`: every
+        sender confirmed or was seen gone, so any notification of its writes that
+        comes later tells of bytes that landed before the release (nixl's travels
+        apart from the cancel_ack, and may come after it)."""
         r = self.quarantine.pop((req, epoch), None)
         if r is not None:
-            self._remember_released(req, r)
+            self._remember_released(req, r, proven)
             self._events.append(Released(req, epoch, tuple(sorted(r.blocks))))
 
-    def _remember_released(self, req: str, r: Reservation) -> None:
+    def _remember_released(self, req: str, r: Reservation, proven: bool) -> None:
         """One-sided: keep the blocks of a released reservation for a while, so that a
         write for it whose bytes land after all is reported (Overwritten) naming them."""
         if not self._plane.one_sided:
             return
         until = time.time() + self._cancel_grace_s + self._timeout_s
-        self._released[(req, r.epoch)] = (tuple(sorted(r.blocks)), r.deadline, until)
+        self._released[(req, r.epoch)] = (tuple(sorted(r.blocks)), r.deadline, until, proven)
         self._released.move_to_end((req, r.epoch))
         while len(self._released) > MAX_RELEASED:
             self._released.popitem(last=False)
 
     @staticmethod
-    def _cannot_write(r: Reservation, name: str) -> bool:
-        """Can sender `name` of quarantined `r` no longer write? Its process checked
-        here where possible; elsewhere, its supervisor's word (peer_gone)."""
-        known = r.waiting_on.get(name)
-        if known is not None:
-            gone = is_gone(known[1])
+    def _cannot_write(r: Reservation, key: tuple[str, str | None]) -> bool:
+        """Can this process of quarantined `r`'s senders no longer write? Checked here
+        where possible; elsewhere (another host, no hello), its supervisor's word
+        (peer_gone), which both supervisors give only once they killed it."""
+        proc = r.waiting_on.get(key)
+        if proc is not None:
+            gone = is_gone(proc)
             if gone is not None:
                 return gone
-        return name in r.declared_gone
+        if key[0] in r.declared_gone:
+            r.unproven = True
+            return True
+        return False
 
     def _check_senders(self, req: str, r: Reservation) -> None:
-        for name in [n for n in r.waiting_on if self._cannot_write(r, n)]:
-            del r.waiting_on[name]
+        for key in [k for k in r.waiting_on if self._cannot_write(r, k)]:
+            del r.waiting_on[key]
         self._lift(req, r)
 
     def peer_gone(self, name: str) -> None:
@@ -249,7 +288,7 @@ class ReceiverState:
             self._events.append(Expired(req, r.epoch))
             self._kill(req, r)
         for (req, _), r in list(self.quarantine.items()):
-            if name in r.waiting_on:
+            if any(n == name for n, _ in r.waiting_on):
                 r.declared_gone.add(name)
                 self._check_senders(req, r)
 
@@ -269,7 +308,7 @@ class ReceiverState:
                 self._check_senders(req, r)
                 if (req, r.epoch) in self.quarantine:
                     self._send_cancel(req, r)
-        for key in [k for k, (*_, until) in self._released.items() if now > until]:
+        for key in [k for k, (_, _, until, _) in self._released.items() if now > until]:
             del self._released[key]
 
     def on_written(self, sender: bytes, msg: dict[str, Any], frames: list[Any]) -> None:
@@ -282,7 +321,8 @@ class ReceiverState:
             fenced = self.quarantine[(req, epoch)]
             reason = "the request was aborted or expired"
             landed = fenced.blocks & (set(blocks) | (_covered(msg["runs"]) or set())) if self._plane.one_sided else set()
-            if landed:  # into blocks the fence keeps out of use: harmless, and said
+            if landed and not fenced.landing_seen:  # into blocks the fence keeps out of use: harmless, said once
+                fenced.landing_seen = True
                 self._stats["overwritten"] += 1
                 logger.warning("a write from %s for %s/%d landed after the reservation was given up, in blocks "
                                "%s, which stay fenced until its sender confirms", sender.decode(), req, epoch,
@@ -291,11 +331,15 @@ class ReceiverState:
             # The cancel may not have reached this sender before: repeat it.
             self._control.send(sender, encode("cancel", req=req, epoch=epoch, deadline=fenced.deadline))
         elif self._plane.one_sided and (req, epoch) in self._released:
-            # Its bytes landed in blocks that may be in use again: say which, loudly.
-            released, deadline, _ = self._released[(req, epoch)]
+            released, deadline, _, proven = self._released[(req, epoch)]
             landed = set(released) & (set(blocks) | (_covered(msg["runs"]) or set()))
             reason = "the request's blocks were already released"
-            if landed:
+            if landed and proven:
+                # Its sender confirmed (or was seen gone) before the release: the bytes
+                # landed before it, and this notice took another road (nixl's UCX).
+                logger.info("a write from %s for %s/%d, released on its sender's confirmation, was notified late",
+                            sender.decode(), req, epoch)
+            elif landed:  # released on a supervisor's word: the bytes may sit in blocks in use again
                 self._stats["overwritten"] += 1
                 self._stats["overwritten_in_use"] += 1
                 logger.error("a write from %s for %s/%d landed in blocks %s after they were released: "

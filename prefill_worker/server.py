@@ -81,7 +81,8 @@ class PrefillWorker(WorkerLoop):
             try:
                 self.core.submit(msg)
             except ValueError as exc:
-                self.send(sock, sender, encode(PrefillDone(request_id=msg.request_id, error=str(exc))))
+                self.send(sock, sender, encode(PrefillDone(request_id=msg.request_id, error=str(exc),
+                                                           refused_epoch=msg.epoch)))
                 return
             self.origin[msg.request_id] = (sock, sender)
         elif isinstance(msg, Abort):

@@ -16,7 +16,7 @@ from typing import Any, Union
 import msgspec
 
 # Bump when any message changes shape: peers of another version are refused by name.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 class MessageError(ValueError):

@@ -139,6 +139,10 @@ class PrefillDone(Message, frozen=True, tag="prefill_done"):
     compute_s: float = 0.0  # submit -> prompt KV computed (queue and compute on P)
     transfer_s: float = 0.0  # computed -> last write acknowledged (writes not hidden by compute)
     bytes_written: int = 0
+    # The prefill worker refused the request before writing anything (a decode worker
+    # it has no KV connection to, a restarted one): for reservation `epoch`, no write
+    # can land, so the decode worker need not wait for a cancel_ack that could not come.
+    refused_epoch: int | None = None
 
 
 WORKER_MESSAGES = Codec(Generate, Abort, Stats, StatsReply, Tokens, Rejected, RemotePrefill, PrefillDone)

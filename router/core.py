@@ -353,7 +353,7 @@ class Router:
         """Whether the router sees the worker alive (False for one it does not know)."""
         return self.call(lambda: (client := self._find(name)) is not None and client.alive, timeout)
 
-    def silent(self, name: str, timeout: float = 30.0) -> bool:
+    def silent(self, name: str, timeout: float = 2.0) -> bool:
         """Whether the router declared the worker dead for its silence alone (no
         supervisor said it exited, and it has not answered since): maybe hung."""
         return self.call(lambda: (client := self._find(name)) is not None and client.health.silent, timeout)

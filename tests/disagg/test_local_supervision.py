@@ -5,7 +5,9 @@ wired back in, for either pool."""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ from cluster.config import ClusterConfig
 from cluster.local.supervisor import LocalSupervisor
 from cluster.local.workers import LocalWorkers, start_workers
 from engine import LLM, SamplingParams
+from protocol import Generate
 from tests.disagg.test_worker_processes import PARAMS, Client
 from tests.fidelity.test_hf_fidelity import random_prompts
 
@@ -51,10 +54,11 @@ class Supervised:
                                           lambda n, a: self.events.append(("moved", n, a)), interval_s=0.2)
         self.supervisor.start()
 
-    def wait_for(self, event: tuple, timeout: float) -> tuple:
+    def wait_for(self, event: tuple, timeout: float, after: int = 0) -> tuple:
+        """The latest event starting with `event`, among those from index `after` on."""
         end = time.monotonic() + timeout
         while True:
-            found = [e for e in self.events if e[:len(event)] == event]
+            found = [e for e in self.events[after:] if e[:len(event)] == event]
             if found:
                 return found[-1]
             assert time.monotonic() < end, f"no {event} within {timeout} s: {self.events}"
@@ -74,9 +78,9 @@ def supervised(llama_dir: Path) -> Iterator[Supervised]:
     s.startup.close()
 
 
-def back_in_service(supervised: Supervised, name: str, address: str, timeout: float = 5.0) -> str:
+def back_in_service(supervised: Supervised, name: str, address: str, timeout: float = 5.0, restart: int = 1) -> str:
     """The line saying that restarted worker `name` serves again at `address`."""
-    pattern = re.compile(rf"^{name}: back in service at {re.escape(address)}, [0-9.]+ s after restart 1 of 3$")
+    pattern = re.compile(rf"^{name}: back in service at {re.escape(address)}, [0-9.]+ s after restart {restart} of 3$")
     end = time.monotonic() + timeout
     while not any(pattern.match(line) for line in supervised.startup.lines):
         assert time.monotonic() < end, supervised.startup.lines
@@ -139,4 +143,53 @@ def test_a_killed_decode_worker_is_restarted_and_its_prefill_peer_writes_to_the_
         stats = client.stats()
         assert stats["remote"] == 2 and stats["fallbacks"] == 0
     finally:
+        client.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_prefill_worker_the_router_declares_dead_is_killed_and_its_fence_lifts(
+        supervised: Supervised, reference) -> None:
+    """SIGSTOP the prefill worker while it holds a decode worker's reservation: the
+    decode worker waits (the KV deadline is 60 s here) with those blocks reserved. Once
+    the router declares the silent worker dead (simulated here: Router.silent), the
+    supervisor kills it; the decode worker hears it is gone, prefills the prompt itself,
+    and sees from the pid and start time that nothing can land any more (and its
+    successor confirms): the fence lifts, no block stays held, and the restarted worker
+    prefills again."""
+    stopped = supervised.workers.prefill[0]
+    client = Client(supervised.workers.decode[0].address, supervised.workers.secret)
+    try:
+        remote = client.stats()["remote"]
+        os.kill(stopped.process.pid, signal.SIGSTOP)
+        client.send(Generate(request_id="s0", prompt=PROMPTS[1], params=PARAMS, remote=True, priority=0))
+        end = time.monotonic() + 10
+        while client.stats()["waiting_for_kv"] != 1:
+            assert time.monotonic() < end, "the prompt never went to the stopped prefill worker"
+            time.sleep(0.05)
+        assert client.stats()["remote"] == remote + 1
+        seen = len(supervised.events)
+        supervised.supervisor.silent = lambda name: name == stopped.name
+        supervised.wait_for(("down", stopped.name), 10, after=seen)
+        supervised.supervisor.silent = lambda name: False
+        tokens, end = [], time.monotonic() + 60
+        while True:
+            msg = client.recv(max(0.1, end - time.monotonic()))
+            assert msg.kind == "tokens", msg
+            tokens += msg.tokens
+            if msg.finished:
+                break
+        assert tokens == reference[1]
+        # Its successor, once it said hello, is waited on too (it might have been sent
+        # the prompt): it confirms once it serves.
+        _, _, address = supervised.wait_for(("moved", stopped.name), 120, after=seen)
+        back_in_service(supervised, stopped.name, address, restart=supervised.supervisor.restarts[stopped.name])
+        end = time.monotonic() + 30
+        while (stats := client.stats())["quarantined_blocks"] or stats["free_blocks"] != stats["num_blocks"]:
+            assert time.monotonic() < end, f"blocks stay held: {stats}"
+            time.sleep(0.1)
+        results = client.generate({"s1": PROMPTS[0]}, remote=True)
+        assert results["s1"]["tokens"] == reference[0] and client.stats()["remote"] == remote + 2
+    finally:
+        if stopped.process.is_alive():
+            os.kill(stopped.process.pid, signal.SIGCONT)
         client.close()

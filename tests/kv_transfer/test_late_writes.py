@@ -453,7 +453,8 @@ def test_a_one_sided_write_landing_in_released_blocks_is_reported_overwritten(ca
         received += poll_both(prefill, decode, 0.05)[1]
         assert [e for e in received if isinstance(e, Overwritten)] == [Overwritten("a", 1, (2, 3))]
         assert [type(e) for e in sent] == [WriteFailed]
-        assert sent[0].reason == "cancelled", sent[0].reason  # by the sender, or by D's abort
+        # Cancelled (by the sender, or D's abort reached it first), or refused by D.
+        assert sent[0].reason == "cancelled" or "already released" in sent[0].reason, sent[0].reason
         assert decode.stats["overwritten"] == decode.stats["overwritten_in_use"] == 1
     finally:
         gate.set()
