@@ -215,8 +215,11 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, wall_limi
     last_fp, last_change_tick, last_change_t = None, 0, time.monotonic()
 
     def resolved() -> bool:
+        # A given-up reservation's blocks stay held by D (fenced) until D's next poll
+        # after the transport released them: that must come too.
         return (i >= len(specs) and not dec_engine.has_unfinished() and not pre.jobs
-                and not pre_engine.has_unfinished() and not t_dec.receiving.quarantine and not to_p and not to_d)
+                and not pre_engine.has_unfinished() and not t_dec.receiving.quarantine
+                and not dec.quarantined_blocks() and not to_p and not to_d)
 
     while not resolved():
         # client side: aborts and scheduled fates
