@@ -349,7 +349,11 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, wall_limi
     _check_quiescent(case.seed, pre_engine, res.failures, "P ")
     if pre._held:
         res.failures.append(Failure(case.seed, "invariant", f"P still holds source blocks of {len(pre._held)} writes"))
+    if t_dec.stats.get("overwritten_in_use"):  # the fence broke: bytes landed in blocks D had let go of
+        res.failures.append(Failure(case.seed, "invariant", f"{t_dec.stats['overwritten_in_use']} writes landed in "
+                                                            "released blocks", "F3"))
     res.stats.update(fallbacks=dec.stats["fallbacks"], remote=dec.stats["remote"],
                      late_writes_dropped=t_dec.stats["late_writes_dropped"], expired=t_dec.stats["expired"],
                      p_failed=pre.stats["failed"], preemptions=dec_engine.scheduler.num_preemptions,
-                     late_landings=len(late), overwritten=t_dec.stats.get("overwritten", 0))
+                     late_landings=len(late), overwritten=t_dec.stats.get("overwritten", 0),
+                     overwritten_in_use=t_dec.stats.get("overwritten_in_use", 0))
