@@ -29,10 +29,10 @@ class RouterHooks:
     from the supervisor's threads (the router's own methods hop onto its event loop)."""
 
     def __init__(self, down: Callable[[str], None], moved: Callable[[str, str], None],
-                 silent: Callable[[str], bool] = lambda name: False) -> None:
+                 silent: Callable[[], set[str]] = set) -> None:
         self.down = down  # (name): declared dead; a decode worker's requests fail over
         self.moved = moved  # (name, new ZMQ address): restarted there
-        self.silent = silent  # (name): the router declared it dead for its silence: maybe hung
+        self.silent = silent  # (): the workers the router declared dead for their silence: maybe hung
 
 
 class NamedWorker(Protocol):

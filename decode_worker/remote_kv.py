@@ -81,6 +81,7 @@ class DecodeWorkerCore:
         self.block_size = engine.config.block_size
         self._remote: dict[str, _RemoteKV] = {}  # forget() drops a request's
         self._fences: dict[tuple[str, int], _Fence] = {}  # (request, epoch) -> held blocks
+        self._quarantine_limit = QUARANTINE_LIMIT * engine.stats().num_blocks  # blocks: the pool's size is fixed
         # Unique per reservation, so a late write for an earlier one under a reused
         # request id is never taken for the new one's.
         self._epochs = itertools.count(1)
@@ -119,7 +120,7 @@ class DecodeWorkerCore:
         if not fenced:
             return True
         in_flight = sum(len(kv.blocks) for kv in self._remote.values() if kv.waiting and kv.sender == sender)
-        return fenced + in_flight <= QUARANTINE_LIMIT * self.engine.stats().num_blocks
+        return fenced + in_flight <= self._quarantine_limit
 
     def forget(self, request_id: str) -> None:
         """The request has ended and been reported: drop what is kept of it (not while

@@ -12,6 +12,7 @@ senders always are.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -48,25 +49,28 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return None
 
 
-def _pidns() -> int:
+@functools.cache
+def _host() -> tuple[str, int]:
+    """(boot id, pid namespace) of this process: what a pid is relative to. Read once:
+    neither changes while the process runs."""
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
+        pidns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
-        return 0
+        pidns = 0
+    return _read("/proc/sys/kernel/random/boot_id").decode("ascii", "replace"), pidns
 
 
 def this_process() -> ProcessId:
     stat = _stat(os.getpid())
-    boot = _read("/proc/sys/kernel/random/boot_id").decode("ascii", "replace")
-    return ProcessId(os.getpid(), stat[1] if stat else 0, boot, _pidns())
+    return ProcessId(os.getpid(), stat[1] if stat else 0, *_host())
 
 
 def is_gone(proc: ProcessId) -> bool | None:
     """True: the process has exited (a zombie counts: it runs no code and its mappings
     are gone); False: it still runs (maybe stopped); None: it cannot be told from here
     (another host or pid namespace, or no /proc)."""
-    here = this_process()
-    if not proc.boot or proc.boot != here.boot or not proc.pidns or proc.pidns != here.pidns or not proc.start:
+    boot, pidns = _host()
+    if not proc.boot or proc.boot != boot or not proc.pidns or proc.pidns != pidns or not proc.start:
         return None
     stat = _stat(proc.pid)
     if stat is None:

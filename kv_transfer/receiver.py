@@ -182,15 +182,16 @@ class ReceiverState:
             return
         r.unnamed = r.sender is None
         names = list(self.senders) if r.unnamed else [r.sender]
-        r.waiting_on = {self._incarnation(name): self.senders[name][1] if name in self.senders else None
-                        for name in names}
+        r.waiting_on = dict(self._incarnation(name) for name in names)
         r.killed_at = time.monotonic()
         self.quarantine[(req, r.epoch)] = r
         self._send_cancel(req, r)
 
-    def _incarnation(self, name: str) -> tuple[str, str | None]:
+    def _incarnation(self, name: str) -> tuple[tuple[str, str | None], ProcessId | None]:
+        """The process of sender `name` that its last hello named, as a waiting_on
+        entry: ((name, session), process), or ((name, None), None) with no hello yet."""
         known = self.senders.get(name)
-        return name, known[0] if known is not None else None
+        return ((name, known[0]), known[1]) if known is not None else ((name, None), None)
 
     def _send_cancel(self, req: str, r: Reservation) -> None:
         r.cancel_at = time.monotonic() + CANCEL_RESEND_S

@@ -353,10 +353,10 @@ class Router:
         """Whether the router sees the worker alive (False for one it does not know)."""
         return self.call(lambda: (client := self._find(name)) is not None and client.alive, timeout)
 
-    def silent(self, name: str, timeout: float = 2.0) -> bool:
-        """Whether the router declared the worker dead for its silence alone (no
-        supervisor said it exited, and it has not answered since): maybe hung."""
-        return self.call(lambda: (client := self._find(name)) is not None and client.health.silent, timeout)
+    def silent(self, timeout: float = 2.0) -> set[str]:
+        """The workers of either pool the router declared dead for their silence alone
+        (no supervisor said they exited, and they have not answered since): maybe hung."""
+        return self.call(lambda: {w.name for w in self.workers + self.prefill if w.health.silent}, timeout)
 
     def set_remote_prefill_min_tokens(self, value: int) -> None:
         """Move conditional disaggregation's threshold (the planner, when prefill is

@@ -50,10 +50,10 @@ SIGTERM_GRACE_S = 2.0
 class LocalSupervisor:
     def __init__(self, config: ClusterConfig, workers: LocalWorkers, down: Callable[[str], None],
                  moved: Callable[[str, str], None], interval_s: float = 0.5, max_restarts: int = 3,
-                 start_timeout_s: float = 180.0, silent: Callable[[str], bool] = lambda name: False) -> None:
+                 start_timeout_s: float = 180.0, silent: Callable[[], set[str]] = set) -> None:
         """down(name) and moved(name, new ZMQ address): what the router is told
         (Router.worker_down / worker_moved), from this supervisor's threads.
-        silent(name): whether the router declared it dead for its silence
+        silent(): the workers the router declared dead for their silence
         (Router.silent): such a process is killed."""
         self.config = config
         self.workers = workers
@@ -88,11 +88,13 @@ class LocalSupervisor:
         while not self._stop.wait(self.interval_s):
             with self._lock:  # a scale-down removes workers meanwhile
                 watched = self.workers.all
+            hung = self._hung()
             for w in watched:
                 if w.name in self.gone or self._stop.is_set() or not self._member(w):
                     continue
                 if w.process.is_alive():
-                    self._kill_if_hung(w)
+                    if w.name in hung:
+                        self._kill_hung(w)
                     continue
                 if w.process.exitcode == -signal.SIGTERM and not self._grace_over(w):
                     continue  # maybe the deployment is stopping: not a crash yet
@@ -104,19 +106,21 @@ class LocalSupervisor:
                 # workers' deaths must be reported meanwhile.
                 threading.Thread(target=self._restart, args=(w,), daemon=True, name=f"restart-{w.name}").start()
 
-    def _kill_if_hung(self, w: Worker) -> None:
+    def _hung(self) -> set[str]:
+        """The workers the router declared dead for their silence, asked once a pass."""
+        try:
+            return self.silent()
+        except Exception:  # the router is stopping, or too busy to answer: next pass
+            return set()
+
+    def _kill_hung(self, w: Worker) -> None:
         """A process the router declared dead for its silence still runs: stopped or
         wedged. Kill it (its exit is then handled as a crash, next pass): alive, a hung
         prefill worker keeps decode workers' blocks fenced, and a hung worker of either
         pool could wake and write KV into blocks given to others since."""
-        try:
-            hung = self.silent(w.name)
-        except Exception:  # the router is stopping, or too busy to answer: next pass
-            return
-        if hung and w.process.is_alive():
-            logger.warning("worker %s has not answered the router for router.worker_timeout_s but its process "
-                           "runs: killing it (a hung worker could still write KV)", w.name)
-            w.process.kill()
+        logger.warning("worker %s has not answered the router for router.worker_timeout_s but its process "
+                       "runs: killing it (a hung worker could still write KV)", w.name)
+        w.process.kill()
 
     def _member(self, w: Worker) -> bool:
         """Still in its pool (a worker scaled down is stopped, not crashed)."""

@@ -250,7 +250,7 @@ def test_a_worker_the_router_declared_dead_for_its_silence_is_killed_then_restar
     h = Harness(monkeypatch, serving, ok=True)
     h.workers.decode[0].process.alive = True  # both run
     hung = {"decode-1"}
-    h.supervisor.silent = lambda name: name in hung
+    h.supervisor.silent = lambda: set(hung)
     h.supervisor.start()
     try:
         h.wait(lambda: ("moved", "decode-1") in h.events, "decode-1 killed, reported down and restarted")
