@@ -219,3 +219,14 @@ def test_no_live_decode_worker_answers_503(http) -> None:
     router.workers[0].health.alive = False  # as if it had been silent past worker_timeout_s
     r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
     assert r.status_code == 503 and "no decode worker is alive" in r.json()["error"]["message"]
+
+
+def test_silent_names_the_workers_declared_dead_for_their_silence_alone(http) -> None:
+    """What the local supervisor asks once a pass (it kills those processes)."""
+    _, router = http
+    assert router.silent() == set()
+    worker = router.workers[0]
+    assert worker.health.expired(worker.health.last_heard + worker.health.timeout_s + 1)
+    assert router.silent() == {worker.name}
+    worker.health.kill()  # a supervisor's own word (it saw the process exit): not hung
+    assert router.silent() == set()
