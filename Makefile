@@ -16,7 +16,7 @@ NVIDIA_GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || test -e /dev/nvid
 TORCH_INDEX ?= $(if $(NVIDIA_GPU),,https://download.pytorch.org/whl/cpu)
 TORCH := torch==2.13.0$(if $(TORCH_INDEX), --extra-index-url $(TORCH_INDEX))
 
-.PHONY: install model test serve generate bench clean
+.PHONY: install model lint test serve generate bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,11 @@ install: $(STAMP)
 model: $(STAMP)
 	$(VENV)/bin/pdserve model prepare smollm2 --models-dir $(MODELS_DIR)
 
-test: model
+# Lint first: a lint error fails fast, before the suite's minutes.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint model
 	$(PY) -m pytest -q tests
 
 serve: model

@@ -36,8 +36,7 @@ from benchmarks.chaos_attacks import Forgery, corpus, forge, send_cases  # noqa:
 from benchmarks.chaos_deploy import Deployment, Sample, free_port  # noqa: E402
 from benchmarks.chaos_faults import AttackLane, Event, ProcessLane, schedule  # noqa: E402
 from benchmarks.chaos_load import Load, LoadShape, Outcome, flood  # noqa: E402
-from benchmarks.chaos_report import (decode_down_spans, latency, requests_summary, rss_summary, table,  # noqa: E402
-                                     targets)
+from benchmarks.chaos_report import decode_down_spans, latency, requests_summary, rss_summary, table, targets  # noqa: E402
 from cluster.config import load_cluster_config  # noqa: E402
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -82,7 +81,7 @@ def post(port: int, path: str, body: bytes, headers: dict[str, str], timeout: fl
             events += 1
             if drop_after is not None and events >= drop_after:
                 return "dropped", status, events, ""
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return "timeout", status, 0, ""
     except (ConnectionError, http.client.HTTPException, OSError) as exc:
         return ("broken_stream" if status == 200 and stream else "connect_error"), status, 0, repr(exc)[:200]

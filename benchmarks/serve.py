@@ -50,8 +50,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != _REPO_ROOT / "ben
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
-from benchmarks.serving.load import (WORDS, Result, Workload, auth_headers, one_request,  # noqa: E402
-                                     run_concurrency, run_poisson)
+from benchmarks.serving.load import WORDS, Result, Workload, auth_headers, one_request, run_concurrency, run_poisson  # noqa: E402
 from benchmarks.serving.metrics_scrape import KV_HOP, KV_WRITE, scrape, transfer_delta  # noqa: E402
 from benchmarks.serving.report import json_text, line, percentiles, summarize  # noqa: E402
 from benchmarks.serving.server import ServerError, serving  # noqa: E402

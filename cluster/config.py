@@ -58,7 +58,7 @@ class PoolConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig options but model/dtype/device
 
     @classmethod
-    def from_dict(cls, data: Any, path: str, minimum: int) -> "PoolConfig":
+    def from_dict(cls, data: Any, path: str, minimum: int) -> PoolConfig:
         data = checked_mapping(cls, data, path)
         out = cls(**data)
         integer(out.replicas, f"{path}.replicas", minimum)
@@ -89,7 +89,7 @@ class RayPoolConfig:
     resources: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, data: Any, path: str) -> "RayPoolConfig":
+    def from_dict(cls, data: Any, path: str) -> RayPoolConfig:
         data = checked_mapping(cls, data, path)
         num_cpus = number(data.get("num_cpus", 1.0), f"{path}.num_cpus", 0, strict=True)
         num_gpus = number(data.get("num_gpus", 0.0), f"{path}.num_gpus", 0)
@@ -128,7 +128,7 @@ class RayConfig:
     name: str = "pdserve"
 
     @classmethod
-    def from_dict(cls, data: Any, path: str = "ray") -> "RayConfig":
+    def from_dict(cls, data: Any, path: str = "ray") -> RayConfig:
         data = checked_mapping(cls, data, path, {"strategy": STRATEGIES})
         address = data.get("address", "local")
         check(isinstance(address, str) and _valid_address(address), f"{path}.address",
@@ -170,7 +170,7 @@ class LocalConfig:
     max_restarts: int = 3
 
     @classmethod
-    def from_dict(cls, data: Any, path: str = "local") -> "LocalConfig":
+    def from_dict(cls, data: Any, path: str = "local") -> LocalConfig:
         data = checked_mapping(cls, data, path)
         return cls(integer(data.get("max_restarts", 3), f"{path}.max_restarts", 0))
 
@@ -185,7 +185,7 @@ class TransportOptions:
     progress_thread: bool = TransportConfig.progress_thread
 
     @classmethod
-    def from_dict(cls, data: Any, path: str = "transport_options") -> "TransportOptions":
+    def from_dict(cls, data: Any, path: str = "transport_options") -> TransportOptions:
         data = checked_mapping(cls, data, path)
         out = cls(**data)
         return cls(number(out.timeout_s, f"{path}.timeout_s", 0, strict=True),
@@ -212,7 +212,7 @@ class ClusterConfig:
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "ClusterConfig":
+    def from_dict(cls, data: Any) -> ClusterConfig:
         data = checked_mapping(cls, data, "", {"dtype": DTYPES, "transport": sorted(TRANSPORTS), "launcher": LAUNCHERS,
                                                "load_format": LOAD_FORMATS})
         check("model" in data, "model", "is required (a Hugging Face model directory)")

@@ -48,7 +48,7 @@ def worker_starting(name: str, engine: EngineConfig) -> None:
     """A worker process (or Ray actor) was started and now loads its model."""
     role = name.rsplit("-", 1)[0]
     startup.info("%s: starting (%s worker): model %s%s, device %s, tensor parallel size %d", name, role,
-                 engine.model, " (dummy weights, from seed %d)" % engine.seed if engine.load_format == "dummy" else "",
+                 engine.model, f" (dummy weights, from seed {engine.seed})" if engine.load_format == "dummy" else "",
                  engine.device, engine.tensor_parallel_size)
 
 

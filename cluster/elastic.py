@@ -94,7 +94,7 @@ class Bounds:
         return self.prefill if role == "prefill" else self.decode
 
 
-def scaler_for(config: ClusterConfig, backend: PoolBackend, router: RouterControl) -> "PoolScaler":
+def scaler_for(config: ClusterConfig, backend: PoolBackend, router: RouterControl) -> PoolScaler:
     """The scaler of a deployment: its config's autoscale bounds (which scale requests,
     manual or the planner's, keep within) and drain timeout."""
     auto = config.autoscale

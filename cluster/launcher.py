@@ -78,7 +78,7 @@ class Launcher(Protocol):
         """Start every worker, tell each its peers, and return once all serve; raises,
         after stopping whatever started, if any fails."""
 
-    def pools(self, config: ClusterConfig, workers: Workers) -> "PoolBackend":
+    def pools(self, config: ClusterConfig, workers: Workers) -> PoolBackend:
         """What grows and shrinks these workers' pools at runtime (cluster/elastic.py)."""
 
     def supervise(self, config: ClusterConfig, workers: Workers, router: RouterHooks) -> None:

@@ -79,7 +79,7 @@ class RouterConfig:
     key_tokens_in_flight: int | None = None
 
     @classmethod
-    def from_dict(cls, data: Any, path: str = "router") -> "RouterConfig":
+    def from_dict(cls, data: Any, path: str = "router") -> RouterConfig:
         data = checked_mapping(cls, data, path, {"policy": POLICIES, "tool_call_parser": tuple(TOOL_PARSERS)})
         for name in ("api_keys", "admin_keys"):
             try:

@@ -25,13 +25,26 @@ import zmq
 from decode_worker.remote_kv import DecodeWorkerCore
 from engine.errors import RequestsFailed
 from engine.request import Request
-from protocol import (Abort, Generate, Message, MessageError, Peers, PrefillDone, Rejected, Stats, StatsReply,
-                      Tokens, child_request_id, encode, from_wire)
+from protocol import (
+    Abort,
+    Generate,
+    Message,
+    MessageError,
+    Peers,
+    PrefillDone,
+    Rejected,
+    Stats,
+    StatsReply,
+    Tokens,
+    child_request_id,
+    encode,
+    from_wire,
+)
 from security import DeploymentSecret
 from workers.config import WorkerConfig
-from workers.start import engine_and_transport
 from workers.control import ControlChannel
 from workers.loop import WorkerLoop, run_worker
+from workers.start import engine_and_transport
 
 logger = logging.getLogger(__name__)
 

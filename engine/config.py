@@ -104,7 +104,7 @@ class EngineConfig:
                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
 
     @classmethod
-    def from_options(cls, model: str, **options: Any) -> "EngineConfig":
+    def from_options(cls, model: str, **options: Any) -> EngineConfig:
         """Build from keyword options, naming any unknown key instead of a TypeError."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)

@@ -23,7 +23,6 @@ from engine.sampling.pending import small_tensor
 from engine.scheduler_output import ScheduledRequest
 from engine.staging import Uploader
 
-
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]
 
 

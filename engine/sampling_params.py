@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.structured.params import StructuredOutputsError, StructuredOutputsParams

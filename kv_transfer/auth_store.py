@@ -236,7 +236,7 @@ class AuthStore(Store):
     def has_extended_api(self) -> bool:
         return True  # append, multi_get, multi_set
 
-    def clone(self) -> "AuthStore":
+    def clone(self) -> AuthStore:
         # The Python object must outlive every C++ use of it: it stays here until close().
         twin = AuthStore(self.address, self._secret, self.timeout.total_seconds())
         with self._lock:

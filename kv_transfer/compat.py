@@ -39,7 +39,7 @@ class KVCompat:
 
     @classmethod
     def from_caches(cls, caches: Sequence[torch.Tensor], model: str, num_kv_heads: int,
-                    head_ranges: Sequence[HeadRange]) -> "KVCompat":
+                    head_ranges: Sequence[HeadRange]) -> KVCompat:
         """The record of a worker whose rank r holds caches[r], the heads head_ranges[r];
         ValueError, saying what is wrong, unless they form one TP worker's cache."""
         if not caches:
@@ -90,7 +90,7 @@ class KVCompat:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "KVCompat":
+    def from_dict(cls, d: dict[str, Any]) -> KVCompat:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(d, dict) or set(d) != names:
             raise IncompatiblePeerError(f"malformed compatibility record: {d!r}")
@@ -100,7 +100,7 @@ class KVCompat:
         # msgpack hands tuples back as lists
         return cls(**dict(d, head_ranges=tuple(tuple(r) if isinstance(r, (list, tuple)) else r for r in ranges)))
 
-    def check_peer(self, peer: "KVCompat", peer_name: str) -> None:
+    def check_peer(self, peer: KVCompat, peer_name: str) -> None:
         """Raise IncompatiblePeerError naming the first field that differs, or why the
         peer's split of the heads over its ranks cannot be paired with ours."""
         for name in MUST_MATCH:

@@ -19,9 +19,9 @@ from prefill_worker.remote_prefill import PrefillWorkerCore
 from protocol import Abort, Message, Peers, PrefillDone, RemotePrefill, Stats, StatsReply, encode
 from security import DeploymentSecret
 from workers.config import WorkerConfig
-from workers.start import engine_and_transport
 from workers.control import ControlChannel
 from workers.loop import WorkerLoop, run_worker
+from workers.start import engine_and_transport
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,19 @@ from engine.sampling_params import child_request_id
 from protocol.control import CONTROL_MESSAGES, Peers, Ready, Serving, Stop
 from protocol.sampling import WireSamplingParams, from_wire, to_wire
 from protocol.wire import PROTOCOL_VERSION, Codec, Message, MessageError, encode
-from protocol.worker import (WORKER_MESSAGES, Abort, Generate, PrefillDone, Rejected, RemotePrefill,
-                             SpecDecodeStats, Stats, StatsReply, TokenLogprobs, Tokens)
+from protocol.worker import (
+                             WORKER_MESSAGES,
+                             Abort,
+                             Generate,
+                             PrefillDone,
+                             Rejected,
+                             RemotePrefill,
+                             SpecDecodeStats,
+                             Stats,
+                             StatsReply,
+                             TokenLogprobs,
+                             Tokens,
+)
 
 __all__ = ["CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Message",
            "MessageError", "Peers", "PrefillDone", "Ready", "Rejected", "RemotePrefill", "Serving", "SpecDecodeStats",

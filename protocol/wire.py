@@ -63,19 +63,20 @@ class Codec:
     """Decodes the messages of the given kinds (a tagged union of them)."""
 
     def __init__(self, *kinds: type[Message]) -> None:
-        self._decoder = msgspec.msgpack.Decoder(Union[kinds])  # type: ignore[valid-type]
+        self._decoder = msgspec.msgpack.Decoder(Union[kinds])  # noqa: UP007  # type: ignore[valid-type]  # a union built at run time from the kinds given; `|` needs them written out
 
     def decode(self, data: bytes) -> Any:
         try:
             return self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             kind = request_id = None
+            reason = str(exc)
             try:
                 header = _header.decode(data)
                 kind = header.kind if isinstance(header.kind, str) else None
                 request_id = header.request_id if isinstance(header.request_id, str) else None
                 if header.v != PROTOCOL_VERSION:  # a peer of another version: say that, not what it lacks
-                    exc = f"protocol version {header.v!r}, this side speaks {PROTOCOL_VERSION}"
+                    reason = f"protocol version {header.v!r}, this side speaks {PROTOCOL_VERSION}"
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass
-            raise MessageError(f"{kind or 'message'}: {exc}"[:1000], kind, request_id) from None
+            raise MessageError(f"{kind or 'message'}: {reason}"[:1000], kind, request_id) from None

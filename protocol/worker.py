@@ -80,7 +80,7 @@ class SpecDecodeStats(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     num_disabled: Count  # requests that stopped speculating (low acceptance)
 
     @classmethod
-    def from_stats(cls, value: Any) -> "SpecDecodeStats":
+    def from_stats(cls, value: Any) -> SpecDecodeStats:
         """Check a stats reply's map; MessageError naming what is wrong."""
         try:
             return msgspec.convert(value, cls)

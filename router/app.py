@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from router import admin, structured, tokenize_api
 from router.access_log import AccessLog, track
 from router.auth import KeyRing
 from router.core import Chunk, Router
@@ -33,7 +34,6 @@ from router.errors import APIError
 from router.http_guard import HTTPGuard, client_of
 from router.limits import Limits
 from router.logprobs import LogprobFormatter, echoed
-from router import admin, structured, tokenize_api
 from router.parsing import ChatRequest, CompletionRequest, GenerateRequest
 from router.responses import DONE_EVENT, ResponseShaper, error_event, error_response
 from router.tool_calls import ToolCallStream

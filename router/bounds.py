@@ -82,12 +82,12 @@ class InputBounds:
     max_sequences: int = 256  # prompts x best_of (or n) of one request
 
     @classmethod
-    def of(cls, settings: BoundSettings) -> "InputBounds":
+    def of(cls, settings: BoundSettings) -> InputBounds:
         return cls(settings.max_messages, settings.max_stop, settings.max_string_chars, settings.max_tokenize_queue,
                    settings.key_tokens_in_flight, settings.max_n, settings.max_sequences)
 
     @classmethod
-    def unbounded(cls) -> "InputBounds":
+    def unbounded(cls) -> InputBounds:
         """For a parser given no bounds: nothing bounded but the fan-out, at its defaults."""
         inf = 2**63
         return cls(inf, inf, inf, inf)

@@ -83,7 +83,7 @@ class ModelLimits:
     num_kv_blocks: int | None
 
     @classmethod
-    def of(cls, engine: EngineConfig) -> "ModelLimits":
+    def of(cls, engine: EngineConfig) -> ModelLimits:
         """The limits of a decode worker's engine with this config (its model directory's
         config.json read, no weights loaded)."""
         model_config = ModelConfig.from_model_dir(engine.model)

@@ -24,9 +24,9 @@ import zmq.asyncio
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from protocol import Generate, to_wire
+from router.admin import Scaling
 from router.bounds import InputBounds
 from router.config import ModelLimits, RouterSettings
-from router.admin import Scaling
 from router.errors import APIError
 from router.load import LoadSnapshot, buckets_of, total_of, worker_load
 from router.metrics import RouterMetrics

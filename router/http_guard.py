@@ -111,7 +111,7 @@ class HTTPGuard:
                                    "router.admin_keys", f'{REALM}, error="invalid_token"') from None
             raise
 
-    def _bounded(self, receive: ASGIApp, body: "_Body") -> ASGIApp:
+    def _bounded(self, receive: ASGIApp, body: _Body) -> ASGIApp:
         """`receive` that raises APIError 413 once the body passes max_body_bytes and
         408 once it has taken body_timeout_s; after the body, `receive` itself (a
         handler then waits on it for the client's disconnect, without a deadline)."""

@@ -27,7 +27,7 @@ class ServedModels:
     max_model_len: int  # in each model object, as vLLM lists it
 
     @classmethod
-    def of(cls, served_model_name: Sequence[str] | None, model_path: str, max_model_len: int) -> "ServedModels":
+    def of(cls, served_model_name: Sequence[str] | None, model_path: str, max_model_len: int) -> ServedModels:
         if served_model_name:
             return cls(tuple(served_model_name), frozenset(served_model_name), max_model_len)
         return cls((model_path,), frozenset({model_path, Path(model_path).name}), max_model_len)

@@ -67,7 +67,7 @@ class _Inbox:
     """What a WorkerClient takes for a request's queue: it tags each message with the
     sequence (None: the group's own id) and the id it came under."""
 
-    def __init__(self, queue: asyncio.Queue, seq: "_Sequence | None", request_id: str) -> None:
+    def __init__(self, queue: asyncio.Queue, seq: _Sequence | None, request_id: str) -> None:
         self.queue, self.seq, self.request_id = queue, seq, request_id
 
     def put_nowait(self, msg: Any) -> None:

@@ -15,8 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from router.tool_parsers import JSON_DECODER, TOOL_PARSERS, Content, JsonEnd, ToolCall, \
-    call_from_object, skip_space
+from router.tool_parsers import JSON_DECODER, TOOL_PARSERS, Content, JsonEnd, ToolCall, call_from_object, skip_space
 
 Mode = Literal["named", "required", "auto"]
 MODES = ("named", "required", "auto")

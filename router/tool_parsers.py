@@ -15,7 +15,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ToolCall:
     raw: str
 
 
-Event = Union[Content, ToolCall]
+Event = Content | ToolCall
 
 
 def _reject_constant(name: str) -> Any:

@@ -121,7 +121,7 @@ class WorkerClient:
             if not self.send(Stats(seq=seq)):
                 return None
             return await asyncio.wait_for(waiter, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         finally:
             self._stats_waiters.pop(seq, None)

@@ -82,7 +82,7 @@ class PlaneGuard:
         monitor.connect(endpoint)
         self._monitors.append((sock, monitor))
 
-    def start(self) -> "PlaneGuard":
+    def start(self) -> PlaneGuard:
         self._thread.start()  # the sockets move to that thread (a start is a memory barrier)
         return self
 

@@ -37,11 +37,11 @@ class DeploymentSecret:
         self._tag_key = self._derive(b"pdserve message tag")
 
     @classmethod
-    def new(cls) -> "DeploymentSecret":
+    def new(cls) -> DeploymentSecret:
         return cls(secrets.token_bytes(SECRET_BYTES))
 
     @classmethod
-    def from_hex(cls, text: str) -> "DeploymentSecret":
+    def from_hex(cls, text: str) -> DeploymentSecret:
         try:
             raw = bytes.fromhex(text)
         except (TypeError, ValueError):

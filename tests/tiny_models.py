@@ -39,8 +39,16 @@ def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """arch: llama (GQA 4:2, llama3 RoPE, tied), mistral (sliding-window config),
     qwen2 (qkv bias), qwen3 (q/k norm, head_dim != hidden/heads, untied), llama_mqa
     (one KV head: replicated across tensor-parallel ranks)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(out_dir)

@@ -55,7 +55,7 @@ MAX_FAILED_STEPS_IN_A_ROW = 3
 FAREWELL_LINGER_MS = 2000
 
 
-def run_worker(worker: "WorkerLoop", control: ControlChannel, transport: KVTransport) -> None:
+def run_worker(worker: WorkerLoop, control: ControlChannel, transport: KVTransport) -> None:
     """A worker process's life (its `serve` entry point): WorkerLoop.serve; a worker
     that gave up (already logged, its clients told) ends the process with status 1, so
     that its supervisor restarts it. (Under Ray the loop runs in an actor's thread,

@@ -26,7 +26,7 @@ class Shape:
     decode: int
 
     @classmethod
-    def parse(cls, text: str, option: str) -> "Shape":
+    def parse(cls, text: str, option: str) -> Shape:
         m = _SHAPE.match(text.strip().lower())
         if not m:
             raise ValueError(f"{option}: {text!r} is not a shape such as 1p2d (prefill and decode workers)")

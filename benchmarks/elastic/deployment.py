@@ -53,7 +53,7 @@ class Deployment:
         self.start_timeout_s = start_timeout_s
         self.process: subprocess.Popen | None = None
 
-    def __enter__(self) -> "Deployment":
+    def __enter__(self) -> Deployment:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         fd, path = tempfile.mkstemp(suffix=".yaml", dir=self.log_dir)  # it holds the admin key: 0600
         with os.fdopen(fd, "w") as f:

@@ -25,7 +25,7 @@ class Histogram:
     sum: float = 0.0
     count: float = 0.0
 
-    def minus(self, before: "Histogram") -> "Histogram":
+    def minus(self, before: Histogram) -> Histogram:
         return Histogram({le: n - before.buckets.get(le, 0.0) for le, n in self.buckets.items()},
                          self.sum - before.sum, self.count - before.count)
 

@@ -40,7 +40,7 @@ def server_model(url: str, api_key: str | None = None) -> str:
 
 
 @contextmanager
-def serving(config: "str | ClusterConfig | None", url: str | None, model: str | None = None,
+def serving(config: str | ClusterConfig | None, url: str | None, model: str | None = None,
             port: int | None = None, api_key: str | None = None) -> Iterator[tuple[str, str]]:
     """(base URL, model name) of the server to load: with config (a path or a loaded
     ClusterConfig), that cluster started here and stopped on exit; else the one at url.

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+from benchmarks.structured_bench.schema import document_text, schema_text
 from engine.model.config import ModelConfig
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.matcher import GrammarState
 from engine.structured.params import StructuredOutputsParams
 from engine.tokenizer import load_tokenizer
-
-from benchmarks.structured_bench.schema import document_text, schema_text
 
 
 class Grammars:

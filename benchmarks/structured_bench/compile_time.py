@@ -8,13 +8,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from benchmarks.structured_bench.schema import schema_text
+from benchmarks.structured_bench.stats import Stat, per_call
 from engine.model.config import ModelConfig
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.grammar import build_grammar
 from engine.structured.params import StructuredOutputsParams
-
-from benchmarks.structured_bench.schema import schema_text
-from benchmarks.structured_bench.stats import Stat, per_call
 
 
 def compile_times(model: str, repeats: int, hits: int) -> dict[str, Any]:

@@ -11,14 +11,13 @@ from typing import Any
 
 import xgrammar as xgr
 
+from benchmarks.structured_bench.stats import Stat, ratios
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.structured.matcher import GrammarState
 from engine.structured.params import StructuredOutputsParams
-
-from benchmarks.structured_bench.stats import Stat, ratios
 
 
 def prompts_for(batch: int, length: int) -> list[list[int]]:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
+from benchmarks.structured_bench.common import Grammars
+from benchmarks.structured_bench.stats import Stat, per_call, ratios
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import BitmaskBuffer
-
-from benchmarks.structured_bench.common import Grammars
-from benchmarks.structured_bench.stats import Stat, per_call, ratios
 
 
 def mask_costs(grammars: Grammars, batches: list[int], repeats: int, iters: int) -> list[dict]:

@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 from engine import LLM
-
 from tests.structured.test_engine_constraints import KINDS, is_valid, sampled
 
 

@@ -26,7 +26,7 @@ class PoolBounds:
     max: int
 
     @classmethod
-    def from_dict(cls, data: Any, path: str) -> "PoolBounds":
+    def from_dict(cls, data: Any, path: str) -> PoolBounds:
         data = checked_mapping(cls, data, path)
         out = cls(**data)
         integer(out.min, f"{path}.min", cls.FLOOR)
@@ -96,7 +96,7 @@ class AutoscaleConfig:
     min_tokens_max: int = 1024
 
     @classmethod
-    def from_dict(cls, data: Any, path: str = "autoscale") -> "AutoscaleConfig":
+    def from_dict(cls, data: Any, path: str = "autoscale") -> AutoscaleConfig:
         data = checked_mapping(cls, {} if data is None else data, path)
         out = cls(**{**data, "prefill": PrefillBounds.from_dict(data.get("prefill", {}), f"{path}.prefill"),
                      "decode": DecodeBounds.from_dict(data.get("decode", {}), f"{path}.decode")})

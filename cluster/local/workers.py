@@ -7,7 +7,8 @@ import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait as wait_for_any
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_for_any
 from typing import TYPE_CHECKING
 
 from cluster import console

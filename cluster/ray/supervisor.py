@@ -53,7 +53,7 @@ PEERS_WAIT_S = 30.0  # a live worker acts on a peers message within one loop ite
 
 
 class Supervisor:
-    def __init__(self, workers: "RayWorkers", router: RouterHooks | None, interval_s: float,
+    def __init__(self, workers: RayWorkers, router: RouterHooks | None, interval_s: float,
                  probe_timeout_s: float, ready_timeout_s: float = 180.0) -> None:
         self.workers = workers
         self.router = router
@@ -150,7 +150,7 @@ class Supervisor:
                                first_line(exc))
                 ray.kill(w.actor, no_restart=False)
 
-    def _wire_in(self, w: "RayWorker", incarnation: str, ready: Ready) -> None:
+    def _wire_in(self, w: RayWorker, incarnation: str, ready: Ready) -> None:
         if w.metadata:  # the dead process could not remove its shared memory
             unlink_segment(w.metadata)
         w.address, w.metadata, w.incarnation = ready.address, ready.metadata, incarnation

@@ -29,9 +29,9 @@ from cluster.config import ClusterConfig, RayConfig
 from cluster.launcher import RouterHooks
 from cluster.peers import peers_messages
 from cluster.ray.actor import WorkerActor
-from cluster.worker_configs import without_router_secrets
 from cluster.ray.resources import PlacementError, missing_resources, pool_bundles, rank_bundles, tp_size
 from cluster.ray.supervisor import PEERS_WAIT_S, Supervisor, first_line
+from cluster.worker_configs import without_router_secrets
 from kv_transfer.shm_segments import unlink_segment
 from protocol import CONTROL_MESSAGES
 from security import DeploymentSecret

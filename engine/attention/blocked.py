@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass
 class DecodePlan:
     """Built once per step, shared by all layers.

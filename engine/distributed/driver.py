@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.distributed.group import TorchGroup
-from engine.errors import RankFailure
 from engine.distributed.step_codec import StepCodec
+from engine.errors import RankFailure
 from engine.runner import StepInputs
 
 logger = logging.getLogger(__name__)

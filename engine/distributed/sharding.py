@@ -54,7 +54,7 @@ class Shard:
     vocab_size: int
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> "Shard":
+    def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> Shard:
         check_shardable(cfg, size)
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a group of {size}")

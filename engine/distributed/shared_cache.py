@@ -11,6 +11,7 @@ import torch
 
 from engine.distributed.shm_files import rank_cache_paths, sweep_orphans, unlink
 
+
 def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
     try:

@@ -26,8 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import (LaunchConfig, check_attention_io, check_index, dot_precision,
-                                   native_dots, next_power_of_2)
+from engine.kernels.common import (
+    LaunchConfig,
+    check_attention_io,
+    check_index,
+    dot_precision,
+    native_dots,
+    next_power_of_2,
+)
 from engine.kernels.online_softmax import load_kv_tile, online_softmax_step
 
 SPLIT_TOKENS = 512  # context tokens per split

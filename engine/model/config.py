@@ -42,7 +42,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
@@ -59,7 +59,7 @@ class ModelConfig:
         return config
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

@@ -12,10 +12,10 @@ import torch
 from safetensors import safe_open
 
 from engine.attention.backend import AttentionBackend
+from engine.config import LOAD_FORMATS
 from engine.distributed.group import SINGLE, Group
 from engine.distributed.sharding import Shard
 from engine.model.config import ModelConfig
-from engine.config import LOAD_FORMATS
 from engine.model.dummy_weights import DummyCheckpoint, checkpoint_shapes
 from engine.model.llama import LlamaForCausalLM
 

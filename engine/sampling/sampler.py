@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 

@@ -57,7 +57,7 @@ class SpeculativeConfig:
         require(self.acceptance_window >= 1, f"acceptance_window must be >= 1, got {self.acceptance_window}")
 
     @classmethod
-    def from_value(cls, value: Any) -> "SpeculativeConfig":
+    def from_value(cls, value: Any) -> SpeculativeConfig:
         """From a mapping (YAML, keyword options), naming any unknown key."""
         if isinstance(value, cls):
             return value

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-
 from concurrent.futures import Future
 
 import torch
@@ -69,7 +68,7 @@ class GrammarState:
             self.matcher.rollback(valid)
         return valid
 
-    def after(self, drafts: list[int]) -> "GrammarState":
+    def after(self, drafts: list[int]) -> GrammarState:
         """A view whose fill() masks as if `drafts` had been accepted (the row that
         verifies the draft after them). Drafts past one the grammar refuses are
         skipped: that row is never reached, as the refused draft's own row rejects it."""

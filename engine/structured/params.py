@@ -101,7 +101,7 @@ class StructuredOutputsParams:
         return self.kind, "" if value is True else value, bool(self.disable_any_whitespace)
 
     @classmethod
-    def of(cls, value: Any) -> "StructuredOutputsParams":
+    def of(cls, value: Any) -> StructuredOutputsParams:
         """From an instance, or a dict of its fields (its wire and HTTP form); unknown
         keys are refused by name."""
         if isinstance(value, cls):

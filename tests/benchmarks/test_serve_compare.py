@@ -51,7 +51,7 @@ def test_ratios_per_seed_and_pooled() -> None:
     d, c = _report(1.1, 0.02), _report(1.0, 0.05)
     r = ratio_rows(d, c, "rate 0.1/s", "ttft", "p50")
     assert set(r["per_seed"]) == {0, 1, 2} and r["requests"] == (300, 300)
-    for seed, (a, b, ratio) in r["per_seed"].items():
+    for seed, (a, _b, ratio) in r["per_seed"].items():
         assert a == pytest.approx(1.1 * (1 + seed / 10)) and ratio == pytest.approx(1.1)
     assert r["pooled"][2] == pytest.approx(1.1) and r["spread"] == pytest.approx((1.1, 1.1))
     tpot = ratio_rows(d, c, "rate 1.0/s", "tpot", "p99")

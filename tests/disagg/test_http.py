@@ -7,8 +7,8 @@ import http.client
 import json
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai

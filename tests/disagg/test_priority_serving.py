@@ -67,7 +67,7 @@ def test_a_later_request_of_better_priority_runs_first(one_seq_worker) -> None:
     for name, priority, queued in (("first, default priority", None, 1), ("later, priority -1", -1, 2)):
         threads.append(threading.Thread(target=send, args=(name, priority)))
         threads[-1].start()
-        wait_for(lambda: engine.scheduler.num_waiting == queued, 10, f"{name} queued behind the busy request")
+        wait_for(lambda queued=queued: engine.scheduler.num_waiting == queued, 10, f"{name} queued behind the busy request")
     start = time.monotonic()
     busy.close()  # its client leaves: the router aborts it and the slot comes free
     for thread in threads:

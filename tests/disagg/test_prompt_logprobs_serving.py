@@ -20,8 +20,8 @@ from cluster.demo_model import DEMO_MODELS, default_models_dir
 from cluster.serve import build
 from engine.tokenizer import load_tokenizer
 from router.app import Router
-from tests.unit.test_router_http import request
 from tests.http_server import free_port, serving
+from tests.unit.test_router_http import request
 
 MODEL_DIR = default_models_dir() / DEMO_MODELS["smollm2"].dir_name
 TASK = Path(__file__).parents[1] / "data" / "mc_task.json"

@@ -17,7 +17,6 @@ from prefill_worker.remote_prefill import PrefillWorkerCore
 from tests.disagg.test_remote_prefill import PROMPTS, run, tokens
 from workers.start import register_caches
 
-
 NIXL = pytest.param("nixl", marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
                                                      reason="the nixl transport needs the nixl package"))
 

@@ -63,7 +63,7 @@ def test_tp2_speculative_matches_hf(tiny_models: dict[str, Path], monkeypatch: p
     prompts = PROMPTS[1:3]
     expected = hf_greedy(tiny_models["llama"], prompts)
     for wrong in (False, True):
-        def propose(sequence, room, *_):
+        def propose(sequence, room, *_, wrong=wrong):
             prompt, out = next((p, e) for p, e in zip(prompts, expected) if sequence[:len(p)] == p)
             return [(t + wrong) % 384 for t in out[len(sequence) - len(prompt):][:room]]
 

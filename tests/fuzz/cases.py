@@ -6,7 +6,7 @@ import random
 from typing import Any
 
 from engine.kv_cache.manager import cdiv
-from tests.fuzz.common import MAX_MODEL_LEN, OfflineCase, PDCase, ReqSpec, VOCAB
+from tests.fuzz.common import MAX_MODEL_LEN, VOCAB, OfflineCase, PDCase, ReqSpec
 from tests.fuzz.structured import draw_constraint
 
 

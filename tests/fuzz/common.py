@@ -16,7 +16,6 @@ from engine.engine_core import EngineCore
 from engine.request import Request, RequestStatus
 from tests.fuzz.structured import violation
 
-
 VOCAB = 384  # tests/tiny_models.py
 MAX_MODEL_LEN = 1024
 ORACLE_MIN_TOKENS = 1  # the oracle generates at least this many (shorter max_tokens: a prefix)
@@ -26,7 +25,7 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def spec_params(spec: "ReqSpec", max_tokens: int | None = None) -> SamplingParams:
+def spec_params(spec: ReqSpec, max_tokens: int | None = None) -> SamplingParams:
     """Greedy, ignore_eos, unless spec.params says otherwise (penalties, min_tokens and
     stop tokens, seeded sampling: all deterministic for a prompt alone)."""
     kw: dict[str, Any] = dict(temperature=0.0, ignore_eos=True)
@@ -53,12 +52,12 @@ class Oracle:
         self.seconds = 0.0
 
     @staticmethod
-    def _key(spec: "ReqSpec") -> tuple:
+    def _key(spec: ReqSpec) -> tuple:
         # min_tokens is capped by max_tokens (SamplingParams refuses more): keyed capped
         params = dict(spec.params, min_tokens=min(spec.params.get("min_tokens", 0), spec.max_tokens))
         return tuple(spec.prompt), json.dumps(params, sort_keys=True)  # structured_outputs: a nested dict
 
-    def expect(self, spec: "ReqSpec") -> tuple[list[int], str]:
+    def expect(self, spec: ReqSpec) -> tuple[list[int], str]:
         key = self._key(spec)
         have = self._cache.get(key)
         if have is None or (not have[1] and have[2] < spec.max_tokens):
@@ -82,7 +81,7 @@ class Oracle:
         """Plain greedy (ignore_eos) tokens."""
         return self.expect(ReqSpec("", list(prompt), max_tokens))[0]
 
-    def prefetch(self, specs: list["ReqSpec"]) -> None:
+    def prefetch(self, specs: list[ReqSpec]) -> None:
         """Compute each distinct request once, for the most tokens any spec asks of it."""
         most: dict[tuple, ReqSpec] = {}
         for s in specs:

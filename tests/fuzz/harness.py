@@ -47,8 +47,19 @@ from pathlib import Path
 from typing import Any
 
 from tests.fuzz.cases import TP_PAIRS, add_structured, draw_tp_pair, make_offline_case, make_pd_case
-from tests.fuzz.common import (VOCAB, Failure, Hang, OfflineCase, Oracle, PDCase, ReqSpec, SeedResult, case_dict,
-                               hf_agreement, live_followers)
+from tests.fuzz.common import (
+    VOCAB,
+    Failure,
+    Hang,
+    OfflineCase,
+    Oracle,
+    PDCase,
+    ReqSpec,
+    SeedResult,
+    case_dict,
+    hf_agreement,
+    live_followers,
+)
 from tests.fuzz.offline import run_offline
 from tests.fuzz.pd import run_pd
 from tests.fuzz.structured import violation

@@ -6,15 +6,25 @@ import random
 import time
 from pathlib import Path
 
-
 from engine import LLM
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import Request
 from tests.fuzz.cases import _fits
-from tests.fuzz.common import (Failure, Hang, OfflineCase, Oracle, ReqSpec, SeedResult, _check_tokens,
-                               _classify_hang, _exc_failure, _sched_state, check_constraint, spec_params)
-
+from tests.fuzz.common import (
+    Failure,
+    Hang,
+    OfflineCase,
+    Oracle,
+    ReqSpec,
+    SeedResult,
+    _check_tokens,
+    _classify_hang,
+    _exc_failure,
+    _sched_state,
+    check_constraint,
+    spec_params,
+)
 
 # ----------------------------------------------------------------------------- offline
 
@@ -116,8 +126,8 @@ def _drive_core(case: OfflineCase, core: EngineCore, oracle: Oracle, res: SeedRe
         step += 1
         over = time.monotonic() - t0 > wall_limit
         if stall > stall_steps or step > max_steps or over:
-            why = "no progress for %d steps" % stall if stall > stall_steps else (
-                "wall time" if over else "%d steps" % step)
+            why = f"no progress for {stall} steps" if stall > stall_steps else (
+                "wall time" if over else f"{step} steps")
             res.failures.append(Failure(case.seed, "hang", f"{why}: {_sched_state(core)}", _classify_hang(core)))
             return
     _check_quiescent(case.seed, core, res.failures)

@@ -15,10 +15,19 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore, StepOutput
 from engine.request import Request, RequestStatus
 from tests.fuzz.cases import _fits
-from tests.fuzz.common import (Failure, Oracle, PDCase, ReqSpec, SeedResult, _check_tokens, _classify_hang,
-                               _exc_failure, _sched_state, spec_params)
+from tests.fuzz.common import (
+    Failure,
+    Oracle,
+    PDCase,
+    ReqSpec,
+    SeedResult,
+    _check_tokens,
+    _classify_hang,
+    _exc_failure,
+    _sched_state,
+    spec_params,
+)
 from tests.fuzz.offline import _check_quiescent
-
 
 # ----------------------------------------------------------------------------- P/D
 

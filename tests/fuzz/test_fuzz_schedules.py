@@ -233,7 +233,7 @@ def test_structured_changes_only_the_requests_params() -> None:
 
     constrained = 0
     for seed in range(20):
-        for make in (lambda: H.make_offline_case(seed), lambda: H.make_pd_case(seed, "shm")):
+        for make in (lambda seed=seed: H.make_offline_case(seed), lambda seed=seed: H.make_pd_case(seed, "shm")):
             assert H.case_dict(H.add_structured(make(), 0.0)) == H.case_dict(make())
             case = H.add_structured(make(), STRUCTURED)
             assert schedule(case) == schedule(make())

@@ -16,23 +16,30 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+import kv_transfer.shm as shm
 from decode_worker.remote_kv import QUARANTINE_LIMIT, DecodeWorkerCore
 from decode_worker.server import DecodeWorker
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.errors import EngineStateError
-import torch
-
-import kv_transfer.shm as shm
-from kv_transfer import (Completed, KVTransport, Overwritten, Released, TransportConfig, WriteDone, WriteFailed,
-                         create_transport)
+from kv_transfer import (
+    Completed,
+    KVTransport,
+    Overwritten,
+    Released,
+    TransportConfig,
+    WriteDone,
+    WriteFailed,
+    create_transport,
+)
 from kv_transfer.liveness import ProcessId, is_gone, this_process
 from prefill_worker.remote_prefill import PrefillWorkerCore
 from protocol import PrefillDone
-from tests.kv_transfer.conftest import RemoteAgent
 from tests.kv_transfer.agent import poll_both
+from tests.kv_transfer.conftest import RemoteAgent
 from tests.kv_transfer.test_transports import UNDER_TEST, drain, local_agent, source_cache
 
 PROMPT = list(range(3, 43))  # 40 tokens: 3 blocks of 16 to write

@@ -31,8 +31,7 @@ from decode_worker.remote_kv import DecodeWorkerCore
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from kv_transfer import (KVTransport, Overwritten, Released, TransportConfig, WriteDone, WriteFailed,
-                         create_transport)
+from kv_transfer import KVTransport, Overwritten, Released, TransportConfig, WriteDone, WriteFailed, create_transport
 from prefill_worker.remote_prefill import PrefillWorkerCore
 from tests.kv_transfer.agent import cache_shape
 from tests.kv_transfer.test_slow_data_plane import poll_both

@@ -7,8 +7,16 @@ import itertools
 
 import pytest
 
-from kv_transfer.rank_pairs import (Piece, check_head_ranges, check_wire, count_descriptors, even_head_ranges,
-                                    heads_moved, plan, wire)
+from kv_transfer.rank_pairs import (
+    Piece,
+    check_head_ranges,
+    check_wire,
+    count_descriptors,
+    even_head_ranges,
+    heads_moved,
+    plan,
+    wire,
+)
 from kv_transfer.runs import coalesce
 
 CASES = [(kv, p, d) for kv in (1, 2, 4, 8) for p in range(1, 5) for d in range(1, 5)

@@ -18,8 +18,7 @@ import pytest
 import torch
 import zmq
 
-from kv_transfer import (IncompatiblePeerError, KVTransport, Received, TransportConfig, WriteDone,
-                         create_transport)
+from kv_transfer import IncompatiblePeerError, KVTransport, Received, TransportConfig, WriteDone, create_transport
 from kv_transfer.messages import encode
 from kv_transfer.rank_pairs import even_head_ranges
 from kv_transfer.shm_segments import SHM_DIR

@@ -10,8 +10,7 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer import (GPU_ONLY, TRANSPORTS, IncompatiblePeerError, KVTransport,
-                         TransportConfig, create_transport)
+from kv_transfer import GPU_ONLY, TRANSPORTS, IncompatiblePeerError, KVTransport, TransportConfig, create_transport
 from kv_transfer.runs import coalesce
 from tests.kv_transfer.agent import Secured, cache_shape, fill, packed, secret_of
 from tests.kv_transfer.conftest import RemoteAgent

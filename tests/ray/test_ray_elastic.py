@@ -36,7 +36,7 @@ from engine import LLM, SamplingParams
 from router.app import WORKER_HEADER
 from tests.disagg.test_worker_processes import Client
 from tests.http_server import free_port, serving
-from tests.ray.conftest import assert_ray_gone, REPO, descendants, ray_local_config
+from tests.ray.conftest import REPO, assert_ray_gone, descendants, ray_local_config
 
 # Long enough to be prefilled by the prefill pool (router.remote_prefill_min_tokens 32).
 PROMPTS = [f"Request {i}: paged attention keeps the keys and values of every sequence in blocks of sixteen "

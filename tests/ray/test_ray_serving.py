@@ -19,8 +19,8 @@ from cluster.ray.resources import PlacementError
 from cluster.ray.workers import RayWorkers, start_ray_workers
 from cluster.serve import build
 from engine import LLM, SamplingParams
-from tests.http_server import free_port, serving
 from tests.disagg.test_worker_processes import Client
+from tests.http_server import free_port, serving
 from tests.ray.conftest import assert_ray_gone, descendants, ray_local_config
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -16,10 +16,11 @@ from engine.structured.bitmask import BitmaskBuffer
 from engine.structured.compiler import GrammarCompiler
 from engine.structured.grammar import build_grammar, ebnf_literal
 from engine.structured.matcher import GrammarState
-from engine.structured.params import StructuredOutputsError, StructuredOutputsParams as P
+from engine.structured.params import StructuredOutputsError
+from engine.structured.params import StructuredOutputsParams as P
 from protocol.sampling import from_wire, to_wire
-from protocol.worker import WORKER_MESSAGES, Generate
 from protocol.wire import encode
+from protocol.worker import WORKER_MESSAGES, Generate
 
 
 @pytest.mark.parametrize("value, param, problem", [

@@ -30,7 +30,7 @@ def run_both(model_dir: Path, batch: list[list[int]], params: list[SamplingParam
         llm = LLM(str(model_dir), async_scheduling=async_scheduling, **options)
         runner, launch = llm.core.runner, llm.core.runner.launch
 
-        def spy(scheduled, tables, *rest):
+        def spy(scheduled, tables, *rest, launch=launch):
             nonlocal placeholders
             placeholders += sum(s.start >= s.request.num_tokens for s in scheduled)
             return launch(scheduled, tables, *rest)

@@ -11,8 +11,17 @@ from typing import Any
 
 import pytest
 
-from cluster.config import (ROLE_FIELDS, ClusterConfig, ConfigError, PoolConfig, RayConfig, RayPoolConfig,
-                            RouterConfig, TransportOptions, load_cluster_config)
+from cluster.config import (
+    ROLE_FIELDS,
+    ClusterConfig,
+    ConfigError,
+    PoolConfig,
+    RayConfig,
+    RayPoolConfig,
+    RouterConfig,
+    TransportOptions,
+    load_cluster_config,
+)
 from engine.config import EngineConfig
 from engine.config_check import FieldTypeError, check_field_types
 

@@ -11,8 +11,17 @@ from typing import Any
 import pytest
 
 from cluster.autoscale.config import AutoscaleConfig, DecodeBounds, PrefillBounds
-from cluster.config import (ROLE_FIELDS, ClusterConfig, LocalConfig, PoolConfig, RayConfig, RayPoolConfig,
-                            RouterConfig, TransportOptions, load_cluster_config)
+from cluster.config import (
+    ROLE_FIELDS,
+    ClusterConfig,
+    LocalConfig,
+    PoolConfig,
+    RayConfig,
+    RayPoolConfig,
+    RouterConfig,
+    TransportOptions,
+    load_cluster_config,
+)
 from cluster.ray.resources import pool_bundles
 from engine.config import EngineConfig
 from engine.speculative.config import SpeculativeConfig

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.model import cpu_ops, llama
-from engine.native import compiler, has_avx2_fma
 from engine.model.fused_ops import fused_ops
 from engine.model.llama import RMSNorm
 from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.native import compiler, has_avx2_fma
 
 # With AVX2/FMA and a compiler the C file must build: a build error fails these tests, never skips them.
 pytestmark = pytest.mark.skipif(compiler() is None or not has_avx2_fma(), reason="no AVX2/FMA or no C compiler")

@@ -73,10 +73,10 @@ class ByteTokenizer:
 
 def test_a_stop_string_before_a_partial_character_is_found_in_the_same_step() -> None:
     detok = Detokenizer(ByteTokenizer(), ["."])
-    assert detok.add(list("Paris".encode())) == ("Paris", False)
+    assert detok.add(list(b"Paris")) == ("Paris", False)
     # "." and the first byte of a two-byte character arrive together: the stop is found now,
     # not once the character completes (the request might end here).
-    assert detok.add(list(".".encode()) + [0xC3]) == ("", True)
+    assert detok.add(list(b".") + [0xC3]) == ("", True)
     assert detok.text == "Paris" and detok.flush() == ""
 
 

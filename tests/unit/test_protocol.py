@@ -6,9 +6,27 @@ import msgpack
 import pytest
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from protocol import (CONTROL_MESSAGES, PROTOCOL_VERSION, WORKER_MESSAGES, Abort, Generate, MessageError, Peers,
-                      PrefillDone, Ready, Rejected, RemotePrefill, Serving, Stats, StatsReply, Stop, Tokens, encode,
-                      from_wire, to_wire)
+from protocol import (
+    CONTROL_MESSAGES,
+    PROTOCOL_VERSION,
+    WORKER_MESSAGES,
+    Abort,
+    Generate,
+    MessageError,
+    Peers,
+    PrefillDone,
+    Ready,
+    Rejected,
+    RemotePrefill,
+    Serving,
+    Stats,
+    StatsReply,
+    Stop,
+    Tokens,
+    encode,
+    from_wire,
+    to_wire,
+)
 
 WORKER = [
     Generate(request_id="a", prompt=[1, 2, 3], params=to_wire(SamplingParams(max_tokens=4, stop=["x"], seed=2**64 - 1)),

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ClusterConfig, ConfigError, load_cluster_config
-from workers.control import QueueControl
 from cluster.ray.actor import WorkerActor
 from cluster.ray.resources import missing_resources, pool_bundles, rank_bundles
 from security import DeploymentSecret
+from workers.control import QueueControl
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = {"model": "m", "launcher": "ray", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}

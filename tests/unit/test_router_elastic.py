@@ -16,7 +16,10 @@ from cluster.config import ClusterConfig
 from cluster.elastic import Bounds, PoolScaler
 from cluster.serve import router_for
 from engine.sampling_params import SamplingParams
-from router.app import Router, health as app_health, metrics as app_metrics, status as app_status
+from router.app import Router
+from router.app import health as app_health
+from router.app import metrics as app_metrics
+from router.app import status as app_status
 from tests.unit.test_elastic_scaler import FakeBackend
 from tests.unit.test_router_http import FakeDecodeWorker
 

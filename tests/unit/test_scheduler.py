@@ -173,7 +173,7 @@ def test_drafts_that_do_not_fit_are_dropped_before_anyone_is_preempted() -> None
     """Speculative decoding: drafts are optional. A request whose drafts need a block
     the pool does not have runs without them; nobody is preempted for them."""
     sched = make_scheduler(num_blocks=2, block_size=4)
-    a, b = add(sched, "a", 3, max_tokens=5), add(sched, "b", 3, max_tokens=5, first_token=20)
+    a, _ = add(sched, "a", 3, max_tokens=5), add(sched, "b", 3, max_tokens=5, first_token=20)
     step(sched)  # both prompts; each has 4 tokens in its one block
     a.spec_token_ids = [5, 6]  # would need a second block for a
     out = sched.schedule()
@@ -205,7 +205,7 @@ def test_drafts_come_after_every_running_requests_token() -> None:
     """One request's drafts never take the block or the budget another running
     request needs for its one token (it would be preempted or skipped for them)."""
     sched = make_scheduler(num_blocks=5, block_size=4)
-    a, b = add(sched, "a", 7, max_tokens=8), add(sched, "b", 8, max_tokens=8, first_token=20)
+    a, _ = add(sched, "a", 7, max_tokens=8), add(sched, "b", 8, max_tokens=8, first_token=20)
     step(sched)  # a holds 2 blocks (its next token fits), b 2 (its next token needs a third)
     a.spec_token_ids = [5, 6, 9]
     out = sched.schedule()
@@ -214,7 +214,7 @@ def test_drafts_come_after_every_running_requests_token() -> None:
     sched.update(out, [7, 7], [0, 0])
     # The budget: b's token first, then as many of a's drafts as are left room for.
     sched = make_scheduler(budget=3, block_size=4)
-    a, b = add(sched, "a", 2, max_tokens=8), add(sched, "b", 1, max_tokens=8, first_token=20)
+    a, _ = add(sched, "a", 2, max_tokens=8), add(sched, "b", 1, max_tokens=8, first_token=20)
     step(sched)
     a.spec_token_ids = [5, 6, 9]
     out = sched.schedule()

@@ -95,7 +95,7 @@ def drafts_for(p: np.ndarray) -> dict[str, int]:
     return drafts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def draw(config: int, draft: int, biased: bool = False) -> tuple[np.ndarray, int]:
     """Token counts of many identical rows (CONFIGS[config]) verifying `draft` (-1:
     none), and how many accepted it (shared by the tests: the draws cost the time)."""
