@@ -12,6 +12,11 @@ dead at once (`kill`), when it saw the process go. A worker dead by its silence 
 is `silent`: the local supervisor kills such a process (it may be hung, not gone), as
 the Ray supervisor kills an actor that does not answer its probe.
 
+A worker declared dead because it said it is `stalled` (`stall`) is different: it still
+answers during its grace (workers/watchdog.py) and then exits, so its messages prove
+nothing. Only a stats reply saying it is not stalled re-admits it (`heard(now,
+stepping=True)`): its restarted process's, since a stalled one stays stalled for good.
+
 Detection is bounded: a worker that dies is declared dead at most
 worker_timeout_s + health_interval_s after its last message.
 
@@ -34,13 +39,22 @@ class WorkerHealth:
         # gone, so its supervisor kills it (a hung prefill worker holds decode workers'
         # KV blocks fenced for as long as it lives: kv_transfer/receiver.py).
         self.silent = False
+        self.stalled = False  # dead because it said it is stalled: see stall()
 
-    def heard(self, now: float) -> bool:
-        """A message arrived from the worker. True if that re-admits a dead worker."""
+    def heard(self, now: float, stepping: bool = False) -> bool:
+        """A message arrived from the worker; `stepping`: a stats reply saying it is not
+        stalled. True if that re-admits a dead worker (a stalled one: only `stepping`)."""
         self.last_heard = max(self.last_heard, now)
+        if self.stalled and not stepping:
+            return False
         revived = not self.alive
-        self.alive, self.silent = True, False
+        self.alive, self.silent, self.stalled = True, False, False
         return revived
+
+    def stall(self) -> bool:
+        """It said it is stalled (it exits after its grace); True if it was alive."""
+        self.stalled = True
+        return self.kill()
 
     def kill(self) -> bool:
         """Declared dead from outside (a supervisor); True if it was alive."""

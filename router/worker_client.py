@@ -4,7 +4,8 @@ Prefill workers are only pinged, for their health and figures.
 
 A worker whose stats reply says `stalled` (it has work and has made no progress for
 router.stall_timeout_s; it exits soon, workers/loop.py) is declared dead at once,
-as a silent one would be after router.worker_timeout_s; its replies do not re-admit it.
+as a silent one would be after router.worker_timeout_s; nothing it sends during its
+grace re-admits it, only a stats reply saying it is not stalled (router/health.py).
 
 Who calls what: the router starts `read_forever()` and one shared monitor task
 (router/app.py) for the app's lifetime; the monitor calls `ping()` and `check()` every
@@ -72,9 +73,10 @@ class WorkerClient:
                 continue
             stalled = isinstance(msg, StatsReply) and msg.stats.get("stalled") is True
             if stalled:  # it answers, but makes no progress: as good as dead (and exits soon)
-                self.declare_dead(f"is stalled: no progress for {msg.stats.get('no_progress_s', 0):.0f} s "
-                                  "with work to do (router.stall_timeout_s)")
-            elif self.health.heard(time.monotonic()):
+                if self.health.stall():
+                    self._lose_requests(f"is stalled: no progress for {msg.stats.get('no_progress_s', 0):.0f} s "
+                                        "with work to do (router.stall_timeout_s)")
+            elif self.health.heard(time.monotonic(), stepping=isinstance(msg, StatsReply)):
                 logger.warning("worker %s answers again: in service again", self.name)
             if isinstance(msg, StatsReply):
                 if isinstance(msg.stats.get("num_blocks"), int):

@@ -41,3 +41,18 @@ def test_only_a_death_by_silence_marks_the_worker_silent() -> None:
     assert health.expired(3.5) and health.silent
     health.kill()  # its supervisor saw it exit (or it was restarted): not hung
     assert not health.silent and not health.alive
+
+
+def test_a_stalled_worker_is_readmitted_only_by_a_reply_that_says_it_steps() -> None:
+    """A stalled worker answers during its grace, then exits: its token batches and
+    rejections are no sign that its engine steps again; a stats reply saying it is not
+    stalled (its restarted process's) is."""
+    health = WorkerHealth(timeout_s=2.0, now=0.0)
+    assert health.stall() and not health.alive and not health.silent
+    assert not health.stall()  # declared once
+    assert not health.heard(0.5) and not health.alive
+    assert not health.expired(10.0)  # already dead: not declared again, nor silent
+    health.kill()  # its supervisor restarts it: still dead until it proves it steps
+    assert not health.heard(11.0) and not health.alive
+    assert health.heard(11.5, stepping=True) and health.alive and not health.stalled
+    assert not health.heard(12.0) and health.alive

@@ -17,7 +17,7 @@ from decode_worker.server import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, RequestsFailed, StepOutput
 from kv_transfer import TransportConfig, create_transport
-from protocol import WORKER_MESSAGES, Abort, Generate, Message, Peers, Rejected, Stats, StatsReply, encode
+from protocol import WORKER_MESSAGES, Abort, Generate, Message, Peers, Rejected, Stats, StatsReply, Tokens, encode
 from router.core import _rejection
 from router.worker_client import WORKER_LOST, WorkerClient
 from workers.loop import WorkerFailed, WorkerStalled
@@ -351,6 +351,46 @@ def test_the_router_declares_a_stalled_worker_dead_and_its_replies_do_not_readmi
             assert not client.alive  # a stalled reply is no sign of life
             await reply(stalled=False)  # e.g. restarted
             await asyncio.sleep(0.2)
+            assert client.alive
+        finally:
+            reader.cancel()
+            client.sock.close(0)
+            fake.close(0)
+            ctx.term()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_stalled_workers_other_messages_during_its_grace_do_not_readmit_it() -> None:
+    """A stalled worker still answers for stall_grace_s before it exits: a token batch
+    (a wedged step that finally ends) or a rejection it sends then is no proof that its
+    engine steps again. Routing to it would only hand new requests to a process about to
+    exit. Only a stats reply that says it is not stalled (its restarted process's)
+    re-admits it."""
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        fake = ctx.socket(zmq.ROUTER)
+        fake.setsockopt(zmq.LINGER, 0)
+        address = f"tcp://127.0.0.1:{fake.bind_to_random_port('tcp://127.0.0.1')}"
+        client = WorkerClient(ctx, "decode-0", address, timeout_s=30.0)
+        reader = asyncio.create_task(client.read_forever())
+        try:
+            async def reply(stalled: bool) -> bytes:
+                client.ping()
+                sender, body = await asyncio.wait_for(fake.recv_multipart(), 5)
+                stats = {"name": "decode-0", "stalled": stalled, "no_progress_s": 61.0 if stalled else 0.0}
+                await fake.send_multipart([sender, encode(StatsReply(seq=decode(body).seq, stats=stats))])
+                await asyncio.sleep(0.2)
+                return sender
+
+            sender = await reply(stalled=True)
+            assert not client.alive
+            for late in (Tokens(request_id="r", tokens=[7], finished=False, reason="", cached=0),
+                         Rejected(request_id="r", error="aborted", status=500)):
+                await fake.send_multipart([sender, encode(late)])
+                await asyncio.sleep(0.2)
+                assert not client.alive, f"a {late.kind} message re-admitted a stalled worker"
+            await reply(stalled=False)  # its restarted process steps
             assert client.alive
         finally:
             reader.cancel()
