@@ -65,7 +65,7 @@ class PoolBackend(Protocol):
 
 
 class RouterControl(Protocol):
-    """The router's verbs the scaler uses (router/core.py)."""
+    """The router's verbs the scaler uses (router/control.py RouterControl)."""
 
     def add_worker(self, role: str, name: str, address: str, timeout: float = 30.0) -> None: ...
 

@@ -19,6 +19,7 @@ from security import DeploymentSecret
 
 if TYPE_CHECKING:
     from cluster.elastic import PoolBackend
+    from router.control import RouterControl
 
 # config.launcher (one of cluster.config.LAUNCHERS) -> "module:class", imported when picked.
 LAUNCHER_CLASSES = {"local": "cluster.local.launcher:LocalLauncher", "ray": "cluster.ray.launcher:RayLauncher"}
@@ -33,6 +34,11 @@ class RouterHooks:
         self.down = down  # (name): declared dead; a decode worker's requests fail over
         self.moved = moved  # (name, new ZMQ address): restarted there
         self.silent = silent  # (): the workers the router declared dead for their silence: maybe hung
+
+    @classmethod
+    def of(cls, control: RouterControl) -> RouterHooks:
+        """The hooks of a router's control (router/control.py RouterControl)."""
+        return cls(control.worker_down, control.worker_moved, control.silent)
 
 
 class NamedWorker(Protocol):

@@ -54,9 +54,9 @@ def build(config: ClusterConfig) -> tuple[Workers, Router]:
     try:
         router = router_for(config, {w.name: w.address for w in workers.decode},
                             {w.name: w.address for w in workers.prefill}, workers.secret)
-        router.scaler = scaler_for(config, launcher.pools(config, workers), router)
+        router.scaler = scaler_for(config, launcher.pools(config, workers), router.control)
         if launcher.restarts_workers:
-            launcher.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved, router.silent))
+            launcher.supervise(config, workers, RouterHooks.of(router.control))
     except BaseException:
         workers.stop()
         raise

@@ -118,8 +118,8 @@ async def health(request: Request) -> JSONResponse:
     503, so that a load balancer or a readiness probe sees that this deployment can
     serve nothing new."""
     router = _router(request)
-    if not any(w.alive and not w.draining for w in router.workers):
-        return error_response(router.no_live_worker())
+    if not router.pool.serving():
+        return error_response(router.pool.no_live_worker())
     return JSONResponse({"status": "ok"})
 
 
@@ -127,23 +127,24 @@ async def status(request: Request) -> dict[str, Any]:
     """Every worker of both pools: live or not, and its own figures (None if it did
     not answer); `pdserve status` prints this."""
     router = _router(request)
-    pools, decode = router.workers + router.prefill, len(router.workers)  # as listed: a scale may change them
-    replies = await router.stats_of(pools)
-    rows = [{"name": w.name, "address": w.address, "live": w.alive, "draining": w.draining, "stats": s}
-            for w, s in zip(pools, replies)]
-    return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.prefill),
-            "decode_workers": rows[:decode], "prefill_workers": rows[decode:]}
+    pools = router.pool.listed()  # as listed: a scale may change them
+    replies = await router.pool.stats_of([w for w, _ in pools])
+    rows = [({"name": w.name, "address": w.address, "live": w.alive, "draining": w.draining, "stats": s}, role)
+            for (w, role), s in zip(pools, replies)]
+    return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.pool.prefill),
+            "decode_workers": [r for r, role in rows if role == "decode"],
+            "prefill_workers": [r for r, role in rows if role == "prefill"]}
 
 
 async def metrics(request: Request) -> Response:
     """The router's own metrics, and every live worker's figures of both pools, asked
     now (a dead one would only time out), labelled by worker and role."""
     router = _router(request)
-    live = [(w, "decode") for w in router.workers if w.alive] + [(w, "prefill") for w in router.prefill if w.alive]
+    live = [(w, role) for w, role in router.pool.listed() if w.alive]
     for (worker, role), stats in zip(live, await asyncio.gather(*(w.stats() for w, _ in live))):
         if stats is not None and not worker.closed:  # one scaled away meanwhile stays forgotten
             router.metrics.set_worker(worker.name, role, stats)
-    router.publish_live()
+    router.pool.publish_live()
     return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -151,7 +152,7 @@ async def admin_pools(request: Request) -> dict[str, Any]:
     """Each pool's workers taking work, and every worker with its state (admin key)."""
     router = _router(request)
     workers = [{"name": w.name, "role": role, "address": w.address, "live": w.alive, "draining": w.draining}
-               for role, pool in (("decode", router.workers), ("prefill", router.prefill)) for w in pool]
+               for w, role in router.pool.listed()]
     sizes = {role: sum(1 for w in workers if w["role"] == role and not w["draining"]) for role in ("prefill", "decode")}
     return {**sizes, "scalable": router.scaler is not None, "workers": workers,
             "remote_prefill_min_tokens": router.remote_prefill_min_tokens}

@@ -1,23 +1,21 @@
 """The router's request path: take a parsed, tokenized request (router/parsing.py),
-pick a decode worker, ask it to prefill on a prefill worker when the prompt is long
-enough (conditional disaggregation), and detokenize the worker's per-step token
-batches incrementally, ending a request itself when a stop string appears (each of a
-request's sequences apart: router/sequences.py). A decode worker that falls silent is
-routed around, and its requests fail over to a live one mid-stream (Router.run_batch,
-router/health.py). The HTTP endpoints are router/app.py.
+pick a decode worker (router/pool.py), ask it to prefill on a prefill worker when the
+prompt is long enough (conditional disaggregation), and detokenize the worker's
+per-step token batches incrementally, ending a request itself when a stop string
+appears (each of a request's sequences apart: router/sequences.py). A decode worker
+that falls silent is routed around, and its requests fail over to a live one
+mid-stream (Router.run_batch, router/health.py). Other threads reach the router
+through Router.control (router/control.py). The HTTP endpoints are router/app.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
-import threading
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import zmq.asyncio
 
@@ -27,19 +25,18 @@ from protocol import Generate, to_wire
 from router.admin import Scaling
 from router.bounds import InputBounds
 from router.config import ModelLimits, RouterSettings
+from router.control import RouterControl
 from router.errors import APIError
-from router.load import LoadSnapshot, buckets_of, total_of, worker_load
 from router.metrics import RouterMetrics
 from router.model_names import ServedModels
 from router.parsing import RequestParser
+from router.pool import WorkerPool
 from router.routing import RoutingPolicy
 from router.sequences import MAX_RETRIES, Chunk, SequenceGroup, _rejection, admission
 from router.worker_client import WorkerClient
 from security import DeploymentSecret
 
 __all__ = ["MAX_RETRIES", "Chunk", "Router", "_rejection"]  # Chunk, and what tests import, from their old place
-
-T = TypeVar("T")
 
 
 class Router:
@@ -55,33 +52,28 @@ class Router:
         self.model_name = self.models.name  # what responses carry
         self.max_model_len = limits.max_model_len
         self.block_size = limits.block_size
-        self.parser = RequestParser(load_tokenizer(limits.model), limits, self._kv_pool_tokens, InputBounds.of(config),
-                                    self.models)
+        self.metrics = RouterMetrics()
+        # The router cannot see the pools' sizes; num_kv_blocks bounds the history it keeps.
+        routing = RoutingPolicy(config.policy, limits.block_size, limits.num_kv_blocks or 65536)
         # The process's one asyncio context, never collected: a Router's own context,
         # collected together with its still-open sockets, would hang in its finalizer
         # (term() waits on sockets the collector has not closed yet).
-        self.ctx = zmq.asyncio.Context.instance()
-        self.secret = secret
-        self.workers: list[WorkerClient] = []  # the decode pool, in the routing policy's order
-        self.prefill: list[WorkerClient] = []
-        # The router cannot see the pools' sizes; this bounds the history it keeps.
-        self.routing = RoutingPolicy(config.policy, 0, limits.block_size, limits.num_kv_blocks or 65536)
-        self.metrics = RouterMetrics()
+        self.pool = WorkerPool(zmq.asyncio.Context.instance(), routing, self.metrics, config.worker_timeout_s,
+                               limits.block_size, secret)
+        self.parser = RequestParser(load_tokenizer(limits.model), limits, self.pool.kv_pool_tokens,
+                                    InputBounds.of(config), self.models)
         # Conditional disaggregation's threshold: the config's, until the planner moves it.
         self.remote_prefill_min_tokens = config.remote_prefill_min_tokens
         self.metrics.remote_prefill_min_tokens.set(self.remote_prefill_min_tokens)
-        self._readers: dict[str, asyncio.Task] = {}  # worker name -> its read_forever task
         self.in_flight = 0
-        self.loop: asyncio.AbstractEventLoop | None = None  # set while the app runs
-        self._early_calls: list[Any] = []  # from other threads before it ran
-        self._calls_lock = threading.Lock()
         self._tasks: list[asyncio.Task] = []
         # Who grows and shrinks the pools (cluster/elastic.py sets it): the admin
         # endpoint's scale requests go to it; None: the pools are fixed.
         self.scaler: Scaling | None = None
         for role, pool in (("decode", decode_workers), ("prefill", prefill_workers or {})):
             for name, address in sorted(pool.items()):
-                self._add_client(role, name, address)
+                self.pool.add(role, name, address)
+        self.control = RouterControl(self)  # every call from another thread
 
     @property
     def tokenizer(self) -> Any:
@@ -93,34 +85,22 @@ class Router:
     def tokenizer(self, tokenizer: Any) -> None:
         self.parser.tokenizer = tokenizer
 
-    @property
-    def max_token_chars(self) -> int:
-        return self.parser.max_token_chars
-
-    def _kv_pool_tokens(self) -> list[int]:
-        """Tokens each decode worker's KV pool holds, of those whose stats reply said."""
-        return [w.num_kv_blocks * self.block_size for w in self.workers if w.num_kv_blocks]
-
     # --- the app's lifetime (router/app.py) -------------------------------------------
 
     def start(self) -> None:
-        """On the app's event loop, as it starts: run the calls that came before it, and
-        read from every worker and supervise them until stop()."""
-        with self._calls_lock:
-            self.loop = asyncio.get_running_loop()
-            early, self._early_calls = self._early_calls, []
-        for call in early:
-            call()
-        self._readers = {w.name: asyncio.create_task(w.read_forever()) for w in self.workers + self.prefill}
-        self._tasks = [asyncio.create_task(self.monitor())]
+        """On the app's event loop, as it starts: run the calls other threads made before
+        it, and read from every worker and supervise them until stop()."""
+        self.control.attach()
+        self.pool.start()
+        self._tasks = [asyncio.create_task(self.pool.monitor(self.config.health_interval_s))]
 
     def stop(self) -> None:
         """As the app shuts down; calls from other threads wait for a next start, if any."""
-        with self._calls_lock:
-            self.loop = None
-        for task in [*self._tasks, *self._readers.values()]:
+        self.control.detach()
+        self.pool.stop()
+        for task in self._tasks:
             task.cancel()
-        self._tasks, self._readers = [], {}
+        self._tasks = []
 
     # --- one request ----------------------------------------------------------------
 
@@ -183,22 +163,20 @@ class Router:
         params.max_tokens (for params.n sequences); the worker, the request's id there,
         and whether it was asked to prefill on a prefill worker. The caller listens for
         its answers (no message is read before it returns: one event loop)."""
-        live = [w.alive and not w.draining for w in self.workers]
-        if not any(live):
-            raise self.no_live_worker()
         tokens = prompt + generated
+        worker, cached = self.pool.choose(tokens)
         if generated:
             n = len(generated)
             # Its prompt logprobs came with its first tokens already.
             params = dataclasses.replace(params, max_tokens=params.max_tokens - n,
                                          min_tokens=max(0, params.min_tokens - n), prompt_logprobs=None)
-        index, cached = self.routing.choose(tokens, [len(w.queues) for w in self.workers], live)
-        worker, request_id = self.workers[index], uuid.uuid4().hex
+        request_id = uuid.uuid4().hex
         # Conditional disaggregation: only the part the worker must compute counts.
         # Prompt logprobs need the prompt's logits, which a prefill worker does not
         # send: such a prompt is prefilled on the decode worker (docs/architecture.md).
-        remote = (len(tokens) - cached >= self.remote_prefill_min_tokens
-                  and any(p.alive and not p.draining for p in self.prefill) and params.prompt_logprobs is None)
+        # This is that rule's one owner; the decode worker only guards it.
+        remote = (len(tokens) - cached >= self.remote_prefill_min_tokens and self.pool.prefill_serving()
+                  and params.prompt_logprobs is None)
         if failover:
             self.metrics.failovers.inc()
         else:
@@ -209,233 +187,3 @@ class Router:
                            kind="service_unavailable")
         return worker, request_id, remote
 
-    def no_live_worker(self) -> APIError:
-        why = "; ".join(f"{w.name} {'is being drained (scaled down)' if w.alive else w.down_reason}"
-                        for w in self.workers)
-        return APIError(503, f"no decode worker is alive ({why}); retry later", kind="service_unavailable")
-
-    # --- from a supervisor's thread (cluster/ray/supervisor.py on Ray, cluster/local/supervisor.py) ---
-
-    def worker_down(self, name: str) -> None:
-        """A decode or prefill worker is down; a decode worker's requests fail over."""
-        def down() -> None:
-            client = self._find(name)
-            if client is not None:  # else scaled away meanwhile
-                client.declare_dead("is down (its supervisor saw it exit)")
-        self._on_loop(down)
-
-    def worker_moved(self, name: str, address: str) -> None:
-        """Restarted at `address`, with an empty cache."""
-        def move() -> None:
-            client = self._find(name)
-            if client is None:  # scaled away meanwhile
-                return
-            client.move(address)
-            if client in self.workers:
-                self.routing.forget(self.workers.index(client))
-        self._on_loop(move)
-
-    def _find(self, name: str) -> WorkerClient | None:
-        return next((w for w in self.workers + self.prefill if w.name == name), None)
-
-    def _client(self, name: str) -> WorkerClient:
-        client = self._find(name)
-        if client is None:
-            raise LookupError(f"the router has no worker named {name}")
-        return client
-
-    def _on_loop(self, call: Any) -> None:
-        """Run `call` on the router's event loop (its sockets and queues live there);
-        before the app runs, when it starts."""
-        with self._calls_lock:
-            if self.loop is None:
-                self._early_calls.append(call)
-                return
-            self.loop.call_soon_threadsafe(call)
-
-    def publish_live(self) -> None:
-        """Each worker's health, as the router sees it now, into the metrics."""
-        self.metrics.set_live({w.name: w.alive for w in self.workers}, {w.name: w.alive for w in self.prefill})
-
-    async def monitor(self) -> None:
-        """Supervise the decode workers for the app's lifetime: ping each every
-        router.health_interval_s, declare the silent ones dead (router/health.py)."""
-        while True:
-            for w in self.workers + self.prefill:
-                w.ping()
-            await asyncio.sleep(self.config.health_interval_s)
-            for w in self.workers + self.prefill:
-                w.check()
-            self.publish_live()
-
-
-    # --- elastic pools (cluster/elastic.py calls these from its thread) -----------------
-
-    def _add_client(self, role: str, name: str, address: str) -> WorkerClient:
-        """A client for a worker that serves now (its peers know it); on the loop, or
-        before the app runs."""
-        if self._find(name) is not None:
-            raise ValueError(f"the router already has a worker named {name}")
-        client = WorkerClient(self.ctx, name, address, self.config.worker_timeout_s, self.secret)
-        if role == "decode":
-            self.workers.append(client)
-            self.routing.add()
-            client.on_kv_events = lambda events, reset: self.routing.kv_events(self.workers.index(client), events,
-                                                                               reset)
-        else:
-            self.prefill.append(client)
-        if self.loop is not None:
-            self._readers[name] = asyncio.create_task(client.read_forever())
-        self._publish_pools()
-        return client
-
-    def add_worker(self, role: str, name: str, address: str, timeout: float = 30.0) -> None:
-        """A new worker of `role` ("decode" | "prefill") serves at `address`, its peers
-        told: route to it from now on."""
-        self.call(lambda: self._add_client(role, name, address), timeout)
-        self.metrics.scale_events.labels(role=role, action="add").inc()
-
-    def drain_worker(self, name: str, timeout: float = 30.0) -> None:
-        """No new request goes to the worker (a decode worker's running ones go on)."""
-        def drain() -> None:
-            self._client(name).draining = True
-            self._publish_pools()
-        self.call(drain, timeout)
-
-    def requests_on(self, name: str, timeout: float = 30.0) -> int:
-        """Sequences the router still awaits from a decode worker (0 for a prefill one)."""
-        return self.call(lambda: _sequences_awaited(self._client(name)), timeout)
-
-    def evacuate(self, name: str, timeout: float = 30.0) -> int:
-        """A draining decode worker's sequences still running move to the others by the
-        failover path (each resubmitted as prompt + its tokens so far, its abort sent
-        here); how many."""
-        def move() -> int:
-            client = self._client(name)
-            moving = _sequences_awaited(client)
-            if moving:
-                client.evacuate(f"was drained for {name}'s scale-down and its requests move")
-            return moving
-        return self.call(move, timeout)
-
-    def remove_worker(self, name: str, timeout: float = 30.0) -> None:
-        """The worker left its pool (stopped, or about to be): forget it."""
-        def remove() -> str:
-            client = self._client(name)
-            role = "decode" if client in self.workers else "prefill"
-            if role == "decode":
-                index = self.workers.index(client)
-                self.workers.pop(index)
-                self.routing.remove(index)
-            else:
-                self.prefill.remove(client)
-            reader = self._readers.pop(name, None)
-            if reader is not None:
-                reader.cancel()
-            client.close()
-            self.metrics.forget_worker(name, role)
-            self._publish_pools()
-            return role
-        role = self.call(remove, timeout)
-        self.metrics.scale_events.labels(role=role, action="remove").inc()
-
-    def worker_stats(self, name: str, timeout: float = 5.0) -> dict[str, Any] | None:
-        """A worker's stats reply, asked now from another thread (None: no answer, or
-        the app is not running)."""
-        with self._calls_lock:
-            loop = self.loop
-        if loop is None:
-            return None
-        client = self.call(lambda: self._client(name), timeout)
-        return asyncio.run_coroutine_threadsafe(client.stats(), loop).result(timeout)
-
-    def worker_live(self, name: str, timeout: float = 30.0) -> bool:
-        """Whether the router sees the worker alive (False for one it does not know)."""
-        return self.call(lambda: (client := self._find(name)) is not None and client.alive, timeout)
-
-    def silent(self, timeout: float = 2.0) -> set[str]:
-        """The workers of either pool the router declared dead for their silence alone
-        (no supervisor said they exited, and they have not answered since): maybe hung."""
-        return self.call(lambda: {w.name for w in self.workers + self.prefill if w.health.silent}, timeout)
-
-    def set_remote_prefill_min_tokens(self, value: int) -> None:
-        """Move conditional disaggregation's threshold (the planner, when prefill is
-        the bottleneck); requests submitted from now on use it."""
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"remote_prefill_min_tokens must be an integer >= 1, got {value!r}")
-        self.remote_prefill_min_tokens = value
-        self.metrics.remote_prefill_min_tokens.set(value)
-
-    def _publish_pools(self) -> None:
-        for role, pool in (("decode", self.workers), ("prefill", self.prefill)):
-            self.metrics.pool_workers.labels(role=role).set(sum(1 for w in pool if not w.draining))
-
-    def call(self, fn: Callable[[], T], timeout: float = 30.0) -> T:
-        """fn() on the router's event loop, from another thread, and its result (or
-        exception); run here when the app is not running (nothing else runs then)."""
-        with self._calls_lock:
-            loop = self.loop
-        if loop is None:
-            return fn()
-        _not_on(loop, "Router.call")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
-        loop.call_soon_threadsafe(run)
-        return future.result(timeout)
-
-    def snapshot(self, timeout: float = 10.0) -> LoadSnapshot:
-        """load_snapshot() from another thread (the planner's); RuntimeError while the
-        app is not running."""
-        with self._calls_lock:
-            loop = self.loop
-        if loop is None:
-            raise RuntimeError("the router is not serving yet")
-        _not_on(loop, "Router.snapshot")
-        return asyncio.run_coroutine_threadsafe(self.load_snapshot(), loop).result(timeout)
-
-    async def load_snapshot(self) -> LoadSnapshot:
-        """The deployment's load now (router/load.py): the router's counters and every
-        worker's figures, asked now (2 s at most: a silent worker reads as zeros)."""
-        m = self.metrics
-        pools = [(w, "decode") for w in self.workers] + [(w, "prefill") for w in self.prefill]
-        replies = await self.stats_of([w for w, _ in pools])
-        return LoadSnapshot(
-            at=time.monotonic(), requests=total_of(m.requests), finished=total_of(m.finished),
-            prompt_tokens=total_of(m.prompt_tokens), generation_tokens=total_of(m.generation_tokens),
-            in_flight=self.in_flight, ttft=buckets_of(m.ttft), itl=buckets_of(m.itl), tpot=buckets_of(m.tpot),
-            prompt_lengths=buckets_of(m.prompt_length),
-            remote_prefill_min_tokens=self.remote_prefill_min_tokens,
-            workers=tuple(worker_load(w.name, role, w.alive, w.draining, stats)
-                          for (w, role), stats in zip(pools, replies)))
-
-    async def stats_of(self, clients: list[WorkerClient]) -> list[dict[str, Any] | None]:
-        """Each worker's stats reply, asked now and side by side; None for one the
-        router holds dead (it would only time out) or that did not answer in time."""
-        return await asyncio.gather(*(w.stats() if w.alive else _nothing() for w in clients))
-
-
-async def _nothing() -> None:
-    return None
-
-
-def _sequences_awaited(client: WorkerClient) -> int:
-    """Sequences the router awaits from the worker (a parallel-sampling group's own
-    entry, which only a rejection of the whole group would use, does not count)."""
-    return sum(1 for q in client.queues.values() if getattr(q, "seq", True) is not None)
-
-
-def _not_on(loop: asyncio.AbstractEventLoop, what: str) -> None:
-    """The blocking verbs wait for the loop: called on it, they would hold it (every
-    request with it) until their timeout. Say so at once instead."""
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:  # no loop in this thread: the usual case
-        return
-    if running is loop:
-        raise RuntimeError(f"{what} blocks until the router's event loop runs it: call it from another thread "
-                           "(asyncio.to_thread), never from the loop itself")

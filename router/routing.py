@@ -15,9 +15,8 @@ disaggregation: only the uncached part counts toward the threshold.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from engine.kv_cache.block_hash import hash_full_blocks
 
@@ -58,49 +57,56 @@ class PrefixIndex:
 
 
 class RoutingPolicy:
-    def __init__(self, policy: str, num_workers: int, block_size: int, capacity_blocks: int) -> None:
+    """Which decode worker takes a request. Its workers are named (the router's names,
+    router/pool.py), in the pool's order: ties go to the earlier one, and round_robin
+    goes round them in that order."""
+
+    def __init__(self, policy: str, block_size: int, capacity_blocks: int, names: Sequence[str] = ()) -> None:
         self.policy = policy
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
-        self.indexes = [PrefixIndex(capacity_blocks) for _ in range(num_workers)]
-        self._round_robin = itertools.cycle(range(num_workers))
+        self.indexes: dict[str, PrefixIndex] = {name: PrefixIndex(capacity_blocks) for name in names}
+        self._next = 0  # round_robin: the position in the pool to try first
 
-    def choose(self, prompt: Sequence[int], loads: Sequence[int],
-               live: Sequence[bool] | None = None) -> tuple[int, int]:
-        """(worker index, prompt tokens it probably has cached) for this prompt, given
-        each worker's requests in flight and which workers are alive (all if None; at
-        least one must be). Records the choice in kv_aware's history."""
-        candidates = [i for i in range(len(loads)) if live is None or live[i]]
+    def choose(self, prompt: Sequence[int], loads: Mapping[str, int]) -> tuple[str, int]:
+        """(worker, prompt tokens it probably has cached) for this prompt; `loads`: each
+        worker that may take it (alive, not draining; at least one) -> its requests in
+        flight. Records the choice in kv_aware's history."""
+        names = list(self.indexes)
+        candidates = [i for i, name in enumerate(names) if name in loads]
         if not candidates:
             raise ValueError("no live worker to choose from")
         if self.policy == "round_robin":
-            # At most one lap: some worker in the cycle is alive.
-            return next(i for i in self._round_robin if i in candidates), 0
+            pick = min(candidates, key=lambda i: (i - self._next) % len(names))  # the next one round
+            self._next = pick + 1
+            return names[pick], 0
         if self.policy == "least_loaded":
-            return min(candidates, key=lambda i: loads[i]), 0
+            return names[min(candidates, key=lambda i: loads[names[i]])], 0
         # At most len - 1 tokens can be cached: the last one is always computed.
         hashes = hash_full_blocks(prompt[:-1], self.block_size)
-        cached = [idx.cached_blocks(hashes) * self.block_size for idx in self.indexes]
-        best = min(candidates, key=lambda i: (len(prompt) - cached[i] + LOAD_TOKENS * loads[i], i))
-        self.indexes[best].add(hashes)
-        return best, cached[best]
+        cached = {i: self.indexes[names[i]].cached_blocks(hashes) * self.block_size for i in candidates}
+        best = min(candidates, key=lambda i: (len(prompt) - cached[i] + LOAD_TOKENS * loads[names[i]], i))
+        self.indexes[names[best]].add(hashes)
+        return names[best], cached[best]
 
-    def add(self) -> None:
-        """A worker joined the pool, after the others (its index: their number)."""
-        self.indexes.append(PrefixIndex(self.capacity_blocks))
-        self._round_robin = itertools.cycle(range(len(self.indexes)))
+    def add(self, name: str) -> None:
+        """A worker joined the pool, after the others."""
+        self.indexes[name] = PrefixIndex(self.capacity_blocks)
+        self._next = 0
 
-    def remove(self, index: int) -> None:
-        """Worker `index` left the pool; those after it move down one."""
-        self.indexes.pop(index)
-        self._round_robin = itertools.cycle(range(len(self.indexes)))
+    def remove(self, name: str) -> None:
+        """The worker left the pool."""
+        del self.indexes[name]
+        self._next = 0
 
-    def forget(self, index: int) -> None:
-        """Worker `index` restarted (its prefix cache is empty), or its events were lost."""
-        self.indexes[index] = PrefixIndex(self.indexes[index].capacity)
+    def forget(self, name: str) -> None:
+        """The worker restarted (its prefix cache is empty), or its events were lost."""
+        self.indexes[name] = PrefixIndex(self.indexes[name].capacity)
 
-    def kv_events(self, index: int, events: Sequence[Sequence], reset: bool) -> None:
-        """Prefix-cache events reported by worker `index` (their StatsReply.kv_events)."""
+    def kv_events(self, name: str, events: Sequence[Sequence], reset: bool) -> None:
+        """Prefix-cache events the worker reported (its StatsReply.kv_events)."""
+        if name not in self.indexes:  # it left the pool meanwhile
+            return
         if reset:
-            self.forget(index)
-        self.indexes[index].apply(events)
+            self.forget(name)
+        self.indexes[name].apply(events)

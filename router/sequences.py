@@ -64,7 +64,7 @@ Submit = Callable[[list[int], list[int], SamplingParams, bool], tuple[WorkerClie
 
 
 class _Inbox:
-    """What a WorkerClient takes for a request's queue: it tags each message with the
+    """What a WorkerClient takes for a request's inbox: it tags each message with the
     sequence (None: the group's own id) and the id it came under."""
 
     def __init__(self, queue: asyncio.Queue, seq: _Sequence | None, request_id: str) -> None:
@@ -113,20 +113,20 @@ class SequenceGroup:
             if self.n == 1:
                 self._attach(seqs[0], worker, rid, remote)
                 continue
-            worker.queues[rid] = _Inbox(self.inbox, None, rid)  # a rejection of the whole group
+            worker.subscribe(rid, _Inbox(self.inbox, None, rid), group=True)  # a rejection of the whole group
             self.groups.append((worker, rid))
             for i, seq in enumerate(seqs):
                 self._attach(seq, worker, child_request_id(rid, i), remote)
 
     def _attach(self, seq: _Sequence, worker: WorkerClient, request_id: str, remote: bool) -> None:
         seq.worker, seq.request_id, seq.remote = worker, request_id, remote
-        worker.queues[request_id] = _Inbox(self.inbox, seq, request_id)
+        worker.subscribe(request_id, _Inbox(self.inbox, seq, request_id))
 
     def _leave(self, seq: _Sequence, abort: bool) -> None:
         """Stop listening to the sequence's current id; abort it there (it runs on)."""
         if seq.worker is None:
             return
-        seq.worker.queues.pop(seq.request_id, None)
+        seq.worker.unsubscribe(seq.request_id)
         if abort:
             seq.worker.send(Abort(request_id=seq.request_id))
 
@@ -214,7 +214,7 @@ class SequenceGroup:
         for seq in unfinished:
             self._leave(seq, abort=True)
         for worker, rid in self.groups:
-            worker.queues.pop(rid, None)
+            worker.unsubscribe(rid)
         if unfinished and self.seqs[0].worker is not None and not self.error:
             self.metrics.finished.labels(reason="abort").inc()
 

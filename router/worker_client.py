@@ -7,9 +7,11 @@ router.stall_timeout_s; it exits soon, workers/loop.py) is declared dead at once
 as a silent one would be after router.worker_timeout_s; nothing it sends during its
 grace re-admits it, only a stats reply saying it is not stalled (router/health.py).
 
-Who calls what: the router starts `read_forever()` and one shared monitor task
-(router/app.py) for the app's lifetime; the monitor calls `ping()` and `check()` every
-router.health_interval_s; request handlers call `send()`, and /metrics `stats()`.
+Who calls what: the worker pool (router/pool.py) starts `read_forever()` and one shared
+monitor task for the app's lifetime; the monitor calls `ping()` and `check()` every
+router.health_interval_s; a request's sequences (router/sequences.py) `subscribe()` to
+the ids they await and `unsubscribe()` when done, and `send()`; /metrics calls `stats()`.
+Everything runs on the router's event loop.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -30,8 +32,14 @@ from security import DeploymentSecret, connect_securely
 
 logger = logging.getLogger(__name__)
 
-# Put into a request's queue when its worker is declared dead: the request fails over.
+# Put into a request's inbox when its worker is declared dead: the request fails over.
 WORKER_LOST = object()
+
+
+class Inbox(Protocol):
+    """Where a request's messages go: its Tokens and Rejected, or WORKER_LOST."""
+
+    def put_nowait(self, msg: Any) -> None: ...
 
 
 class WorkerClient:
@@ -47,7 +55,8 @@ class WorkerClient:
         if secret is not None:
             connect_securely(self.sock, secret)
         self.sock.connect(address)
-        self.queues: dict[str, asyncio.Queue] = {}  # request id -> its Tokens and Rejected (or WORKER_LOST)
+        self._inboxes: dict[str, Inbox] = {}  # request id -> where its messages go
+        self._group_ids: set[str] = set()  # of those, parallel-sampling groups' own ids
         self.health = WorkerHealth(timeout_s, time.monotonic())
         self._stats_waiters: dict[int, asyncio.Future] = {}  # ping seq -> its reply
         # (events, reset): the worker's prefix-cache events, from every stats reply
@@ -87,9 +96,32 @@ class WorkerClient:
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg.stats)
             elif isinstance(msg, (Tokens, Rejected)):
-                queue = self.queues.get(msg.request_id)
-                if queue is not None:
-                    queue.put_nowait(msg)
+                inbox = self._inboxes.get(msg.request_id)
+                if inbox is not None:
+                    inbox.put_nowait(msg)
+
+    def subscribe(self, request_id: str, inbox: Inbox, group: bool = False) -> None:
+        """The worker's messages for `request_id` go to `inbox` until unsubscribe();
+        `group`: a parallel-sampling group's own id (only a rejection of the whole group
+        comes under it), not a sequence the router awaits."""
+        self._inboxes[request_id] = inbox
+        if group:
+            self._group_ids.add(request_id)
+
+    def unsubscribe(self, request_id: str) -> None:
+        """Stop listening for `request_id` (nothing happens if nobody listens)."""
+        self._inboxes.pop(request_id, None)
+        self._group_ids.discard(request_id)
+
+    @property
+    def load(self) -> int:
+        """The ids the router listens for here: what the routing policy weighs."""
+        return len(self._inboxes)
+
+    @property
+    def sequences_awaited(self) -> int:
+        """Sequences the router awaits from the worker (a group's own id does not count)."""
+        return len(self._inboxes) - len(self._group_ids)
 
     def send(self, message: Message) -> bool:
         """Queue a message for the worker; False if it cannot be queued (the socket's
@@ -146,7 +178,7 @@ class WorkerClient:
         """The worker was restarted at `address`. It stays dead to routing until it
         answers (the next ping goes there); nothing sent to the old process will come
         back, so any request still waiting on it fails over."""
-        if self.queues:
+        if self._inboxes:
             self._lose_requests("restarted")
         self.down_reason = "was restarted and has not answered yet"
         self.health.kill()
@@ -162,7 +194,7 @@ class WorkerClient:
     def close(self) -> None:
         """It left the deployment: its socket goes (any request still listening fails
         over first)."""
-        if self.queues:
+        if self._inboxes:
             self._lose_requests("left the deployment", declared_dead=False)
         self.closed = True
         self.sock.close(linger=0)
@@ -172,6 +204,6 @@ class WorkerClient:
             self.down_reason = reason
         logger.warning("worker %s (%s) %s%s%s", self.name, self.address, reason,
                        ": declared dead" if declared_dead else "",
-                       f"; {len(self.queues)} request(s) fail over" if self.queues else "")
-        for queue in list(self.queues.values()):
-            queue.put_nowait(WORKER_LOST)
+                       f"; {len(self._inboxes)} request(s) fail over" if self._inboxes else "")
+        for inbox in list(self._inboxes.values()):
+            inbox.put_nowait(WORKER_LOST)

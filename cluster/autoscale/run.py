@@ -31,7 +31,8 @@ def start_planner(config: ClusterConfig, router: Router) -> PlannerLoop | None:
         router.metrics.autoscale_decisions.labels(pool=decision.pool, action=decision.action,
                                                   reason=decision.reason).inc()
 
-    loop = PlannerLoop(Planner(config.autoscale, config.router.remote_prefill_min_tokens), router.snapshot, scale,
-                       router.set_remote_prefill_min_tokens, record, sizes=sizes)
+    control = router.control
+    loop = PlannerLoop(Planner(config.autoscale, config.router.remote_prefill_min_tokens), control.snapshot, scale,
+                       control.set_remote_prefill_min_tokens, record, sizes=sizes)
     loop.start()
     return loop

@@ -45,7 +45,7 @@ class LocalLauncher:
         http = planner = None
         try:
             http = HTTPServer(router, config.router.host, config.router.port)
-            self.supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved, router.silent))
+            self.supervise(config, workers, RouterHooks.of(router.control))
             planner = start_planner(config, router)
             print(f"pdserve: serving {config.model} at {http.url}/v1 ({len(workers.prefill)} prefill + "
                   f"{len(workers.decode)} decode workers, {config.transport} transport, local launcher); "

@@ -98,7 +98,7 @@ def test_scaling_up_and_down_under_load_fails_no_request(deployment, expected) -
             # (a drain that ends in time: tests/disagg/test_autoscale_serving.py).
             status, up = admin(base, "POST", "/admin/scale", {"prefill": 2, "decode": 2})
             assert status == 200 and sorted(up["added"]) == ["decode-1", "prefill-1"], up
-            until(lambda: router.requests_on("decode-1") > 0, "decode-1 never took a request")
+            until(lambda: router.control.requests_on("decode-1") > 0, "decode-1 never took a request")
             router.scaler.drain_timeout_s = 0.0
             status, down = admin(base, "POST", "/admin/scale", {"prefill": 1, "decode": 1})
             assert status == 200 and sorted(down["removed"]) == ["decode-1", "prefill-1"], down

@@ -57,7 +57,7 @@ def server(llama_dir: Path) -> Iterator[tuple[str, LocalWorkers]]:
     try:
         with serving(router, config.router.port) as base:
             # As `pdserve serve` does: an exited worker is reported, routed around, restarted.
-            LocalLauncher().supervise(config, workers, RouterHooks(router.worker_down, router.worker_moved, router.silent))
+            LocalLauncher().supervise(config, workers, RouterHooks.of(router.control))
             yield base, workers
     finally:
         workers.stop()

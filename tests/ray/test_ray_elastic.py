@@ -134,11 +134,11 @@ def fallbacks(workers: RayWorkers) -> int:
 
 def prefilled(router, name: str) -> int:
     """Prompts the prefill worker `name` has prefilled so far."""
-    return router.worker_stats(name)["prefills"]
+    return router.control.worker_stats(name)["prefills"]
 
 
 def jobs(router, name: str) -> int:
-    return (router.worker_stats(name) or {"jobs": 1})["jobs"]
+    return (router.control.worker_stats(name) or {"jobs": 1})["jobs"]
 
 
 @pytest.mark.timeout(240)

@@ -114,7 +114,7 @@ def router_paths(llama_dir: Path, cases: list[tuple[list[int], SamplingParams]])
         ctx = zmq.asyncio.Context()
         worker = ScriptedWorker(ctx)
         router = router_for(config, {"decode-0": worker.address})
-        reader = asyncio.create_task(router.workers[0].read_forever())
+        reader = asyncio.create_task(router.pool.decode["decode-0"].read_forever())
         results = []
         try:
             for stream, params in cases:
@@ -127,7 +127,7 @@ def router_paths(llama_dir: Path, cases: list[tuple[list[int], SamplingParams]])
                 player.cancel()  # after a stop string, the rest of the stream is not read
         finally:
             reader.cancel()
-            for client in router.workers:  # the router's context is the process's: not ours to end
+            for client in router.pool.decode.values():  # the router's context is the process's: not ours to end
                 client.sock.close(0)
             ctx.destroy(linger=0)
         return results

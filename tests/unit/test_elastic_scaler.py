@@ -219,8 +219,8 @@ def test_the_planners_step_up_waiting_for_a_scale_by_hand_does_not_undo_it() -> 
     planner.decisions = [Decision("decode", "up", 3, "tpot_p90", "decided from decode 2")]
     config = ClusterConfig.from_dict({"model": "/nonexistent", "decode": {"replicas": 2},
                                       "autoscale": {"enabled": True, "decode": {"min": 1, "max": 4}}})
-    deployment = SimpleNamespace(scaler=s, metrics=RouterMetrics(), snapshot=lambda: snapshot(time.monotonic()),
-                                 set_remote_prefill_min_tokens=lambda v: None)
+    control = SimpleNamespace(snapshot=lambda: snapshot(time.monotonic()), set_remote_prefill_min_tokens=lambda v: None)
+    deployment = SimpleNamespace(scaler=s, metrics=RouterMetrics(), control=control)
     with mock.patch.object(run, "Planner", lambda config, base: planner):
         loop = run.start_planner(config, deployment)  # type: ignore[arg-type]
     assert loop is not None

@@ -215,8 +215,8 @@ def test_the_launcher_stops_supervising_before_draining_its_http_requests(monkey
 
     workers = LocalWorkers()
     workers.supervisor = Supervisor()
-    monkeypatch.setattr(serve_module, "build", lambda config: (workers, type("R", (), {
-        "worker_down": None, "worker_moved": None, "silent": None})()))
+    monkeypatch.setattr(serve_module, "build", lambda config: (workers, type("R", (), {"control": type("Control", (), {
+        "worker_down": None, "worker_moved": None, "silent": None})()})()))
     monkeypatch.setattr(serve_module, "HTTPServer", HTTP)
     monkeypatch.setattr(serve_module, "wait_for_signal", lambda alive: None)
     monkeypatch.setattr(serve_module, "check_port_free", lambda host, port: None)

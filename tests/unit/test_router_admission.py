@@ -192,7 +192,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(http) ->
             return tokenizer.encode(*args, **kwargs)
 
     router.tokenizer = CountingTokenizer()
-    limit = router.max_model_len * router.max_token_chars
+    limit = router.max_model_len * router.parser.max_token_chars
     r = client.post("/v1/completions", json={"prompt": "x" * (limit + 1)})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert f"prompt has {limit + 1} characters: more than the model's context length" in r.json()["error"]["message"]
@@ -208,7 +208,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(http) ->
 def test_health_is_503_while_no_decode_worker_is_live(http) -> None:
     client, router = http
     assert client.get("/health").status_code == 200
-    router.workers[0].health.alive = False  # as if it had been silent past worker_timeout_s
+    router.pool.decode["decode-0"].health.alive = False  # as if it had been silent past worker_timeout_s
     r = client.get("/health")
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     assert "no decode worker is alive" in r.json()["error"]["message"]
@@ -216,7 +216,7 @@ def test_health_is_503_while_no_decode_worker_is_live(http) -> None:
 
 def test_no_live_decode_worker_answers_503(http) -> None:
     client, router = http
-    router.workers[0].health.alive = False  # as if it had been silent past worker_timeout_s
+    router.pool.decode["decode-0"].health.alive = False  # as if it had been silent past worker_timeout_s
     r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
     assert r.status_code == 503 and "no decode worker is alive" in r.json()["error"]["message"]
 
@@ -224,9 +224,9 @@ def test_no_live_decode_worker_answers_503(http) -> None:
 def test_silent_names_the_workers_declared_dead_for_their_silence_alone(http) -> None:
     """What the local supervisor asks once a pass (it kills those processes)."""
     _, router = http
-    assert router.silent() == set()
-    worker = router.workers[0]
+    assert router.control.silent() == set()
+    worker = router.pool.decode["decode-0"]
     assert worker.health.expired(worker.health.last_heard + worker.health.timeout_s + 1)
-    assert router.silent() == {worker.name}
+    assert router.control.silent() == {worker.name}
     worker.health.kill()  # a supervisor's own word (it saw the process exit): not hung
-    assert router.silent() == set()
+    assert router.control.silent() == set()

@@ -46,7 +46,7 @@ def test_a_request_moved_at_the_drain_deadline_finishes_though_it_reads_its_move
     WORKER_LOST after the socket closed; its resubmission must not fail on the abort
     it sends there."""
     router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
-    scaler = PoolScaler(FakeBackend(prefill=0, decode=2), router, Bounds((0, 2), (1, 2)), 0.0, poll_s=0.01)
+    scaler = PoolScaler(FakeBackend(prefill=0, decode=2), router.control, Bounds((0, 2), (1, 2)), 0.0, poll_s=0.01)
 
     async def main() -> tuple[str, int, str | None]:
         router.start()
@@ -65,7 +65,7 @@ def test_a_request_moved_at_the_drain_deadline_finishes_though_it_reads_its_move
             router.stop()
 
     assert asyncio.run(main()) == ("decode-0", 12, "length")
-    assert [w.name for w in router.workers] == ["decode-0"]
+    assert list(router.pool.decode) == ["decode-0"]
 
 
 @pytest.mark.timeout(20)
@@ -77,8 +77,8 @@ def test_a_worker_leaving_while_a_snapshot_asks_for_stats_reads_as_silent(llama_
     async def main():  # type: ignore[no-untyped-def]
         router.start()
         try:
-            asyncio.get_running_loop().call_soon(router.workers[1].close)  # lands after the listing
-            return await router.load_snapshot()
+            asyncio.get_running_loop().call_soon(router.pool.decode["decode-1"].close)  # lands after the listing
+            return await router.control.load_snapshot()
         finally:
             router.stop()
 
@@ -102,13 +102,13 @@ def test_a_worker_scaled_away_while_metrics_waits_for_another_stays_out_of_metri
             async def held(timeout: float = 2.0) -> dict:  # decode-0 answers once decode-1 left
                 await release.wait()
                 return {"running": 0}
-            router.workers[0].stats = held
+            router.pool.decode["decode-0"].stats = held
             scrape = asyncio.create_task(app_metrics(request))
             for _ in range(200):  # until decode-1's reply is in
                 await asyncio.sleep(0.005)
-                if not router.workers[1]._stats_waiters:
+                if not router.pool.decode["decode-1"]._stats_waiters:
                     break
-            await asyncio.to_thread(router.remove_worker, "decode-1")
+            await asyncio.to_thread(router.control.remove_worker, "decode-1")
             release.set()
             await scrape
             return router.metrics.render().decode()
@@ -125,9 +125,9 @@ def test_health_is_503_when_the_only_live_decode_worker_is_draining(llama_dir, t
     balancer must see it."""
     router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
-    router.workers[0].declare_dead("is down (its supervisor saw it exit)")
+    router.pool.decode["decode-0"].declare_dead("is down (its supervisor saw it exit)")
     assert asyncio.run(app_health(request)).status_code == 200  # decode-1 takes them
-    router.workers[1].draining = True
+    router.pool.decode["decode-1"].draining = True
     answer = asyncio.run(app_health(request))
     assert answer.status_code == 503 and b"decode-1 is being drained" in answer.body
 
@@ -140,13 +140,13 @@ def test_a_blocking_verb_called_on_the_routers_own_loop_fails_at_once(llama_dir,
     async def main() -> None:
         router.start()
         try:
-            with pytest.raises(RuntimeError, match="Router.call blocks until the router's event loop runs it"):
-                router.drain_worker("decode-0", timeout=1.0)
-            with pytest.raises(RuntimeError, match="Router.snapshot blocks"):
-                router.snapshot(timeout=1.0)
-            assert not router.workers[0].draining
-            await asyncio.to_thread(router.drain_worker, "decode-0")  # from another thread: fine
-            assert router.workers[0].draining
+            with pytest.raises(RuntimeError, match="RouterControl.call blocks until the router's event loop runs it"):
+                router.control.drain_worker("decode-0", timeout=1.0)
+            with pytest.raises(RuntimeError, match="RouterControl.snapshot blocks"):
+                router.control.snapshot(timeout=1.0)
+            assert not router.pool.decode["decode-0"].draining
+            await asyncio.to_thread(router.control.drain_worker, "decode-0")  # from another thread: fine
+            assert router.pool.decode["decode-0"].draining
         finally:
             router.stop()
 
@@ -155,8 +155,8 @@ def test_a_blocking_verb_called_on_the_routers_own_loop_fails_at_once(llama_dir,
 
 def test_worker_live_is_the_routers_view_for_the_scaler(llama_dir, two) -> None:
     router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
-    router.workers[0].declare_dead("is down (its supervisor saw it exit)")
-    assert [router.worker_live(n) for n in ("decode-0", "decode-1", "decode-9")] == [False, True, False]
+    router.pool.decode["decode-0"].declare_dead("is down (its supervisor saw it exit)")
+    assert [router.control.worker_live(n) for n in ("decode-0", "decode-1", "decode-9")] == [False, True, False]
 
 
 @pytest.mark.timeout(20)
@@ -174,10 +174,10 @@ def test_status_keeps_each_worker_under_its_pool_when_one_leaves_meanwhile(llama
             async def busy(timeout: float = 2.0) -> dict:  # decode-0 answers once decode-1 left
                 await release.wait()
                 return {}
-            router.workers[0].stats = busy
+            router.pool.decode["decode-0"].stats = busy
             answer = asyncio.create_task(app_status(request))
             await asyncio.sleep(0.05)
-            await asyncio.to_thread(router.remove_worker, "decode-1")
+            await asyncio.to_thread(router.control.remove_worker, "decode-1")
             release.set()
             return await answer
         finally:

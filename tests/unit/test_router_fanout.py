@@ -245,7 +245,7 @@ def test_the_sequences_of_a_dead_worker_fail_over_each_alone(llama_dir: Path, wo
                                                  "policy": "round_robin"}})
     router = router_for(config, {"decode-0": workers[0].address, "decode-1": workers[1].address})
     with serving(router, free_port()) as base:
-        wait_for(lambda: all(w.alive for w in router.workers), 10, "both workers answer")
+        wait_for(lambda: all(w.alive for w in router.pool.decode.values()), 10, "both workers answer")
         response = open_request(base, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 30, "n": 2,
                                                                   "seed": 3, "stream": True}, timeout=20)
         events = []

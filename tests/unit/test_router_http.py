@@ -233,7 +233,7 @@ def test_chat_without_max_tokens_fits_the_smallest_kv_pool(served) -> None:
     base, router, fake = served
     fake.per_step = 200
     fake.stats = {"num_blocks": 10}  # 160 tokens of 16-token blocks
-    wait_for(lambda: router.workers[0].num_kv_blocks == 10, 10, "the router reads the pool size from a stats reply")
+    wait_for(lambda: router.pool.decode["decode-0"].num_kv_blocks == 10, 10, "the router reads the pool size from a stats reply")
     status, out = request(base, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
     assert status == 200, out
     sent = fake.messages("generate")[-1]

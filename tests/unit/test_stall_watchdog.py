@@ -332,7 +332,7 @@ def test_the_router_declares_a_stalled_worker_dead_and_its_replies_do_not_readmi
         client = WorkerClient(ctx, "decode-0", address, timeout_s=30.0)
         reader = asyncio.create_task(client.read_forever())
         queue: asyncio.Queue = asyncio.Queue()
-        client.queues["r"] = queue
+        client.subscribe("r", queue)
         try:
             async def reply(stalled: bool) -> None:
                 client.ping()
