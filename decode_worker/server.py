@@ -7,7 +7,7 @@ flight; when every one has router.prefill_max_outstanding (the pool is saturated
 the prompt is prefilled here instead.
 
 Failures (workers/loop.py): a request refused as bad input gets `rejected` with
-status 400. A step that fails (RequestsFailed) ends the requests it names with
+status 400; one breaking a rule the router owns (decode_worker/guards.py), status 500. A step that fails (RequestsFailed) ends the requests it names with
 `rejected`, status 500, or 400 when their own parameters made it fail (a stream that
 had begun ends with an error event), and the worker goes on. Anything worse ends every request with `rejected`, status 500, and
 the process, for a restart.
@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 
 import zmq
 
+from decode_worker.guards import RouterBug, check_router_rules
 from decode_worker.remote_kv import DecodeWorkerCore
 from engine.errors import RequestsFailed
 from engine.request import Request
@@ -180,18 +181,22 @@ class DecodeWorker(WorkerLoop):
         request_id = msg.request_id
         try:
             params = from_wire(msg.params)
-            # Prompt logprobs need the prompt's logits here: such a prompt is prefilled
-            # locally (the router asks for that too).
-            prefill = self._pick_prefill_worker() if msg.remote and params.prompt_logprobs is None else None
+            engine = self.core.engine
+            check_router_rules(msg.prompt, params, msg.remote, engine.max_model_len, engine.model_config.vocab_size)
+            prefill = self._pick_prefill_worker() if msg.remote else None
             rp = self.core.add_request(request_id, msg.prompt, params, prefill is not None,
                                        msg.priority, sender=prefill, resumed=msg.resumed)
-        except (TypeError, ValueError) as exc:  # bad input: say so, keep serving
+        except (TypeError, ValueError, RouterBug) as exc:  # bad input: say so, keep serving
+            bug = isinstance(exc, RouterBug)
+            if bug:
+                logger.error("refused request %s: %s (the router should never send it)", request_id, exc)
             n = getattr(msg.params, "n", 1)
             ids = [child_request_id(request_id, i) for i in range(n)] if type(n) is int and 1 < n <= 4096 \
                 else [request_id]  # each sequence is told, under the id the router awaits
             for rid in ids:
-                self.send(sock, sender, encode(Rejected(request_id=rid, error=str(exc), status=400,
-                                                        param=getattr(exc, "param", None))))
+                self.send(sock, sender, encode(Rejected(
+                    request_id=rid, error=f"internal error (a router bug): {exc}" if bug else str(exc),
+                    status=500 if bug else 400, param=None if bug else getattr(exc, "param", None))))
             return
         now = time.monotonic()
         self.requests[request_id] = client = _Client(sock, sender, now)

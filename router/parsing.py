@@ -13,7 +13,6 @@ fields. Tests pin which error wins, so keep the order.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import json
 import time
@@ -22,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, bad_words_token_ids
 from router import request_body, structured
 from router.bounds import InputBounds, check_bounds
 from router.config import ModelLimits
@@ -112,17 +111,20 @@ class RequestParser:
         else:
             batch = prompts  # type: ignore[assignment]
         sampling_body, scoring = prompt_scoring(body)
-        params = await self._token_controls(self._sampling_params(sampling_body, False, max(map(len, batch)),
-                                                                  "prompt"))
+        constraint = structured.constraint(body, None)
+        options, names = self._sampling_options(sampling_body, False, max(map(len, batch)), "prompt")
+        # best_of > n: the sequences carry logprobs to rank them by, left out of the
+        # answer when the client asked none.
+        rank_only = best_of > n and options["logprobs"] is None
+        options.update(n=best_of, logprobs=0 if rank_only else options["logprobs"])
         if scoring is not None and scoring.engine_count is not None:
-            if best_of > 1:  # each sequence of a group computes only the last prompt token
-                raise APIError(400, f"n (or best_of) > 1 ({best_of} sequences) with prompt logprobs (echo with "
-                                    "logprobs, or prompt_logprobs) is not supported: send n=1", "n")
-            params = dataclasses.replace(params, prompt_logprobs=scoring.engine_count)
-        params, source = _constrained(params, structured.constraint(body, None))
-        params, rank_only = _sampled(params, n, best_of)
+            options["prompt_logprobs"] = scoring.engine_count
+        params = await self._params(options, names, constraint, max(map(len, batch)))
+        if params.prompt_logprobs is not None and best_of > 1:  # a group's sequences compute only the last prompt token
+            raise APIError(400, f"n (or best_of) > 1 ({best_of} sequences) with prompt logprobs (echo with "
+                                "logprobs, or prompt_logprobs) is not supported: send n=1", "n")
         return CompletionRequest(batch[0], params, stream, include_usage, prompts[0] if len(prompts) == 1 else prompts,
-                                 constraint_source=source, n=n, rank_only_logprobs=rank_only,
+                                 constraint_source=constraint and constraint.source, n=n, rank_only_logprobs=rank_only,
                                  batch=batch if len(batch) > 1 else None,
                                  priority=request_body.priority(body), scoring=scoring)
 
@@ -145,10 +147,12 @@ class RequestParser:
         except RecursionError:  # the template walks what the bounds let through; never a 500
             raise APIError(400, "messages are nested too deeply for the model's chat template", "messages") from None
         n, _ = self._choices(body, True, stream, 1)
-        params = await self._token_controls(self._sampling_params(body, True, len(ids), "messages"))
-        params, source = _constrained(params, constraint)
-        return ChatRequest(ids, dataclasses.replace(params, n=n), stream, include_usage, messages, add_generation_prompt,
-                           constraint_source=source, tools=tools, n=n, priority=request_body.priority(body))
+        options, names = self._sampling_options(body, True, len(ids), "messages")
+        options["n"] = n
+        params = await self._params(options, names, constraint, len(ids))
+        return ChatRequest(ids, params, stream, include_usage, messages, add_generation_prompt,
+                           constraint_source=constraint and constraint.source, tools=tools, n=n,
+                           priority=request_body.priority(body))
 
     def _body(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], bool, bool]:
         """The JSON body, with every check that needs no tokenizer done; stream and
@@ -175,33 +179,55 @@ class RequestParser:
         """call(*args) in the tokenizer's one thread, its queue bounded (_tokenize)."""
         return await self._tokenize(call, *args)
 
-    def _sampling_params(self, body: dict[str, Any], chat: bool, num_prompt_tokens: int,
-                         prompt_field: str) -> SamplingParams:
-        """The request's SamplingParams, checked against the context length here (the
-        decode worker checks again) so the error can name the field. Chat without
-        max_tokens generates until EOS or a full context, as vLLM does; completions
-        keep OpenAI's default of 16. That default is also capped by the smallest KV pool a
-        decode worker reported, since a request that cannot fit in one is refused, and by
-        a key's tokens in flight (router.key_tokens_in_flight), likewise."""
-        max_model_len = self.limits.max_model_len
-        room = max_model_len - num_prompt_tokens
-        if room < 1:
-            raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but the model's context length is "
-                                f"{max_model_len} (prompt must leave room for output)", prompt_field)
+    def _sampling_options(self, body: dict[str, Any], chat: bool, num_prompt_tokens: int,
+                          prompt_field: str) -> tuple[dict[str, Any], dict[str, str]]:
+        """The body's sampling fields (request_body.sampling_options), once the prompt
+        is known to leave room for output. Chat without max_tokens generates until EOS
+        or a full context, as vLLM does; completions keep OpenAI's default of 16. That
+        default is also capped by the smallest KV pool a decode worker reported, since a
+        request that cannot fit in one is refused, and by a key's tokens in flight
+        (router.key_tokens_in_flight), likewise."""
+        room = self._room(num_prompt_tokens, prompt_field)
         default = None
         if chat:  # prompt + max_tokens must fit in a decode worker's KV pool, and a key's tokens in flight
             fits = [room] + [tokens - num_prompt_tokens for tokens in self.kv_pool_tokens()]
             if self.bounds is not None and self.bounds.max_tokens_in_flight is not None:
                 fits.append(self.bounds.max_tokens_in_flight - num_prompt_tokens)
             default = max(1, min(fits))
-        params = request_body.sampling_params(body, chat, default)
-        if params.max_tokens > room:
-            alias = body.get("max_tokens") is None and body.get(request_body.MAX_TOKENS_ALIAS) is not None
-            name = request_body.MAX_TOKENS_ALIAS if alias else "max_tokens"
+        return request_body.sampling_options(body, chat, default)
+
+    async def _params(self, options: dict[str, Any], names: dict[str, str], constraint: structured.Constraint | None,
+                      num_prompt_tokens: int) -> SamplingParams:
+        """The request's SamplingParams, built once from the body's fields and those the
+        parser set; then checked against the context length and, with bad_words
+        tokenized, the vocabulary."""
+        if constraint is not None:
+            options["structured_outputs"] = constraint.params
+        params = request_body.sampling_params(options, names)
+        if num_prompt_tokens + params.max_tokens > self.limits.max_model_len:
+            name = names.get("max_tokens", "max_tokens")
             raise APIError(400, f"prompt ({num_prompt_tokens} tokens) + {name} ({params.max_tokens}) = "
                                 f"{num_prompt_tokens + params.max_tokens} exceeds the model's context length "
-                                f"{max_model_len}", name)
+                                f"{self.limits.max_model_len}", name)
+        if params.bad_words:
+            # The tokenizer's sequences for them, added to the params just built, in
+            # place (as vLLM's update_from_tokenizer does): token ids from the tokenizer
+            # need no second validation; the vocabulary check below covers them.
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+            found = await self._tokenize(bad_words_token_ids, params.bad_words, encode)
+            params.bad_words_token_ids += [s for s in found if s not in params.bad_words_token_ids]
+        request_body.check_vocab(params, self.limits.vocab_size)
         return params
+
+    def _room(self, num_prompt_tokens: int, prompt_field: str) -> int:
+        """Tokens of output the context leaves after the prompt; 400 if none. With
+        _params' check of prompt + max_tokens, the one owner of the context length for
+        served requests (the decode worker only guards it: decode_worker/guards.py)."""
+        room = self.limits.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"prompt has {num_prompt_tokens} tokens, but the model's context length is "
+                                f"{self.limits.max_model_len} (prompt must leave room for output)", prompt_field)
+        return room
 
     def _choices(self, body: dict[str, Any], chat: bool, stream: bool, num_prompts: int) -> tuple[int, int]:
         """(n, best_of), each within router.max_n, and the request's sequences (prompts x
@@ -213,15 +239,6 @@ class RequestParser:
                                 f"sequences: more than a request may sample (router.max_sequences = "
                                 f"{bounds.max_sequences})", "prompt")
         return n, best_of
-
-    async def _token_controls(self, params: SamplingParams) -> SamplingParams:
-        """bad_words tokenized (off the event loop, as prompts are) into the token
-        sequences the engine reads; then every control's ids checked against the vocabulary."""
-        if params.bad_words:
-            encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
-            params = await self._tokenize(params.with_bad_words_tokenized, encode)
-        request_body.check_vocab(params, self.limits.vocab_size)
-        return params
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Refuse, before tokenizing it, text that cannot fit the context: no token of
@@ -266,19 +283,6 @@ def chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[s
     """The chat template rendered for these messages (and tool definitions)."""
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
-
-
-def _constrained(params: SamplingParams, constraint: structured.Constraint | None) -> tuple[SamplingParams, str | None]:
-    if constraint is None:
-        return params, None
-    return dataclasses.replace(params, structured_outputs=constraint.params), constraint.source
-
-
-def _sampled(params: SamplingParams, n: int, best_of: int) -> tuple[SamplingParams, bool]:
-    """params sampling best_of sequences per prompt; with best_of > n they carry logprobs
-    (to rank the sequences by), which the answer leaves out when the client asked none."""
-    rank_only = best_of > n and params.logprobs is None
-    return dataclasses.replace(params, n=best_of, logprobs=0 if rank_only else params.logprobs), rank_only
 
 
 def chat_chars(messages: list[dict[str, Any]], tools: structured.ToolChoice | None) -> int:

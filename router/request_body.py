@@ -129,9 +129,12 @@ def priority(body: dict[str, Any]) -> int:
     return value
 
 
-def sampling_params(body: dict[str, Any], chat: bool, default_max_tokens: int | None) -> SamplingParams:
-    """The request's SamplingParams; max_tokens defaults to default_max_tokens (None:
-    SamplingParams' own default)."""
+def sampling_options(body: dict[str, Any], chat: bool,
+                     default_max_tokens: int | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The SamplingParams fields the body sets, as sent (max_tokens defaulting to
+    default_max_tokens; None: SamplingParams' own default), and the name the client used
+    for each field it sent under another (for errors). The parser adds the fields it
+    decides itself, then builds the params once (sampling_params)."""
     options = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     alias = body.get(MAX_TOKENS_ALIAS)
     names = {}  # SamplingParams field -> the name the client used, for errors
@@ -144,6 +147,12 @@ def sampling_params(body: dict[str, Any], chat: bool, default_max_tokens: int | 
     if "max_tokens" not in options and default_max_tokens is not None:
         options["max_tokens"] = default_max_tokens
     options["logprobs"] = requested_logprobs(body, chat)
+    return options, names
+
+
+def sampling_params(options: dict[str, Any], names: dict[str, str]) -> SamplingParams:
+    """The request's SamplingParams, built (and so validated) once: a bad field is a 400
+    under the name the client used."""
     try:
         return SamplingParams(**options)
     except SamplingParamsError as exc:

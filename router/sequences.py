@@ -96,7 +96,9 @@ class SequenceGroup:
                  metrics: RouterMetrics) -> None:
         self.params, self._submit, self.metrics = params, submit, metrics
         self.n = params.n
-        self.seqs = [_Sequence(p * self.n + i, prompt, params.child(i), tokenizer)
+        # n == 1: the request's own params (built once, router/parsing.py); a group's
+        # sequences each their own (seed + index).
+        self.seqs = [_Sequence(p * self.n + i, prompt, params.child(i) if self.n > 1 else params, tokenizer)
                      for p, prompt in enumerate(prompts) for i in range(self.n)]
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.groups: list[tuple[WorkerClient, str]] = []  # each prompt's Generate, while its children run
