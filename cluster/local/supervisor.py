@@ -52,9 +52,9 @@ class LocalSupervisor:
                  moved: Callable[[str, str], None], interval_s: float = 0.5, max_restarts: int = 3,
                  start_timeout_s: float = 180.0, silent: Callable[[], set[str]] = set) -> None:
         """down(name) and moved(name, new ZMQ address): what the router is told
-        (Router.worker_down / worker_moved), from this supervisor's threads.
+        (RouterControl.worker_down / worker_moved), from this supervisor's threads.
         silent(): the workers the router declared dead for their silence
-        (Router.silent): such a process is killed."""
+        (RouterControl.silent): such a process is killed."""
         self.config = config
         self.workers = workers
         self.down, self.moved, self.silent = down, moved, silent

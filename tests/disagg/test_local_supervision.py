@@ -151,7 +151,7 @@ def test_a_stopped_prefill_worker_the_router_declares_dead_is_killed_and_its_fen
         supervised: Supervised, reference) -> None:
     """SIGSTOP the prefill worker while it holds a decode worker's reservation: the
     decode worker waits (the KV deadline is 60 s here) with those blocks reserved. Once
-    the router declares the silent worker dead (simulated here: Router.silent), the
+    the router declares the silent worker dead (simulated here: RouterControl.silent), the
     supervisor kills it; the decode worker hears it is gone, prefills the prompt itself,
     and sees from the pid and start time that nothing can land any more (and its
     successor confirms): the fence lifts, no block stays held, and the restarted worker
