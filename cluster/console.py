@@ -35,7 +35,7 @@ class _Stderr(logging.StreamHandler):
     """To sys.stderr as it is when a record comes (as logging's own last resort does),
     not as it was when configured: a redirection or a test's capture in between."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stderr
 

@@ -99,7 +99,7 @@ def _convert(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
                                                eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id)
     del gguf_model
-    model = model.to(torch.bfloat16).eval()
+    model = model.to(torch.bfloat16).eval()  # type: ignore[arg-type]  # transformers' wrapped `to` lacks its self
 
     model.save_pretrained(out_dir)  # transformers 5 always writes safetensors
     # The GGUF tokenizer has no length limit; use the model's context like upstream does.
@@ -157,4 +157,4 @@ def prepare_demo_model(
 
 
 if __name__ == "__main__":
-    print(prepare_demo_model(*(sys.argv[1:2] or ["smollm2"])))
+    print(prepare_demo_model(sys.argv[1] if len(sys.argv) > 1 else "smollm2"))

@@ -166,7 +166,7 @@ class PoolScaler:
                 if sizes[role] != size:
                     raise ScaleError(f"{role}: has {sizes[role]} workers now, not the {size} this target was "
                                      "decided from (another scale ran meanwhile)")
-            after = {role: sizes[role] if targets[role] is None else targets[role] for role in ROLES}
+            after = {**sizes, **{role: target for role, target in targets.items() if target is not None}}
             total = self.bounds.total
             if total is not None and sum(after.values()) > total:
                 raise ScaleError(f"prefill {after['prefill']} + decode {after['decode']} = {sum(after.values())} "

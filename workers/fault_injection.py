@@ -61,5 +61,6 @@ def inject_test_faults(name: str, engine: EngineCore, spec: str) -> None:
             raise RuntimeError(f"injected fault ({TEST_FAULTS_ENV}): the scheduler failed")
         return out
 
-    engine.runner.launch = faulty_launch
-    engine.scheduler.schedule = faulty_schedule
+    # The injected faults wrap this one engine's own methods (a test-only hook).
+    engine.runner.launch = faulty_launch  # type: ignore[method-assign]  # see above: wraps the bound method
+    engine.scheduler.schedule = faulty_schedule  # type: ignore[method-assign]  # see above: wraps the bound method

@@ -100,7 +100,8 @@ class AutoscaleConfig:
         data = checked_mapping(cls, {} if data is None else data, path)
         out = cls(**{**data, "prefill": PrefillBounds.from_dict(data.get("prefill", {}), f"{path}.prefill"),
                      "decode": DecodeBounds.from_dict(data.get("decode", {}), f"{path}.decode")})
-        seconds = {name: number(getattr(out, name), f"{path}.{name}", 0, strict=True)
+        # dict[str, Any]: handed to dataclasses.replace by field name below.
+        seconds: dict[str, Any] = {name: number(getattr(out, name), f"{path}.{name}", 0, strict=True)
                    for name in ("ttft_p90_s", "tpot_p90_s", "interval_s", "window_s", "drain_timeout_s")}
         seconds.update({name: number(getattr(out, name), f"{path}.{name}", 0)
                         for name in ("scale_up_cooldown_s", "scale_down_cooldown_s")})

@@ -198,9 +198,10 @@ class Planner:
         if not calm:
             self._calm_since[pool] = None
             return None
-        if self._calm_since[pool] is None:
-            self._calm_since[pool] = now
-        calm_for = now - self._calm_since[pool]
+        calm_since = self._calm_since[pool]
+        if calm_since is None:
+            calm_since = self._calm_since[pool] = now
+        calm_for = now - calm_since
         if size > bounds.min and calm_for >= cfg.scale_down_cooldown_s:  # a change restarts the calm clock
             reason = "idle" if w.idle else "within_slo"
             detail = "no request" if w.idle else calm

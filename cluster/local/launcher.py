@@ -42,6 +42,7 @@ class LocalLauncher:
             raise ValueError("--detach needs launcher: ray (local workers end with this command)")
         check_port_free(config.router.host, config.router.port)
         workers, router = build(config)
+        assert isinstance(workers, LocalWorkers)  # build() started them with launcher_for(config): this class
         http = planner = None
         try:
             http = HTTPServer(router, config.router.host, config.router.port)

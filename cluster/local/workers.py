@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
-from typing import TYPE_CHECKING
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from cluster import console
 from cluster.config import ClusterConfig
@@ -24,12 +25,13 @@ if TYPE_CHECKING:
     from cluster.local.supervisor import LocalSupervisor
 
 logger = logging.getLogger(__name__)
+_Message = TypeVar("_Message", Ready, Serving)
 
 
 @dataclass
 class Worker:
     name: str
-    process: mp.Process
+    process: BaseProcess  # a "spawn" context's process
     control: Connection
     address: str = ""
     metadata: bytes = b""
@@ -160,7 +162,7 @@ def await_all_ready(workers: list[Worker], timeout: float) -> None:
         if not arrived:
             raise _not_ready(next(iter(waiting.values())), timeout)
         for control in arrived:
-            w = waiting.pop(control)
+            w = waiting.pop(cast(Connection, control))  # wait() returns the objects it was given
             await_ready(w, 0.0)
             console.worker_ready(w.name, w.address, time.monotonic() - w.started)
 
@@ -180,7 +182,7 @@ def await_serving(w: Worker, timeout: float) -> None:
                        w.name, ", ".join(serving.cold))
 
 
-def _expect(w: Worker, kind: type[Ready] | type[Serving]) -> Ready | Serving:
+def _expect(w: Worker, kind: type[_Message]) -> _Message:
     try:
         data = w.control.recv_bytes()
     except EOFError:  # it died starting: its own log above says why

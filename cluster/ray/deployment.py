@@ -129,7 +129,9 @@ def serve_on_ray(config: ClusterConfig, detach: bool) -> None:
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote(config)
         try:
-            url = unwrap(lambda: ray.get(actor.start.remote(), timeout=START_TIMEOUT_S))
+            url = unwrap(lambda: ray.get(
+                actor.start.remote(),  # type: ignore[attr-defined]  # ray.remote adds .remote to actor methods
+                timeout=START_TIMEOUT_S))
         except BaseException:
             _stop(actor)
             raise

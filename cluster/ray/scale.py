@@ -40,7 +40,8 @@ def scale_on_ray(name: str, address: str = "auto", prefill: int | None = None, d
         except ValueError:
             raise LookupError(f"no pdserve deployment named {name!r} on the Ray cluster at {address!r} "
                               f"(namespace {NAMESPACE!r}; its config's ray.name)") from None
-        call = actor.pools.remote() if prefill is None and decode is None else actor.scale.remote(prefill, decode)
+        call: ray.ObjectRef[dict[str, Any]] = (actor.pools.remote() if prefill is None and decode is None
+                                               else actor.scale.remote(prefill, decode))
         try:
             return unwrap(lambda: ray.get(call, timeout=timeout_s))
         except ray.exceptions.GetTimeoutError:
