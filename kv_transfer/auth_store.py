@@ -75,7 +75,7 @@ class StoreServer:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if self._sock.poll(POLL_S * 1000):
+                if self._sock.poll(int(POLL_S * 1000)):  # int: pyzmq truncates a float alike
                     self._serve(self._sock.recv_multipart())
                 now = time.monotonic()
                 self._waiting = [w for w in self._waiting if w[0] > now]  # their callers gave up
@@ -238,18 +238,22 @@ class AuthStore(Store):
 
     def clone(self) -> AuthStore:
         # The Python object must outlive every C++ use of it: it stays here until close().
-        twin = AuthStore(self.address, self._secret, self.timeout.total_seconds())
+        twin = AuthStore(self.address, self._secret, self._default_timeout().total_seconds())
         with self._lock:
             self._clones.append(twin)
         return twin
 
     # ------------------------------------------------------------------ plumbing
 
+    def _default_timeout(self) -> timedelta:
+        """What set_timeout set last (torch's, or ours in __init__)."""
+        return self.timeout  # type: ignore[attr-defined]  # Store.timeout is a runtime property torch's stubs omit
+
     def _timeout_ms(self, timeout: timedelta | None) -> int:
-        return int((self.timeout if timeout is None else timeout).total_seconds() * 1000)
+        return int((self._default_timeout() if timeout is None else timeout).total_seconds() * 1000)
 
     def _call(self, op: str, *args: Any, timeout: timedelta | None = None) -> Any:
-        timeout_s = (self.timeout if timeout is None else timeout).total_seconds()
+        timeout_s = (self._default_timeout() if timeout is None else timeout).total_seconds()
         ident = threading.get_ident()
         with self._lock:
             if self._closed:
@@ -272,7 +276,7 @@ class AuthStore(Store):
                                          f"{args[0] if args else ''!r} within {timeout_s:g} s")
                 if self._closed:
                     raise DistStoreError(f"the KV rendezvous store at {self.address} was closed during {op}")
-                if sock.poll(min(left, POLL_S) * 1000):
+                if sock.poll(int(min(left, POLL_S) * 1000)):
                     answer = msgpack.unpackb(sock.recv(), raw=False)
                     if answer[0] != req_id:
                         continue  # the late answer to a call of this thread that timed out

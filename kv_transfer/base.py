@@ -151,6 +151,20 @@ class KVTransport(ABC):
 
     # ------------------------------------------------------------------ setup
 
+    @property
+    def registered_cache(self) -> torch.Tensor:
+        """kv_cache, for the data planes: each runs only once register_kv_cache() set it."""
+        if self.kv_cache is None:
+            raise RuntimeError("register_kv_cache() first")
+        return self.kv_cache
+
+    @property
+    def registered_compat(self) -> KVCompat:
+        """compat, for what runs only once register_kv_cache() set it (handshakes, writes)."""
+        if self.compat is None:
+            raise RuntimeError("register_kv_cache() first")
+        return self.compat
+
     def register_kv_cache(self, caches: torch.Tensor | Sequence[torch.Tensor], model: str,
                           num_kv_heads: int | None = None, head_ranges: Sequence[HeadRange] | None = None,
                           files: Sequence[str] | None = None) -> None:
@@ -197,9 +211,8 @@ class KVTransport(ABC):
 
     def metadata(self) -> bytes:
         """The handshake blob for peers: who we are, where we listen, what we hold."""
-        if self.compat is None:
-            raise RuntimeError("register_kv_cache() first")
-        return self.control.handshake(self.name, self.compat, self.kv_cache.shape[0], self._data_meta)
+        return self.control.handshake(self.name, self.registered_compat, self.registered_cache.shape[0],
+                                      self._data_meta)
 
     def add_peer(self, metadata: bytes) -> str:
         """Connect to a receiver from its metadata(); returns its agent name."""
@@ -309,9 +322,9 @@ class KVTransport(ABC):
         for sender, msg, frames in self.control.incoming():
             self._on_message(sender, msg, frames)
         for sender, body in self._incoming_notifications():
-            msg = self.control.decode(sender, body)
-            if msg is not None:
-                self._on_message(sender, msg, [])
+            notified = self.control.decode(sender, body)
+            if notified is not None:
+                self._on_message(sender, notified, [])
         for peer in self.control.peers.values():
             for msg in self.control.replies(peer):
                 if msg["kind"] == "ack":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -60,7 +60,9 @@ class KVCompat:
                 if cache.shape[dim] != first.shape[dim]:
                     raise ValueError(f"rank {r}'s cache has {name} {cache.shape[dim]}, rank 0's "
                                      f"{first.shape[dim]}: every rank must hold the same blocks")
-        ranges = tuple(tuple(rng) if isinstance(rng, (tuple, list)) else rng for rng in head_ranges)
+        # cast: check_head_ranges refuses, naming it, any range that is not a (start, end) pair.
+        ranges = cast(tuple[HeadRange, ...],
+                      tuple(tuple(rng) if isinstance(rng, (tuple, list)) else rng for rng in head_ranges))
         check_head_ranges(num_kv_heads, ranges)
         for r, ((start, end), cache) in enumerate(zip(ranges, caches)):
             if cache.shape[1] != end - start:

@@ -50,16 +50,18 @@ class CudaIpcTransport(KVTransport):
         self._peer_words[peer.name] = as_words(raw[:peer.data["bytes"]].view(peer.data["num_blocks"], -1))
 
     def _disconnect(self, name: str) -> None:
+        assert self._stream is not None  # made by _register, before any peer was added
         self._stream.synchronize()  # no queued copy may still target the mapping
         self._peer_words.pop(name, None)
 
     def _start(self, peer: Peer, write: Write) -> None:
         dst, src = self._peer_words[peer.name], self._words
+        assert src is not None and self._stream is not None  # made by _register, before any peer was added
         # The source blocks were written by the compute stream: order after it.
-        self._stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        self._stream.wait_stream(torch.cuda.current_stream(self.registered_cache.device))
         with torch.cuda.stream(self._stream):
             ids = torch.from_numpy(np.stack(block_pairs(write.runs)))
-            ids = ids.pin_memory().to(self.kv_cache.device, non_blocking=True)
+            ids = ids.pin_memory().to(self.registered_cache.device, non_blocking=True)
             copy_blocks(src, dst, ids[0], ids[1])
             event = torch.cuda.Event()
             event.record(self._stream)

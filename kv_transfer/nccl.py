@@ -57,11 +57,11 @@ class NcclTransport(KVTransport):
         return timedelta(seconds=self.config.timeout_s)
 
     def _group(self, store: Any, rank: int) -> Any:
-        if self.kv_cache.is_cuda:
+        if self.registered_cache.is_cuda:
             from torch.distributed import ProcessGroupNCCL
 
             return ProcessGroupNCCL(store, rank, 2, ProcessGroupNCCL.Options())
-        options = ProcessGroupGloo._Options()
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stubs have only Options (no _devices)
         options._timeout = self._timeout()
         options._devices = [ProcessGroupGloo.create_device(hostname=self.config.host)]
         return ProcessGroupGloo(store, rank, 2, options)
@@ -127,6 +127,7 @@ class NcclTransport(KVTransport):
         if self._sessions.get(sender) == session:
             return
         self._disconnect(sender)  # a restarted sender: its old group is dead
+        assert self._store is not None  # made by _register: a sender joins only after our handshake
         try:
             self._groups[sender] = self._group(
                 PrefixStore(f"{self.agent_name}/{sender}/{session}", self._store), RECEIVER)

@@ -73,10 +73,10 @@ class NixlTransport(KVTransport):
         self._refusals = RefusalLog(logger)
 
     def _mem_type(self) -> str:
-        return "VRAM" if self.kv_cache.is_cuda else "DRAM"
+        return "VRAM" if self.registered_cache.is_cuda else "DRAM"
 
     def _device_id(self) -> int:
-        return (self.kv_cache.device.index or 0) if self.kv_cache.is_cuda else 0
+        return (self.registered_cache.device.index or 0) if self.registered_cache.is_cuda else 0
 
     def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         if len(self.kv_caches) > 1 and kv_cache.is_cuda:
@@ -97,10 +97,10 @@ class NixlTransport(KVTransport):
         whole_blocks = len(peer.pieces) == 1 and peer.pieces[0].whole
         if not whole_blocks and "VRAM" in (self._mem_type(), data["mem"]):
             raise IncompatiblePeerError(f"peer {peer.name!r} at TP {peer.compat.tp_size}: moving KV between TP "
-                                        f"sizes (this worker is at TP {self.compat.tp_size}) over nixl is built "
-                                        "for CPU caches only")
+                                        f"sizes (this worker is at TP {self.registered_compat.tp_size}) over nixl is "
+                                        "built for CPU caches only")
         local = self._local_list(peer.pieces)
-        hb = self.compat.head_bytes
+        hb = self.registered_compat.head_bytes
         remote_rows = _piece_descs(peer.pieces, "dst", bases, [n * hb for n in peer.compat.local_heads],
                                    data["num_blocks"], data["device_id"], hb)
         name = self._agent.add_remote_agent(data["agent"])
@@ -122,8 +122,8 @@ class NixlTransport(KVTransport):
         key = tuple((p.src_rank, p.src_head, p.num_heads) for p in pieces)
         if key not in self._local:
             rows = _piece_descs(pieces, "src", [c.data_ptr() for c in self.kv_caches],
-                                [b.shape[1] for b in self._rank_bytes], self.kv_cache.shape[0],
-                                self._device_id(), self.compat.head_bytes)
+                                [b.shape[1] for b in self._rank_bytes], self.registered_cache.shape[0],
+                                self._device_id(), self.registered_compat.head_bytes)
             self._local[key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type())
         return self._local[key]
 
@@ -140,7 +140,7 @@ class NixlTransport(KVTransport):
         remote, local = self._remote[peer.name]
         src, dst = block_pairs(write.runs)
         if len(write.pieces) > 1:  # piece i's descriptors follow i * blocks earlier ones, on each side
-            src = np.concatenate([src + i * self.kv_cache.shape[0] for i in range(len(write.pieces))])
+            src = np.concatenate([src + i * self.registered_cache.shape[0] for i in range(len(write.pieces))])
             dst = np.concatenate([dst + i * peer.data["num_blocks"] for i in range(len(write.pieces))])
         notification = self._header(write)
         if self.config.secret is not None:

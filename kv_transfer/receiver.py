@@ -128,9 +128,11 @@ class ReceiverPlane(Protocol):
     """What the receiver needs of its transport: the data-plane hooks base.py declares."""
 
     one_sided: bool
-    kv_cache: torch.Tensor | None
 
-    compat: KVCompat | None
+    @property
+    def registered_cache(self) -> torch.Tensor: ...
+    @property
+    def registered_compat(self) -> KVCompat: ...
 
     def _apply(self, sender: str, xfer: int, runs: list[list[int]], pieces: list[list[int]],
                frames: list[Any]) -> None: ...
@@ -159,7 +161,7 @@ class ReceiverState:
         """KVTransport.expect."""
         if req in self.reservations:
             raise ValueError(f"request {req!r} already has a live reservation")
-        num_blocks = self._plane.kv_cache.shape[0]
+        num_blocks = self._plane.registered_cache.shape[0]
         bad = [b for b in blocks if not (isinstance(b, int) and 0 <= b < num_blocks)]
         if bad or not blocks:
             raise ValueError(f"reserved block ids must be in [0, {num_blocks}), got {list(blocks)[:5]}")
@@ -181,7 +183,7 @@ class ReceiverState:
             self._events.append(Released(req, r.epoch, tuple(sorted(r.blocks))))
             return
         r.unnamed = r.sender is None
-        names = list(self.senders) if r.unnamed else [r.sender]
+        names = list(self.senders) if r.sender is None else [r.sender]
         r.waiting_on = dict(self._incarnation(name) for name in names)
         r.killed_at = time.monotonic()
         self.quarantine[(req, r.epoch)] = r
@@ -357,7 +359,7 @@ class ReceiverState:
             reason = "the reservation's deadline passed"
         elif _covered(msg["runs"]) != set(blocks):
             reason = "its runs do not cover exactly its blocks"
-        elif bad_pieces := check_wire(msg["pieces"], self._plane.compat.local_heads):
+        elif bad_pieces := check_wire(msg["pieces"], self._plane.registered_compat.local_heads):
             reason = f"its pieces do not fill every head of the blocks: {bad_pieces}"
         if not reason and not self._plane.one_sided:
             try:
@@ -374,6 +376,7 @@ class ReceiverState:
             logger.warning("dropped a write from %s for %s/%d: %s", sender.decode(), req, epoch, reason)
             self._control.send(sender, encode("ack", xfer=msg["xfer"], ok=False, reason=reason))
             return
+        assert r is not None  # else a reason was given above
         if r.sender is None:
             r.sender = sender.decode()
         r.pending -= set(blocks)

@@ -79,8 +79,11 @@ class SenderPlane(Protocol):
     """What the sender needs of its transport: the data-plane hooks base.py declares."""
 
     one_sided: bool
-    kv_cache: torch.Tensor | None
-    compat: KVCompat | None
+
+    @property
+    def registered_cache(self) -> torch.Tensor: ...
+    @property
+    def registered_compat(self) -> KVCompat: ...
 
     def _start(self, peer: Peer, write: Write) -> None: ...
     def _progress(self, write: Write) -> bool: ...
@@ -116,7 +119,7 @@ class SenderState:
         target = self._control.peers.get(peer)
         if target is None:
             raise ValueError(f"unknown peer {peer!r}; add_peer() it first")
-        num_blocks = self._plane.kv_cache.shape[0]
+        num_blocks = self._plane.registered_cache.shape[0]
         peer_blocks = target.data["num_blocks"]
         for name, blocks, limit in (("source", src_blocks, num_blocks), ("destination", dst_blocks, peer_blocks)):
             bad = [b for b in blocks if not (isinstance(b, int) and 0 <= b < limit)]
@@ -219,7 +222,7 @@ class SenderState:
         if isinstance(event, WriteDone):
             self._stats["writes_done"] += 1
             self._stats["bytes_written"] += (sum(n for *_, n in w.runs) * heads_moved(w.pieces)
-                                             * self._plane.compat.head_bytes)
+                                             * self._plane.registered_compat.head_bytes)
         else:
             try:
                 self._plane._abandon(w)

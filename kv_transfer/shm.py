@@ -62,6 +62,7 @@ def _open_peer_segment(path: object, size: int) -> tuple[mmap.mmap, torch.Tensor
     problem = segment_name_problem(path)
     if problem is not None:
         raise IncompatiblePeerError(f"refused the announced KV segment: {problem}")
+    assert isinstance(path, str)  # segment_name_problem refused anything else
     try:  # O_NONBLOCK: a FIFO or device put there must not hang the open
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
@@ -105,7 +106,9 @@ def _chunks(regions: list[tuple[torch.Tensor, torch.Tensor]],
     `limit` bytes (at least one block each); a view larger than that is split between
     blocks. One loop step per view or chunk."""
     chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-    to, frm, room = [], [], limit
+    to: list[torch.Tensor] = []
+    frm: list[torch.Tensor] = []
+    room = limit
     for dst, src in regions:
         n, row, i = dst.shape[0], dst.shape[1], 0
         while i < n:
@@ -213,7 +216,7 @@ class ShmTransport(KVTransport):
     def _start(self, peer: Peer, write: Write) -> None:
         # One call per chunk of every run: a Python loop of copies per run would retake
         # the GIL between runs and stall behind the polling thread (docs/benchmarks.md).
-        regions = _regions(write, self._peer_bytes[peer.name], self._rank_bytes, self.compat.head_bytes)
+        regions = _regions(write, self._peer_bytes[peer.name], self._rank_bytes, self.registered_compat.head_bytes)
         chunks = _chunks(regions, CHUNK_BYTES)
         write.handle = self._pool.submit(_copy, chunks, write.deadline,
                                          write.deadline + self.config.cancel_grace_s / 2)
@@ -234,7 +237,8 @@ class ShmTransport(KVTransport):
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
         self._peer_bytes.clear()
-        self.kv_cache = self._blocks_bytes = None
+        self.kv_cache = None
+        self._blocks_bytes = None  # type: ignore[assignment]  # its view of the mapping, dropped so the maps close
         for m in self._maps + [m for maps in self._peer_maps.values() for m in maps]:
             try:
                 m.close()

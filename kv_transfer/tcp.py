@@ -43,7 +43,7 @@ class TcpTransport(KVTransport):
         # write's pieces: a whole piece's run is one contiguous region, any other
         # piece's heads are one region per block.
         frames = []
-        hb = self.compat.head_bytes
+        hb = self.registered_compat.head_bytes
         for p in write.pieces:
             src = self._rank_bytes[p.src_rank]
             if p.whole:
@@ -52,7 +52,7 @@ class TcpTransport(KVTransport):
                 lo, hi = p.src_head * hb, (p.src_head + p.num_heads) * hb
                 regions = [src[b, lo:hi] for s, _, n in write.runs for b in range(s, s + n)]
             # zmq reads host memory; a GPU cache is staged through a host copy.
-            frames += [memoryview(r.cpu().numpy() if r.is_cuda else r.numpy()).cast("B") for r in regions]
+            frames += [(r.cpu().numpy() if r.is_cuda else r.numpy()).data.cast("B") for r in regions]
         return frames
 
     def _send_notification(self, peer: Peer, write: Write) -> None:
@@ -84,9 +84,10 @@ class TcpTransport(KVTransport):
                         raise ValueError(f"a run of {n} blocks came with {run.numel()} bytes")
                     dst[d:d + n].copy_(run.view(n, -1))
                 continue
-            lo, hi = head * self.compat.head_bytes, (head + num_heads) * self.compat.head_bytes
+            lo, hi = head * self.registered_compat.head_bytes, (head + num_heads) * self.registered_compat.head_bytes
             # One small copy per block: numpy's, on this thread (a CPU cache). torch's
             # would wake its intra-op threads for each, which stalls when the cores are busy.
+            rows: Any  # the cache (GPU) or a numpy view of it (CPU): both written by [block, bytes] slices
             rows, as_rows = (dst, _torch_bytes) if dst.is_cuda else (dst.numpy(), _numpy_bytes)
             for d, n in runs:
                 for b in range(d, d + n):
