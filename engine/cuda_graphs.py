@@ -15,10 +15,12 @@ kernels on the same data, with the same split-KV boundaries (decode_attention.py
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
 
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, attention_context
 from engine.attention.triton_backend import TritonBackend, TritonStepState
 from engine.kernels.decode_attention import num_splits_for
@@ -44,7 +46,7 @@ def batch_buckets(max_num_seqs: int, max_rows: int | None = None) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: TritonBackend, max_num_seqs: int,
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, max_num_seqs: int,
                  max_model_len: int, block_size: int, device: torch.device, max_rows: int | None = None) -> None:
         """max_rows: the most tokens a verify step has (speculative decoding), when
         more than max_num_seqs."""
@@ -56,7 +58,8 @@ class CudaGraphRunner:
         self.max_context = min(max_model_len, MAX_CONTEXT)
         self.device = device
         n, max_blocks = self.buckets[-1], -(-self.max_context // block_size)
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)  # factory keywords
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(n, **i64)
         self.positions = torch.zeros(n, **i64)
         self.slot_mapping = torch.full((n,), -1, **i64)
@@ -69,7 +72,7 @@ class CudaGraphRunner:
         # Every graph writes its logits here: a graph's own output would stay alive
         # and hold its [size, vocab] in the pool, for every bucket.
         self.logits: torch.Tensor | None = None
-        self.pool = None
+        self.pool: Any = None  # the graphs' shared memory pool (torch's private handle type), once one is captured
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """Metadata over the first `size` rows of the static buffers."""
@@ -91,13 +94,14 @@ class CudaGraphRunner:
             args = (self.input_ids[:size], self.positions[:size], self.logits_indices[:size])
             with attention_context(md):
                 warm = self.model(*args)  # warm-up: Triton compiles outside the capture
-                if self.logits is None:  # the largest bucket comes first
-                    self.logits = torch.empty_like(warm)
+                logits = self.logits
+                if logits is None:  # the largest bucket comes first
+                    logits = self.logits = torch.empty_like(warm)
                 del warm
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    self.logits[:size].copy_(self.model(*args))
+                    logits[:size].copy_(self.model(*args))
             self.pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -142,6 +146,7 @@ class CudaGraphRunner:
             self.seq_lens[b:size].fill_(1)
             self.block_tables[b:size, 0].fill_(0)
         self.graphs[size].replay()
+        assert self.logits is not None  # made by capture(), before any graph exists
         if len(inputs.logits_indices) != b:  # rows that sample nothing (a prompt's last chunk token on a prefill worker)
             return self.logits[:b].index_select(0, dev.logits_indices)
         return self.logits[:b]

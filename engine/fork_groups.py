@@ -11,7 +11,7 @@ allocate_slots). Part of the Scheduler, kept apart to keep each file about one t
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.request import Request, RequestStatus
@@ -27,6 +27,12 @@ class ForkGroups:
     running: list[Request]
     ready: list[tuple[tuple[int, int], Request]]
     kv: KVCacheManager
+
+    if TYPE_CHECKING:  # the Scheduler's helpers these verbs call
+        def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None: ...
+        def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]: ...
+        def _push_waiting(self, request: Request) -> None: ...
+        def _push_ready(self, request: Request) -> None: ...
 
     def check_group(self, prompt: Request, sequences: Sequence[Request]) -> None:
         """Raise ValueError for a group (n > 1) that could never run, before anything
@@ -64,6 +70,7 @@ class ForkGroups:
         if prompt.status == RequestStatus.RUNNING:
             self.running.remove(prompt)
         self.requests.pop(prompt.request_id, None)
+        assert prompt.sequences is not None  # a group's prompt (join_group set them)
         for sequence in prompt.sequences:
             if sequence.status != RequestStatus.WAITING_FOR_FORK:
                 continue  # aborted meanwhile
@@ -84,6 +91,7 @@ class ForkGroups:
     def _drop_unneeded_prompt(self, prompt: Request) -> None:
         """Stop computing a group's prompt once none of its sequences waits for it (not
         while a prefill worker writes into its blocks: it ends when that is over)."""
+        assert prompt.sequences is not None  # a group's prompt (join_group set them)
         if (prompt.request_id in self.requests and prompt.status != RequestStatus.WAITING_FOR_REMOTE_KV
                 and not any(r.status == RequestStatus.WAITING_FOR_FORK for r in prompt.sequences)):
             prompt.sequences = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -52,7 +52,8 @@ class LLM:
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._generate([self._tokenize(p) for p in prompts], sampling_params, use_tqdm, priority)
+        batch = cast("Sequence[Prompt]", prompts)  # cast: one prompt was wrapped just above
+        return self._generate([self._tokenize(p) for p in batch], sampling_params, use_tqdm, priority)
 
     def _generate(self, tokenized: list[tuple[str | None, list[int]]],
                   sampling_params: SamplingParams | Sequence[SamplingParams] | None,
@@ -86,10 +87,13 @@ class LLM:
 
     def _tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
         """The engine reads bad words as token sequences (bad_words_token_ids)."""
-        if params.bad_words and self.tokenizer is None:
+        if not params.bad_words:
+            return params
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             raise ValueError("bad_words need a tokenizer; this model directory has none "
                              "(pass bad_words_token_ids instead)")
-        return params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
+        return params.with_bad_words_tokenized(lambda word: tokenizer.encode(word, add_special_tokens=False))
 
     def _run(self, order: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
         """One RequestOutput per prompt; with n > 1 it is sequence 0's, and its

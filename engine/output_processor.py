@@ -97,10 +97,10 @@ class OutputProcessor:
                 # A speculative step may have taken tokens after the one that completed
                 # the stop string: the output ends at that one, as without drafts.
                 token_ids, logprobs = token_ids[:detok.num_tokens], logprobs[:detok.num_tokens]
-        logprobs = logprobs if request.sampling_params.logprobs is not None else None
+        wanted = logprobs if request.sampling_params.logprobs is not None else None
         prompt_logprobs = None
         if request.sampling_params.prompt_logprobs is not None:
             prompt_logprobs = [None, *request.prompt_logprobs]
         return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids,
-                             token_ids, text, reason, logprobs,
+                             token_ids, text, reason, wanted,
                              request.num_cached_tokens, prompt_logprobs=prompt_logprobs)

@@ -62,7 +62,7 @@ def plan_rows(scheduled: Sequence[ScheduledRequest], wanted: Iterable[Request]) 
     if not spans:
         return None
     return PromptRows(np.concatenate(index), np.array([t for ts in targets for t in ts], dtype=np.int64),
-                      spans, max(r.sampling_params.prompt_logprobs for r, _, _ in spans))
+                      spans, max(r.sampling_params.prompt_logprobs or 0 for r, _, _ in spans))  # all set: wanted
 
 
 class PendingPromptLogprobs:
@@ -102,7 +102,7 @@ class PendingPromptLogprobs:
         if self._event is not None:
             self._event.synchronize()
         chosen, ranks = self._host[0].tolist(), self._host[1].tolist()
-        top_v, top_i = (self._host[2].tolist(), self._host[3].tolist()) if self.k > 0 else (None, None)
+        top_v, top_i = (self._host[2].tolist(), self._host[3].tolist()) if self.k > 0 else ([], [])
         row = 0
         for request, first, n in self.spans:
             have = len(request.prompt_logprobs)

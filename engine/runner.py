@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from engine.sampling import PendingSample, Sampler, SamplerOutput, SamplingRow
 from engine.sampling.pending import small_tensor
 from engine.scheduler_output import ScheduledRequest
 from engine.staging import Uploader
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import CudaGraphRunner  # which imports this module
 
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, str], torch.Tensor]
 
@@ -235,23 +238,25 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.uploader = Uploader(self.device)
-        self.graphs = None  # CudaGraphRunner, set by the engine core after capture
+        self.graphs: CudaGraphRunner | None = None  # set by the engine core after capture
         model.bind_kv_cache(kv_cache)
 
     def upload(self, inputs: StepInputs, in_flight: LaunchedStep | None = None) -> DeviceInputs:
         """The step's arrays on the device in one copy; placeholder input ids are then
         filled from the tokens `in_flight` sampled, on the device."""
         src = np.empty(0, dtype=np.int64)
+        sampled = None  # [rows] the tokens in_flight sampled, when this step has placeholders
         if inputs.placeholder_requests:
             if in_flight is None or in_flight.sample is None:  # their input ids would be garbage
                 raise EngineStateError("placeholder tokens without a step in flight to fill them")
+            sampled = in_flight.sample.token_ids
             src = np.array([in_flight.sample_row[r] for r in inputs.placeholder_requests], dtype=np.int64)
         *arrays, dst_t, src_t = self.uploader.upload(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.query_start_loc,
             inputs.seq_lens, inputs.block_tables, inputs.logits_indices, inputs.placeholder_index, src)
         dev = DeviceInputs(*arrays)
-        if len(src):
-            dev.input_ids.index_copy_(0, dst_t, in_flight.sample.token_ids.index_select(0, src_t))
+        if sampled is not None:
+            dev.input_ids.index_copy_(0, dst_t, sampled.index_select(0, src_t))
         return dev
 
     @torch.inference_mode()
@@ -299,9 +304,15 @@ class ModelRunner:
                 raise self.tp.out_of_step(f"{type(exc).__name__}: {exc}") from exc
         rows, drafts = sampling_rows(scheduled)
         if prompt_rows is None:
-            return LaunchedStep(scheduled, self.sampler.sample(logits, rows, drafts) if rows else None, self.device)
-        sample = self.sampler.sample(logits[:num_sampled], rows, drafts) if rows else None
+            return LaunchedStep(scheduled, self._sample(logits, rows, drafts), self.device)
+        sample = self._sample(logits[:num_sampled], rows, drafts)
         return LaunchedStep(scheduled, sample, self.device, PendingPromptLogprobs(logits[num_sampled:], prompt_rows))
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int] | None) -> PendingSample | None:
+        if not rows:
+            return None
+        assert self.sampler is not None  # only the driver's runner samples (followers' and drafts' run forwards)
+        return self.sampler.sample(logits, rows, drafts)
 
     def _forward(self, inputs: StepInputs, in_flight: LaunchedStep | None, graphs: bool = True) -> torch.Tensor:
         """graphs False: a step with prompt-logprob rows (a graph projects one row per sequence)."""

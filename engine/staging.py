@@ -34,16 +34,17 @@ class Uploader:
             offsets.append(total)
             total += -(-a.nbytes // _ALIGN) * _ALIGN
         i, self._next = self._next, (self._next + 1) % self._NUM_BUFFERS
-        if self._copied[i] is not None:
-            self._copied[i].synchronize()
-        if self._hosts[i] is None or self._hosts[i].numel() < total:
-            self._hosts[i] = torch.empty(max(total, 4096) * 2, dtype=torch.uint8, pin_memory=True)
+        copied = self._copied[i]
+        if copied is not None:
+            copied.synchronize()
         buffer = self._hosts[i]
+        if buffer is None or buffer.numel() < total:
+            buffer = self._hosts[i] = torch.empty(max(total, 4096) * 2, dtype=torch.uint8, pin_memory=True)
         host = buffer.numpy()
         for a, off in zip(arrays, offsets):
             host[off:off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
         packed = buffer[:max(total, 1)].to(self.device, non_blocking=True)
-        self._copied[i] = torch.cuda.Event()
-        self._copied[i].record(torch.cuda.current_stream(self.device))  # the engine's device, not the current one
+        copied = self._copied[i] = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.device))  # the engine's device, not the current one
         return [packed[off:off + a.nbytes].view(torch.from_numpy(a[:0]).dtype).view(a.shape)
                 for a, off in zip(arrays, offsets)]

@@ -51,14 +51,17 @@ class TritonBackend(AttentionBackend):
         rows, dec_index, dec_lens, tile_seq_t, tile_start_t = self._uploader.upload(
             np.asarray(plan.token_rows, dtype=np.int32), np.asarray(plan.table_rows, dtype=np.int64),
             np.asarray(plan.context_lens, dtype=np.int32), tile_seq, tile_start)
+        decode_rows: torch.Tensor | None = rows
+        tables: torch.Tensor | None = None
+        lens: torch.Tensor | None = None
         if not plan.seq_ids:
-            tables = lens = rows = None
+            decode_rows = None
         elif len(plan.token_rows) == md.num_seqs == len(plan.seq_ids):  # pure decode: already in row order
             tables, lens = md.block_tables, md.seq_lens
         else:
             tables, lens = md.block_tables[dec_index], dec_lens
         md.backend_state = TritonStepState(
-            rows, tables, lens, tile_seq_t if prefill else None, tile_start_t if prefill else None,
+            decode_rows, tables, lens, tile_seq_t if prefill else None, tile_start_t if prefill else None,
             num_splits_for(max(plan.context_lens, default=1)))
 
     def store_kv(self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -70,9 +73,11 @@ class TritonBackend(AttentionBackend):
         state: TritonStepState = md.backend_state
         out = torch.empty_like(query)
         if state.decode_rows is not None:
+            assert state.decode_tables is not None and state.decode_seq_lens is not None  # set with decode_rows
             decode_attention(out, query, layer_cache, state.decode_rows, state.decode_tables,
                              state.decode_seq_lens, scale, state.num_splits)
         if state.tile_seq is not None:
+            assert state.tile_start is not None  # set with tile_seq
             prefill_attention(out, query, layer_cache, md.block_tables, md.seq_lens,
                               md.query_start_loc, state.tile_seq, state.tile_start, scale)
         return out

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,7 @@ class TPDriver:
         self.size = config.tensor_parallel_size
         self.codec = codec
         self._buffer = codec.buffer()
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
         self._last = time.monotonic()  # when the group last ran a collective
         timeout = config.distributed_timeout_s
         self._store = store = dist.TCPStore("127.0.0.1", 0, self.size, True, wait_for_workers=False,
@@ -83,8 +83,8 @@ class TPDriver:
         proc = self._procs[rank - 1]
         line = (record if isinstance(record, str) else json.dumps(record)) + "\n"
         try:
-            proc.stdin.write(line.encode())
-            proc.stdin.flush()
+            _stdin(proc).write(line.encode())
+            _stdin(proc).flush()
         except (BrokenPipeError, OSError, ValueError) as exc:
             raise RankFailure(f"tensor-parallel rank {rank} is gone "
                               f"(exit code {proc.poll()}): {type(exc).__name__}") from exc
@@ -165,7 +165,7 @@ class TPDriver:
         for rank, proc in enumerate(self._procs, start=1):
             try:
                 self._send(rank, "stop")
-                proc.stdin.close()
+                _stdin(proc).close()
             except (RankFailure, OSError):
                 pass
         for proc in self._procs:
@@ -178,3 +178,8 @@ class TPDriver:
         group = getattr(self, "group", None)
         if group is not None:
             group.close()
+
+
+def _stdin(proc: subprocess.Popen[bytes]) -> IO[bytes]:
+    assert proc.stdin is not None  # every follower is started with stdin=PIPE
+    return proc.stdin

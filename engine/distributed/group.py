@@ -10,6 +10,7 @@ EngineStateError (the worker ends, its supervisor restarts the whole group).
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,9 @@ class TorchGroup(Group):
         self.failure: str | None = None  # once a collective failed, every later one fails at once
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.store = store or dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=self.timeout)
+        # Any: torch's stubs declare the collectives (allreduce, gather, broadcast) on
+        # ProcessGroup only, not on these backends, which have them at runtime.
+        self.pg: Any
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout

@@ -86,7 +86,8 @@ def plan_tiles(query_lens: Sequence[int], seq_ids: Sequence[int],
     """(sequence, first query) of every block_m-query tile of the given sequences, on
     the host: int32 arrays for prefill_attention's tile_seq and tile_start (launched
     with a config of the same block_m)."""
-    tile_seq, tile_start = [], []
+    tile_seq: list[int] = []
+    tile_start: list[int] = []
     for s in seq_ids:
         starts = range(0, query_lens[s], block_m)
         tile_seq += [s] * len(starts)

@@ -112,6 +112,7 @@ class BlockPool:
             self._record(block_hash, True)
 
     def _record(self, block_hash: int, cached: bool) -> None:
+        assert self.events is not None  # its callers record only while events are kept
         self.events.append([block_hash, cached])
         if self.events_limit is not None and len(self.events) > self.events_limit:
             self.events.clear()

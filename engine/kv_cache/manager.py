@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from engine.errors import EngineStateError
@@ -102,7 +104,7 @@ class KVCacheManager:
         return hits
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int,
-                          new_computed_blocks: list[KVBlock] = ()) -> int:
+                          new_computed_blocks: Sequence[KVBlock] = ()) -> int:
         """Blocks that allocate_slots would take off the free queue."""
         held = len(self.req_blocks.get(request.request_id, ())) + len(new_computed_blocks)
         total = cdiv(request.num_started_tokens + len(new_computed_blocks) * self.block_size
@@ -112,7 +114,7 @@ class KVCacheManager:
         return max(0, total - held) + revived
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] = ()) -> bool:
+                       new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens; False if they don't fit.
 
         On success the request holds the computed (prefix-hit) blocks followed by enough

@@ -55,9 +55,10 @@ class PanelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.lib = panel_kernel()
-        if self.lib is None:
+        lib = panel_kernel()
+        if lib is None:
             raise RuntimeError(f"the C linear kernel could not be built from {SOURCE}")
+        self.lib = lib
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # Kernel layout: not a parameter, never saved or loaded.
         self.panels = pack_panels(linear.weight.detach().float())

@@ -16,6 +16,7 @@ the identity.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(rotary, RotaryTables):
             rotary.rotate_(q, k, rotary.cos, rotary.sin, rotary.positions)  # in place, in the qkv buffer
@@ -154,25 +155,31 @@ class LlamaForCausalLM(nn.Module):
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache: [num_blocks, Hkv, num_layers, 2, block_size, D]; each layer keeps its
         strided view [num_blocks, 2, block_size, Hkv, D] (engine/kv_cache/layout.py)."""
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self._decoder_layers()):
             layer.self_attn.layer_cache = layer_view(kv_cache, i)
 
+    def _decoder_layers(self) -> list[DecoderLayer]:
+        return cast("list[DecoderLayer]", self.layers)  # cast: a ModuleList is typed as holding any Module
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor) -> torch.Tensor | None:
         """input_ids, positions: [T] int64; logits_indices: [S] int64 rows to project.
 
-        Returns logits [S, vocab] float32 (only the rows that are sampled).
+        Returns logits [S, vocab] float32 (only the rows that are sampled); None on the
+        ranks of a TP group but the first (they are gathered there).
         """
         x = self.embed_tokens(input_ids)
         ops = fused_ops(x)  # the fused layer ops for these activations, or None: torch's
         if ops is not None:
-            rotary, residual = RotaryTables(self.rope.cos, self.rope.sin, positions, ops.rotary_), None
-            for layer in self.layers:
-                x, residual = layer.forward_fused(ops, rotary, x, residual)
+            tables = RotaryTables(self.rope.cos, self.rope.sin, positions, ops.rotary_)
+            residual: torch.Tensor | None = None
+            for layer in self._decoder_layers():
+                x, residual = layer.forward_fused(ops, tables, x, residual)
+            assert residual is not None  # set by the first layer: a model has at least one
             x, _ = ops.add_rms_norm(x[logits_indices], self.norm.weight, self.norm.eps, residual[logits_indices])
             return self._logits(x)
         rotary = self.rope.lookup(positions, x.dtype)
-        for layer in self.layers:
+        for layer in self._decoder_layers():
             x = layer(rotary, x)
         return self._logits(self.norm(x[logits_indices]))
 

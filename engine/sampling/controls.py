@@ -68,10 +68,10 @@ def apply_token_controls(x: torch.Tensor, controls: list[TokenControls],
     """In place on x [batch, vocab] float32: row which[j] gets controls[j], its output
     so far outputs[j]."""
     dev = x.device
-    allowed = [j for j, c in enumerate(controls) if c.banned is not None]
+    allowed = [(which[j], c.banned) for j, c in enumerate(controls) if c.banned is not None]
     if allowed:
-        idx = small_tensor(dev, [which[j] for j in allowed])
-        mask = torch.stack([controls[j].banned for j in allowed])
+        idx = small_tensor(dev, [row for row, _ in allowed])
+        mask = torch.stack([banned for _, banned in allowed])
         x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(mask, float("-inf")))
     rows: list[int] = []
     cols: list[int] = []
@@ -82,12 +82,14 @@ def apply_token_controls(x: torch.Tensor, controls: list[TokenControls],
             cols += bans
     if rows:
         x[small_tensor(dev, rows), small_tensor(dev, cols)] = float("-inf")
-    biased = [j for j, c in enumerate(controls) if c.bias_ids is not None]
+    # bias_values is set with bias_ids (TokenControls.build).
+    biased = [(which[j], c.bias_ids, c.bias_values) for j, c in enumerate(controls)
+              if c.bias_ids is not None and c.bias_values is not None]
     if biased:
-        counts = [controls[j].bias_ids.numel() for j in biased]
-        bias_rows = torch.repeat_interleave(small_tensor(dev, [which[j] for j in biased]),
+        counts = [ids.numel() for _, ids, _ in biased]
+        bias_rows = torch.repeat_interleave(small_tensor(dev, [row for row, _, _ in biased]),
                                             small_tensor(dev, counts), output_size=sum(counts))
-        bias_cols = torch.cat([controls[j].bias_ids for j in biased])
-        bias_values = torch.cat([controls[j].bias_values for j in biased])
+        bias_cols = torch.cat([ids for _, ids, _ in biased])
+        bias_values = torch.cat([values for _, _, values in biased])
         # A row's ids are unique (dict keys): a gather and a put, no accumulating kernel.
         x.index_put_((bias_rows, bias_cols), x[bias_rows, bias_cols] + bias_values)

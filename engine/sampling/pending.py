@@ -65,16 +65,18 @@ class PendingSample:
                  accepted: torch.Tensor | None = None) -> None:
         self.token_ids = token_ids
         device = token_ids.device
-        columns = (token_ids, bad.to(token_ids.dtype))
+        columns: tuple[torch.Tensor, ...] = (token_ids, bad.to(token_ids.dtype))
         if accepted is not None:
             columns += (accepted.to(token_ids.dtype),)
         parts = [torch.stack(columns)]
         self._query = query
         if query is not None:
+            logprobs = query.logprobs
+            assert logprobs is not None  # read once, here, by the step that computed them
             chosen_ids = token_ids.index_select(0, small_tensor(device, query.rows))
-            parts.append(query.logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1))
+            parts.append(logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1))
             if query.k > 0:
-                parts.extend(query.logprobs.topk(query.k, dim=-1))  # sorted descending
+                parts.extend(logprobs.topk(query.k, dim=-1))  # sorted descending
             query.logprobs = None  # [rows, vocab]: not kept alive while the next step runs
         self._event = None
         if device.type == "cuda":

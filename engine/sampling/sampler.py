@@ -159,6 +159,7 @@ class Sampler:
             token_ids.index_copy_(0, idx, sampled)
             bad.index_copy_(0, idx, bad.index_select(0, idx) | unusable)
             if accepted is not None:
+                assert sampled_accepted is not None  # drawn against draft_t, as accepted was
                 accepted.index_copy_(0, idx, sampled_accepted)
         return PendingSample(token_ids, bad, self._logprobs(raw, rows), accepted)
 
@@ -172,11 +173,13 @@ class Sampler:
 
     def _apply_controls(self, x: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
         """In place on x [batch, vocab]: the token controls of the rows in `which`."""
+        controls = []
         for i in which:
             row = rows[i]
             if row.controls is None or row.controls.vocab != x.shape[1]:
                 row.controls = TokenControls.build(row.params, x.shape[1], x.device)
-        apply_token_controls(x, [rows[i].controls for i in which],
+            controls.append(row.controls)
+        apply_token_controls(x, controls,
                              [rows[i].output_token_ids for i in which], which)
 
     def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow],

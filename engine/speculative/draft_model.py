@@ -45,7 +45,7 @@ from engine.model.loader import TORCH_DTYPES
 from engine.request import Request
 from engine.runner import ModelRunner, StepInputs, allocate_kv_cache, build_step_inputs
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.speculative.draft_check import check_draft, load_failure
+from engine.speculative.draft_check import check_draft, draft_model_dir, load_failure
 
 
 @dataclass
@@ -62,14 +62,14 @@ def load_draft(config: EngineConfig, target: ModelConfig, model_len: int) -> Loa
     """Check config.speculative_config.model against the target model (check_draft)
     and load it: unsharded, with the target's dtype, device and load format. Raises
     ValueError naming speculative_config.model and the reason."""
-    spec = config.speculative_config
+    draft_dir = draft_model_dir(config)
     draft = check_draft(config, target, model_len)
-    draft_config = dataclasses.replace(config, model=spec.model, tensor_parallel_size=1, max_model_len=model_len,
+    draft_config = dataclasses.replace(config, model=draft_dir, tensor_parallel_size=1, max_model_len=model_len,
                                        speculative_config=None)
     try:
         model, _, backend, _ = build_rank_model(draft_config)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"speculative_config.model {spec.model!r} does not load as a draft model: "
+        raise ValueError(f"speculative_config.model {draft_dir!r} does not load as a draft model: "
                          f"{load_failure(exc)}") from exc
     return LoadedDraft(model, draft, backend)
 

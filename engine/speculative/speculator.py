@@ -91,6 +91,7 @@ class Speculator:
         tokens, num_accepted, logprobs = [], [], []
         row = 0
         verdicts = sampled.accepted
+        assert verdicts is not None  # the step verified drafts, so its sample judged them
         for s in out.scheduled:
             if not s.samples:
                 continue

@@ -34,7 +34,7 @@ class GrammarCompiler:
         self.model_dir, self.vocab_size = model_dir, vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()  # the tokenizer's lazy load, from the pool's threads
         self._compiler: xgr.GrammarCompiler | None = None

@@ -11,6 +11,7 @@ output valid JSON at the cost of never producing an escaped character there.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import xgrammar as xgr
 
@@ -25,19 +26,22 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     """Raises StructuredOutputsError naming structured_outputs.<kind> when xgrammar
     refuses the description (an unsupported schema, a bad regex or EBNF)."""
     kind = params.kind
+    # The one field set, as the params' construction left it: JSON text for json and
+    # structural_tag (dicts are dumped), a string for regex and grammar, strings for choice.
+    value: Any = getattr(params, kind)
     try:
         compact = bool(params.disable_any_whitespace)
         if kind == "json":
-            return json_schema_grammar(params.json, compact)
+            return json_schema_grammar(value, compact)
         if kind == "json_object":  # an object, not any JSON value (xgrammar's builtin JSON grammar)
             return json_schema_grammar('{"type": "object"}', compact)
         if kind == "regex":
-            return xgr.Grammar.from_regex(params.regex)
+            return xgr.Grammar.from_regex(value)
         if kind == "choice":
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(map(ebnf_literal, params.choice)))
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(map(ebnf_literal, value)))
         if kind == "grammar":
-            return xgr.Grammar.from_ebnf(params.grammar)
-        return structural_tag_grammar(params.structural_tag)
+            return xgr.Grammar.from_ebnf(value)
+        return structural_tag_grammar(value)
     except StructuredOutputsError:
         raise
     except (RuntimeError, ValueError, TypeError, KeyError) as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -43,39 +44,46 @@ class GrammarState:
         except TimeoutError:
             pass
 
+    @property
+    def _matcher(self) -> xgr.GrammarMatcher:
+        """The matcher, for what the engine calls only once ready() said so."""
+        if self.matcher is None:
+            raise RuntimeError("the grammar is not compiled yet: ready() first")
+        return self.matcher
+
     def error(self) -> BaseException | None:
         return self._compiled.exception() if self._compiled.done() else None
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (the
         mask should have made that impossible)."""
-        return self.matcher.accept_token(token)
+        return self._matcher.accept_token(token)
 
     @property
     def terminated(self) -> bool:
         """The grammar has ended (it accepted a stop token): the request is done."""
-        return self.matcher.is_terminated()
+        return self._matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32, a bit per token)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        self._matcher.fill_next_token_bitmask(bitmask, row)
 
-    def num_valid(self, drafts: list[int]) -> int:
+    def num_valid(self, drafts: Sequence[int]) -> int:
         """How many of `drafts` (speculative decoding), in order, the grammar allows
         from here, up to one that ends it; the matcher is left where it was."""
-        valid = _advance(self.matcher, drafts)
+        valid = _advance(self._matcher, drafts)
         if valid:
-            self.matcher.rollback(valid)
+            self._matcher.rollback(valid)
         return valid
 
-    def after(self, drafts: list[int]) -> GrammarState:
+    def after(self, drafts: Sequence[int]) -> GrammarState:
         """A view whose fill() masks as if `drafts` had been accepted (the row that
         verifies the draft after them). Drafts past one the grammar refuses are
         skipped: that row is never reached, as the refused draft's own row rejects it."""
-        return _After(self.matcher, drafts)
+        return _After(self._matcher, drafts)
 
 
-def _advance(matcher: xgr.GrammarMatcher, drafts: list[int]) -> int:
+def _advance(matcher: xgr.GrammarMatcher, drafts: Sequence[int]) -> int:
     """Accept drafts while the grammar allows them and has not ended; how many it took."""
     taken = 0
     for token in drafts:
@@ -86,17 +94,17 @@ def _advance(matcher: xgr.GrammarMatcher, drafts: list[int]) -> int:
 
 
 class _After(GrammarState):
-    def __init__(self, matcher: xgr.GrammarMatcher, drafts: list[int]) -> None:  # a view: no compile to wait for
+    def __init__(self, matcher: xgr.GrammarMatcher, drafts: Sequence[int]) -> None:  # a view: no compile to wait for
         self.matcher = matcher
         self._drafts = drafts
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        taken = _advance(self.matcher, self._drafts)
+        taken = _advance(self._matcher, self._drafts)
         try:
-            if self.matcher.is_terminated():  # a row after the grammar's end is never reached
+            if self._matcher.is_terminated():  # a row after the grammar's end is never reached
                 bitmask[row].fill_(-1)
             else:
-                self.matcher.fill_next_token_bitmask(bitmask, row)
+                self._matcher.fill_next_token_bitmask(bitmask, row)
         finally:
             if taken:
-                self.matcher.rollback(taken)
+                self._matcher.rollback(taken)

@@ -125,7 +125,7 @@ class StructuredOutputsParams:
         return out
 
 
-def _dumps(key: str, value: dict) -> str:
+def _dumps(key: str, value: dict | bool) -> str:
     try:
         return json.dumps(value)
     except (TypeError, ValueError) as exc:
