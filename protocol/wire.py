@@ -36,7 +36,9 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
     @property
     def kind(self) -> str:
-        return self.__struct_config__.tag
+        tag = self.__struct_config__.tag
+        assert isinstance(tag, str)  # each message class names its kind: tag="..."
+        return tag
 
     def __post_init__(self) -> None:
         if self.v != PROTOCOL_VERSION:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,9 +114,9 @@ class ResponseShaper:
     def _answered(self) -> list[int]:
         """The sequences answered, in choice order: per prompt, the n of highest
         cumulative logprob (all of them when n were sampled), ties to the lower index."""
-        order = []
+        order: list[int] = []
         for p in range(len(self.prompt_tokens)):
-            seqs = range(p * self.sampled, (p + 1) * self.sampled)
+            seqs: Sequence[int] = range(p * self.sampled, (p + 1) * self.sampled)
             if self.sampled > self.n:
                 seqs = sorted(seqs, key=lambda s: (-self._choices[s].cumulative_logprob, s))[:self.n]
             order += seqs
@@ -142,7 +142,7 @@ class ResponseShaper:
         choice = self._choice_of(chunk)
         logprobs = choice.formatter.format(chunk.token_ids, chunk.logprobs) if choice.formatter else None
         if choice.tools is not None:
-            return self._tool_events(chunk.index, choice, chunk, logprobs)
+            return self._tool_events(chunk.index, choice, choice.tools, chunk, logprobs)
         shaped = self._shape(chunk.index, chunk.text, chunk.finish_reason, True, logprobs, choice)
         if chunk.vllm_prompt_logprobs is not None:
             shaped["prompt_logprobs"] = chunk.vllm_prompt_logprobs
@@ -152,11 +152,11 @@ class ResponseShaper:
         return "data: " + json.dumps({"id": self.id, "object": self._chunk_kind, "created": self.created,
                                       "model": self.model, "choices": choices}) + "\n\n"
 
-    def _tool_events(self, index: int, choice: _Choice, chunk: Chunk, logprobs: dict[str, Any] | None) -> str:
+    def _tool_events(self, index: int, choice: _Choice, tools: ToolCallStream, chunk: Chunk,
+                     logprobs: dict[str, Any] | None) -> str:
         """OpenAI's shape: the role in the first delta only; a tool call's first delta
         has its id, type and name, later ones argument fragments; the finish_reason in
-        the last event. A chunk's logprobs ride on its first event."""
-        tools = choice.tools
+        the last event. A chunk's logprobs ride on its first event. `tools`: the choice's."""
         deltas = tools.feed(chunk.text)
         reason = None
         if chunk.finish_reason is not None:

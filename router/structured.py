@@ -179,6 +179,7 @@ def _tool_constraint(tools: ToolChoice | None) -> Constraint | None:
     if tools is None or tools.mode in ("none", "auto"):
         return None
     if tools.mode == "named":
+        assert tools.named is not None  # _choice names the function of mode "named"
         return Constraint(_params("tools", json=json.dumps(tools.parameters[tools.named])),
                           f"tools.{tools.named}.parameters")
     defs: dict[str, Any] = {}
