@@ -16,7 +16,7 @@ NVIDIA_GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || test -e /dev/nvid
 TORCH_INDEX ?= $(if $(NVIDIA_GPU),,https://download.pytorch.org/whl/cpu)
 TORCH := torch==2.13.0$(if $(TORCH_INDEX), --extra-index-url $(TORCH_INDEX))
 
-.PHONY: install model lint test serve generate bench clean
+.PHONY: install model lint typecheck test serve generate bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ model: $(STAMP)
 # Lint first: a lint error fails fast, before the suite's minutes.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# Types ([tool.mypy] in pyproject.toml; about 30 s). Not yet run by lint: the errors
+# left are in the files issue 35 is rewriting (scheduler, engine core, workers' servers,
+# router); once they are 0, lint runs this too.
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 test: lint model
 	$(PY) -m pytest -q tests
