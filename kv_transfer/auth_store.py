@@ -219,7 +219,7 @@ class AuthStore(Store):
 
     delete_key = deleteKey
 
-    def getNumKeys(self) -> int:  # noqa: N802
+    def getNumKeys(self) -> int:  # noqa: N802 (the trampoline's name)
         return self._call("num_keys")
 
     num_keys = getNumKeys

@@ -94,7 +94,7 @@ def run_scale_seed(seed: int, base: str, model: str, scaler: Any, oracle: Oracle
                         return
                     run.events.append({"targets": targets, "drain": drain, "refused": str(exc)})
                     continue
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - a failed scale is the finding
                     run.failures.append(f"seed {seed} scale {targets} (drain {drain}): {type(exc).__name__}: {exc}")
                     return
                 run.events.append({"targets": targets, "drain": drain, "result": result})

@@ -109,7 +109,8 @@ class Sim:
     def _worker(self, name: str, role: str, **figures: float) -> WorkerLoad:
         if name in self.mute:
             return WorkerLoad(name, role, live=True, draining=False, answered=False)
-        return WorkerLoad(name, role, live=True, draining=False, answered=True, **figures)  # type: ignore[arg-type]
+        return WorkerLoad(name, role, live=True, draining=False, answered=True,
+                          **figures)  # type: ignore[arg-type]  # the float fields, by name
 
     def apply(self, decision: Decision) -> None:
         if decision.pool == "router":

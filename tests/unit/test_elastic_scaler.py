@@ -222,7 +222,7 @@ def test_the_planners_step_up_waiting_for_a_scale_by_hand_does_not_undo_it() -> 
     control = SimpleNamespace(snapshot=lambda: snapshot(time.monotonic()), set_remote_prefill_min_tokens=lambda v: None)
     deployment = SimpleNamespace(scaler=s, metrics=RouterMetrics(), control=control)
     with mock.patch.object(run, "Planner", lambda config, base: planner):
-        loop = run.start_planner(config, deployment)  # type: ignore[arg-type]
+        loop = run.start_planner(config, deployment)  # type: ignore[arg-type]  # a stand-in deployment, not a Router
     assert loop is not None
     try:
         wait_for(lambda: planner.asked)  # it decided from decode 2 and waits for the operator

@@ -83,7 +83,7 @@ def test_a_prefill_worker_scaled_away_has_exited_when_the_decode_workers_learn_i
     def watch(data: bytes) -> None:
         send(data)
         told.append((CONTROL_MESSAGES.decode(data).prefill, leaving.process.is_alive()))
-    workers.decode[0].control.send_bytes = watch  # type: ignore[method-assign]
+    workers.decode[0].control.send_bytes = watch  # type: ignore[method-assign]  # a spy on one pipe
     elastic.LocalPools(CONFIG, workers).remove_worker("prefill-1", 0.01)
     assert told == [({"prefill-0": "tcp://prefill-0"}, False)]
     assert [w.name for w in workers.prefill] == ["prefill-0"]

@@ -30,7 +30,7 @@ def test_tags_prove_the_secret() -> None:
     assert secret.verify(b"blob", tag)
     assert not secret.verify(b"blob!", tag)
     assert not secret.verify(b"blob", other.tag(b"blob"))
-    assert not secret.verify(b"blob", None)  # type: ignore[arg-type]
+    assert not secret.verify(b"blob", None)  # type: ignore[arg-type]  # a missing tag, as a bad peer sends it
 
 
 def test_keys_differ_by_use_and_by_deployment() -> None:

@@ -231,7 +231,8 @@ def test_capacity_is_learned_from_busy_windows_and_lifted_by_calm_ones() -> None
 
 
 def worker(name: str, role: str, **figures: float) -> WorkerLoad:
-    return WorkerLoad(name, role, live=True, draining=False, answered=True, **figures)  # type: ignore[arg-type]
+    return WorkerLoad(name, role, live=True, draining=False, answered=True,
+                      **figures)  # type: ignore[arg-type]  # the float fields, by name
 
 
 def snapshot(at: float, workers: tuple[WorkerLoad, ...] = (), requests: float = 0.0) -> LoadSnapshot:
@@ -304,7 +305,7 @@ def test_the_loop_compares_with_the_snapshot_one_window_old() -> None:
     assert planner_.asked[-1][2] == {"prefill": 1, "decode": 2}  # live, not draining
 
 
-def wait_for(condition, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+def wait_for(condition, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]  # any callable
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -337,7 +338,7 @@ def test_the_loop_survives_failing_passes_and_stops_promptly() -> None:
     slow = PlannerLoop(FixedPlanner([], interval_s=60, window_s=60), lambda: snapshot(time.monotonic()),
                        lambda *a: None, lambda v: None, lambda d: None)
     slow.start()
-    wait_for(lambda: len(slow.planner.asked) == 1)  # type: ignore[attr-defined]
+    wait_for(lambda: len(slow.planner.asked) == 1)  # type: ignore[attr-defined]  # FixedPlanner.asked
     started = time.monotonic()
     slow.stop()
     assert time.monotonic() - started < 0.5 and not slow.alive

@@ -74,7 +74,7 @@ def test_a_worker_leaving_while_a_snapshot_asks_for_stats_reads_as_silent(llama_
     socket closed in between answers nothing, instead of failing the whole snapshot."""
     router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
 
-    async def main():  # type: ignore[no-untyped-def]
+    async def main():  # type: ignore[no-untyped-def]  # a test-local coroutine
         router.start()
         try:
             asyncio.get_running_loop().call_soon(router.pool.decode["decode-1"].close)  # lands after the listing

@@ -25,7 +25,7 @@ def ids() -> Any:
 
 def make(mode: str, **kw: Any) -> ToolCallStream:
     kw.setdefault("new_id", ids())
-    return ToolCallStream(mode, kw.pop("tool_names", TOOLS), **kw)  # type: ignore[arg-type]
+    return ToolCallStream(mode, kw.pop("tool_names", TOOLS), **kw)  # type: ignore[arg-type]  # modes as strings
 
 
 def assemble(deltas: list[dict[str, Any]]) -> dict[str, Any]:
