@@ -122,7 +122,8 @@ class Detokenizer:
 
     def _stop_at(self, text: str) -> int | None:
         """Where `text` ends if it holds a stop string ending past self._searched: the
-        earliest one wins."""
+        earliest one wins; of several found at one place, the first listed in `stop`
+        (it decides the cut with include_stop)."""
         found = []
         for s in self.stop:
             i = text.find(s, max(0, self._searched - len(s) + 1))
@@ -134,7 +135,7 @@ class Detokenizer:
             self._searched = max(self._searched, len(self.text))
         if not found:
             return None
-        i, s = min(found)
+        i, s = min(found, key=lambda hit: hit[0])  # min() keeps the first of equals: list order
         return i + len(s) if self.include_stop else i
 
     def flush(self) -> str:

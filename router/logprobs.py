@@ -3,7 +3,12 @@
 The decode worker sends, per generated token, [logprob, [[token_id, logprob], ...]]
 (its top alternatives, best first). Completions want parallel lists (tokens,
 token_logprobs, top_logprobs, text_offset); chat wants one object per token with its
-bytes. Token text is each token decoded alone, as OpenAI reports it.
+bytes (the UTF-8 of its text). Token text is each token decoded alone, as OpenAI reports
+it, except a token that decodes alone to a partial UTF-8 character (byte-level BPE
+splits one character over several tokens), as vLLM (since its PR #28874) does: its text
+is what it completes after the sequence's last few tokens, "" while the character is
+still incomplete and the whole character on the token that completes it. So a
+sequence's token texts (and bytes) join to its text, never to U+FFFD.
 
 Prompt logprobs (the engine's params.prompt_logprobs) come with a request's first
 tokens, [logprob, rank, top] per prompt token from the second. `echo` puts the prompt
@@ -17,6 +22,7 @@ asks the engine for one token and returns none of it: the prompt alone, finish_r
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,13 +34,16 @@ if TYPE_CHECKING:  # router/core.py imports this module (by way of router/parsin
     from router.core import Chunk
 
 MAX_TOP = 20  # the engine's limit (SamplingParams.logprobs)
+# Tokens before a partial character that may complete it: a UTF-8 character has at most 4 bytes.
+MAX_CONTEXT = 4
+REPLACEMENT = "\ufffd"
 
 
 def requested_logprobs(body: dict[str, Any], chat: bool) -> int | None:
     """How many alternatives per token the request asks for; None: no logprobs.
 
-    Completions: `logprobs` is that number. Chat: `logprobs` is a switch and
-    `top_logprobs` the number (0 when absent)."""
+    Completions: `logprobs` is that number. Chat: `logprobs` is a switch (a boolean,
+    or 0 / 1 for false / true) and `top_logprobs` the number (0 when absent)."""
     if not chat:
         k = body.get("logprobs")
         if k is None:
@@ -42,11 +51,14 @@ def requested_logprobs(body: dict[str, Any], chat: bool) -> int | None:
         _check_count(k, "logprobs")
         return k
     top = body.get("top_logprobs")
-    if body.get("logprobs") in (None, False):
+    switch = body.get("logprobs")
+    if type(switch) is int and switch in (0, 1):  # as vLLM's pydantic bool reads them
+        switch = bool(switch)
+    if switch is None or switch is False:  # not `in`: 0.0 == False
         if top is not None:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return None
-    if body["logprobs"] is not True:
+    if switch is not True:
         raise APIError(400, f"logprobs must be a boolean, got {body['logprobs']!r}", "logprobs")
     if top is None:
         return 0
@@ -65,9 +77,30 @@ class LogprobFormatter:
     def __init__(self, tokenizer: Any, chat: bool) -> None:
         self.tokenizer, self.chat = tokenizer, chat
         self.offset = 0  # completions' text_offset of the next token
+        self.context: list[int] = []  # the sequence's last MAX_CONTEXT tokens formatted
 
     def _text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """The token's text after self.context: alone, unless that is a partial
+        character (see the module's docstring)."""
+        text = self.tokenizer.decode([token_id])
+        if not text.endswith(REPLACEMENT):
+            return text
+        for n in range(1, len(self.context) + 1):
+            context = self.context[-n:]
+            whole = self.tokenizer.decode(context + [token_id])
+            if whole.endswith(REPLACEMENT):
+                continue
+            # Context tokens that were partial characters themselves said "": their
+            # bytes are this token's to say.
+            clean = n
+            while clean and self.tokenizer.decode(context[clean - 1:clean]).endswith(REPLACEMENT):
+                clean -= 1
+            prefix = self.tokenizer.decode(context[:clean]) if clean else ""
+            return whole[len(os.path.commonprefix([prefix, whole])):]
+        return ""
+
+    def _advance(self, token_id: int) -> None:
+        self.context = [*self.context[1 - MAX_CONTEXT:], token_id]
 
     def format(self, token_ids: list[int], entries: list[list[Any]]) -> dict[str, Any]:
         if self.chat:
@@ -81,6 +114,7 @@ class LogprobFormatter:
             out["top_logprobs"].append(None if top is None else {self._text(a): v for a, v in top})
             out["text_offset"].append(self.offset)
             self.offset += len(text)
+            self._advance(t)
         return out
 
     def _chat_entry(self, token_id: int, logprob: float, top: list[list[Any]]) -> dict[str, Any]:
@@ -88,7 +122,9 @@ class LogprobFormatter:
             text = self._text(t)
             return {"token": text, "logprob": v, "bytes": list(text.encode())}
 
-        return {**item(token_id, logprob), "top_logprobs": [item(a, v) for a, v in top]}
+        entry = {**item(token_id, logprob), "top_logprobs": [item(a, v) for a, v in top]}
+        self._advance(token_id)
+        return entry
 
 
 def merge(parts: list[dict[str, Any]]) -> dict[str, Any] | None:

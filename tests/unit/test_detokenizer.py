@@ -40,6 +40,26 @@ def test_the_earliest_stop_string_wins() -> None:
     assert run("one two three", ["four"], False) == ("one two three", False)
 
 
+class WordTokenizer:
+    """Token i is WORDS[i]: several characters at once, so stop strings can tie."""
+
+    WORDS = ["x", "ab", "yab"]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.WORDS[i] for i in ids)
+
+
+@pytest.mark.parametrize("stop,expected", [(["ab", "a"], "xab"), (["a", "ab"], "xa"), (["b", "ab"], "xab"),
+                                           (["yab", "ab"], "xyab")])
+def test_stop_strings_found_at_one_place_the_first_listed_wins(stop: list[str], expected: str) -> None:
+    """Two stop strings at the same place: the first listed decides the cut (with
+    include_stop_str_in_output); one that starts earlier still wins over both."""
+    detok = Detokenizer(WordTokenizer(), stop, include_stop=True)
+    out, stopped = detok.add([0])
+    delta, stopped = detok.add([2 if "yab" in stop else 1])
+    assert (out + delta, stopped) == (expected, True)
+
+
 def test_incremental_text_equals_a_decode_of_every_token(llama_dir) -> None:
     """A byte-level BPE tokenizer (the tiny models'), text with multi-byte characters
     split across tokens (and random ids: invalid UTF-8 too), tokens arriving 1-3 at a

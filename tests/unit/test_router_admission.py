@@ -162,7 +162,7 @@ USER = {"role": "user", "content": "Hi"}
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"a": "x" * 10**6})}}]},
         USER]}, "messages", "characters: more than the model's context length"),
-    ({"messages": [USER], "logprobs": 1}, "logprobs", "logprobs must be a boolean"),
+    ({"messages": [USER], "logprobs": 2}, "logprobs", "logprobs must be a boolean"),
     ({"messages": [USER], "n": 17}, "n", "n must be an integer in [1, 16] (router.max_n), got 17"),
     ({"messages": [USER], "n": 2, "best_of": 3}, "best_of", "best_of=3 is not supported by pdserve (best_of is a "
      "completions parameter; chat samples n choices)"),
