@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class APIError(Exception):
-    """`code`: the OpenAI error code (e.g. "invalid_api_key"); None: the status.
+    """`code`: the OpenAI error code (e.g. "invalid_api_key"); None: none (null).
     `retry_after`: seconds a 429's client should wait (its Retry-After header; None: 1).
     `headers`: more response headers (a 401's WWW-Authenticate)."""
 

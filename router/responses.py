@@ -39,8 +39,9 @@ def error_response(exc: APIError) -> JSONResponse:
 
 
 def error_body(exc: APIError) -> dict[str, Any]:
-    code = exc.code if exc.code is not None else exc.status
-    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": code}}
+    """`code` is OpenAI's: a string or null (vLLM sends the status there, an int, which
+    clients typed on OpenAI's schema fail to read); the status is the HTTP status's."""
+    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
 
 
 def error_event(exc: APIError) -> str:

@@ -388,7 +388,7 @@ def test_a_bad_constraint_is_a_400_naming_its_field(base: str, case: str, stream
     else:  # found by the router: the response's status, no event before it
         assert response.status_code == 400, text
     error = json.loads(text)["error"]
-    assert error["code"] == 400
+    assert error["code"] is None  # OpenAI's: a string or null; the type says it is the request's fault
     assert error["param"] == param and error["type"] == "invalid_request_error"
     r = chat(base, GOOD)  # and the server keeps serving
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
