@@ -132,6 +132,14 @@ class AccessLog:
                 logger.info("%s", record.line(time.monotonic()))
 
 
+def refused(scope: dict[str, Any], prompt_tokens: int | None) -> None:
+    """A generation request refused while it was parsed: its prompt's length, if it was
+    tokenized (e.g. a prompt too long for the context)."""
+    record: AccessRecord | None = scope.get(RECORD)
+    if record is not None and prompt_tokens is not None:
+        record.prompt_tokens = prompt_tokens
+
+
 def track(scope: dict[str, Any], request_id: str, prompt_tokens: int,
           stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
     """The request's chunks, its record filled in as they pass (no record, as with

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,10 +27,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from router import admin, structured, tokenize_api
-from router.access_log import AccessLog, track
+from router.access_log import AccessLog, refused, track
 from router.auth import KeyRing
 from router.core import Chunk, Router
-from router.errors import APIError
+from router.errors import APIError, TokenizerBusy
 from router.http_guard import HTTPGuard, client_of
 from router.limits import Limits
 from router.logprobs import LogprobFormatter, echoed
@@ -42,6 +42,7 @@ from router.version import pdserve_version
 __all__ = ["Router", "WORKER_HEADER", "create_app"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Names the decode worker serving a response (for a stream: the one that began it;
 # otherwise the one that finished it), for operators and the failover test.
@@ -177,21 +178,34 @@ async def version(request: Request) -> dict[str, Any]:
 
 
 async def tokenize(request: Request) -> dict[str, Any]:
-    return await tokenize_api.tokenize(_router(request).parser, await request.body())
+    return await _parsed(request, tokenize_api.tokenize(_router(request).parser, await request.body()))
 
 
 async def detokenize(request: Request) -> dict[str, Any]:
-    return await tokenize_api.detokenize(_router(request).parser, await request.body())
+    return await _parsed(request, tokenize_api.detokenize(_router(request).parser, await request.body()))
 
 
 async def completions(request: Request) -> Any:
-    parsed = await _router(request).parser.completion(await request.body())
+    parsed = await _parsed(request, _router(request).parser.completion(await request.body()))
     return await _respond(request, parsed)
 
 
 async def chat_completions(request: Request) -> Any:
-    parsed = await _router(request).parser.chat(await request.body())
+    parsed = await _parsed(request, _router(request).parser.chat(await request.body()))
     return await _respond(request, parsed)
+
+
+async def _parsed(request: Request, parsing: Awaitable[T]) -> T:
+    """What `parsing` returns; if it refuses the request, what the refusal leaves: the
+    prompt's length in the access log, and the key's rate token back when the
+    tokenizer's queue was full (the server's load, not the key's doing)."""
+    try:
+        return await parsing
+    except APIError as exc:
+        if isinstance(exc, TokenizerBusy):
+            request.app.state.limits.refund(client_of(request.scope))
+        refused(request.scope, exc.prompt_tokens)
+        raise
 
 
 async def _respond(request: Request, parsed: GenerateRequest) -> Response:

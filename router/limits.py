@@ -86,7 +86,8 @@ class _Client:
 class Limits:
     """Who calls what: the HTTP guard calls admit() once per generation request, before
     its body is read; the endpoint takes a lease() once the request is parsed and
-    releases it when the request ends, however it ends."""
+    releases it when the request ends, however it ends, and refund()s the rate token of
+    a request the tokenizer's full queue refused."""
 
     def __init__(self, settings: LimitSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate = settings.key_requests_per_s
@@ -110,6 +111,13 @@ class Limits:
         if wait > 0:
             raise _too_many(f"this API key is over its rate of {self.rate:g} requests per second "
                             f"(burst {self.burst}); retry in {wait:.2f} s", wait)
+
+    def refund(self, client: int | None) -> None:
+        """Give back the rate token admit() took for a request the server refused for its
+        own load (router/errors.py TokenizerBusy), not for the key's."""
+        state = self._client(client)
+        if state.bucket is not None:
+            state.bucket.tokens = min(state.bucket.burst, state.bucket.tokens + 1)
 
     def lease(self, client: int | None, prompt_tokens: int, max_tokens: int, sequences: int = 1) -> Lease:
         """Count a parsed request's tokens against the key's tokens in flight; APIError

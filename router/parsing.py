@@ -13,10 +13,11 @@ fields. Tests pin which error wins, so keep the order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -25,7 +26,7 @@ from engine.sampling_params import SamplingParams, bad_words_token_ids
 from router import request_body, structured
 from router.bounds import InputBounds, check_bounds
 from router.config import ModelLimits
-from router.errors import APIError
+from router.errors import APIError, TokenizerBusy
 from router.limits import retry_after
 from router.logprobs import PromptScoring, prompt_scoring
 from router.model_names import ServedModels
@@ -112,14 +113,15 @@ class RequestParser:
             batch = prompts  # type: ignore[assignment]
         sampling_body, scoring = prompt_scoring(body)
         constraint = structured.constraint(body, None)
-        options, names = self._sampling_options(sampling_body, False, max(map(len, batch)), "prompt")
-        # best_of > n: the sequences carry logprobs to rank them by, left out of the
-        # answer when the client asked none.
-        rank_only = best_of > n and options["logprobs"] is None
-        options.update(n=best_of, logprobs=0 if rank_only else options["logprobs"])
-        if scoring is not None and scoring.engine_count is not None:
-            options["prompt_logprobs"] = scoring.engine_count
-        params = await self._params(options, names, constraint, max(map(len, batch)))
+        with _counted(sum(map(len, batch))):
+            options, names = self._sampling_options(sampling_body, False, max(map(len, batch)), "prompt")
+            # best_of > n: the sequences carry logprobs to rank them by, left out of the
+            # answer when the client asked none.
+            rank_only = best_of > n and options["logprobs"] is None
+            options.update(n=best_of, logprobs=0 if rank_only else options["logprobs"])
+            if scoring is not None and scoring.engine_count is not None:
+                options["prompt_logprobs"] = scoring.engine_count
+            params = await self._params(options, names, constraint, max(map(len, batch)))
         if params.prompt_logprobs is not None and best_of > 1:  # a group's sequences compute only the last prompt token
             raise APIError(400, f"n (or best_of) > 1 ({best_of} sequences) with prompt logprobs (echo with "
                                 "logprobs, or prompt_logprobs) is not supported: send n=1", "n")
@@ -147,9 +149,10 @@ class RequestParser:
         except RecursionError:  # the template walks what the bounds let through; never a 500
             raise APIError(400, "messages are nested too deeply for the model's chat template", "messages") from None
         n, _ = self._choices(body, True, stream, 1)
-        options, names = self._sampling_options(body, True, len(ids), "messages")
-        options["n"] = n
-        params = await self._params(options, names, constraint, len(ids))
+        with _counted(len(ids)):
+            options, names = self._sampling_options(body, True, len(ids), "messages")
+            options["n"] = n
+            params = await self._params(options, names, constraint, len(ids))
         return ChatRequest(ids, params, stream, include_usage, messages, add_generation_prompt,
                            constraint_source=constraint and constraint.source, tools=tools, n=n,
                            priority=request_body.priority(body))
@@ -260,9 +263,9 @@ class RequestParser:
         time the queue takes at the recent pace."""
         waiting = self._tokenizing
         if self.bounds is not None and waiting >= self.bounds.max_tokenize_queue:
-            raise APIError(429, f"{waiting} requests are waiting for the tokenizer (router.max_tokenize_queue); "
-                                "retry later", kind="rate_limit_error",
-                           retry_after=retry_after(waiting * self._tokenize_s))
+            raise TokenizerBusy(429, f"{waiting} requests are waiting for the tokenizer (router.max_tokenize_queue); "
+                                     "retry later", kind="rate_limit_error",
+                                retry_after=retry_after(waiting * self._tokenize_s))
 
         def timed() -> T:  # in the tokenizer's one thread: the only writer of _tokenize_s
             start = time.monotonic()
@@ -276,6 +279,16 @@ class RequestParser:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, timed)
         finally:
             self._tokenizing -= 1
+
+
+@contextlib.contextmanager
+def _counted(prompt_tokens: int) -> Iterator[None]:
+    """An APIError raised inside says the prompt's length (for the access log)."""
+    try:
+        yield
+    except APIError as exc:
+        exc.prompt_tokens = prompt_tokens
+        raise
 
 
 def chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

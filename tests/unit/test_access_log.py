@@ -176,3 +176,26 @@ def test_other_endpoints_get_a_short_line_and_access_log_false_silences_all(
         assert post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": -1})[0] == 400
         assert open_request(base, "GET", "/health", None, timeout=20).status == 200
     assert lines(caplog) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_request_refused_after_tokenizing_logs_its_prompts_length(llama_dir: Path, fake: FakeDecodeWorker,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A prompt too long for the context, or one whose max_tokens overflows it, was
+    tokenized before it was refused: its line says how long it was (not `-`)."""
+    from engine.tokenizer import load_tokenizer
+
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    tokenizer = load_tokenizer(str(llama_dir))
+    long, short = "the quick brown fox " * 400, "Hello there"  # past the tiny model's context of 1024
+    with served(llama_dir, fake) as base:
+        assert post(base, "/v1/completions", {"prompt": long, "max_tokens": 1})[0] == 400
+        too_long = next_line(caplog, 0)
+        assert post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": short}],
+                                                   "max_tokens": 1024})[0] == 400
+        overflow = next_line(caplog, 1)
+        assert post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 0})[0] == 400  # refused before tokenizing
+        untokenized = next_line(caplog, 2)
+    assert len(tokenizer.encode(long)) > 1024 and too_long["prompt_tokens"] == str(len(tokenizer.encode(long)))
+    assert int(overflow["prompt_tokens"]) > len(tokenizer.encode(short))  # with the chat template's tokens
+    assert untokenized["prompt_tokens"] == "-" and not fake.messages("generate")

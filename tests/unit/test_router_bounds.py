@@ -287,6 +287,21 @@ def test_the_tokenizer_queue_is_bounded(llama_dir: Path) -> None:
     asyncio.run(run())
 
 
+def test_a_full_tokenizer_queue_takes_no_rate_token_from_the_key(llama_dir: Path) -> None:
+    """The tokenizer's 429 is the server's load, not the key's doing: the request it
+    refuses gives back its rate token, and the key's next request goes through."""
+    router = router_for(config_for(llama_dir, key_requests_per_s=0.001, key_burst=1, max_tokenize_queue=1),
+                        {"decode-0": "tcp://127.0.0.1:9"})
+    with TestClient(create_app(router)) as client:
+        router.parser._tokenizing = 1  # as if one request were in the tokenizer
+        busy = client.post("/tokenize", json={"prompt": "Hello"})
+        assert busy.status_code == 429 and "waiting for the tokenizer" in busy.json()["error"]["message"]
+        router.parser._tokenizing = 0
+        assert client.post("/tokenize", json={"prompt": "Hello"}).status_code == 200  # the key's one token
+        over = client.post("/tokenize", json={"prompt": "Hello"})
+        assert over.status_code == 429 and "over its rate" in over.json()["error"]["message"]  # spent now
+
+
 # Bad bodies (as a fuzzer or a broken client sends them): each a 4xx, never a 5xx.
 NASTY: list[bytes] = [
     b"[" * 100_000 + b"]" * 100_000,
