@@ -18,6 +18,16 @@ assert would let a request decode from blocks it does not own.
 from __future__ import annotations
 
 
+class DoesNotFit(ValueError):
+    """A request this engine can never run, whatever else runs (Scheduler.check_fits);
+    `param` names the request field to change ("max_tokens", or "prompt" when the
+    prompt alone is too long), as a client's 400 says it."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class EngineStateError(RuntimeError):
     """The engine's bookkeeping broke an invariant; its state cannot be trusted."""
 

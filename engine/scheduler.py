@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 
-from engine.errors import EngineStateError
+from engine.errors import DoesNotFit, EngineStateError
 from engine.fork_groups import ForkGroups
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager, cdiv
@@ -84,11 +84,14 @@ class Scheduler(ForkGroups):
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}) with chunked prefill disabled")
         # A request alone in the engine must fit, or preemption could never make room.
-        needed = cdiv(num_prompt_tokens + max_tokens, self.kv.block_size)
-        if needed > self.kv.pool.num_blocks:
-            raise ValueError(f"request needs {needed} KV blocks (prompt {num_prompt_tokens} + "
+        needed, pool = cdiv(num_prompt_tokens + max_tokens, self.kv.block_size), self.kv.pool.num_blocks
+        if cdiv(num_prompt_tokens + 1, self.kv.block_size) > pool:
+            raise DoesNotFit(f"prompt ({num_prompt_tokens} tokens) needs more than the KV pool's {pool} blocks "
+                             "with its first output token; shorten the prompt or enlarge the pool", "prompt")
+        if needed > pool:
+            raise DoesNotFit(f"request needs {needed} KV blocks (prompt {num_prompt_tokens} + "
                              f"max_tokens {max_tokens}) but the KV pool has only "
-                             f"{self.kv.pool.num_blocks}; lower max_tokens or enlarge the pool")
+                             f"{pool}; lower max_tokens or enlarge the pool", "max_tokens")
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

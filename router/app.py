@@ -212,7 +212,7 @@ async def _respond(request: Request, parsed: GenerateRequest) -> Response:
     router = _router(request)
     prompts = parsed.prompts
     stream = _named_errors(_within_limits(request, parsed, router.run_batch(prompts, parsed.params, parsed.priority)),
-                           parsed.constraint_source)
+                           parsed.constraint_source, parsed.chat)
     asked = parsed.params.logprobs is not None and not parsed.rank_only_logprobs
     formatter = functools.partial(LogprobFormatter, router.tokenizer, parsed.chat) if asked else None
     shaper = ResponseShaper(parsed.chat, router.model_name, list(map(len, prompts)), formatter,
@@ -272,14 +272,18 @@ def _tool_calls(parsed: GenerateRequest, parser: str) -> Callable[[], ToolCallSt
                              function_name=tools.named, parser=parser)
 
 
-async def _named_errors(stream: AsyncIterator[Chunk], source: str | None) -> AsyncIterator[Chunk]:
-    """The stream, with a decode worker's error about the request's grammar said with the
-    field the client sent it in (response_format, tools, structured_outputs)."""
+async def _named_errors(stream: AsyncIterator[Chunk], source: str | None, chat: bool) -> AsyncIterator[Chunk]:
+    """The stream, with a decode worker's error said with the field the client sent:
+    about the request's grammar, the one it came in (response_format, tools,
+    structured_outputs); about its prompt, chat's `messages`."""
     try:
         async for chunk in stream:
             yield chunk
     except APIError as exc:
-        raise structured.worker_error(exc, source) from None
+        exc = structured.worker_error(exc, source)
+        if chat and exc.param == "prompt":
+            exc.param = "messages"
+        raise exc from None
     finally:
         await stream.aclose()
 

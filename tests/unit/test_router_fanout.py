@@ -300,6 +300,17 @@ def test_a_rejected_sequence_fails_the_request_and_aborts_the_others(served) -> 
 
 
 @pytest.mark.timeout(60)
+def test_a_workers_refusal_of_a_chat_prompt_names_messages(served) -> None:
+    """A decode worker names the prompt "prompt" (e.g. too long for its KV pool); a chat
+    client sent it as messages."""
+    base, _, worker = served
+    worker.reject_child = 0
+    status, out = request(base, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                                  "max_tokens": 5, "n": 2})
+    assert status == 400 and out["error"]["message"] == "no good" and out["error"]["param"] == "messages"
+
+
+@pytest.mark.timeout(60)
 def test_a_streams_headers_go_out_at_admission_before_its_first_token(served) -> None:
     base, router, worker = served
     worker.hold.set()  # as a long prefill would: no token for a while

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.errors import DoesNotFit
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -106,9 +107,14 @@ def test_victim_is_latest_arrival() -> None:
 
 
 def test_request_that_can_never_fit_is_rejected_up_front() -> None:
+    """Refused by name: the field to change, as the client's 400 says it (param)."""
     sched = make_scheduler(num_blocks=4, block_size=4)
-    with pytest.raises(ValueError, match="KV pool has only 4"):
+    with pytest.raises(DoesNotFit, match="KV pool has only 4; lower max_tokens") as err:
         add(sched, "huge", 10, max_tokens=10)
+    assert err.value.param == "max_tokens"
+    with pytest.raises(DoesNotFit, match="prompt \\(16 tokens\\) needs more than the KV pool's 4 blocks") as err:
+        add(sched, "wide", 16, max_tokens=1)
+    assert err.value.param == "prompt"
     with pytest.raises(ValueError, match="context length"):
         add(sched, "long", 600)
     assert not sched.has_unfinished
