@@ -97,8 +97,10 @@ class HTTPServer:
 
     def __init__(self, router: Router, host: str, port: int, timeout: float = 60.0) -> None:
         self.url = f"http://{host}:{port}"
-        # router.body_timeout_s bounds a request's headers here, and its body in the app.
-        protocol = with_header_deadline(router.config.body_timeout_s)
+        # router.body_timeout_s bounds a request's headers here, and its body in the app;
+        # a body answered before it was all read is drained up to twice the cap, so that
+        # a client sending one that large whole reads the 413, not a reset.
+        protocol = with_header_deadline(router.config.body_timeout_s, 2 * router.config.max_body_bytes)
         self.server = uvicorn.Server(uvicorn.Config(create_app(router), host=host, port=port, log_level="warning",
                                                     http=protocol))
         self.thread = threading.Thread(target=self.server.run, name="router", daemon=True)

@@ -13,7 +13,10 @@ Then, while the endpoint reads the body: 413 as soon as the bytes received pass
 max_body_bytes (a chunked body says no length up front), and 408 once the body has
 taken router.body_timeout_s to arrive (a client trickling bytes holds no connection
 longer). Each of these answers closes the connection: the rest of the body is never
-read, nor is that of a request answered without reading it (e.g. /health). A client
+read by the app, nor is that of a request answered without reading it (e.g. /health);
+the connection drops at most twice max_body_bytes more of it before closing
+(cluster/http_protocol.py's lingering close), so that a client sending it whole reads
+the answer rather than a reset. A client
 that hangs up mid-body is counted as 499 (nginx's "client closed"), not taken for a
 server error. The headers' own arrival time is bounded below this, by the HTTP
 protocol (cluster/http_protocol.py).

@@ -170,6 +170,61 @@ def read_all(conn: socket.socket) -> bytes:
     return data
 
 
+# Past what the kernel's socket buffers take in: without the drain, the router's close
+# (bytes unread) is a reset under a client still sending, and it never reads the 413.
+BIG_CAP = 4 * 1024 * 1024
+OVERSIZED = b'{"prompt": "' + b"a" * (BIG_CAP * 3 // 2) + b'"}'
+
+
+@pytest.fixture(scope="module")
+def served_big(llama_dir: Path) -> Iterator[int]:
+    router = router_for(config_for(llama_dir, max_body_bytes=BIG_CAP), {"decode-0": "tcp://127.0.0.1:9"})
+    port = free_port()
+    with serving(router, port):
+        yield port
+
+
+@pytest.mark.timeout(60)
+def test_urllib_sending_a_whole_oversized_body_reads_the_413(served_big: int) -> None:
+    """urllib sends the whole body before it reads a byte: the router answers 413 on the
+    Content-Length, then drains the body (a lingering close) rather than resetting the
+    connection under it."""
+    import urllib.error
+    import urllib.request
+
+    for _ in range(3):  # a fresh connection each time: each drained, none reset
+        request = urllib.request.Request(f"http://127.0.0.1:{served_big}/v1/completions", data=OVERSIZED,
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=10)
+        assert err.value.code == 413 and err.value.headers["connection"] == "close"
+        assert json.loads(err.value.read())["error"]["message"] == (
+            f"the request body is {len(OVERSIZED)} bytes; at most {BIG_CAP} bytes are accepted (router.max_body_bytes)")
+
+
+@pytest.mark.timeout(60)
+def test_requests_sending_a_whole_oversized_body_reads_the_413(served_big: int) -> None:
+    requests = pytest.importorskip("requests")
+    for _ in range(3):
+        r = requests.post(f"http://127.0.0.1:{served_big}/v1/completions", data=OVERSIZED,
+                          headers={"Content-Type": "application/json"}, timeout=10)
+        assert r.status_code == 413 and f"at most {BIG_CAP} bytes are accepted" in r.json()["error"]["message"]
+
+
+@pytest.mark.timeout(60)
+def test_a_body_past_twice_the_cap_is_not_drained(served: int) -> None:
+    """The drain is bounded: past twice max_body_bytes, the connection closes (a reset
+    for a client still sending), as before."""
+    conn = raw_request(served, f"Content-Length: {2**30}\r\n")
+    sent, start = 0, time.monotonic()
+    with pytest.raises(OSError):
+        while time.monotonic() - start < 8:  # drained for good, this would be gigabytes
+            conn.sendall(b"a" * 65536)
+            sent += 65536
+    conn.close()
+    assert sent < 32 * 2**20  # twice the cap, and what the kernel's socket buffers took in (a few MiB)
+
+
 @pytest.mark.timeout(60)
 def test_a_chunked_body_is_413_as_soon_as_it_passes_the_cap(served: int) -> None:
     conn = raw_request(served, "Transfer-Encoding: chunked\r\n")
@@ -236,7 +291,7 @@ def test_a_body_an_endpoint_never_reads_is_not_drained_forever(served: int) -> N
             sent += 64 * 1024
             time.sleep(0.01)
     conn.close()
-    assert sent < 4 * BOUNDS["max_body_bytes"]
+    assert sent < 8 * BOUNDS["max_body_bytes"]  # twice the cap drained (a lingering close), and socket buffers
 
 
 @pytest.mark.timeout(60)
