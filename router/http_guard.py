@@ -1,14 +1,16 @@
 """The router's gate, an ASGI middleware in front of every endpoint: API keys, the
-per-key request rate, and the request body's size and arrival time.
+per-key request rate, and the request body's type, size and arrival time.
 
 In order, before an endpoint runs:
 1. API key (router/auth.py), when router.api_keys is set: every path but /health,
    /admin/ (and /metrics, unless router.metrics_need_key is false) needs one; else
    401. An /admin/ path needs an admin key (router.admin_keys; 401 without one of
    them, API keys included), and is off (403) when none is configured.
-2. Requests per second per key (router/limits.py), for the generation endpoints and
+2. A Content-Type other than application/json on the JSON endpoints (generation,
+   /tokenize, /detokenize): 400, as vLLM answers (no Content-Type passes).
+3. Requests per second per key (router/limits.py), for the generation endpoints and
    /tokenize, /detokenize (which use the same tokenizer thread): 429.
-3. A Content-Length over router.max_body_bytes: 413 without reading a byte of it.
+4. A Content-Length over router.max_body_bytes: 413 without reading a byte of it.
 Then, while the endpoint reads the body: 413 as soon as the bytes received pass
 max_body_bytes (a chunked body says no length up front), and 408 once the body has
 taken router.body_timeout_s to arrive (a client trickling bytes holds no connection
@@ -90,6 +92,7 @@ class HTTPGuard:
             client = self.keys.identify(headers.get(b"authorization"))
         scope[CLIENT] = client
         if path in RATE_LIMITED_PATHS and scope["method"] == "POST":
+            _check_json(headers)
             self.limits.admit(client)
         length = headers.get(b"content-length")
         if length is not None:
@@ -143,6 +146,16 @@ class HTTPGuard:
             return message
 
         return bounded
+
+
+def _check_json(headers: dict[bytes, bytes]) -> None:
+    """A JSON endpoint's body says it is JSON, as vLLM requires (a 400, as vLLM's): a
+    form or text would be parsed as JSON by accident. No Content-Type at all passes
+    (vLLM refuses that too; scripts sending raw bytes often leave it out)."""
+    sent = headers.get(b"content-type")
+    if sent is not None and sent.split(b";")[0].strip().lower() != b"application/json":
+        raise APIError(400, f"Unsupported Media Type {sent.decode('latin-1')!r}: only 'application/json' is "
+                            "allowed (send Content-Type: application/json)")
 
 
 def _too_large(what: str, limit: int) -> APIError:

@@ -293,9 +293,17 @@ def _counted(prompt_tokens: int) -> Iterator[None]:
 
 def chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
               add_generation_prompt: bool) -> str:
-    """The chat template rendered for these messages (and tool definitions)."""
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    """The chat template rendered for these messages (and tool definitions). A role
+    the template does not know is its to refuse, not ours: vLLM takes custom roles
+    (its CustomChatCompletionMessageParam) and so do we. A template's refusal
+    (raise_exception, e.g. "roles must alternate") is the request's 400, as in vLLM."""
+    import jinja2  # what transformers renders chat templates with; not its hard dependency
+
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as exc:
+        raise APIError(400, f"the model's chat template refused these messages: {exc}", "messages") from None
 
 
 def chat_chars(messages: list[dict[str, Any]], tools: structured.ToolChoice | None) -> int:

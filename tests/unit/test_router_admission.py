@@ -230,3 +230,43 @@ def test_silent_names_the_workers_declared_dead_for_their_silence_alone(http) ->
     assert router.control.silent() == {worker.name}
     worker.health.kill()  # a supervisor's own word (it saw the process exit): not hung
     assert router.control.silent() == set()
+
+
+def test_a_custom_role_reaches_the_chat_template(http) -> None:
+    """vLLM takes roles beyond OpenAI's (its CustomChatCompletionMessageParam): the
+    template renders them, or refuses them itself (next test)."""
+    client, _ = http
+    r = client.post("/tokenize", json={"messages": [{"role": "narrator", "content": "Once"}, USER]})
+    assert r.status_code == 200, r.text
+    assert "narrator: Once" in client.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
+
+def test_a_chat_templates_refusal_is_a_400_naming_messages(http, monkeypatch: pytest.MonkeyPatch) -> None:
+    import jinja2
+
+    client, router = http
+
+    def refuse(*args, **kwargs):  # as a template's raise_exception("...") does
+        raise jinja2.TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    monkeypatch.setattr(router.tokenizer, "apply_chat_template", refuse)
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "narrator", "content": "Once"}, USER]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages" and error["message"] == (
+        "the model's chat template refused these messages: Conversation roles must alternate "
+        "user/assistant/user/assistant/..."), r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_a_body_sent_as_other_than_json_is_refused_as_vllm_does(http, path: str) -> None:
+    client, _ = http
+    body = json.dumps({"prompt": "Hi", "messages": [USER], "tokens": [5]})
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r = client.post(path, content=body, headers={"content-type": kind})
+        assert r.status_code == 400 and r.json()["error"]["message"] == (
+            f"Unsupported Media Type {kind!r}: only 'application/json' is allowed (send Content-Type: "
+            "application/json)"), (kind, r.text)
+    if path == "/detokenize":  # these two reach no worker
+        for kind in ("application/json", "Application/JSON; charset=utf-8"):
+            assert client.post(path, content=body, headers={"content-type": kind}).status_code == 200, kind
+        assert client.post(path, content=body).status_code == 200  # none at all passes
