@@ -8,7 +8,8 @@ it, except a token that decodes alone to a partial UTF-8 character (byte-level B
 splits one character over several tokens), as vLLM (since its PR #28874) does: its text
 is what it completes after the sequence's last few tokens, "" while the character is
 still incomplete and the whole character on the token that completes it. So a
-sequence's token texts (and bytes) join to its text, never to U+FFFD.
+sequence's token texts (and bytes) join to its text, never to U+FFFD (bytes that never
+make a character, the text's U+FFFD, are said as "").
 
 Prompt logprobs (the engine's params.prompt_logprobs) come with a request's first
 tokens, [logprob, rank, top] per prompt token from the second. `echo` puts the prompt
