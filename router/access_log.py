@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,7 +102,7 @@ class AccessLog:
     def __init__(self, app: ASGIApp, keys: KeyRing) -> None:
         self.app, self.keys = app, keys
 
-    async def __call__(self, scope: dict[str, Any], receive: ASGIApp, send: ASGIApp) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: ASGIApp, send: ASGIApp) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -132,7 +132,7 @@ class AccessLog:
                 logger.info("%s", record.line(time.monotonic()))
 
 
-def refused(scope: dict[str, Any], prompt_tokens: int | None) -> None:
+def refused(scope: MutableMapping[str, Any], prompt_tokens: int | None) -> None:
     """A generation request refused while it was parsed: its prompt's length, if it was
     tokenized (e.g. a prompt too long for the context)."""
     record: AccessRecord | None = scope.get(RECORD)
@@ -140,8 +140,8 @@ def refused(scope: dict[str, Any], prompt_tokens: int | None) -> None:
         record.prompt_tokens = prompt_tokens
 
 
-def track(scope: dict[str, Any], request_id: str, prompt_tokens: int,
-          stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+def track(scope: MutableMapping[str, Any], request_id: str, prompt_tokens: int,
+          stream: AsyncGenerator[Chunk, None]) -> AsyncGenerator[Chunk, None]:
     """The request's chunks, its record filled in as they pass (no record, as with
     router.access_log false: the stream itself)."""
     record: AccessRecord | None = scope.get(RECORD)
@@ -151,7 +151,7 @@ def track(scope: dict[str, Any], request_id: str, prompt_tokens: int,
     return _observed(record, stream)
 
 
-async def _observed(record: AccessRecord, stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+async def _observed(record: AccessRecord, stream: AsyncGenerator[Chunk, None]) -> AsyncGenerator[Chunk, None]:
     try:
         async for chunk in stream:
             record.saw(chunk)

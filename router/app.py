@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -239,11 +239,11 @@ def _prompt_texts(parsed: CompletionRequest, tokenizer: Any) -> list[str]:
     if isinstance(sent, str):
         return [sent]
     if isinstance(sent[0], str):
-        return list(sent)  # type: ignore[arg-type]
+        return list(sent)
     return [tokenizer.decode(ids) for ids in parsed.prompts]
 
 
-async def _events(router: Router, shaper: ResponseShaper, stream: AsyncIterator[Chunk],
+async def _events(router: Router, shaper: ResponseShaper, stream: AsyncGenerator[Chunk, None],
                   include_usage: bool) -> AsyncIterator[str]:
     """A streamed response's events after its admission: its chunks, the usage if
     asked, [DONE]."""
@@ -272,7 +272,7 @@ def _tool_calls(parsed: GenerateRequest, parser: str) -> Callable[[], ToolCallSt
                              function_name=tools.named, parser=parser)
 
 
-async def _named_errors(stream: AsyncIterator[Chunk], source: str | None, chat: bool) -> AsyncIterator[Chunk]:
+async def _named_errors(stream: AsyncGenerator[Chunk, None], source: str | None, chat: bool) -> AsyncGenerator[Chunk, None]:
     """The stream, with a decode worker's error said with the field the client sent:
     about the request's grammar, the one it came in (response_format, tools,
     structured_outputs); about its prompt, chat's `messages`."""
@@ -289,7 +289,7 @@ async def _named_errors(stream: AsyncIterator[Chunk], source: str | None, chat: 
 
 
 async def _within_limits(request: Request, parsed: GenerateRequest,
-                         stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+                         stream: AsyncGenerator[Chunk, None]) -> AsyncGenerator[Chunk, None]:
     """The stream, its tokens counted in its key's tokens in flight until it ends: each
     sequence's prompt + max_tokens (taken before it is submitted, so that a request the
     key has no room for is a 429 that never reaches a worker)."""
@@ -308,7 +308,7 @@ async def _within_limits(request: Request, parsed: GenerateRequest,
         await stream.aclose()
 
 
-async def _all_unless_disconnected(request: Request, stream: AsyncIterator[Chunk]) -> list[Chunk] | None:
+async def _all_unless_disconnected(request: Request, stream: AsyncGenerator[Chunk, None]) -> list[Chunk] | None:
     """Every chunk of a non-streamed request; None if its client hangs up first. Then
     the request is aborted (Router.run's cleanup), freeing its KV blocks on the
     worker, rather than generated to the end for nobody."""

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import functools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import zmq.asyncio
@@ -104,13 +104,13 @@ class Router:
 
     # --- one request ----------------------------------------------------------------
 
-    async def run(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> AsyncIterator[Chunk]:
+    async def run(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> AsyncGenerator[Chunk, None]:
         """One prompt's chunks (run_batch)."""
         async for chunk in self.run_batch([prompt], params, priority):
             yield chunk
 
     async def run_batch(self, prompts: list[list[int]], params: SamplingParams,
-                        priority: int = 0) -> AsyncIterator[Chunk]:
+                        priority: int = 0) -> AsyncGenerator[Chunk, None]:
         """The request's new text (and tokens, logprobs) after each worker step, for each
         of its params.n sequences per prompt (router/sequences.py), interleaved as they
         come. The first chunk is its admission (no text): it is checked and submitted.

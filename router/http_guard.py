@@ -29,7 +29,7 @@ The body is never read whole before it is bounded, and no key is ever logged.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from router.admin import ADMIN_PREFIX
@@ -50,7 +50,7 @@ CLOSE = {"Connection": "close"}
 ASGIApp = Callable[..., Any]
 
 
-def client_of(scope: dict[str, Any]) -> int | None:
+def client_of(scope: MutableMapping[str, Any]) -> int | None:
     return scope.get(CLIENT)
 
 
@@ -63,7 +63,7 @@ class HTTPGuard:
         self.app, self.keys, self.limits, self.settings, self.rejected = app, keys, limits, settings, rejected
         self.admin_keys = admin_keys or KeyRing(())
 
-    async def __call__(self, scope: dict[str, Any], receive: ASGIApp, send: ASGIApp) -> None:
+    async def __call__(self, scope: MutableMapping[str, Any], receive: ASGIApp, send: ASGIApp) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -80,7 +80,7 @@ class HTTPGuard:
         body = _Body(headers)
         await self.app(scope, self._bounded(receive, body), _closing_unless_read(send, body))
 
-    def _admit(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> None:
+    def _admit(self, scope: MutableMapping[str, Any], headers: dict[bytes, bytes]) -> None:
         path = scope["path"]
         client = None
         if path.startswith(ADMIN_PREFIX):
@@ -103,7 +103,7 @@ class HTTPGuard:
             if size > self.settings.max_body_bytes:
                 raise _too_large(f"the request body is {size} bytes", self.settings.max_body_bytes)
 
-    def _admit_admin(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> None:
+    def _admit_admin(self, scope: MutableMapping[str, Any], headers: dict[bytes, bytes]) -> None:
         if not len(self.admin_keys):
             raise APIError(403, "the admin endpoints are off: set router.admin_keys to scale this deployment "
                                 "over HTTP", kind="permission_error")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -176,8 +176,8 @@ def prompt_scoring(body: dict[str, Any]) -> tuple[dict[str, Any], PromptScoring 
     return body, PromptScoring(bool(echo), bool(zero), echo_k, vllm)
 
 
-async def echoed(stream: AsyncIterator[Chunk], scoring: PromptScoring | None, prompt_texts: list[str],
-                 prompts: list[list[int]], sampled: int, tokenizer: Any) -> AsyncIterator[Chunk]:
+async def echoed(stream: AsyncGenerator[Chunk, None], scoring: PromptScoring | None, prompt_texts: list[str],
+                 prompts: list[list[int]], sampled: int, tokenizer: Any) -> AsyncGenerator[Chunk, None]:
     """The stream with each sequence's first chunk carrying its prompt as `scoring`
     asks (the stream itself when it asks nothing). Sequence i's prompt is
     i // `sampled` (batched prompts); the admission chunk passes as it is."""

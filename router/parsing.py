@@ -110,7 +110,7 @@ class RequestParser:
         if texts:
             batch = await self._tokenize(lambda: [self.tokenizer.encode(text) for text in texts])
         else:
-            batch = prompts  # type: ignore[assignment]
+            batch = prompts
         sampling_body, scoring = prompt_scoring(body)
         constraint = structured.constraint(body, None)
         with _counted(sum(map(len, batch))):
@@ -126,7 +126,7 @@ class RequestParser:
             raise APIError(400, f"n (or best_of) > 1 ({best_of} sequences) with prompt logprobs (echo with "
                                 "logprobs, or prompt_logprobs) is not supported: send n=1", "n")
         return CompletionRequest(batch[0], params, stream, include_usage, prompts[0] if len(prompts) == 1 else prompts,
-                                 constraint_source=constraint and constraint.source, n=n, rank_only_logprobs=rank_only,
+                                 constraint_source=constraint.source if constraint else None, n=n, rank_only_logprobs=rank_only,
                                  batch=batch if len(batch) > 1 else None,
                                  priority=request_body.priority(body), scoring=scoring)
 
@@ -154,7 +154,7 @@ class RequestParser:
             options["n"] = n
             params = await self._params(options, names, constraint, len(ids))
         return ChatRequest(ids, params, stream, include_usage, messages, add_generation_prompt,
-                           constraint_source=constraint and constraint.source, tools=tools, n=n,
+                           constraint_source=constraint.source if constraint else None, tools=tools, n=n,
                            priority=request_body.priority(body))
 
     def _body(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], bool, bool]:

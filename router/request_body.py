@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.user_values import show
@@ -172,11 +172,13 @@ def prompt_input(prompt: Any, vocab_size: int) -> list[str] | list[list[int]]:
     """/v1/completions' prompt as a batch: a non-empty string, or token ids of this
     model's vocabulary, or a non-empty list of either (batched prompts, all of one kind)."""
     if isinstance(prompt, str) or _token_ids(prompt):
-        return [_one_prompt(prompt, "prompt", vocab_size)]  # type: ignore[list-item]
+        return cast("list[str] | list[list[int]]", [_one_prompt(prompt, "prompt", vocab_size)])
     if isinstance(prompt, list) and not prompt:
         raise APIError(400, "prompt must not be an empty list", "prompt")
     if isinstance(prompt, list) and (all(isinstance(p, str) for p in prompt) or all(map(_token_ids, prompt))):
-        return [_one_prompt(p, f"prompt[{i}]", vocab_size) for i, p in enumerate(prompt)]  # type: ignore[misc]
+        # All of one kind: checked just above.
+        return cast("list[str] | list[list[int]]", [_one_prompt(p, f"prompt[{i}]", vocab_size)
+                                                    for i, p in enumerate(prompt)])
     raise APIError(400, "prompt must be a non-empty string or a list of token ids, or a list of several of either "
                         "(batched prompts: all strings or all token-id lists)", "prompt")
 

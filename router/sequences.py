@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,7 @@ class Chunk:
     finish_reason: str | None
     num_tokens: int  # the sequence's output tokens so far
     token_ids: list[int] = field(default_factory=list)  # this step's
-    logprobs: list[list] = field(default_factory=list)  # per token of this step, when asked
+    logprobs: list[Any] = field(default_factory=list)  # per token of this step, when asked
     worker: str = ""  # the decode worker that sent it (another after a failover)
     # On the last chunk: whether the prompt was prefilled on a prefill worker (the decode
     # worker's last Tokens says so; without it, as when the router ended the request at
@@ -55,7 +55,7 @@ class Chunk:
     admission: bool = False
     # On a sequence's first chunk, with params.prompt_logprobs: [logprob, rank, top] per
     # prompt token from the second (router/logprobs.py shapes them).
-    prompt_logprobs: list[list] | None = None
+    prompt_logprobs: list[Any] | None = None
     vllm_prompt_logprobs: list | None = None  # the choice's `prompt_logprobs`, when asked (router/logprobs.py)
 
 
@@ -85,6 +85,11 @@ class _Sequence:
         self.retries = 0
         self.first = self.last = 0.0
         self.cached = 0
+
+    @property
+    def worker_name(self) -> str:
+        """The decode worker it is attached to ("" before its first submit)."""
+        return self.worker.name if self.worker is not None else ""
 
 
 class SequenceGroup:
@@ -134,9 +139,9 @@ class SequenceGroup:
 
     @property
     def worker(self) -> str:
-        return self.seqs[0].worker.name if self.seqs[0].worker is not None else ""
+        return self.seqs[0].worker_name
 
-    async def chunks(self) -> AsyncIterator[Chunk]:
+    async def chunks(self) -> AsyncGenerator[Chunk, None]:
         """Every sequence's chunks as they come, until each has finished."""
         left = len(self.seqs)
         while left:
@@ -166,7 +171,7 @@ class SequenceGroup:
         self._leave(seq, abort=True)  # in case it was only slow
         if seq.params.max_tokens - seq.detok.num_tokens < 1:  # cannot happen: the last batch says finished
             seq.finished = True
-            return Chunk(seq.detok.flush(), "length", seq.detok.num_tokens, worker=seq.worker.name,
+            return Chunk(seq.detok.flush(), "length", seq.detok.num_tokens, worker=seq.worker_name,
                          index=seq.index, cached=seq.cached)
         self._attach(seq, *self._submit(seq.prompt, seq.detok.ids, seq.params, True))
         return None
@@ -205,7 +210,7 @@ class SequenceGroup:
             if prompt not in self._cached_counted:
                 self._cached_counted.add(prompt)
                 m.prefix_cached_tokens.inc(msg.cached)
-        return Chunk(delta, reason, detok.num_tokens, tokens, logprobs, seq.worker.name,
+        return Chunk(delta, reason, detok.num_tokens, tokens, logprobs, seq.worker_name,
                      (msg.remote if msg.phases else seq.remote) if finished else None, seq.index, seq.cached,
                      prompt_logprobs=msg.prompt_logprobs or None)
 

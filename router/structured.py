@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engine.structured.params import StructuredOutputsError, StructuredOutputsParams
 from engine.user_values import show
@@ -23,11 +23,14 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # fullmatch
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
 @dataclass(frozen=True)
 class ToolChoice:
     """How a chat request may call its tools."""
 
-    mode: str  # "none", "auto", "required" or "named"
+    mode: ToolMode
     parameters: dict[str, dict[str, Any]]  # each defined tool's parameters schema, by name
     named: str | None = None  # mode "named": the function it must call
     parallel: bool = True  # parallel_tool_calls
@@ -157,10 +160,10 @@ def _tool(i: int, tool: Any) -> tuple[str, dict[str, Any]]:
     return name, schema
 
 
-def _choice(choice: Any, parameters: dict[str, dict[str, Any]]) -> tuple[str, str | None]:
+def _choice(choice: Any, parameters: dict[str, dict[str, Any]]) -> tuple[ToolMode, str | None]:
     if choice is None:
         return "auto", None
-    if choice in ("none", "auto", "required"):
+    if choice == "none" or choice == "auto" or choice == "required":  # (`in` would not narrow it)
         return choice, None
     function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None

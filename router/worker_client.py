@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -132,7 +132,8 @@ class WorkerClient:
         if self.closed:
             return False
         # With NOBLOCK the async socket sends at once and returns a finished future.
-        sent = self.sock.send(encode(message), flags=zmq.NOBLOCK)
+        # zmq.asyncio's send returns an asyncio Future (its stubs say only Awaitable).
+        sent = cast(asyncio.Future, self.sock.send(encode(message), flags=zmq.NOBLOCK))
         error = sent.exception()
         if isinstance(error, zmq.Again):
             return False
