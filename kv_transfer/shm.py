@@ -40,7 +40,7 @@ from kv_transfer.shm_segments import PREFIX, SHM_DIR, segment_name_problem
 # Bytes copied per GIL-free call, between two checks of the write's time bound (a block
 # larger than this is one chunk): small enough that a copy stops soon after its bound,
 # large enough that retaking the GIL once per chunk costs next to nothing
-# (docs/benchmarks.md, KV transfer bandwidth). A write up to this size is one call.
+# (docs/benchmarks/2026-11-29-kv-transfer.md). A write up to this size is one call.
 CHUNK_BYTES = 64 << 20
 _copy_chunk = torch._foreach_copy_  # what moves one chunk (tests slow it down here)
 
@@ -215,7 +215,7 @@ class ShmTransport(KVTransport):
 
     def _start(self, peer: Peer, write: Write) -> None:
         # One call per chunk of every run: a Python loop of copies per run would retake
-        # the GIL between runs and stall behind the polling thread (docs/benchmarks.md).
+        # the GIL between runs and stall behind the polling thread (docs/benchmarks/2026-11-29-kv-transfer.md).
         regions = _regions(write, self._peer_bytes[peer.name], self._rank_bytes, self.registered_compat.head_bytes)
         chunks = _chunks(regions, CHUNK_BYTES)
         write.handle = self._pool.submit(_copy, chunks, write.deadline,

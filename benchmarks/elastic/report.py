@@ -1,6 +1,6 @@
 """One arm's run summarized (goodput under the SLOs, DistServe's definition: requests/s
 that met both the TTFT and the TPOT SLO; worker-seconds from the pool samples), the
-arms' medians over repeats, and the markdown table docs/benchmarks.md shows."""
+arms' medians over repeats, and the markdown table docs/benchmarks/2026-12-02-elastic-pools.md shows."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from benchmarks.serving.load import Result, Workload
 
 # Requests/s of each phase at --scale 1, for the demo model on one CPU thread per worker
-# on a quiet 2-core machine (docs/benchmarks.md, "Elastic pools"): prefill-heavy a little
+# on a quiet 2-core machine (docs/benchmarks/2026-12-02-elastic-pools.md): prefill-heavy a little
 # beyond what one prefill worker computes, decode-heavy beyond what one decode worker
 # serves within the TPOT SLO and within what two do, idle a request now and then.
 PREFILL_RATE = 0.7
@@ -89,7 +89,7 @@ def draw_trace(phases: list[Phase], seed: int, token_ids: tuple[int, int]) -> Tr
 
 
 def model_token_ids(model_dir: str) -> tuple[int, int]:
-    """Token ids to draw prompts from: [1000, 30000) as benchmarks/serve.py draws them,
+    """Token ids to draw prompts from: [1000, 30000) as benchmarks/serving/serve.py draws them,
     cut to the model's vocabulary (a tiny test model has a few hundred)."""
     config = Path(model_dir) / "config.json"
     try:

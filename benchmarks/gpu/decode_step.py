@@ -1,6 +1,6 @@
 """Row 3 of the GPU check: the engine's decode step at a steady batch, against the
-roofline floor summed over kernel classes (benchmarks/roofline/analytic.py) at the
-H200's roofs. The step timer here is also benchmarks/roofline.py's."""
+roofline floor summed over kernel classes (benchmarks/offline/roofline/analytic.py) at the
+H200's roofs. The step timer here is also the roofline report's (benchmarks/offline/roofline/)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from benchmarks.gpu.model import prompts
 from benchmarks.gpu.report import row
 from benchmarks.gpu.shapes import Setup
 from benchmarks.gpu.timing import median_seconds, sync
-from benchmarks.roofline.analytic import ModelShape, Step, dtype_bytes, step_cost
-from benchmarks.roofline.roofs import H200
+from benchmarks.offline.roofline.analytic import ModelShape, Step, dtype_bytes, step_cost
+from benchmarks.offline.roofline.roofs import H200
 
 STEPS = 20  # timed decode steps per batch
 

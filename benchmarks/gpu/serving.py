@@ -1,7 +1,7 @@
 """The serve section of the GPU check: the disaggregated service (configs/gpu-1p1d.yaml's
 settings) against its colocated twin (configs/gpu-colocated.yaml) on a Llama-3.2-1B-
 shaped model whose weights every worker generates on the device (load_format dummy),
-behind the router, started in this process as benchmarks/serve.py does.
+behind the router, started in this process as benchmarks/serving/serve.py does.
 
 Correctness first: greedy text of the two setups on the same prompts, sent one at a time
 and shorter than any step's token budget (so both compute each prompt as one chunk),
@@ -91,9 +91,9 @@ def greedy_texts(url: str, model: str, prompts: list[list[int]], tokens: int) ->
 def run_setup(s: Setup, name: str, model_dir: Path, rates: tuple[float, ...]) -> tuple[list[str], list[dict]]:
     """Start configs/<name>.yaml's service, ask it the correctness prompts, then load it at
     each rate; (the greedy texts, one run summary per rate)."""
-    from benchmarks.serve import run_load
     from benchmarks.serving.load import Workload
     from benchmarks.serving.report import number
+    from benchmarks.serving.serve import run_load
     from benchmarks.serving.server import serving
 
     check = [[(7 * i + 13 * j) % (s.vocab - 200) + 100 for j in range(s.serve_check_len)]

@@ -2,7 +2,7 @@
 engine's in float32 on the device, then output tokens/s with and without n-gram drafts on
 repetitive prompts (the bf16 model of rows 3-5b) and the drafts' acceptance rate. The
 model is random, so its acceptance says little of a real model's: the timing rows are
-information, not targets (the CPU figures on a real model: benchmarks/speculative.py)."""
+information, not targets (the CPU figures on a real model: benchmarks/offline/speculative.py)."""
 
 from __future__ import annotations
 

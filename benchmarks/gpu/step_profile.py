@@ -1,5 +1,5 @@
 """Diagnostic --only profile: where the GPU time of a decode step goes (helpers in
-benchmarks/gpu_profile.py)."""
+benchmarks/gpu/profiling.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def check_profile(s: Setup, work: Path) -> None:
     on one engine. Both are needed: a graph is captured with the decode splits of the
     longest context it serves (engine/cuda_graphs.py), an eager step with those of its own
     context, so their attention and split-reduction kernels differ."""
-    from benchmarks import gpu_profile
+    from benchmarks.gpu import profiling
 
     model_dir = work / "bf16"
     if not (model_dir / "config.json").exists():  # the engine section, if it ran, left it
@@ -38,16 +38,16 @@ def check_profile(s: Setup, work: Path) -> None:
                 core.step()
             walls[mode] = mean_step_seconds(core, s.device, 8)
         replay = replay_seconds(graphs, b, s.device) if graphs is not None else None
-        stats, errors = gpu_profile.profile_modes(
+        stats, errors = profiling.profile_modes(
             core.step, [(mode, functools.partial(setattr, core.runner, "graphs", g)) for mode, g in modes],
             s.device, steps=5)
     finally:
         core.runner.graphs = graphs
-    profiles = {mode: gpu_profile.StepProfile(stats.get(mode, {}), 5, walls[mode],
+    profiles = {mode: profiling.StepProfile(stats.get(mode, {}), 5, walls[mode],
                                               replay if mode == "graph" else None) for mode, _ in modes}
     unit = "kernel" if s.device.startswith("cuda") else "aten op"  # CPU: ops' self time stand in
     print(f"  decode b{b} ctx~{s.step_context}+, 5 profiled steps per mode, ms per step:")
-    for line in gpu_profile.format_profile(profiles, unit):
+    for line in profiling.format_profile(profiles, unit):
         print("  " + line, flush=True)
     summary = "; ".join(f"{m} {p.total_ms():.2f} / {p.wall_s * 1e3:.2f}"
                         + (f" (replay {p.replay_s * 1e3:.2f})" if p.replay_s is not None else "")

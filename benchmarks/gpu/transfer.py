@@ -26,7 +26,7 @@ def check_copy_kernels(s: Setup) -> None:
 
 
 def check_transfer(s: Setup) -> None:
-    from benchmarks.kv_transfer import run_transport
+    from benchmarks.kv.transfer import run_transport
 
     names = ["cuda_ipc"]
     try:

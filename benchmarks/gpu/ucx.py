@@ -1,5 +1,5 @@
 """Diagnostic --only ucx: nixl transfer GB/s under each UCX setting, a fresh process
-per setting (helpers in benchmarks/gpu_profile.py)."""
+per setting (helpers in benchmarks/gpu/profiling.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from benchmarks.gpu.shapes import Setup
 
 
 def check_ucx(s: Setup) -> None:
-    """nixl transfer GB/s under each gpu_profile.UCX_SETTINGS entry: benchmarks/kv_transfer.py
+    """nixl transfer GB/s under each profiling.UCX_SETTINGS entry: benchmarks/kv/transfer.py
     in a fresh process per setting (UCX and NIXL read their environment at init), with a
     timeout per run and a time budget for the section."""
-    from benchmarks import gpu_profile
+    from benchmarks.gpu import profiling
 
     try:
         import_module("nixl")  # carried as a wheel; the image lacks it
@@ -25,18 +25,18 @@ def check_ucx(s: Setup) -> None:
     gpu = s.device != "cpu"
     # As the transfer section: 2 MiB descriptors of 512 KiB blocks (the 1B model's block).
     sizes = [256, 1024] if gpu else [4]
-    cmd = gpu_profile.transfer_command(s.device, sizes, 2048 if gpu else 1024, 512 if gpu else 32)
+    cmd = profiling.transfer_command(s.device, sizes, 2048 if gpu else 1024, 512 if gpu else 32)
     budget_s, per_run_s = (170.0, 60.0) if gpu else (300.0, 45.0)
     start = time.perf_counter()
-    for setting in gpu_profile.UCX_SETTINGS:
+    for setting in profiling.UCX_SETTINGS:
         left = budget_s - (time.perf_counter() - start)
         if left < 20:
             row(f"nixl UCX {setting.label}", "skipped: the section's time budget is spent", "(skipped)")
             continue
-        run = gpu_profile.run_with_timeout(cmd, gpu_profile.child_env(os.environ, setting), min(per_run_s, left))
-        gbs = gpu_profile.parse_gbs(run.output)
+        run = profiling.run_with_timeout(cmd, profiling.child_env(os.environ, setting), min(per_run_s, left))
+        gbs = profiling.parse_gbs(run.output)
         if setting.diagnose:
-            for line in gpu_profile.ucx_diagnosis(run.output):
+            for line in profiling.ucx_diagnosis(run.output):
                 print(f"    ucx: {line}", flush=True)
         if run.returncode == 0 and all(size in gbs for size in sizes):
             measured = ", ".join(f"{size} MiB {gbs[size]:.1f}" for size in sizes) + f" GB/s ({run.seconds:.0f} s)"
@@ -45,4 +45,4 @@ def check_ucx(s: Setup) -> None:
             why = "timed out" if run.returncode is None else f"exit {run.returncode}"
             got = "".join(f"{size} MiB {v:.1f} GB/s, " for size, v in gbs.items())
             row(f"nixl UCX {setting.label}", f"{why} after {run.seconds:.0f} s: {got}"
-                f"{gpu_profile.failure_line(run.output)}", "(error)")
+                f"{profiling.failure_line(run.output)}", "(error)")

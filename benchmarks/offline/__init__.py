@@ -1,5 +1,3 @@
-"""The parts of benchmarks/offline_throughput.py, one job each; that script is the
-command line and its docstring says what is measured and how."""
-
-
-
+"""Offline engine benchmarks (engine.LLM, EngineCore; no router): one script per table,
+run through `python -m benchmarks.offline NAME`. throughput/, roofline/ and structured_bench/
+are the parts of offline_throughput.py, the roofline report and structured.py."""

@@ -1,4 +1,4 @@
-"""P5 and P6 from two benchmarks/serve.py JSONs, a disaggregated and a colocated run of
+"""P5 and P6 from two benchmarks/serving/serve.py JSONs, a disaggregated and a colocated run of
 the same command (same seeds, same load points):
 
   P5  TTFT ratio, disaggregated / colocated, at the low load point (target <= 1.15)

@@ -1,4 +1,4 @@
-"""What benchmarks/serve_compare.py accepts: a file that is a benchmarks/serve.py --json
+"""What benchmarks/serving/serve_compare.py accepts: a file that is a benchmarks/serving/serve.py --json
 report, and two of them made by one command (the same requests: same lengths, seeds,
 load points), whatever server each ran against. A ratio of two different workloads
 says nothing about disaggregation."""
@@ -48,14 +48,14 @@ def load_report(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not a text file, so not a benchmarks/serve.py --json report") from None
+        raise ValueError(f"{path} is not a text file, so not a benchmarks/serving/serve.py --json report") from None
     try:
         report = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not JSON ({exc})") from None
     problem = _shape_problem(report)
     if problem:
-        raise ValueError(f"{path} is not a benchmarks/serve.py --json report: {problem}")
+        raise ValueError(f"{path} is not a benchmarks/serving/serve.py --json report: {problem}")
     return report
 
 

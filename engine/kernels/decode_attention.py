@@ -44,7 +44,7 @@ SPLIT_TOKENS = 512  # context tokens per split
 PROGRAMS_PER_SM = 16
 
 # The GPU tiles are the winner of the tile sweep (benchmarks/gpu_check.py --only tune) on
-# an H200; its figures are in docs/benchmarks.md (GPU check). The interpreter on CPU runs
+# an H200; its figures are in docs/benchmarks/2026-11-30-gpu-check-h200.md. The interpreter on CPU runs
 # small tiles (the unit tests cover both).
 GPU_CONFIG = LaunchConfig(block_n=64, num_warps=2, num_stages=3)
 CPU_CONFIG = LaunchConfig(block_n=32, num_warps=4, num_stages=1)

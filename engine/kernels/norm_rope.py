@@ -2,7 +2,7 @@
 
 In a decode step at a large batch each of these is a handful of elementwise torch ops
 over a megabyte: a dozen small launches a layer, together about as long as the step's
-attention (docs/benchmarks.md, GPU check: where the b256 step's time goes). One
+attention (docs/benchmarks/2026-11-30-gpu-check-h200.md: where the b256 step's time goes). One
 program per token row here does each in one launch.
 
 Numerics follow the model's torch path where it rounds: the residual add is rounded to

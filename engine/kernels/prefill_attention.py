@@ -23,7 +23,7 @@ from engine.kernels.common import LaunchConfig, check_attention_io, check_index,
 from engine.kernels.online_softmax import load_kv_tile, online_softmax_step
 
 # The GPU tiles are the winner of the tile sweep (benchmarks/gpu_check.py --only tune) on
-# an H200; its figures are in docs/benchmarks.md (GPU check). Small tiles on CPU.
+# an H200; its figures are in docs/benchmarks/2026-11-30-gpu-check-h200.md. Small tiles on CPU.
 GPU_CONFIG = LaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 CPU_CONFIG = LaunchConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 

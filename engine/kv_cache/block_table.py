@@ -2,7 +2,7 @@
 
 Building a step's [num_seqs, max_blocks] table from each request's list of blocks costs
 one list conversion per request every step, the largest single piece of a decode step's
-host work at large batches (docs/benchmarks.md, host overhead). Block ids only ever get
+host work at large batches (docs/benchmarks/2026-11-30-host-overhead.md). Block ids only ever get
 appended to a request (until it frees them all), so the manager writes each id here
 once, when the block is allocated, and a step's table is one fancy-index gather.
 """

@@ -1,8 +1,8 @@
 """Linear layers with weights packed once at load time, for CPU float32 inference.
 
 A plain fp32 F.linear (MKL sgemm) re-lays-out the weight on every call, which is slow
-at decode batch sizes. Two packed forms replace it (their speeds: docs/benchmarks.md,
-CPU float32 kernels):
+at decode batch sizes. Two packed forms replace it (their speeds:
+docs/benchmarks/2026-11-30-cpu-kernels.md):
 
 - PanelLinear: pdserve's C kernel (csrc/linear_f32.c) on AVX2/FMA CPUs. Decode is
   bound by reading the weights, and the kernel streams them near the memory's speed:

@@ -1,5 +1,5 @@
-"""benchmarks/autoscale.py on the tiny Llama, a trace of seconds: a fixed arm and the
-scripted arm run, the report has the shape docs/benchmarks.md's table is made from, and
+"""benchmarks/elastic/autoscale.py on the tiny Llama, a trace of seconds: a fixed arm and the
+scripted arm run, the report has the shape docs/benchmarks/2026-12-02-elastic-pools.md's table is made from, and
 worker-seconds are measured from the pools as they changed (the scripted arm drops a
 decode worker after its first phase), not read off the arm's starting shape. The
 smallest shapes (no prefill worker) keep it quick: every worker's start costs seconds."""
@@ -43,7 +43,7 @@ def test_fixed_and_scripted_arms_report_measured_worker_seconds(llama_dir: Path,
         "decode": {"engine": {"num_kv_blocks": 512, "num_threads": 1}}}))
     out_json = tmp_path / "autoscale.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOSCALE_SMOKE": str(tmp_path)}
-    run = subprocess.run([sys.executable, "benchmarks/autoscale.py", "--config", str(config), "--arms", "0p1d,scripted",
+    run = subprocess.run([sys.executable, "benchmarks/elastic/autoscale.py", "--config", str(config), "--arms", "0p1d,scripted",
                           "--script", "0p2d,0p1d,0p1d", "--phase-s", str(PHASE_S), "--scale", "4", "--repeats", "1",
                           "--json", str(out_json), "--log-dir", str(tmp_path / "logs")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=85)

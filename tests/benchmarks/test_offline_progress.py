@@ -1,4 +1,4 @@
-"""benchmarks/offline_throughput.py shows its progress on stderr: a bar of the requests
+"""benchmarks/offline/offline_throughput.py shows its progress on stderr: a bar of the requests
 done for the pdserve run and for each HF batch size, none with --quiet."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.offline.args import parse_args
-from benchmarks.offline.hf_run import run_hf
-from benchmarks.offline.pdserve_run import run_pdserve
-from benchmarks.offline.workload import make_workload
+from benchmarks.offline.throughput.args import parse_args
+from benchmarks.offline.throughput.hf_run import run_hf
+from benchmarks.offline.throughput.pdserve_run import run_pdserve
+from benchmarks.offline.throughput.workload import make_workload
 from engine.model.config import ModelConfig
 
 ARGS = ["--num-requests", "5", "--prompt-len", "4", "8", "--output-len", "2", "3", "--hf-batch-sizes", "2,4",

@@ -1,4 +1,4 @@
-"""benchmarks/roofline/analytic.py against a decode and a prefill step worked out by
+"""benchmarks/offline/roofline/analytic.py against a decode and a prefill step worked out by
 hand for one tiny config (the arithmetic is in the comments), and its parameter count
 against the Hugging Face model of the same config."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.roofline.analytic import ModelShape, Step, step_cost
-from benchmarks.roofline.roofs import Roof
+from benchmarks.offline.roofline.analytic import ModelShape, Step, step_cost
+from benchmarks.offline.roofline.roofs import Roof
 
 # hidden 64, intermediate 128, 2 layers, 4 heads, 2 KV heads, head dim 16, vocab 384:
 # q width 4*16 = 64, kv width 2*16 = 32.

@@ -1,4 +1,4 @@
-"""benchmarks/roofline/measure.py on a tiny engine: decode windows at a steady batch
+"""benchmarks/offline/roofline/measure.py on a tiny engine: decode windows at a steady batch
 leave the engine empty, and a prefill step computes exactly its chunk after a cached
 context (or says why not)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.roofline.measure import decode_steps, make_engine, prefill_steps
+from benchmarks.offline.roofline.measure import decode_steps, make_engine, prefill_steps
 from tests.tiny_models import VOCAB_SIZE, build_tiny_model
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/roofline.py: the plots are written for a synthetic measured report and a
+"""`python -m benchmarks.offline roofline`: the plots are written for a synthetic measured report and a
 synthetic serve.py report, the table and JSON come back through --from-json, and bad
 arguments get errors that name them. No engine runs here."""
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.roofline import cli, plots
-from benchmarks.roofline import report as rep
-from benchmarks.roofline.analytic import ModelShape
-from benchmarks.roofline.measure import Measured
-from benchmarks.roofline.roofs import Roof
+from benchmarks.offline.roofline import cli, plots
+from benchmarks.offline.roofline import report as rep
+from benchmarks.offline.roofline.analytic import ModelShape
+from benchmarks.offline.roofline.measure import Measured
+from benchmarks.offline.roofline.roofs import Roof
 
 TINY = ModelShape(64, 128, 2, 4, 2, 16, 384, True)
 ROOF = Roof("test roofs", bytes_per_s=10e9, flops_per_s=50e9)
@@ -142,4 +142,4 @@ def test_cdf_rejects_a_report_that_is_not_serves(tmp_path: Path, capsys: pytest.
     bad.write_text(json.dumps({"rows": []}))
     with pytest.raises(SystemExit):
         cli.main(["cdf", "--json", str(good), str(bad), "--labels", "a,b", "--out", str(tmp_path / "x.png")])
-    assert "not a benchmarks/serve.py --json report: it has no 'runs' list nor 'rates' object" in capsys.readouterr().err
+    assert "not a benchmarks/serving/serve.py --json report: it has no 'runs' list nor 'rates' object" in capsys.readouterr().err

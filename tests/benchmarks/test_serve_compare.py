@@ -1,4 +1,4 @@
-"""benchmarks/serve_compare.py: P5 and P6 from two serve.py JSONs, per seed and pooled."""
+"""benchmarks/serving/serve_compare.py: P5 and P6 from two serve.py JSONs, per seed and pooled."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def _cli(tmp_path: Path, *reports) -> subprocess.CompletedProcess:
     for i, report in enumerate(reports):
         paths.append(tmp_path / f"{i}.json")
         paths[-1].write_text(report if isinstance(report, str) else json.dumps(report))
-    return subprocess.run([sys.executable, "benchmarks/serve_compare.py", *map(str, paths)], cwd=ROOT,
+    # Through the serving group's entry point (the file itself is run below).
+    return subprocess.run([sys.executable, "-m", "benchmarks.serving", "serve_compare", *map(str, paths)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -118,6 +119,6 @@ def test_files_it_cannot_compare_are_a_usage_error(tmp_path: Path) -> None:
         out = _cli(tmp_path, good, bad)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (bad, out.stderr)
         assert out.stderr.splitlines()[-1].startswith("serve_compare.py: error: ")
-    out = subprocess.run([sys.executable, "benchmarks/serve_compare.py", str(tmp_path / "0.json"),
+    out = subprocess.run([sys.executable, "benchmarks/serving/serve_compare.py", str(tmp_path / "0.json"),
                           str(tmp_path / "missing.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "serve_compare.py: error: cannot read " in out.stderr and "missing.json" in out.stderr

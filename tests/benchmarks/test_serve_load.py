@@ -1,4 +1,4 @@
-"""benchmarks/serve.py's load modes and its scrape of the router's metrics, without a
+"""benchmarks/serving/serve.py's load modes and its scrape of the router's metrics, without a
 server: the closed loop keeps exactly N requests outstanding, a request count stops
 either loop, seeds give the same requests, and the KV transfer time is the difference
 of two scrapes of the router's real histogram."""
@@ -14,12 +14,11 @@ import threading
 
 import pytest
 
-from benchmarks import serve
-from benchmarks.serve import parse_args
-from benchmarks.serving import load
+from benchmarks.serving import load, serve
 from benchmarks.serving.load import Result, Workload, run_concurrency, run_poisson
 from benchmarks.serving.metrics_scrape import KV_HOP, parse_histogram, transfer_delta
 from benchmarks.serving.report import json_text, line, summarize
+from benchmarks.serving.serve import parse_args
 from benchmarks.serving.server import ServerError, server_model
 from router.metrics import RouterMetrics
 
@@ -204,7 +203,7 @@ def test_a_run_without_data_is_written_as_strict_json_and_read_back() -> None:
     """A run with no remote prefill (no KV transfer) and no request of > 1 token (no
     TPOT): null in the JSON, not NaN (RFC 8259 has none), and every reader takes it."""
     from benchmarks.gpu.serving import _ms
-    from benchmarks.roofline.plots import serve_latencies
+    from benchmarks.offline.roofline.plots import serve_latencies
     from benchmarks.serving.compare import compare
 
     metrics = RouterMetrics().render().decode()

@@ -1,5 +1,5 @@
-"""benchmarks/speculative.py --quick on the tiny Llama: the sweep and every case run, the
-JSON has the shape docs/benchmarks.md's table is made from, and each greedy case's
+"""benchmarks/offline/speculative.py --quick on the tiny Llama: the sweep and every case run, the
+JSON has the shape docs/benchmarks/2026-12-02-speculative.md's table is made from, and each greedy case's
 speculative tokens equal the plain engine's (with drafts actually tried)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ ROW_KEYS = {"workload", "batch", "setting", "speculative_config", "output_tokens
 def test_quick_run_writes_every_case_and_greedy_tokens_match(llama_dir: Path, tmp_path: Path) -> None:
     out_json = tmp_path / "spec.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "benchmarks/speculative.py", "--quick", "--model", str(llama_dir),
+    run = subprocess.run([sys.executable, "benchmarks/offline/speculative.py", "--quick", "--model", str(llama_dir),
                           "--json", str(out_json)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     report = json.loads(out_json.read_text())

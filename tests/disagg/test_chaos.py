@@ -1,4 +1,4 @@
-"""The short chaos run (benchmarks/chaos.py): a real `pdserve serve` of the demo model
+"""The short chaos run (benchmarks/chaos/run.py): a real `pdserve serve` of the demo model
 (1 prefill + 2 decode workers on CPU, configs/chaos.yaml) under Poisson load while
 its workers are killed and stopped, clients hang up, bad bodies and floods hit the
 router and a stranger writes to the worker sockets. Each target is its own test, so a
@@ -6,7 +6,7 @@ missed one is named; the run happens once, in a subprocess whose process group h
 everything it starts, killed whole if it outlives its hard timeout.
 
 Memory is checked loosely here (a short run is mostly warm-up); the 5% target is the
-30-minute soak's (docs/benchmarks.md, "Reliability").
+30-minute soak's (docs/benchmarks/2026-12-02-chaos-soak.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(),
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("chaos")
-    cmd = [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--minutes", str(MINUTES), "--seed", "18",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "chaos" / "run.py"), "--minutes", str(MINUTES), "--seed", "18",
            "--model", str(MODEL_DIR), "--rss-tolerance", "0.25", "--json", str(tmp / "chaos.json"),
            "--log", str(tmp / "serve.log")]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,

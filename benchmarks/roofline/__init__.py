@@ -1,3 +1,0 @@
-"""The roofline report (benchmarks/roofline.py): analytic.py the floors, roofs.py the
-devices' roofs, measure.py the engine's step times, report.py the table and JSON,
-plots.py the pictures, cli.py the command line."""

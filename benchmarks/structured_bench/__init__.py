@@ -1,1 +1,0 @@
-"""The parts of benchmarks/structured.py: the schema, timing helpers and one module per section."""
