@@ -88,7 +88,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         key = key or (router.api_keys or (None,))[0]  # the operator's own config: its first key
     try:
         print(format_status(fetch_status(url, api_key=key)))
-    except (ConnectionError, PermissionError) as exc:
+    except (ConnectionError, PermissionError, ValueError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 1
     return 0

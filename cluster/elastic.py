@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from cluster.config import ClusterConfig
 from cluster.launcher import NamedWorker
+from protocol import WorkerStats
 
 logger = logging.getLogger("pdserve.scale")
 
@@ -77,7 +78,7 @@ class RouterControl(Protocol):
 
     def remove_worker(self, name: str, timeout: float = 30.0) -> None: ...
 
-    def worker_stats(self, name: str, timeout: float = 5.0) -> dict[str, Any] | None: ...
+    def worker_stats(self, name: str, timeout: float = 5.0) -> WorkerStats | None: ...
 
     def worker_live(self, name: str, timeout: float = 30.0) -> bool: ...
 
@@ -247,7 +248,7 @@ class PoolScaler:
                             moved += self.router.evacuate(name)
                     else:
                         stats = self.router.worker_stats(name)
-                        if stats is not None and stats.get("jobs", 0) and not late:
+                        if stats is not None and stats.jobs and not late:
                             continue
                     self._leave(name, "decode" if name in decode else "prefill")
                     pending.remove(name)

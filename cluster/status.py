@@ -8,35 +8,37 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from protocol import WorkerStats
 from workers.step_metrics import histogram_quantile
 
-Cell = Callable[[dict[str, Any]], str]  # a worker's stats -> what its column shows ("?": not reported)
+Cell = Callable[[WorkerStats], str]  # a worker's stats -> what its column shows ("?": not its role's)
 
 
-def _figure(key: str) -> Cell:
-    return lambda s: str(s.get(key, "?"))
+def _figure(field: str) -> Cell:
+    def cell(s: WorkerStats) -> str:
+        value = getattr(s, field)
+        return "?" if value is None else str(value)
+    return cell
 
 
-def _kv_used(s: dict[str, Any]) -> str:
+def _kv_used(s: WorkerStats) -> str:
     """Blocks not free / all blocks."""
     # One decimal: a few requests' blocks in a large pool are well under 1%, not 0.
-    return f"{1 - s['free_blocks'] / s['num_blocks']:.1%}" if s.get("num_blocks") else "?"
+    return f"{s.kv_used:.1%}" if s.num_blocks else "?"
 
 
-def _step_p50(s: dict[str, Any]) -> str:
+def _step_p50(s: WorkerStats) -> str:
     """The median engine step, from the worker's step-time histogram ("-": no step yet)."""
-    if "step_seconds" not in s:
-        return "?"
-    p50 = histogram_quantile(s["step_seconds"], 0.5)
+    p50 = histogram_quantile(s.step_seconds, 0.5)
     return "-" if p50 is None else f"{p50 * 1e3:.1f}ms"
 
 
-def _mean_batch(s: dict[str, Any]) -> str:
+def _mean_batch(s: WorkerStats) -> str:
     """Requests per engine step, on average."""
-    hist = s.get("step_requests")
-    if hist is None:
-        return "?"
-    return f"{hist['sum'] / hist['count']:.1f}" if hist["count"] else "-"
+    hist = s.step_requests
+    return f"{hist.sum / hist.count:.1f}" if hist.count else "-"
 
 
 DECODE_COLUMNS: tuple[tuple[str, Cell], ...] = (
@@ -68,28 +70,39 @@ def fetch_status(url: str, timeout: float = 10.0, api_key: str | None = None) ->
         raise ConnectionError(f"no pdserve router answers at {url}: {exc}") from None
 
 
-def _ranks(stats: dict[str, Any]) -> str:
+def worker_stats(worker: dict[str, Any]) -> WorkerStats | None:
+    """A /status row's stats (None: the worker did not answer). ValueError naming the
+    worker and the field when they are not a WorkerStats (a router of another version)."""
+    if worker.get("stats") is None:
+        return None
+    try:
+        return msgspec.convert(worker["stats"], WorkerStats)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"worker {worker.get('name')!r}: stats this pdserve cannot read "
+                         f"(a router of another version?): {exc}") from None
+
+
+def _ranks(stats: WorkerStats) -> str:
     """A tensor-parallel group is one worker: its size, then its ranks' process ids
     (rank 0 first), e.g. 2:4711,4712."""
-    ranks = stats.get("ranks") or []
-    return f"{len(ranks)}:{','.join(map(str, ranks))}" if ranks else "?"
+    return f"{len(stats.ranks)}:{','.join(map(str, stats.ranks))}" if stats.ranks else "?"
 
 
 def _table(title: str, workers: list[dict[str, Any]], columns: tuple[tuple[str, Cell], ...]) -> list[str]:
     header = ("worker", "live", "address", "tp", *(c for c, _ in columns))
     rows = []
     for w in workers:
-        s = w["stats"] or {}
+        s = worker_stats(w)
         live = ("draining" if w.get("draining") else "yes") if w["live"] else "NO"  # draining: being scaled down
-        rows.append((w["name"], live, w.get("address", "?"), _ranks(s),
-                     *(cell(s) for _, cell in columns)))
+        cells = ["?"] * (len(columns) + 1) if s is None else [_ranks(s), *(cell(s) for _, cell in columns)]
+        rows.append((w["name"], live, w.get("address", "?"), *cells))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(header)]
     return [title, "  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip()] + [
         "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def format_status(status: dict[str, Any]) -> str:
-    """A table per pool, a row per worker."""
+    """A table per pool, a row per worker (ValueError: worker_stats())."""
     lines = [f"model {status['model']}; requests in flight: {status['in_flight']}", ""]
     lines += _table("decode pool", status["decode_workers"], DECODE_COLUMNS)
     prefill = status.get("prefill_workers", [])

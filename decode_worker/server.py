@@ -34,9 +34,11 @@ from protocol import (
     Peers,
     PrefillDone,
     Rejected,
+    SpecDecodeStats,
     Stats,
     StatsReply,
     Tokens,
+    WorkerStats,
     child_request_id,
     encode,
     from_wire,
@@ -346,19 +348,18 @@ class DecodeWorker(WorkerLoop):
             phases.update(queue=max(0.0, scheduled - t.arrived), prefill=max(0.0, first_token - scheduled))
         return phases
 
-    def stats(self) -> dict:
-        engine = self.core.engine.stats()
-        return {"name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
-                "running": engine.running, "waiting": engine.waiting, "ranks": list(engine.ranks),
-                "waiting_for_kv": len(self.core.waiting_for_kv), "preemptions": engine.preemptions,
-                "quarantined_blocks": self.core.quarantined_blocks(),
-                **self.core.stats, **self.transfer, **self.core.steps.stats(),
-                "late_writes_dropped": self.core.transport.stats["late_writes_dropped"],
-                "kv_overwritten": self.core.transport.stats["overwritten"],
-                "kv_overwritten_in_use": self.core.transport.stats["overwritten_in_use"],
-                "refused_peers": self.refused_peers(self.core.transport), **self.health(),
-                # protocol SpecDecodeStats' fields; only while speculating
-                **({"spec_decode": asdict(engine.spec)} if engine.spec is not None else {})}
+    def stats(self) -> WorkerStats:
+        engine, core, transport = self.core.engine.stats(), self.core, self.core.transport
+        return self.worker_stats(
+            engine, core.steps, transport, waiting_for_kv=len(core.waiting_for_kv),
+            quarantined_blocks=core.quarantined_blocks(), remote=core.stats["remote"], local=core.stats["local"],
+            fallbacks=core.stats["fallbacks"], fenced_refusals=core.stats["fenced_refusals"],
+            saturated=self.transfer["saturated"], kv_bytes_received=self.transfer["kv_bytes_received"],
+            kv_transfer_seconds=self.transfer["kv_transfer_seconds"],
+            kv_transfer_failures=self.transfer["kv_transfer_failures"],
+            late_writes_dropped=transport.stats["late_writes_dropped"], kv_overwritten=transport.stats["overwritten"],
+            kv_overwritten_in_use=transport.stats["overwritten_in_use"],
+            spec_decode=SpecDecodeStats(**asdict(engine.spec)) if engine.spec is not None else None)
 
 
 def _step_error(exc: RequestsFailed) -> str:

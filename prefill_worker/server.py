@@ -16,7 +16,7 @@ import zmq
 
 from engine.errors import RequestsFailed
 from prefill_worker.remote_prefill import PrefillWorkerCore
-from protocol import Abort, Message, Peers, PrefillDone, RemotePrefill, Stats, StatsReply, encode
+from protocol import Abort, Message, Peers, PrefillDone, RemotePrefill, Stats, StatsReply, WorkerStats, encode
 from security import DeploymentSecret
 from workers.config import WorkerConfig
 from workers.control import ControlChannel
@@ -88,12 +88,13 @@ class PrefillWorker(WorkerLoop):
         elif isinstance(msg, Abort):
             self.core.abort(msg.request_id)
         elif isinstance(msg, Stats):
-            engine = self.core.engine.stats()
-            self.send(sock, sender, encode(StatsReply(seq=msg.seq, stats={
-                "name": self.name, "num_blocks": engine.num_blocks, "free_blocks": engine.free_blocks,
-                "running": engine.running, "waiting": engine.waiting, "preemptions": engine.preemptions,
-                "ranks": list(engine.ranks), "jobs": len(self.core.jobs), **self.core.stats, **self.core.steps.stats(),
-                "refused_peers": self.refused_peers(self.core.transport), **self.health()})))
+            self.send(sock, sender, encode(StatsReply(seq=msg.seq, stats=self.stats())))
+
+    def stats(self) -> WorkerStats:
+        core = self.core
+        return self.worker_stats(core.engine.stats(), core.steps, core.transport, jobs=len(core.jobs),
+                                 prefills=core.stats["prefills"], blocks_written=core.stats["blocks_written"],
+                                 failed=core.stats["failed"], tokens_computed=core.stats["tokens_computed"])
 
     def check_engine(self) -> None:
         self.core.engine.check_health()

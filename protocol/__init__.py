@@ -8,6 +8,7 @@ of how a request is sampled, whose wire form travels inside Generate).
 from engine.sampling_params import child_request_id
 from protocol.control import CONTROL_MESSAGES, Peers, Ready, Serving, Stop
 from protocol.sampling import WireSamplingParams, from_wire, to_wire
+from protocol.stats import Histogram, SpecDecodeStats, WorkerStats
 from protocol.wire import PROTOCOL_VERSION, Codec, Message, MessageError, encode
 from protocol.worker import (
                              WORKER_MESSAGES,
@@ -16,14 +17,13 @@ from protocol.worker import (
                              PrefillDone,
                              Rejected,
                              RemotePrefill,
-                             SpecDecodeStats,
                              Stats,
                              StatsReply,
                              TokenLogprobs,
                              Tokens,
 )
 
-__all__ = ["CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Message",
+__all__ = ["CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Histogram", "Message",
            "MessageError", "Peers", "PrefillDone", "Ready", "Rejected", "RemotePrefill", "Serving", "SpecDecodeStats",
-           "Stats", "StatsReply", "Stop", "TokenLogprobs", "Tokens", "WireSamplingParams", "child_request_id",
+           "Stats", "StatsReply", "Stop", "TokenLogprobs", "Tokens", "WireSamplingParams", "WorkerStats", "child_request_id",
            "encode", "from_wire", "to_wire"]

@@ -16,7 +16,8 @@ from typing import Any, Union
 import msgspec
 
 # Bump when any message changes shape: peers of another version are refused by name.
-PROTOCOL_VERSION = 13
+# 14: StatsReply.stats is a typed WorkerStats (protocol/stats.py), no longer a map.
+PROTOCOL_VERSION = 14
 
 
 class MessageError(ValueError):

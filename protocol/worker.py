@@ -17,12 +17,9 @@ what each one means.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
-
-import msgspec
-
 from protocol.sampling import WireSamplingParams
-from protocol.wire import Codec, Message, MessageError
+from protocol.stats import WorkerStats
+from protocol.wire import Codec, Message
 
 # One token's log-probability and its top alternatives [(token id, logprob)], best first.
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -55,37 +52,11 @@ class Stats(Message, frozen=True, tag="stats"):
 
 class StatsReply(Message, frozen=True, tag="stats_reply"):
     seq: int
-    # The worker's figures (docs/api.md, /status), with `stalled` and `no_progress_s`
-    # (workers/loop.py), and its step histograms as plain maps (workers/step_metrics.py);
-    # a speculating decode worker's counters as "spec_decode", a SpecDecodeStats map.
-    stats: dict[str, Any]
+    stats: WorkerStats  # protocol/stats.py: the worker's figures, health and step histograms
     # Prefix-cache events since the last reply, in order: (block hash, cached?), for
     # the router's kv_aware index. kv_reset: some were dropped; start the index over.
     kv_events: list[tuple[int, bool]] = []
     kv_reset: bool = False
-
-
-Count = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class SpecDecodeStats(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A speculating decode worker's counters since it started (the engine's SpecStats
-    fields), carried as the map StatsReply.stats["spec_decode"]; a worker that does not
-    speculate sends none."""
-
-    num_drafts: Count  # request steps that verified at least one draft token
-    num_draft_tokens: Count
-    num_accepted_tokens: Count
-    accepted_per_position: list[Count]  # [k]: drafts accepted at position i (0: right after the last token)
-    num_disabled: Count  # requests that stopped speculating (low acceptance)
-
-    @classmethod
-    def from_stats(cls, value: Any) -> SpecDecodeStats:
-        """Check a stats reply's map; MessageError naming what is wrong."""
-        try:
-            return msgspec.convert(value, cls)
-        except msgspec.ValidationError as exc:
-            raise MessageError(f"spec_decode: {exc}", "stats_reply") from None
 
 
 class Tokens(Message, frozen=True, tag="tokens"):

@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -130,7 +131,9 @@ async def status(request: Request) -> dict[str, Any]:
     router = _router(request)
     pools = router.pool.listed()  # as listed: a scale may change them
     replies = await router.pool.stats_of([w for w, _ in pools])
-    rows = [({"name": w.name, "address": w.address, "live": w.alive, "draining": w.draining, "stats": s}, role)
+    # A WorkerStats as JSON: its fields, without those of the other role (protocol/stats.py).
+    rows = [({"name": w.name, "address": w.address, "live": w.alive, "draining": w.draining,
+              "stats": msgspec.to_builtins(s)}, role)
             for (w, role), s in zip(pools, replies)]
     return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.pool.prefill),
             "decode_workers": [r for r, role in rows if role == "decode"],

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from protocol import WorkerStats
 from router.load import LoadSnapshot, buckets_of, total_of, worker_load
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ class RouterControl:
         role = self.call(lambda: self.pool.remove(name), timeout)
         self.router.metrics.scale_events.labels(role=role, action="remove").inc()
 
-    def worker_stats(self, name: str, timeout: float = 5.0) -> dict[str, Any] | None:
+    def worker_stats(self, name: str, timeout: float = 5.0) -> WorkerStats | None:
         """A worker's stats reply, asked now (None: no answer, or the app is not running)."""
         if self._current() is None:
             return None

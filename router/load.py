@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import Counter, Histogram
+
+from protocol import WorkerStats
 
 # (upper bound, cumulative count) per bucket, +Inf last: a histogram as it stands.
 Buckets = tuple[tuple[float, float], ...]
@@ -94,17 +95,10 @@ def quantile_between(old: Buckets, new: Buckets, q: float) -> float | None:
     return finite[-1] if finite else None
 
 
-def worker_load(name: str, role: str, live: bool, draining: bool, stats: dict[str, Any] | None) -> WorkerLoad:
+def worker_load(name: str, role: str, live: bool, draining: bool, stats: WorkerStats | None) -> WorkerLoad:
     """A worker's figures from its stats reply (None: it did not answer)."""
     if stats is None:
         return WorkerLoad(name, role, live, draining, answered=False)
-
-    def figure(key: str) -> int:
-        value = stats.get(key, 0)
-        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
-
-    blocks, free = figure("num_blocks"), figure("free_blocks")
-    return WorkerLoad(name, role, live, draining, answered=True, running=figure("running"),
-                      waiting=figure("waiting"), kv_used=(1 - free / blocks) if blocks else 0.0,
-                      waiting_for_kv=figure("waiting_for_kv"), jobs=figure("jobs"),
-                      tokens_computed=figure("tokens_computed"))
+    return WorkerLoad(name, role, live, draining, answered=True, running=stats.running, waiting=stats.waiting,
+                      kv_used=stats.kv_used, waiting_for_kv=stats.waiting_for_kv or 0, jobs=stats.jobs or 0,
+                      tokens_computed=stats.tokens_computed or 0)

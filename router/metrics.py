@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from protocol import WorkerStats
 from router.worker_metrics import WorkerHistograms, WorkerSpecDecode
 
 # From 0.1 ms: a KV transfer on one GPU (phase kv_write) takes well under 5 ms, and
@@ -57,7 +58,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 # router.remote_prefill_min_tokens within a prompt-length spread (cluster/autoscale/).
 PROMPT_LENGTH_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192,
                          12288, 16384, 32768)
-WORKER_GAUGES = {  # stats key -> (metric, help); a worker reports those of its role
+WORKER_GAUGES = {  # WorkerStats field -> (metric, help); a worker reports those of its role
     "num_blocks": ("pdserve_worker_num_blocks", "KV blocks in the worker's pool"),
     "free_blocks": ("pdserve_worker_free_blocks", "KV blocks free (or only cached) in the worker's pool"),
     "running": ("pdserve_worker_running", "requests running on the worker"),
@@ -166,11 +167,12 @@ class RouterMetrics:
         if num_tokens > 1:
             self.tpot.observe((e2e - ttft) / (num_tokens - 1))
 
-    def set_worker(self, name: str, role: str, stats: dict) -> None:
+    def set_worker(self, name: str, role: str, stats: WorkerStats) -> None:
         """One worker's stats reply (role: "decode" or "prefill")."""
-        for key, gauge in self.worker.items():
-            if key in stats:
-                gauge.labels(worker=name, role=role).set(stats[key])
+        for field, gauge in self.worker.items():
+            value = getattr(stats, field)
+            if value is not None:  # None: a figure of the other role
+                gauge.labels(worker=name, role=role).set(value)
         self.steps.update(name, role, stats)
         self.spec_decode.update(name, role, stats)
 

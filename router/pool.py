@@ -12,10 +12,10 @@ the router's event loop (or before it runs), so there is no locking.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import zmq.asyncio
 
+from protocol import WorkerStats
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.routing import RoutingPolicy
@@ -160,7 +160,7 @@ class WorkerPool:
                 w.check()
             self.publish_live()
 
-    async def stats_of(self, clients: list[WorkerClient]) -> list[dict[str, Any] | None]:
+    async def stats_of(self, clients: list[WorkerClient]) -> list[WorkerStats | None]:
         """Each worker's stats reply, asked now and side by side; None for one the
         router holds dead (it would only time out) or that did not answer in time."""
         return await asyncio.gather(*(w.stats() if w.alive else _nothing() for w in clients))

@@ -26,7 +26,7 @@ from typing import Any, Protocol, cast
 import zmq
 import zmq.asyncio
 
-from protocol import WORKER_MESSAGES, Message, MessageError, Rejected, Stats, StatsReply, Tokens, encode
+from protocol import WORKER_MESSAGES, Message, MessageError, Rejected, Stats, StatsReply, Tokens, WorkerStats, encode
 from router.health import WorkerHealth
 from security import DeploymentSecret, connect_securely
 
@@ -80,16 +80,15 @@ class WorkerClient:
             except MessageError as exc:  # e.g. a worker of another protocol version
                 logger.warning("dropped a message from %s: %s", self.name, exc)
                 continue
-            stalled = isinstance(msg, StatsReply) and msg.stats.get("stalled") is True
+            stalled = isinstance(msg, StatsReply) and msg.stats.stalled
             if stalled:  # it answers, but makes no progress: as good as dead (and exits soon)
                 if self.health.stall():
-                    self._lose_requests(f"is stalled: no progress for {msg.stats.get('no_progress_s', 0):.0f} s "
+                    self._lose_requests(f"is stalled: no progress for {msg.stats.no_progress_s:.0f} s "
                                         "with work to do (router.stall_timeout_s)")
             elif self.health.heard(time.monotonic(), stepping=isinstance(msg, StatsReply)):
                 logger.warning("worker %s answers again: in service again", self.name)
             if isinstance(msg, StatsReply):
-                if isinstance(msg.stats.get("num_blocks"), int):
-                    self.num_kv_blocks = msg.stats["num_blocks"]
+                self.num_kv_blocks = msg.stats.num_blocks
                 if (msg.kv_events or msg.kv_reset) and self.on_kv_events is not None:
                     self.on_kv_events(msg.kv_events, msg.kv_reset)
                 waiter = self._stats_waiters.pop(msg.seq, None)
@@ -146,7 +145,7 @@ class WorkerClient:
         self._seq += 1
         self.send(Stats(seq=self._seq))
 
-    async def stats(self, timeout: float = 2.0) -> dict[str, Any] | None:
+    async def stats(self, timeout: float = 2.0) -> WorkerStats | None:
         """The worker's own figures, or None if it does not answer in time."""
         self._seq += 1
         seq = self._seq

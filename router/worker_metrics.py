@@ -1,32 +1,27 @@
 """Workers' step histograms and speculative decoding counters, as Prometheus
 histograms and counters labelled by worker and role.
 
-Each worker keeps its own cumulative histograms (workers/step_metrics.py has the wire
-form: bounds, per-bucket counts, sum, count) and, while it speculates, its counters
-(protocol SpecDecodeStats), and sends them in its stats replies; the router keeps the
-latest per worker and yields them at each scrape through custom collectors, so that
-nothing is re-observed here and a restarted worker's counts start over as a counter's
-do. A figure that does not have its wire form is left out (and logged), never a failed
-scrape.
+Each worker keeps its own cumulative histograms (protocol.Histogram: bounds,
+per-bucket counts, sum, count) and, while it speculates, its counters (protocol
+SpecDecodeStats), and sends them in its stats replies, whose decoding has checked
+them; the router keeps the latest per worker and yields them at each scrape through
+custom collectors, so that nothing is re-observed here and a restarted worker's counts
+start over as a counter's do.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from engine.speculative.metrics import PER_POSITION, SPEC_DECODE_COUNTERS
-from protocol import MessageError, SpecDecodeStats
+from protocol import Histogram, SpecDecodeStats, WorkerStats
 
-logger = logging.getLogger(__name__)
-
-STEP_HISTOGRAMS = {  # stats key -> (metric, help)
+STEP_HISTOGRAMS = {  # WorkerStats field -> (metric, help)
     "step_seconds": ("pdserve_worker_step_seconds", "wall time of the worker's engine steps that computed tokens"),
     "step_requests": ("pdserve_worker_step_requests", "requests in each engine step (its batch size)"),
     "step_tokens": ("pdserve_worker_step_tokens", "tokens computed in each engine step"),
@@ -34,29 +29,13 @@ STEP_HISTOGRAMS = {  # stats key -> (metric, help)
 Buckets = list[tuple[str, float]]  # (le, cumulative count), "+Inf" last: HistogramMetricFamily's form
 
 
-def prometheus_buckets(hist: Any) -> tuple[Buckets, float]:
-    """A wire-form histogram as HistogramMetricFamily buckets and sum; ValueError
-    naming what is wrong when it is not one."""
-    if not isinstance(hist, dict):
-        raise ValueError(f"a histogram is a map, got {type(hist).__name__}")
-    bounds, counts, total = hist.get("bounds"), hist.get("counts"), hist.get("sum")
-    if not isinstance(bounds, list) or not bounds or not all(_finite(b) for b in bounds) \
-            or any(a >= b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"bounds must be a non-empty increasing list of numbers, got {bounds!r}")
-    if not isinstance(counts, list) or len(counts) != len(bounds) + 1 \
-            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
-        raise ValueError(f"counts must be {len(bounds) + 1} counts (one per bound, then +Inf), got {counts!r}")
-    if not _finite(total):
-        raise ValueError(f"sum must be a number, got {total!r}")
+def prometheus_buckets(hist: Histogram) -> tuple[Buckets, float]:
+    """A worker's histogram as HistogramMetricFamily buckets and sum."""
     buckets, seen = [], 0
-    for le, n in zip([*map(float, bounds), math.inf], counts):
+    for le, n in zip([*hist.bounds, math.inf], hist.counts):
         seen += n
         buckets.append((floatToGoString(le), float(seen)))
-    return buckets, float(total)
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return buckets, hist.sum
 
 
 class WorkerHistograms(Collector):
@@ -64,23 +43,15 @@ class WorkerHistograms(Collector):
     yielded by collect() as one histogram family per STEP_HISTOGRAMS entry."""
 
     def __init__(self) -> None:
-        self._latest: dict[tuple[str, str], dict[str, tuple[Buckets, float]]] = {}  # (worker, role) -> key ->
+        self._latest: dict[tuple[str, str], dict[str, tuple[Buckets, float]]] = {}  # (worker, role) -> field ->
 
     def forget(self, worker: str, role: str) -> None:
         """The worker left its pool (scaled down): its series go."""
         self._latest.pop((worker, role), None)
 
-    def update(self, worker: str, role: str, stats: dict[str, Any]) -> None:
+    def update(self, worker: str, role: str, stats: WorkerStats) -> None:
         """One worker's stats reply (role: "decode" or "prefill")."""
-        hists = self._latest.setdefault((worker, role), {})
-        for key in STEP_HISTOGRAMS:
-            if key not in stats:
-                continue
-            try:
-                hists[key] = prometheus_buckets(stats[key])
-            except ValueError as exc:
-                logger.warning("worker %s sent a malformed %s histogram, left out of /metrics: %s", worker, key, exc)
-                hists.pop(key, None)
+        self._latest[(worker, role)] = {field: prometheus_buckets(getattr(stats, field)) for field in STEP_HISTOGRAMS}
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         for name, help_ in STEP_HISTOGRAMS.values():
@@ -90,14 +61,13 @@ class WorkerHistograms(Collector):
         for key, (name, help_) in STEP_HISTOGRAMS.items():
             family = HistogramMetricFamily(name, help_, labels=["worker", "role"])
             for (worker, role), hists in sorted(self._latest.items()):
-                if key in hists:
-                    family.add_metric([worker, role], *hists[key])
+                family.add_metric([worker, role], *hists[key])
             yield family
 
 
 class WorkerSpecDecode(Collector):
     """The latest speculative decoding counters of every worker that reported them
-    (update(): its stats reply's "spec_decode"), yielded by collect() as counters named
+    (update(): its stats reply's spec_decode), yielded by collect() as counters named
     in engine/speculative/metrics.py; accepted tokens per draft position are labelled
     position="i". A worker that does not speculate adds no sample."""
 
@@ -108,16 +78,11 @@ class WorkerSpecDecode(Collector):
         """The worker left its pool (scaled down): its series go."""
         self._latest.pop((worker, role), None)
 
-    def update(self, worker: str, role: str, stats: dict[str, Any]) -> None:
-        if "spec_decode" not in stats:
+    def update(self, worker: str, role: str, stats: WorkerStats) -> None:
+        if stats.spec_decode is None:
             self._latest.pop((worker, role), None)  # restarted without speculation
-            return
-        try:
-            self._latest[(worker, role)] = SpecDecodeStats.from_stats(stats["spec_decode"])
-        except MessageError as exc:
-            logger.warning("worker %s sent malformed speculative decoding counters, left out of /metrics: %s",
-                           worker, exc)
-            self._latest.pop((worker, role), None)
+        else:
+            self._latest[(worker, role)] = stats.spec_decode
 
     def describe(self) -> Iterator[CounterMetricFamily]:
         for name, help_ in (*SPEC_DECODE_COUNTERS.values(), PER_POSITION):

@@ -36,15 +36,21 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from engine.errors import RankFailure, RequestsFailed
 from kv_transfer import KVTransport
 from protocol import CONTROL_MESSAGES, WORKER_MESSAGES, Message, MessageError, Peers, Ready, Serving, Stop, encode
+from protocol.stats import WorkerStats
 from security import DeploymentSecret, PlaneGuard, connect_securely, serve_securely
 from workers.control import ControlChannel
 from workers.watchdog import HangWatchdog, StallWatchdog
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineStats
+    from workers.step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -226,16 +232,18 @@ class WorkerLoop:
     def step_succeeded(self) -> None:
         self._failed_steps = 0
 
-    def health(self) -> dict:
-        """For stats replies: stalled (for good: it exits soon), and the seconds its
-        pending work has gone without progress."""
-        now = self.clock()
-        return {"stalled": self.watchdog.stalled, "no_progress_s": round(self.watchdog.no_progress_s(now), 3)}
-
-    def refused_peers(self, transport: KVTransport) -> int:
-        """For stats replies: peers refused so far by this loop's socket and by the
-        transport's (each without the deployment's secret)."""
-        return (self.guard.refused if self.guard is not None else 0) + transport.refused_peers()
+    def worker_stats(self, engine: EngineStats, steps: StepMetrics, transport: KVTransport,
+                     **role: Any) -> WorkerStats:
+        """A stats reply's figures: those both roles have, from the engine, the step
+        histograms, this loop's watchdog (stalled: for good, it exits soon) and the
+        peers refused by its socket and its transport's; `role`: the role's own fields."""
+        return WorkerStats(
+            name=self.name, num_blocks=engine.num_blocks, free_blocks=engine.free_blocks, running=engine.running,
+            waiting=engine.waiting, preemptions=engine.preemptions, ranks=list(engine.ranks),
+            refused_peers=(self.guard.refused if self.guard is not None else 0) + transport.refused_peers(),
+            stalled=self.watchdog.stalled, no_progress_s=round(self.watchdog.no_progress_s(self.clock()), 3),
+            step_seconds=steps.seconds.snapshot(), step_requests=steps.requests.snapshot(),
+            step_tokens=steps.tokens.snapshot(), **role)
 
     def run(self, control: ControlChannel) -> None:
         """Until the launcher says stop (or closes the control channel); a "peers"

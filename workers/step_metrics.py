@@ -2,20 +2,18 @@
 with fixed buckets and sent in its stats replies for the router's /metrics.
 
 Bookkeeping is O(1) per step (one perf_counter pair and a bisect over a dozen
-bounds per histogram), never per token. A histogram goes on the wire as a plain dict
-(msgpack-able; router/worker_metrics.py reads it):
-
-    {"bounds": [b0, b1, ...],   upper bounds, increasing (Prometheus' `le`)
-     "counts": [c0, c1, ..., cN],   observations per bucket, not cumulative: c_i in
-                                    (b_{i-1}, b_i]; the last, cN, above every bound (+Inf)
-     "sum": float, "count": int}
+bounds per histogram), never per token. A histogram goes on the wire as a
+protocol.Histogram (bounds, per-bucket counts, sum, count; router/worker_metrics.py
+reads it).
 """
 
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from protocol.stats import Histogram
 
 if TYPE_CHECKING:  # `pdserve status` reads histograms with this module: no torch for it
     from engine.engine_core import EngineCore, StepOutput
@@ -42,13 +40,15 @@ class FixedHistogram:
         self.sum += value
         self.count += 1
 
-    def snapshot(self) -> dict[str, Any]:
-        """The wire form (module docstring); copies, so a later observe() changes nothing."""
-        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum, "count": self.count}
+    def snapshot(self) -> Histogram:
+        """The wire form; copies, so a later observe() changes nothing."""
+        return Histogram(bounds=[float(b) for b in self.bounds], counts=list(self.counts), sum=self.sum,
+                         count=self.count)
 
 
 class StepMetrics:
-    """One worker's step histograms. Its core calls step() in place of engine.step()."""
+    """One worker's step histograms (its stats replies' step_seconds, step_requests and
+    step_tokens). Its core calls step() in place of engine.step()."""
 
     def __init__(self) -> None:
         self.seconds = FixedHistogram(STEP_SECONDS_BUCKETS)
@@ -71,17 +71,12 @@ class StepMetrics:
         self.requests.observe(requests)
         self.tokens.observe(tokens)
 
-    def stats(self) -> dict[str, dict[str, Any]]:
-        """For a stats reply: stats key -> histogram (wire form)."""
-        return {"step_seconds": self.seconds.snapshot(), "step_requests": self.requests.snapshot(),
-                "step_tokens": self.tokens.snapshot()}
 
-
-def histogram_quantile(hist: dict[str, Any], q: float) -> float | None:
+def histogram_quantile(hist: Histogram, q: float) -> float | None:
     """The q-quantile (0 <= q <= 1) of a wire-form histogram, interpolated linearly
     within its bucket as Prometheus' histogram_quantile does (the first bucket from 0;
     past the last bound: that bound). None when it holds no observation."""
-    counts, bounds = hist["counts"], hist["bounds"]
+    counts, bounds = hist.counts, hist.bounds
     total = sum(counts)
     if total == 0:
         return None

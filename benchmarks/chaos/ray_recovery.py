@@ -62,7 +62,7 @@ def wait(condition, timeout: float, what: str) -> float:
 def remote_prefills(w: RayWorker, workers: RayWorkers) -> int:
     client = Client(w.address, workers.secret)
     try:
-        return client.stats()["remote"]
+        return client.stats().remote
     finally:
         client.close()
 

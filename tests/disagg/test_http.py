@@ -153,7 +153,7 @@ def test_concurrent_requests_complete_and_free_every_block(server, llama_dir: Pa
     probe = Client(workers.decode[0].address, workers.secret)
     stats = probe.stats()
     probe.close()
-    assert stats["free_blocks"] == stats["num_blocks"] and stats["remote"] >= 1
+    assert stats.free_blocks == stats.num_blocks and stats.remote >= 1
 
 
 @pytest.mark.timeout(120)
@@ -175,8 +175,8 @@ def wait_until_aborted(config: ClusterConfig, workers: LocalWorkers, before: flo
         end = time.monotonic() + 30
         while True:
             stats = probe.stats()
-            if (aborted(config.router.port) == before + 1 and stats["free_blocks"] == stats["num_blocks"]
-                    and stats["running"] == 0):
+            if (aborted(config.router.port) == before + 1 and stats.free_blocks == stats.num_blocks
+                    and stats.running == 0):
                 return
             assert time.monotonic() < end, f"the abandoned request was not aborted: {stats}"
             time.sleep(0.2)
@@ -204,7 +204,7 @@ def test_client_gone_before_a_non_streamed_answer_aborts_the_request(server) -> 
     probe = Client(workers.decode[0].address, workers.secret)
     try:
         end = time.monotonic() + 30
-        while probe.stats()["running"] == 0:
+        while probe.stats().running == 0:
             assert time.monotonic() < end, "the request never started running"
             time.sleep(0.005)
     finally:

@@ -118,11 +118,11 @@ def test_a_killed_prefill_worker_is_routed_around_at_once_then_restarted(supervi
         supervised.wait_for(("down", "prefill-0"), 5)
         _, _, address = supervised.wait_for(("moved", "prefill-0"), 120)
         back_in_service(supervised, "prefill-0", address)
-        remote = client.stats()["remote"]
+        remote = client.stats().remote
         results = client.generate({"r0": PROMPTS[1]}, remote=True)
         assert results["r0"]["tokens"] == reference[1]
         stats = client.stats()
-        assert stats["remote"] == remote + 1 and stats["free_blocks"] == stats["num_blocks"]
+        assert stats.remote == remote + 1 and stats.free_blocks == stats.num_blocks
     finally:
         client.close()
 
@@ -141,7 +141,7 @@ def test_a_killed_decode_worker_is_restarted_and_its_prefill_peer_writes_to_the_
         results = client.generate({"n0": PROMPTS[0], "n1": PROMPTS[1]}, remote=True)
         assert [results["n0"]["tokens"], results["n1"]["tokens"]] == reference
         stats = client.stats()
-        assert stats["remote"] == 2 and stats["fallbacks"] == 0
+        assert stats.remote == 2 and stats.fallbacks == 0
     finally:
         client.close()
 
@@ -159,14 +159,14 @@ def test_a_stopped_prefill_worker_the_router_declares_dead_is_killed_and_its_fen
     stopped = supervised.workers.prefill[0]
     client = Client(supervised.workers.decode[0].address, supervised.workers.secret)
     try:
-        remote = client.stats()["remote"]
+        remote = client.stats().remote
         os.kill(stopped.process.pid, signal.SIGSTOP)
         client.send(Generate(request_id="s0", prompt=PROMPTS[1], params=PARAMS, remote=True, priority=0))
         end = time.monotonic() + 10
-        while client.stats()["waiting_for_kv"] != 1:
+        while client.stats().waiting_for_kv != 1:
             assert time.monotonic() < end, "the prompt never went to the stopped prefill worker"
             time.sleep(0.05)
-        assert client.stats()["remote"] == remote + 1
+        assert client.stats().remote == remote + 1
         seen = len(supervised.events)
         supervised.supervisor.silent = lambda: {stopped.name}
         supervised.wait_for(("down", stopped.name), 10, after=seen)
@@ -184,11 +184,11 @@ def test_a_stopped_prefill_worker_the_router_declares_dead_is_killed_and_its_fen
         _, _, address = supervised.wait_for(("moved", stopped.name), 120, after=seen)
         back_in_service(supervised, stopped.name, address, restart=supervised.supervisor.restarts[stopped.name])
         end = time.monotonic() + 30
-        while (stats := client.stats())["quarantined_blocks"] or stats["free_blocks"] != stats["num_blocks"]:
+        while (stats := client.stats()).quarantined_blocks or stats.free_blocks != stats.num_blocks:
             assert time.monotonic() < end, f"blocks stay held: {stats}"
             time.sleep(0.1)
         results = client.generate({"s1": PROMPTS[0]}, remote=True)
-        assert results["s1"]["tokens"] == reference[0] and client.stats()["remote"] == remote + 2
+        assert results["s1"]["tokens"] == reference[0] and client.stats().remote == remote + 2
     finally:
         if stopped.process.is_alive():
             os.kill(stopped.process.pid, signal.SIGCONT)

@@ -105,7 +105,7 @@ def test_a_failed_decode_step_fails_its_requests_and_the_worker_serves_on(superv
         after = outcomes(client, {"after": (PROMPTS[0], PARAMS)}, remote=False)["after"]
         assert after["tokens"] == reference[0] and not after["error"]
         stats = client.stats()
-        assert stats["free_blocks"] == stats["num_blocks"] and stats["stalled"] is False
+        assert stats.free_blocks == stats.num_blocks and stats.stalled is False
         assert worker.process.is_alive() and not supervised.events
     finally:
         client.close()
@@ -120,12 +120,12 @@ def test_a_failed_prefill_step_is_prefilled_locally_and_the_prefill_worker_serve
         result = outcomes(client, {"p-launch": (PROMPTS[1], PARAMS)}, remote=True)["p-launch"]
         assert result["tokens"] == reference[1] and not result["error"]
         stats = client.stats()
-        assert stats["fallbacks"] == before["fallbacks"] + 1
-        assert stats["kv_transfer_failures"] == before["kv_transfer_failures"] + 1
+        assert stats.fallbacks == before.fallbacks + 1
+        assert stats.kv_transfer_failures == before.kv_transfer_failures + 1
         result = outcomes(client, {"p-after": (PROMPTS[1], PARAMS)}, remote=True)["p-after"]
         assert result["tokens"] == reference[1]
         stats = client.stats()
-        assert stats["remote"] == before["remote"] + 2 and stats["fallbacks"] == before["fallbacks"] + 1
+        assert stats.remote == before.remote + 2 and stats.fallbacks == before.fallbacks + 1
         assert supervised.workers.prefill[0].process.is_alive() and not supervised.events
     finally:
         client.close()

@@ -14,7 +14,7 @@ import zmq
 from cluster.config import ClusterConfig
 from cluster.local.workers import LocalWorkers, start_workers
 from engine import LLM, SamplingParams
-from protocol import WORKER_MESSAGES, Generate, Message, Stats, encode
+from protocol import WORKER_MESSAGES, Generate, Message, Stats, WorkerStats, encode
 from security import DeploymentSecret, connect_securely
 from tests.fidelity.test_hf_fidelity import random_prompts
 
@@ -60,7 +60,7 @@ class Client:
                 r["finished"], r["reason"] = msg.finished, msg.reason
         return results
 
-    def stats(self) -> dict:
+    def stats(self) -> WorkerStats:
         self.send(Stats(seq=0))
         return self.recv(10).stats
 

@@ -127,18 +127,19 @@ def fallbacks(workers: RayWorkers) -> int:
     """Prompts the decode worker prefilled itself after their prefill worker failed or left."""
     client = Client(workers.decode[0].address, workers.secret)
     try:
-        return client.stats()["fallbacks"]
+        return client.stats().fallbacks
     finally:
         client.close()
 
 
 def prefilled(router, name: str) -> int:
     """Prompts the prefill worker `name` has prefilled so far."""
-    return router.control.worker_stats(name)["prefills"]
+    return router.control.worker_stats(name).prefills
 
 
 def jobs(router, name: str) -> int:
-    return (router.control.worker_stats(name) or {"jobs": 1})["jobs"]
+    stats = router.control.worker_stats(name)
+    return 1 if stats is None else stats.jobs
 
 
 @pytest.mark.timeout(240)

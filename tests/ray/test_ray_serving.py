@@ -58,10 +58,10 @@ def test_greedy_answers_equal_the_offline_engine(served, expected: dict[str, str
     assert chat.choices[0].message.content == expected["chat"] == "The capital of France is Paris."
     stats = Client(workers.decode[0].address, workers.secret)
     try:
-        remote_before = stats.stats()["remote"]
+        remote_before = stats.stats().remote
         out = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=12, temperature=0.0)
         assert out.choices[0].text == expected["long"]
-        assert stats.stats()["remote"] == remote_before + 1  # its KV came from the prefill actor
+        assert stats.stats().remote == remote_before + 1  # its KV came from the prefill actor
     finally:
         stats.close()
 

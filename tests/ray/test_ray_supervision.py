@@ -112,7 +112,7 @@ def decode_stats(workers: RayWorkers) -> dict[str, int]:
         finally:
             client.close()
         for key in total:
-            total[key] += stats[key]
+            total[key] += getattr(stats, key)
     return total
 
 

@@ -18,8 +18,10 @@ import cluster.autoscale.run as run
 from cluster.autoscale.planner import Decision
 from cluster.config import ClusterConfig
 from cluster.elastic import Bounds, PoolScaler, ScaleError, ScaleFailed
+from protocol import WorkerStats
 from router.metrics import RouterMetrics
 from tests.unit.test_planner import FixedPlanner, snapshot, wait_for
+from tests.worker_stats import worker_stats
 
 
 @dataclass
@@ -84,8 +86,8 @@ class FakeRouter:
     def remove_worker(self, name: str, timeout: float = 30.0) -> None:
         self.log.append(("router-remove", name))
 
-    def worker_stats(self, name: str, timeout: float = 5.0) -> dict | None:
-        return {"jobs": self.jobs.get(name, 0)}
+    def worker_stats(self, name: str, timeout: float = 5.0) -> WorkerStats | None:
+        return worker_stats(jobs=self.jobs.get(name, 0))
 
     def worker_live(self, name: str, timeout: float = 30.0) -> bool:
         return name not in self.down
@@ -262,7 +264,7 @@ def test_a_drain_that_fails_part_way_leaves_no_worker_draining_for_ever() -> Non
     s, backend, router = scaler(prefill=3, decode=1, drain=30.0)
     router.jobs.update({"prefill-1": 1, "prefill-2": 1})  # both still busy when the step fails
 
-    def broken(name: str, timeout: float = 5.0) -> dict:
+    def broken(name: str, timeout: float = 5.0) -> WorkerStats:
         raise TimeoutError("no stats reply")
     router.worker_stats = broken
     with pytest.raises(ScaleFailed, match="scale-down failed while draining: TimeoutError"):

@@ -19,6 +19,7 @@ from protocol import (
     Rejected,
     RemotePrefill,
     Serving,
+    SpecDecodeStats,
     Stats,
     StatsReply,
     Stop,
@@ -27,14 +28,17 @@ from protocol import (
     from_wire,
     to_wire,
 )
+from tests.worker_stats import worker_stats
 
 WORKER = [
     Generate(request_id="a", prompt=[1, 2, 3], params=to_wire(SamplingParams(max_tokens=4, stop=["x"], seed=2**64 - 1)),
              remote=True, priority=2),
     Abort(request_id="a"),
     Stats(seq=7),
-    StatsReply(seq=7, stats={"name": "decode-0", "stalled": False}, kv_events=[(2**64 - 1, True), (3, False)],
-               kv_reset=True),
+    StatsReply(seq=7, stats=worker_stats(name="decode-0", remote=3, kv_transfer_seconds=0.5, spec_decode=SpecDecodeStats(
+        num_drafts=1, num_draft_tokens=2, num_accepted_tokens=1, accepted_per_position=[1, 0], num_disabled=0)),
+               kv_events=[(2**64 - 1, True), (3, False)], kv_reset=True),
+    StatsReply(seq=8, stats=worker_stats(name="prefill-0", jobs=2, tokens_computed=512)),
     Tokens(request_id="a", tokens=[5], finished=True, reason="length", cached=16,
            logprobs=[(-0.5, [(5, -0.5), (6, -1.25)])], phases={"queue": 0.25}),
     Rejected(request_id="a", error="bad", status=400),
@@ -109,3 +113,15 @@ def test_an_unknown_sampling_parameter_is_refused_and_the_request_named() -> Non
 def test_a_control_message_is_not_a_worker_message() -> None:
     with pytest.raises(MessageError):
         WORKER_MESSAGES.decode(encode(Stop()))
+
+
+def test_worker_stats_carry_only_their_roles_fields_and_each_is_checked_by_name() -> None:
+    reply = StatsReply(seq=1, stats=worker_stats(name="prefill-0", jobs=2))
+    sent = msgpack.unpackb(encode(reply))["stats"]
+    assert sent["jobs"] == 2 and "remote" not in sent and "spec_decode" not in sent  # a decode worker's
+    assert WORKER_MESSAGES.decode(encode(reply)).stats.remote is None
+    sent["running"] = -1
+    error = refusal(raw("stats_reply", seq=1, stats=sent))
+    assert "Expected `int` >= 0" in str(error) and "$.stats.running" in str(error) and error.kind == "stats_reply"
+    del sent["running"]
+    assert "missing required field `running` - at `$.stats`" in str(refusal(raw("stats_reply", seq=1, stats=sent)))

@@ -16,12 +16,14 @@ from cluster.config import ClusterConfig
 from cluster.elastic import Bounds, PoolScaler
 from cluster.serve import router_for
 from engine.sampling_params import SamplingParams
+from protocol import WorkerStats
 from router.app import Router
 from router.app import health as app_health
 from router.app import metrics as app_metrics
 from router.app import status as app_status
 from tests.unit.test_elastic_scaler import FakeBackend
 from tests.unit.test_router_http import FakeDecodeWorker
+from tests.worker_stats import worker_stats
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -91,7 +93,7 @@ def test_a_worker_scaled_away_while_metrics_waits_for_another_stays_out_of_metri
     """/metrics has decode-1's stats and waits for decode-0's when decode-1 leaves: the
     reply it holds must not bring decode-1's series back for good."""
     router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
-    two[1].stats = {"running": 3, "waiting": 1}
+    two[1].stats = worker_stats(running=3, waiting=1)
     request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
 
     async def main() -> str:
@@ -99,9 +101,9 @@ def test_a_worker_scaled_away_while_metrics_waits_for_another_stays_out_of_metri
         try:
             release = asyncio.Event()
 
-            async def held(timeout: float = 2.0) -> dict:  # decode-0 answers once decode-1 left
+            async def held(timeout: float = 2.0) -> WorkerStats:  # decode-0 answers once decode-1 left
                 await release.wait()
-                return {"running": 0}
+                return worker_stats()
             router.pool.decode["decode-0"].stats = held
             scrape = asyncio.create_task(app_metrics(request))
             for _ in range(200):  # until decode-1's reply is in
@@ -171,9 +173,9 @@ def test_status_keeps_each_worker_under_its_pool_when_one_leaves_meanwhile(llama
         try:
             release = asyncio.Event()
 
-            async def busy(timeout: float = 2.0) -> dict:  # decode-0 answers once decode-1 left
+            async def busy(timeout: float = 2.0) -> WorkerStats:  # decode-0 answers once decode-1 left
                 await release.wait()
-                return {}
+                return worker_stats()
             router.pool.decode["decode-0"].stats = busy
             answer = asyncio.create_task(app_status(request))
             await asyncio.sleep(0.05)

@@ -27,6 +27,7 @@ from router.errors import APIError
 from router.limits import Limits
 from tests.http_server import free_port, serving
 from tests.unit.test_router_http import open_request, request, wait_for
+from tests.worker_stats import worker_stats
 
 BASE = 70  # sequence i of the g-th Generate a worker gets emits token BASE + 4 * g + i, again and again
 
@@ -83,7 +84,7 @@ class FanoutWorker:
                 if self.silent.is_set():
                     continue
                 if msg.kind == "stats":
-                    self.sock.send_multipart([sender, encode(StatsReply(seq=msg.seq, stats={}))])
+                    self.sock.send_multipart([sender, encode(StatsReply(seq=msg.seq, stats=worker_stats()))])
                 elif msg.kind == "generate":
                     g, n = self._generates, msg.params.n
                     self._generates += 1

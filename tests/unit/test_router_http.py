@@ -23,6 +23,7 @@ from protocol import WORKER_MESSAGES, Message, Rejected, StatsReply, Tokens, enc
 from router.app import Router
 from router.core import MAX_RETRIES
 from tests.http_server import free_port, serving
+from tests.worker_stats import worker_stats
 
 decode = WORKER_MESSAGES.decode
 
@@ -41,7 +42,7 @@ class FakeDecodeWorker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.received: list[dict[str, Any]] = []
-        self.stats: dict[str, Any] = {}  # what its stats replies say
+        self.stats = worker_stats()  # what its stats replies say
         self.retry_next = 0  # this many next requests get one token, then Rejected(retry=True)
         self.phases = {"queue": 0.0, "prefill": 0.0, "decode": 0.0}  # with each request's last tokens
         self.remote = False  # with each request's last tokens: its prompt KV came from a prefill worker
@@ -232,7 +233,7 @@ def test_chat_without_max_tokens_fits_the_smallest_kv_pool(served) -> None:
     request that would not fit it: the default stops at what the pool holds."""
     base, router, fake = served
     fake.per_step = 200
-    fake.stats = {"num_blocks": 10}  # 160 tokens of 16-token blocks
+    fake.stats = worker_stats(num_blocks=10)  # 160 tokens of 16-token blocks
     wait_for(lambda: router.pool.decode["decode-0"].num_kv_blocks == 10, 10, "the router reads the pool size from a stats reply")
     status, out = request(base, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})
     assert status == 200, out

@@ -17,9 +17,22 @@ from decode_worker.server import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, RequestsFailed, StepOutput
 from kv_transfer import TransportConfig, create_transport
-from protocol import WORKER_MESSAGES, Abort, Generate, Message, Peers, Rejected, Stats, StatsReply, Tokens, encode
+from protocol import (
+    WORKER_MESSAGES,
+    Abort,
+    Generate,
+    Message,
+    Peers,
+    Rejected,
+    Stats,
+    StatsReply,
+    Tokens,
+    WorkerStats,
+    encode,
+)
 from router.core import _rejection
 from router.worker_client import WORKER_LOST, WorkerClient
+from tests.worker_stats import worker_stats
 from workers.loop import WorkerFailed, WorkerStalled
 from workers.watchdog import HangWatchdog, StallWatchdog
 
@@ -142,7 +155,7 @@ class Rig:
             assert time.monotonic() < deadline
         self.worker._drain(self.worker.sock)
 
-    def stats(self) -> dict:
+    def stats(self) -> WorkerStats:
         self.send(Stats(seq=1))
         assert self.client.poll(5000)
         return decode(self.client.recv()).stats
@@ -168,7 +181,7 @@ def test_a_worker_whose_steps_advance_nothing_reports_stalled_then_gives_up(llam
         rig.send(Generate(request_id="r", prompt=[5, 6, 7, 8, 9], params=GREEDY, remote=False, priority=0))
         w.step()  # a real step: the prompt is computed, one token comes out
         w._watch()
-        assert rig.messages()[0].tokens and rig.stats()["stalled"] is False
+        assert rig.messages()[0].tokens and rig.stats().stalled is False
         w.core.step = lambda: StepOutput()  # from now on steps run and advance nothing
         start = rig.clock.now
         for t in (1.0, 5.0, 9.5):
@@ -176,12 +189,12 @@ def test_a_worker_whose_steps_advance_nothing_reports_stalled_then_gives_up(llam
             w.step()
             w._watch()
         stats = rig.stats()
-        assert stats["stalled"] is False and stats["no_progress_s"] == pytest.approx(9.5)
+        assert stats.stalled is False and stats.no_progress_s == pytest.approx(9.5)
         rig.clock.now = start + 10.0
         w.step()
         w._watch()  # stalled now; still answering, so that the router can read it
         stats = rig.stats()
-        assert stats["stalled"] is True and stats["no_progress_s"] == pytest.approx(10.0)
+        assert stats.stalled is True and stats.no_progress_s == pytest.approx(10.0)
         rig.clock.now = start + 12.0
         w.step()
         with pytest.raises(WorkerStalled, match="no progress for 12.0 s"):
@@ -268,7 +281,7 @@ def test_without_a_timeout_the_stats_say_not_stalled(llama_dir: Path) -> None:
             rig.worker.step()
             rig.worker._watch()
         stats = rig.stats()
-        assert stats["stalled"] is False and stats["no_progress_s"] == pytest.approx(3000.0)
+        assert stats.stalled is False and stats.no_progress_s == pytest.approx(3000.0)
     finally:
         rig.close()
 
@@ -337,7 +350,7 @@ def test_the_router_declares_a_stalled_worker_dead_and_its_replies_do_not_readmi
             async def reply(stalled: bool) -> None:
                 client.ping()
                 sender, body = await asyncio.wait_for(fake.recv_multipart(), 5)
-                stats = {"name": "decode-0", "stalled": stalled, "no_progress_s": 61.0 if stalled else 0.0}
+                stats = worker_stats(name="decode-0", stalled=stalled, no_progress_s=61.0 if stalled else 0.0)
                 await fake.send_multipart([sender, encode(StatsReply(seq=decode(body).seq, stats=stats))])
 
             await reply(stalled=False)
@@ -378,7 +391,7 @@ def test_a_stalled_workers_other_messages_during_its_grace_do_not_readmit_it() -
             async def reply(stalled: bool) -> bytes:
                 client.ping()
                 sender, body = await asyncio.wait_for(fake.recv_multipart(), 5)
-                stats = {"name": "decode-0", "stalled": stalled, "no_progress_s": 61.0 if stalled else 0.0}
+                stats = worker_stats(name="decode-0", stalled=stalled, no_progress_s=61.0 if stalled else 0.0)
                 await fake.send_multipart([sender, encode(StatsReply(seq=decode(body).seq, stats=stats))])
                 await asyncio.sleep(0.2)
                 return sender

@@ -2,13 +2,36 @@
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
 from cluster.status import format_status
+from tests.worker_stats import worker_stats
 
 
 def test_the_live_column_says_draining_for_a_worker_being_scaled_down() -> None:
-    worker = {"address": "tcp://x", "stats": {"running": 1}}
+    worker = {"address": "tcp://x", "stats": msgspec.to_builtins(worker_stats(running=1))}
     text = format_status({"model": "m", "in_flight": 1, "prefill_workers": [], "decode_workers": [
         {"name": "decode-0", "live": True, **worker}, {"name": "decode-1", "live": True, "draining": True, **worker},
         {"name": "decode-2", "live": False, "draining": True, **worker}]})
     rows = {line.split()[0]: line.split()[1] for line in text.splitlines() if line.startswith("decode-")}
     assert rows == {"decode-0": "yes", "decode-1": "draining", "decode-2": "NO"}
+
+
+def test_columns_read_the_stats_fields_and_the_other_roles_show_a_question_mark() -> None:
+    decode = msgspec.to_builtins(worker_stats(running=2, num_blocks=200, free_blocks=150, remote=7, ranks=[11, 12]))
+    text = format_status({"model": "m", "in_flight": 0, "decode_workers": [
+        {"name": "decode-0", "live": True, "address": "tcp://x", "stats": decode},
+        {"name": "decode-1", "live": False, "address": "tcp://y", "stats": None}]})
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("decode-")}
+    # worker live address tp running waiting waiting_kv kv_used remote local ...
+    assert rows["decode-0"][3:9] == ["2:11,12", "2", "0", "?", "25.0%", "7"]
+    assert set(rows["decode-1"][3:]) == {"?"}  # it did not answer
+
+
+def test_stats_this_pdserve_cannot_read_are_refused_naming_the_worker_and_field() -> None:
+    stats = msgspec.to_builtins(worker_stats())
+    stats["running"] = "many"
+    with pytest.raises(ValueError, match=r"worker 'decode-0'.*Expected `int`, got `str` - at `\$.running`"):
+        format_status({"model": "m", "in_flight": 0, "decode_workers": [
+            {"name": "decode-0", "live": True, "address": "tcp://x", "stats": stats}]})

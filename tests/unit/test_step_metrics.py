@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from engine.engine_core import StepOutput
+from protocol import Histogram
 from workers.step_metrics import FixedHistogram, StepMetrics, histogram_quantile
 
 
@@ -15,10 +16,10 @@ def test_values_fall_in_prometheus_buckets_and_the_snapshot_is_a_copy() -> None:
     for value in (0.5, 1, 1.5, 4, 9):  # a value equal to a bound is in that bound's bucket (le)
         h.observe(value)
     snap = h.snapshot()
-    assert snap == {"bounds": [1, 2, 4], "counts": [2, 1, 1, 1], "sum": 16.0, "count": 5}
+    assert snap == Histogram(bounds=[1.0, 2.0, 4.0], counts=[2, 1, 1, 1], sum=16.0, count=5)
     h.observe(3)
-    assert snap["counts"] == [2, 1, 1, 1] and snap["count"] == 5
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(snap)) == snap  # it goes in a StatsReply
+    assert snap.counts == [2, 1, 1, 1] and snap.count == 5
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(snap), type=Histogram) == snap  # it goes in a StatsReply
 
 
 @pytest.mark.parametrize("bounds", [(), (1, 1), (2, 1)])
@@ -41,13 +42,12 @@ def test_only_steps_that_computed_tokens_are_counted() -> None:
                          StepOutput(num_tokens=2, num_requests=2)])
     outs = [metrics.step(engine) for _ in range(3)]
     assert [o.num_tokens for o in outs] == [0, 40, 2]  # passed through unchanged
-    stats = metrics.stats()
-    assert stats["step_seconds"]["count"] == 2 and stats["step_seconds"]["sum"] >= 0
-    assert stats["step_requests"]["sum"] == 5 and stats["step_requests"]["count"] == 2
-    assert stats["step_tokens"]["sum"] == 42
-    requests = stats["step_requests"]
-    assert requests["counts"][requests["bounds"].index(2)] == 1  # 2 requests: le=2
-    assert requests["counts"][requests["bounds"].index(4)] == 1  # 3 requests: le=4
+    seconds, requests, tokens = metrics.seconds.snapshot(), metrics.requests.snapshot(), metrics.tokens.snapshot()
+    assert seconds.count == 2 and seconds.sum >= 0
+    assert requests.sum == 5 and requests.count == 2
+    assert tokens.sum == 42
+    assert requests.counts[requests.bounds.index(2)] == 1  # 2 requests: le=2
+    assert requests.counts[requests.bounds.index(4)] == 1  # 3 requests: le=4
 
 
 def test_quantile_interpolates_within_a_bucket_as_prometheus_does() -> None:

@@ -1,17 +1,20 @@
 """The router's view of worker figures (router/metrics.py, router/worker_metrics.py):
 step histograms become Prometheus histograms and stats become gauges, each labelled
-by worker and role; a malformed histogram is left out, never a failed scrape; TPOT."""
+by worker and role; a malformed histogram never gets past decoding; TPOT."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
+import msgpack
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import RouterMetrics
-from router.worker_metrics import prometheus_buckets
+from protocol import PROTOCOL_VERSION, WORKER_MESSAGES, MessageError, StatsReply, WorkerStats, encode
+from router.metrics import WORKER_GAUGES, RouterMetrics
+from router.worker_metrics import STEP_HISTOGRAMS
+from tests.worker_stats import worker_stats
 from workers.step_metrics import StepMetrics
 
 
@@ -21,11 +24,16 @@ def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
 
 
-def stats_with_steps(*steps: tuple[float, int, int], **figures: float) -> dict:
+def with_steps(steps: StepMetrics, **figures: float) -> WorkerStats:
+    return worker_stats(step_seconds=steps.seconds.snapshot(), step_requests=steps.requests.snapshot(),
+                        step_tokens=steps.tokens.snapshot(), **figures)
+
+
+def stats_with_steps(*steps: tuple[float, int, int], **figures: float) -> WorkerStats:
     steps_metrics = StepMetrics()
     for step in steps:
         steps_metrics.observe(*step)
-    return {**figures, **steps_metrics.stats()}
+    return with_steps(steps_metrics, **figures)
 
 
 def test_step_histograms_and_gauges_are_labelled_by_worker_and_role() -> None:
@@ -58,9 +66,9 @@ def test_step_histograms_and_gauges_are_labelled_by_worker_and_role() -> None:
 def test_a_later_reply_replaces_the_histogram_it_is_cumulative_on_the_worker() -> None:
     m, steps = RouterMetrics(), StepMetrics()
     steps.observe(0.01, 1, 1)
-    m.set_worker("decode-0", "decode", steps.stats())
+    m.set_worker("decode-0", "decode", with_steps(steps))
     steps.observe(0.01, 1, 1)
-    m.set_worker("decode-0", "decode", steps.stats())
+    m.set_worker("decode-0", "decode", with_steps(steps))
     assert samples(m)[("pdserve_worker_step_seconds_count", (("role", "decode"), ("worker", "decode-0")))] == 2
 
 
@@ -73,26 +81,27 @@ def test_worker_live_is_labelled_by_role() -> None:
     assert got[("pdserve_decode_workers_live", ())] == 1 and got[("pdserve_prefill_workers_live", ())] == 0
 
 
+def test_every_gauge_and_histogram_is_a_worker_stats_field() -> None:
+    fields = {f.name: f.type for f in msgspec.structs.fields(WorkerStats)}
+    assert set(WORKER_GAUGES) <= set(fields) and set(STEP_HISTOGRAMS) <= set(fields)
+
+
 @pytest.mark.parametrize("hist, message", [
-    ([1, 2], "a map"),
-    ({"bounds": [2, 1], "counts": [0, 0, 0], "sum": 0}, "increasing"),
-    ({"bounds": [1], "counts": [0], "sum": 0}, "2 counts"),
-    ({"bounds": [1], "counts": [0, -1], "sum": 0}, "2 counts"),
-    ({"bounds": [1], "counts": [0, 1], "sum": "x"}, "sum must be a number"),
+    ([1, 2], "Expected `object`, got `array` - at `$.stats.step_tokens`"),
+    ({"bounds": [2, 1], "counts": [0, 0, 0], "sum": 0, "count": 0}, "increasing"),
+    ({"bounds": [1], "counts": [0], "sum": 0, "count": 0}, "counts must be 2"),
+    ({"bounds": [1], "counts": [0, -1], "sum": 0, "count": 0}, "Expected `int` >= 0"),
+    ({"bounds": [1], "counts": [0, 1], "sum": "x", "count": 1}, "Expected `float`, got `str`"),
 ])
-def test_a_malformed_histogram_is_named_and_left_out(hist, message: str, caplog) -> None:
-    with pytest.raises(ValueError, match=message):
-        prometheus_buckets(hist)
-    m = RouterMetrics()
-    good = StepMetrics()
-    good.observe(0.01, 1, 1)
-    with caplog.at_level(logging.WARNING):
-        m.set_worker("decode-0", "decode", {**good.stats(), "step_tokens": hist, "running": 1})
-    got = samples(m)
-    labels = (("role", "decode"), ("worker", "decode-0"))
-    assert ("pdserve_worker_step_tokens_count", labels) not in got
-    assert got[("pdserve_worker_step_seconds_count", labels)] == 1 and got[("pdserve_worker_running", labels)] == 1
-    assert "decode-0 sent a malformed step_tokens histogram" in caplog.text
+def test_a_malformed_histogram_is_refused_with_its_reply_naming_the_field(hist, message: str) -> None:
+    """A worker that sends one is broken: the reply is dropped (the router logs it, and
+    the worker reads as not answering), never a failed scrape."""
+    reply = msgspec.to_builtins(StatsReply(seq=1, stats=worker_stats()))
+    reply["stats"]["step_tokens"] = hist
+    with pytest.raises(MessageError, match="stats_reply") as refused:
+        WORKER_MESSAGES.decode(msgpack.packb(reply))
+    assert message in str(refused.value) and "step_tokens" in str(refused.value)
+    assert reply["v"] == PROTOCOL_VERSION and WORKER_MESSAGES.decode(encode(StatsReply(seq=1, stats=worker_stats())))
 
 
 def test_tpot_is_the_decode_time_per_token_after_the_first() -> None:

@@ -1,0 +1,101 @@
+"""A worker's figures, as its StatsReply carries them: one typed record for both roles.
+
+The fields both roles have are required; those of one role only are None on the other
+(and left out of the wire form and of /status's JSON: omit_defaults). Decoding checks
+every field as it does a message's (protocol/wire.py), so the router, `pdserve status`,
+/metrics and the autoscaling planner read attributes, never keys they must re-check.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of the records nested in a message (no `kind`, no `v`: the message has them)."""
+
+
+class Histogram(_Record, frozen=True):
+    """A cumulative histogram over fixed upper bounds (workers/step_metrics.py keeps
+    them): counts[i] observations in (bounds[i-1], bounds[i]], not cumulative; the last,
+    counts[len(bounds)], above every bound (+Inf)."""
+
+    bounds: list[float]  # increasing, finite (Prometheus' `le`)
+    counts: list[Count]  # len(bounds) + 1
+    sum: float
+    count: Count
+
+    def __post_init__(self) -> None:
+        # A ValueError here is a ValidationError naming the field when decoded.
+        if not self.bounds or not all(map(math.isfinite, self.bounds)) \
+                or any(a >= b for a, b in zip(self.bounds, self.bounds[1:])):
+            raise ValueError(f"bounds must be a non-empty increasing list of finite numbers, got {self.bounds!r}")
+        if len(self.counts) != len(self.bounds) + 1:
+            raise ValueError(f"counts must be {len(self.bounds) + 1} (one per bound, then +Inf), "
+                             f"got {len(self.counts)}")
+        if not math.isfinite(self.sum):
+            raise ValueError(f"sum must be finite, got {self.sum!r}")
+
+
+class SpecDecodeStats(_Record, frozen=True):
+    """A speculating decode worker's counters since it started (the engine's SpecStats
+    fields); a worker that does not speculate sends none."""
+
+    num_drafts: Count  # request steps that verified at least one draft token
+    num_draft_tokens: Count
+    num_accepted_tokens: Count
+    accepted_per_position: list[Count]  # [k]: drafts accepted at position i (0: right after the last token)
+    num_disabled: Count  # requests that stopped speculating (low acceptance)
+
+
+class WorkerStats(_Record, frozen=True, omit_defaults=True):
+    """What a worker reports of itself (docs/api.md, /status; router/metrics.py's gauges
+    are named after these fields). Totals count since the worker started."""
+
+    # Both roles.
+    name: str
+    num_blocks: Count  # KV blocks in its pool
+    free_blocks: Count  # free or only cached
+    running: Count  # requests scheduled in the last step or about to be
+    waiting: Count  # queued in its engine
+    preemptions: Count  # total
+    ranks: list[int]  # the process id of each tensor-parallel rank, rank 0 first
+    refused_peers: Count  # peers refused so far for lacking the deployment's secret (total)
+    stalled: bool  # for good: it exits soon (workers/watchdog.py)
+    no_progress_s: float  # how long its pending work has gone without a step computing a token
+    step_seconds: Histogram  # wall time of its engine steps that computed tokens
+    step_requests: Histogram  # requests per such step
+    step_tokens: Histogram  # tokens per such step
+
+    # A decode worker's (None on a prefill worker).
+    waiting_for_kv: Count | None = None  # requests whose prompt KV a prefill worker computes
+    quarantined_blocks: Count | None = None  # held out of use until a given-up write is confirmed (fence)
+    remote: Count | None = None  # requests prefilled on a prefill worker (total)
+    local: Count | None = None  # requests prefilled here (total)
+    fallbacks: Count | None = None  # remote prefills that fell back to local (total)
+    fenced_refusals: Count | None = None  # prompts kept from a prefill worker whose fences hold too much (total)
+    saturated: Count | None = None  # remote prefills kept local: every prefill worker at its limit (total)
+    kv_bytes_received: Count | None = None  # total
+    kv_transfer_seconds: float | None = None  # prefill workers' KV computed -> last write acknowledged (total)
+    kv_transfer_failures: Count | None = None  # remote prefills that failed (total)
+    late_writes_dropped: Count | None = None  # KV writes refused as late or unreserved (total)
+    kv_overwritten: Count | None = None  # writes for a given-up reservation that landed, in fenced blocks (total)
+    kv_overwritten_in_use: Count | None = None  # writes that landed in released blocks: 0 expected (total)
+    spec_decode: SpecDecodeStats | None = None  # only while it speculates
+
+    # A prefill worker's (None on a decode worker).
+    jobs: Count | None = None  # remote prefills in flight
+    prefills: Count | None = None  # remote prefills whose KV was all written (total)
+    blocks_written: Count | None = None  # KV blocks written to decode workers (total)
+    failed: Count | None = None  # remote prefills that failed here (total)
+    tokens_computed: Count | None = None  # prompt tokens computed (total)
+
+    @property
+    def kv_used(self) -> float:
+        """The fraction of its KV blocks in use (not free)."""
+        return 1 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
