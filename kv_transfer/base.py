@@ -40,10 +40,11 @@ from kv_transfer.compat import IncompatiblePeerError, KVCompat
 from kv_transfer.config import TransportConfig
 from kv_transfer.control import ControlPlane, Peer
 from kv_transfer.events import Event
-from kv_transfer.messages import encode
 from kv_transfer.rank_pairs import HeadRange, plan
 from kv_transfer.receiver import ReceiverState
 from kv_transfer.sender import SenderState, Write, written_message
+from protocol import Message, encode
+from protocol.kv_control import Ack, Cancel, CancelAck, Hello, Join, Written
 
 
 class KVTransport(ABC):
@@ -239,8 +240,8 @@ class KVTransport(ABC):
         # Who we are, for the receiver's fence: it keeps the blocks of a reservation it
         # gave up on out of use until we confirm (cancel_ack) or this process is gone.
         me = liveness.this_process()
-        peer.socket.send(encode("hello", session=self.session, pid=me.pid, start=me.start, boot=me.boot,
-                                pidns=me.pidns))
+        peer.socket.send(encode(Hello(session=self.session, pid=me.pid, start=me.start, boot=me.boot,
+                                      pidns=me.pidns)))
         return name
 
     def warm_up(self, name: str) -> None:
@@ -327,10 +328,10 @@ class KVTransport(ABC):
                 self._on_message(sender, notified, [])
         for peer in self.control.peers.values():
             for msg in self.control.replies(peer):
-                if msg["kind"] == "ack":
-                    self.sending.on_ack(peer, msg["xfer"], msg["ok"], msg["reason"])
-                elif msg["kind"] == "cancel":
-                    self.sending.on_cancel(peer, msg["req"], msg["epoch"], msg["deadline"])
+                if isinstance(msg, Ack):
+                    self.sending.on_ack(peer, msg.xfer, msg.ok, msg.reason)
+                elif isinstance(msg, Cancel):
+                    self.sending.on_cancel(peer, msg.req, msg.epoch, msg.deadline)
         now_mono, now = time.monotonic(), time.time()
         self.sending.advance(now_mono)
         self.receiving.expire(now)
@@ -339,17 +340,17 @@ class KVTransport(ABC):
         self._events.clear()
         return events
 
-    def _on_message(self, sender: bytes, msg: dict[str, Any], data: list[Any]) -> None:
-        """A message to us as receiver: a write's notification, a cancel_ack, a join."""
-        if msg["kind"] == "written":
+    def _on_message(self, sender: bytes, msg: Message, data: list[Any]) -> None:
+        """A message to us as receiver: a write's notification, a cancel_ack, a hello, a join."""
+        if isinstance(msg, Written):
             self.receiving.on_written(sender, msg, data)
-        elif msg["kind"] == "cancel_ack":
-            self.receiving.on_cancel_ack(sender.decode(), msg["req"], msg["epoch"], msg["session"])
-        elif msg["kind"] == "hello":
-            self.receiving.on_hello(sender.decode(), msg["session"], liveness.ProcessId(
-                msg["pid"], msg["start"], msg["boot"], msg["pidns"]))
-        elif msg["kind"] == "join":
-            self._on_join(sender.decode(), msg["session"])
+        elif isinstance(msg, CancelAck):
+            self.receiving.on_cancel_ack(sender.decode(), msg.req, msg.epoch, msg.session)
+        elif isinstance(msg, Hello):
+            self.receiving.on_hello(sender.decode(), msg.session, liveness.ProcessId(
+                msg.pid, msg.start, msg.boot, msg.pidns))
+        elif isinstance(msg, Join):
+            self._on_join(sender.decode(), msg.session)
 
     def close(self) -> None:
         try:

@@ -3,7 +3,8 @@
 Every agent binds one ROUTER, where messages to it as receiver arrive (a write's
 notification, cancel_ack, join), and, as sender, connects one DEALER per peer, whose
 routing id is its agent name (acks and cancels come back on it). Messages are
-messages.py's CONTROL schema; one that does not decode is logged and dropped, never
+protocol/kv_control.py's, under the protocol's version, which the handshake carries
+and add_peer checks; one that does not decode is logged and dropped, never
 raised: a bad peer cannot bring this agent down. The control plane knows nothing of
 writes or reservations: sender.py and receiver.py say what the messages mean.
 
@@ -26,13 +27,14 @@ import msgpack
 import zmq
 
 from kv_transfer.compat import IncompatiblePeerError, KVCompat
-from kv_transfer.messages import CONTROL, MessageError, decode
 from kv_transfer.rank_pairs import Piece
+from protocol import PROTOCOL_VERSION, Message, MessageError
+from protocol.kv_control import KV_CONTROL_MESSAGES
 from security import DeploymentSecret, PlaneGuard, connect_securely, serve_securely
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_VERSION = 2  # 2: the blob carries the deployment secret's tag
+HANDSHAKE_VERSION = 3  # 2: the blob carries the deployment secret's tag; 3: protocol_version
 TAG = "tag"  # the blob's field holding it
 
 
@@ -88,7 +90,7 @@ class ControlPlane:
         """The blob peers need to write to us: who we are, where we listen, what we hold;
         with a secret, last, its tag over the packed map before it."""
         meta = {"v": HANDSHAKE_VERSION, "name": self.agent_name, "transport": transport, "session": self.session,
-                "control_version": CONTROL.version, "control": self.address, "compat": compat.to_dict(),
+                "protocol_version": PROTOCOL_VERSION, "control": self.address, "compat": compat.to_dict(),
                 "num_blocks": num_blocks, "data": data}
         if self.secret is not None:
             meta[TAG] = self.secret.tag(msgpack.packb(meta, use_bin_type=True))
@@ -113,9 +115,9 @@ class ControlPlane:
         if meta.get("transport") != transport:
             raise IncompatiblePeerError(f"peer {name!r} is incompatible: transport is "
                                         f"{meta.get('transport')!r} there, {transport!r} here")
-        if meta.get("control_version") != CONTROL.version:  # its messages would all be dropped
-            raise IncompatiblePeerError(f"peer {name!r} is incompatible: control messages are version "
-                                        f"{meta.get('control_version')!r} there, {CONTROL.version} here")
+        if meta.get("protocol_version") != PROTOCOL_VERSION:  # its messages would all be dropped
+            raise IncompatiblePeerError(f"peer {name!r} is incompatible: it speaks protocol version "
+                                        f"{meta.get('protocol_version')!r}, this side {PROTOCOL_VERSION}")
         peer_compat = KVCompat.from_dict(meta["compat"])
         compat.check_peer(peer_compat, name)
         return name, peer_compat, meta
@@ -182,15 +184,15 @@ class ControlPlane:
     # ------------------------------------------------------------------ receiving
 
     @staticmethod
-    def decode(origin: Any, body: bytes) -> dict[str, Any] | None:
+    def decode(origin: Any, body: bytes) -> Message | None:
         """A control message, or None (logged) if it is not one of ours."""
         try:
-            return decode(body)
+            return KV_CONTROL_MESSAGES.decode(body)
         except MessageError as exc:
             logger.warning("dropped a control message from %r: %s", origin, exc)
             return None
 
-    def incoming(self) -> Iterator[tuple[bytes, dict[str, Any], list[Any]]]:
+    def incoming(self) -> Iterator[tuple[bytes, Message, list[Any]]]:
         """Messages to us as receiver, (sender's agent name, message, the data frames
         that came with it), until none is waiting. Never blocks."""
         while True:
@@ -209,7 +211,7 @@ class ControlPlane:
             if msg is not None:
                 yield sender, msg, frames[2:]
 
-    def replies(self, peer: Peer) -> Iterator[dict[str, Any]]:
+    def replies(self, peer: Peer) -> Iterator[Message]:
         """Messages to us as sender from `peer` (ack, cancel), until none is waiting."""
         while True:
             try:

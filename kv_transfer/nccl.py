@@ -31,8 +31,9 @@ from kv_transfer.auth_store import AuthStore, StoreServer
 from kv_transfer.base import KVTransport, TransportConfig
 from kv_transfer.compat import IncompatiblePeerError
 from kv_transfer.control import Peer
-from kv_transfer.messages import encode
 from kv_transfer.sender import Write
+from protocol import encode
+from protocol.kv_control import Join
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class NcclTransport(KVTransport):
         store = self._peer_store(peer)
         session = uuid.uuid4().hex
         prefix = PrefixStore(f"{peer.name}/{self.agent_name}/{session}", store)
-        peer.socket.send(encode("join", session=session))
+        peer.socket.send(encode(Join(session=session)))
 
         def join(store: Store) -> None:  # blocks until the receiver joins in its poll()
             # `store` is held for the call: C++ keeps no Python store alive, and

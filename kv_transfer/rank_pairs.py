@@ -128,10 +128,11 @@ def heads_moved(pieces: Sequence[Piece]) -> int:
     return sum(p.num_heads for p in pieces)
 
 
-def wire(pieces: Sequence[Piece]) -> list[list[int]]:
-    """The pieces as the receiver needs them, in a write's notification: [dst_rank,
-    dst_head, num_heads, whole] each, in the order of the write's data (tcp's frames)."""
-    return [[p.dst_rank, p.dst_head, p.num_heads, int(p.whole)] for p in pieces]
+def wire(pieces: Sequence[Piece]) -> list[tuple[int, int, int, int]]:
+    """The pieces as the receiver needs them, in a write's notification (protocol
+    kv_control.Written.pieces): (dst_rank, dst_head, num_heads, whole) each, in the
+    order of the write's data (tcp's frames)."""
+    return [(p.dst_rank, p.dst_head, p.num_heads, int(p.whole)) for p in pieces]
 
 
 def check_wire(pieces: Sequence[Sequence[int]], local_heads: Sequence[int]) -> str:

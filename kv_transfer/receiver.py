@@ -40,7 +40,7 @@ blocks.
   prefill worker ends the job: no more compute, no new write, and its transport's
   cancel(req) (below). It never frees a block by itself, and it is advisory for the
   transfer: lost, the prefill worker still stops at its next write, which is refused.
-- The transport's `cancel` (messages.py; request, epoch, the reservation's deadline)
+- The transport's `cancel` (protocol/kv_control.py Cancel: request, epoch, the reservation's deadline)
   goes D's transport -> P's transport, one-sided transports only, whenever a
   reservation dies: abort() here (the decode worker aborting a request that waits for
   its KV, or falling back after P reported a failure in `prefill_done`), its expiry,
@@ -76,8 +76,9 @@ from kv_transfer.compat import KVCompat
 from kv_transfer.control import ControlPlane
 from kv_transfer.events import Completed, Event, Expired, Overwritten, Received, Released
 from kv_transfer.liveness import ProcessId, is_gone
-from kv_transfer.messages import encode
 from kv_transfer.rank_pairs import check_wire
+from protocol import encode
+from protocol.kv_control import Ack, Cancel, Written
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ class ReceiverState:
     def _send_cancel(self, req: str, r: Reservation) -> None:
         r.cancel_at = time.monotonic() + CANCEL_RESEND_S
         for name in {name for name, _ in r.waiting_on}:
-            self._control.send(name, encode("cancel", req=req, epoch=r.epoch, deadline=r.deadline))
+            self._control.send(name, encode(Cancel(req=req, epoch=r.epoch, deadline=r.deadline)))
 
     def on_hello(self, sender: str, session: str, proc: ProcessId) -> None:
         """A sender connected (again): the process behind its name from now on. A
@@ -314,16 +315,16 @@ class ReceiverState:
         for key in [k for k, (_, _, until, _) in self._released.items() if now > until]:
             del self._released[key]
 
-    def on_written(self, sender: bytes, msg: dict[str, Any], frames: list[Any]) -> None:
+    def on_written(self, sender: bytes, msg: Written, frames: list[Any]) -> None:
         """A write's notification: accept it (Received, then Completed once every block
         is in) or refuse it, naming why, to the sender."""
-        req, epoch, blocks = msg["req"], msg["epoch"], msg["blocks"]
+        req, epoch, blocks = msg.req, msg.epoch, msg.blocks
         r = self.reservations.get(req)
         reason = ""
         if (req, epoch) in self.quarantine:
             fenced = self.quarantine[(req, epoch)]
             reason = "the request was aborted or expired"
-            landed = fenced.blocks & (set(blocks) | (_covered(msg["runs"]) or set())) if self._plane.one_sided else set()
+            landed = fenced.blocks & (set(blocks) | (_covered(msg.runs) or set())) if self._plane.one_sided else set()
             if landed and not fenced.landing_seen:  # into blocks the fence keeps out of use: harmless, said once
                 fenced.landing_seen = True
                 self._stats["overwritten"] += 1
@@ -332,10 +333,10 @@ class ReceiverState:
                                sorted(landed)[:16])
                 self._events.append(Overwritten(req, epoch, tuple(sorted(landed)), fenced=True))
             # The cancel may not have reached this sender before: repeat it.
-            self._control.send(sender, encode("cancel", req=req, epoch=epoch, deadline=fenced.deadline))
+            self._control.send(sender, encode(Cancel(req=req, epoch=epoch, deadline=fenced.deadline)))
         elif self._plane.one_sided and (req, epoch) in self._released:
             released, deadline, _, proven = self._released[(req, epoch)]
-            landed = set(released) & (set(blocks) | (_covered(msg["runs"]) or set()))
+            landed = set(released) & (set(blocks) | (_covered(msg.runs) or set()))
             reason = "the request's blocks were already released"
             if landed and proven:
                 # Its sender confirmed (or was seen gone) before the release: the bytes
@@ -348,7 +349,7 @@ class ReceiverState:
                 logger.error("a write from %s for %s/%d landed in blocks %s after they were released: "
                              "their contents are unknown", sender.decode(), req, epoch, sorted(landed)[:16])
                 self._events.append(Overwritten(req, epoch, tuple(sorted(landed))))
-            self._control.send(sender, encode("cancel", req=req, epoch=epoch, deadline=deadline))
+            self._control.send(sender, encode(Cancel(req=req, epoch=epoch, deadline=deadline)))
         elif r is None:
             reason = "no reservation for this request"
         elif r.epoch != epoch:
@@ -357,31 +358,31 @@ class ReceiverState:
             reason = f"blocks {sorted(set(blocks) - r.blocks)[:5]} were not reserved for it"
         elif time.time() > r.deadline:
             reason = "the reservation's deadline passed"
-        elif _covered(msg["runs"]) != set(blocks):
+        elif _covered(msg.runs) != set(blocks):
             reason = "its runs do not cover exactly its blocks"
-        elif bad_pieces := check_wire(msg["pieces"], self._plane.registered_compat.local_heads):
+        elif bad_pieces := check_wire(msg.pieces, self._plane.registered_compat.local_heads):
             reason = f"its pieces do not fill every head of the blocks: {bad_pieces}"
         if not reason and not self._plane.one_sided:
             try:
-                self._plane._apply(sender.decode(), msg["xfer"], msg["runs"], msg["pieces"], frames)
+                self._plane._apply(sender.decode(), msg.xfer, msg.runs, msg.pieces, frames)
             except (ValueError, RuntimeError) as exc:
                 reason = f"unusable data: {exc}"
-        elif reason and not self._plane.one_sided and _covered(msg["runs"]) is not None:
+        elif reason and not self._plane.one_sided and _covered(msg.runs) is not None:
             try:
-                self._plane._discard(sender.decode(), msg["xfer"], msg["runs"])
+                self._plane._discard(sender.decode(), msg.xfer, msg.runs)
             except (ValueError, RuntimeError) as exc:
                 logger.warning("could not drain a refused write's data: %s", exc)
         if reason:
             self._stats["late_writes_dropped"] += 1
             logger.warning("dropped a write from %s for %s/%d: %s", sender.decode(), req, epoch, reason)
-            self._control.send(sender, encode("ack", xfer=msg["xfer"], ok=False, reason=reason))
+            self._control.send(sender, encode(Ack(xfer=msg.xfer, ok=False, reason=reason)))
             return
         assert r is not None  # else a reason was given above
         if r.sender is None:
             r.sender = sender.decode()
         r.pending -= set(blocks)
         self._events.append(Received(req, epoch, tuple(blocks)))
-        self._control.send(sender, encode("ack", xfer=msg["xfer"], ok=True, reason=""))
+        self._control.send(sender, encode(Ack(xfer=msg.xfer, ok=True, reason="")))
         if not r.pending:
             del self.reservations[req]
             self._events.append(Completed(req, epoch))

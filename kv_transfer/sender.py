@@ -42,9 +42,10 @@ import torch
 from kv_transfer.compat import KVCompat
 from kv_transfer.control import ControlPlane, Peer
 from kv_transfer.events import Event, WriteDone, WriteFailed
-from kv_transfer.messages import encode
 from kv_transfer.rank_pairs import Piece, count_descriptors, heads_moved, wire
 from kv_transfer.runs import coalesce
+from protocol import encode
+from protocol.kv_control import CancelAck, Written
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ class Write:
 
 def written_message(w: Write) -> bytes:
     """The write's notification: after its bytes (one-sided), or ahead of them."""
-    return encode("written", xfer=w.xfer, req=w.req, epoch=w.epoch, blocks=w.dst,
-                  runs=[[d, n] for _, d, n in w.runs], pieces=wire(w.pieces))
+    return encode(Written(xfer=w.xfer, req=w.req, epoch=w.epoch, blocks=w.dst, runs=[(d, n) for _, d, n in w.runs],
+                          pieces=wire(w.pieces)))
 
 
 class SenderPlane(Protocol):
@@ -274,4 +275,4 @@ class SenderState:
         for key, peer in list(self._acks_due.items()):
             if not any((w.req, w.epoch) == key for w in self.writes.values() if not w.notified):
                 del self._acks_due[key]
-                peer.socket.send(encode("cancel_ack", req=key[0], epoch=key[1], session=self._control.session))
+                peer.socket.send(encode(CancelAck(req=key[0], epoch=key[1], session=self._control.session)))

@@ -1,12 +1,14 @@
 """The typed messages every pdserve process speaks, and their one wire form.
 
-Neutral ground: the router, the worker roles and the launchers all import it, and it
-imports nothing of theirs (only engine.sampling_params, the engine's torch-free record
-of how a request is sampled, whose wire form travels inside Generate).
+Neutral ground: the router, the worker roles, the KV transports (their control
+messages, protocol/kv_control.py) and the launchers all import it, and it imports
+nothing of theirs (only engine.sampling_params, the engine's torch-free record of how a
+request is sampled, whose wire form travels inside Generate).
 """
 
 from engine.sampling_params import child_request_id
 from protocol.control import CONTROL_MESSAGES, Peers, Ready, Serving, Stop
+from protocol.kv_control import KV_CONTROL_MESSAGES
 from protocol.sampling import WireSamplingParams, from_wire, to_wire
 from protocol.stats import Histogram, SpecDecodeStats, WorkerStats
 from protocol.wire import PROTOCOL_VERSION, Codec, Message, MessageError, encode
@@ -23,7 +25,7 @@ from protocol.worker import (
                              Tokens,
 )
 
-__all__ = ["CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Histogram", "Message",
+__all__ = ["CONTROL_MESSAGES", "KV_CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Histogram", "Message",
            "MessageError", "Peers", "PrefillDone", "Ready", "Rejected", "RemotePrefill", "Serving", "SpecDecodeStats",
            "Stats", "StatsReply", "Stop", "TokenLogprobs", "Tokens", "WireSamplingParams", "WorkerStats", "child_request_id",
            "encode", "from_wire", "to_wire"]

@@ -16,11 +16,11 @@ import msgspec
 Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class _Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Base of the records nested in a message (no `kind`, no `v`: the message has them)."""
 
 
-class Histogram(_Record, frozen=True):
+class Histogram(Record, frozen=True):
     """A cumulative histogram over fixed upper bounds (workers/step_metrics.py keeps
     them): counts[i] observations in (bounds[i-1], bounds[i]], not cumulative; the last,
     counts[len(bounds)], above every bound (+Inf)."""
@@ -42,7 +42,7 @@ class Histogram(_Record, frozen=True):
             raise ValueError(f"sum must be finite, got {self.sum!r}")
 
 
-class SpecDecodeStats(_Record, frozen=True):
+class SpecDecodeStats(Record, frozen=True):
     """A speculating decode worker's counters since it started (the engine's SpecStats
     fields); a worker that does not speculate sends none."""
 
@@ -53,7 +53,7 @@ class SpecDecodeStats(_Record, frozen=True):
     num_disabled: Count  # requests that stopped speculating (low acceptance)
 
 
-class WorkerStats(_Record, frozen=True, omit_defaults=True):
+class WorkerStats(Record, frozen=True, omit_defaults=True):
     """What a worker reports of itself (docs/api.md, /status; router/metrics.py's gauges
     are named after these fields). Totals count since the worker started."""
 

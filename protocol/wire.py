@@ -16,7 +16,8 @@ from typing import Any, Union
 import msgspec
 
 # Bump when any message changes shape: peers of another version are refused by name.
-# 14: StatsReply.stats is a typed WorkerStats (protocol/stats.py), no longer a map.
+# 14: StatsReply.stats is a typed WorkerStats (protocol/stats.py), no longer a map, and the KV
+# transports' control messages (protocol/kv_control.py) are typed under this version.
 PROTOCOL_VERSION = 14
 
 

@@ -19,8 +19,8 @@ import zmq
 from cluster.config import ClusterConfig
 from cluster.local.workers import LocalWorkers
 from cluster.serve import build
-from kv_transfer.messages import encode as encode_control
 from protocol import Generate, encode
+from protocol.kv_control import Written
 from security import DeploymentSecret, connect_securely
 from tests.http_server import free_port, serving
 
@@ -89,8 +89,8 @@ def test_forged_messages_to_a_decode_worker_are_never_acted_on(served) -> None:
                                       params=dict(PARAMS, max_tokens=500), remote=False)))
         kv = [stranger(ctx, control, key) for key in keys]
         for sock in kv:
-            sock.send(encode_control("written", xfer=1, req="forged", epoch=1, blocks=[1], runs=[[1, 1]],
-                                     pieces=[[0, 0, 2, 1]]))
+            sock.send(encode(Written(xfer=1, req="forged", epoch=1, blocks=[1], runs=[(1, 1)],
+                                     pieces=[(0, 0, 2, 1)])))
         end = time.monotonic() + 3.0
         while time.monotonic() < end:
             assert not any(sock.poll(50) for sock in forgers + kv), "a stranger got a reply"

@@ -99,8 +99,8 @@ def test_disaggregated_tokens_match_colocated(client: Client, reference) -> None
     assert [results[f"a{i}"]["tokens"] for i in range(len(PROMPTS))] == reference
     assert all(r["reason"] == "length" for r in results.values())
     stats = client.stats()
-    assert stats["remote"] >= len(PROMPTS) - 1 and stats["fallbacks"] == 0
-    assert stats["free_blocks"] == stats["num_blocks"]
+    assert stats.remote >= len(PROMPTS) - 1 and stats.fallbacks == 0
+    assert stats.free_blocks == stats.num_blocks
 
 
 @pytest.mark.timeout(60)
@@ -145,7 +145,7 @@ def test_killed_prefill_worker_falls_back_to_local_prefill(workers: LocalWorkers
     # No supervisor tells the decode worker: it sees the prefill worker's process gone
     # itself (pid and start time) and lifts the fence within a resend interval.
     end = time.monotonic() + 10
-    while (stats := client.stats())["quarantined_blocks"]:
-        assert time.monotonic() < end, f"{stats['quarantined_blocks']} blocks stay fenced after the sender died"
+    while (stats := client.stats()).quarantined_blocks:
+        assert time.monotonic() < end, f"{stats.quarantined_blocks} blocks stay fenced after the sender died"
         time.sleep(0.1)
-    assert stats["fallbacks"] >= 2 and stats["free_blocks"] == stats["num_blocks"]
+    assert stats.fallbacks >= 2 and stats.free_blocks == stats.num_blocks

@@ -10,18 +10,29 @@ import pytest
 import zmq
 
 from kv_transfer import IncompatiblePeerError
-from kv_transfer.messages import CONTROL, MessageError, decode, encode
+from protocol import PROTOCOL_VERSION, MessageError, encode
+from protocol.kv_control import KV_CONTROL_MESSAGES, Written
 from tests.kv_transfer.agent import cpu_agent
 
 
 @pytest.mark.parametrize("blocks,runs", [([[2], 3], [[2, 2]]), ([2, "3"], [[2, 2]]), ([2, True], [[2, 2]]),
                                          ([2, 3], [[2]]), ([2, 3], [2, 2]), ([2, 3], [[2, 2.0]])])
-def test_a_written_message_with_malformed_block_ids_is_refused(blocks, runs) -> None:
-    with pytest.raises(MessageError, match=r"written\.(blocks|runs) has the wrong type"):
-        decode(msgpack.packb({"v": CONTROL.version, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,
-                              "blocks": blocks, "runs": runs}))
-    assert decode(encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]],
-                         pieces=[[0, 0, 2, 1]]))["blocks"] == [2, 3]
+def test_a_written_message_with_malformed_block_ids_is_refused_naming_the_field(blocks, runs) -> None:
+    with pytest.raises(MessageError, match=r"^written: Expected .* - at `\$\.(blocks|runs)"):
+        KV_CONTROL_MESSAGES.decode(msgpack.packb({"v": PROTOCOL_VERSION, "kind": "written", "xfer": 1, "req": "a",
+                                                  "epoch": 1, "blocks": blocks, "runs": runs,
+                                                  "pieces": [[0, 0, 2, 1]]}))
+    assert KV_CONTROL_MESSAGES.decode(encode(Written(xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[(2, 2)],
+                                                     pieces=[(0, 0, 2, 1)]))).blocks == [2, 3]
+
+
+def test_a_control_message_of_another_version_or_kind_is_refused_naming_it() -> None:
+    with pytest.raises(MessageError, match=f"protocol version 4, this side speaks {PROTOCOL_VERSION}"):
+        KV_CONTROL_MESSAGES.decode(msgpack.packb({"v": 4, "kind": "ack", "xfer": 1, "ok": True, "reason": ""}))
+    with pytest.raises(MessageError, match="missing required field `reason`"):
+        KV_CONTROL_MESSAGES.decode(msgpack.packb({"v": PROTOCOL_VERSION, "kind": "ack", "xfer": 1, "ok": True}))
+    with pytest.raises(MessageError, match="Invalid value 'generate'"):  # a worker message is not a KV one
+        KV_CONTROL_MESSAGES.decode(msgpack.packb({"v": PROTOCOL_VERSION, "kind": "generate", "request_id": "a"}))
 
 
 @pytest.mark.timeout(30)
@@ -32,8 +43,8 @@ def test_the_receiver_drops_a_malformed_write_and_keeps_polling() -> None:
         receiver.expect("a", 1, [2, 3], deadline=time.time() + 60, sender="prefill")
         sock.setsockopt(zmq.ROUTING_ID, b"prefill")
         sock.connect(receiver.control_address)
-        sock.send(msgpack.packb({"v": CONTROL.version, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,
-                                 "blocks": [[2], 3], "runs": [[2, 2]]}))
+        sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "kind": "written", "xfer": 1, "req": "a", "epoch": 1,
+                                 "blocks": [[2], 3], "runs": [[2, 2]], "pieces": [[0, 0, 2, 1]]}))
         end = time.monotonic() + 1.0
         while time.monotonic() < end:
             assert receiver.poll() == []  # dropped with a warning, not raised out of poll()
@@ -94,13 +105,13 @@ def test_a_cancelled_request_is_forgotten_once_its_deadline_passes() -> None:
         receiver.close()
 
 
-def test_a_peer_speaking_another_control_version_is_refused_naming_it() -> None:
+def test_a_peer_speaking_another_protocol_version_is_refused_at_the_handshake_naming_it() -> None:
     receiver, sender = cpu_agent("shm", "decode"), cpu_agent("shm", "prefill")
     try:
         meta = msgpack.unpackb(receiver.metadata(), raw=False)
-        meta["control_version"] = CONTROL.version - 1
-        with pytest.raises(IncompatiblePeerError, match=f"control messages are version {CONTROL.version - 1} "
-                                                        f"there, {CONTROL.version} here"):
+        meta["protocol_version"] = PROTOCOL_VERSION - 1
+        with pytest.raises(IncompatiblePeerError, match=f"it speaks protocol version {PROTOCOL_VERSION - 1}, "
+                                                        f"this side {PROTOCOL_VERSION}"):
             sender.add_peer(msgpack.packb(meta, use_bin_type=True))
     finally:
         sender.close()

@@ -14,7 +14,8 @@ import zmq
 
 from kv_transfer import IncompatiblePeerError
 from kv_transfer.events import Completed, WriteDone
-from kv_transfer.messages import encode
+from protocol import encode
+from protocol.kv_control import Written
 from security import DeploymentSecret, connect_securely
 from tests.kv_transfer.agent import cpu_agent, fill, poll_both
 
@@ -98,8 +99,8 @@ def test_a_strangers_written_message_never_arrives() -> None:
             if key is not None:
                 connect_securely(sock, key)
             sock.connect(decode.control_address)
-            sock.send(encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]],
-                             pieces=[[0, 0, 2, 1]]))
+            sock.send(encode(Written(xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[(2, 2)],
+                                     pieces=[(0, 0, 2, 1)])))
         events, end = [], time.monotonic() + 1.5
         while time.monotonic() < end:
             events += decode.poll()

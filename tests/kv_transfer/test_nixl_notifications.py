@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from kv_transfer import TransportConfig, create_transport
-from kv_transfer.messages import encode
 from kv_transfer.nixl import open_notification, sign_notification
+from protocol import encode
+from protocol.kv_control import Written
 from security import DeploymentSecret
 from tests.kv_transfer.agent import cache_shape
 
 SECRET = DeploymentSecret.new()
-HEADER = encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]], pieces=[[0, 0, 2, 1]])
+HEADER = encode(Written(xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[(2, 2)], pieces=[(0, 0, 2, 1)]))
 
 
 def test_a_tag_proves_the_secret_the_header_and_both_names() -> None:

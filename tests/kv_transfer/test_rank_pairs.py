@@ -135,7 +135,7 @@ def test_impossible_head_splits_are_refused_saying_why(kv: int, ranges: list, me
 def test_the_receiver_checks_a_notifications_pieces() -> None:
     local = [2, 2]  # a TP 2 receiver with 2 heads per rank
     good = wire(plan(even_head_ranges(4, 1), even_head_ranges(4, 2)))
-    assert good == [[0, 0, 2, 0], [1, 0, 2, 0]]
+    assert good == [(0, 0, 2, 0), (1, 0, 2, 0)]
     assert check_wire(good, local) == ""
     assert check_wire([[0, 0, 2, 1], [1, 0, 1, 0], [1, 1, 1, 0]], local) == ""
     assert "no piece writes some heads of rank 1" in check_wire([[0, 0, 2, 0]], local)

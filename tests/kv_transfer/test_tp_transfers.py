@@ -19,9 +19,10 @@ import torch
 import zmq
 
 from kv_transfer import IncompatiblePeerError, KVTransport, Received, TransportConfig, WriteDone, create_transport
-from kv_transfer.messages import encode
 from kv_transfer.rank_pairs import even_head_ranges
 from kv_transfer.shm_segments import SHM_DIR
+from protocol import encode
+from protocol.kv_control import Written
 
 SENTINEL = -7.0
 BLOCKS, LAYERS, BLOCK_SIZE, HEAD_DIM = 32, 2, 4, 8
@@ -193,8 +194,8 @@ def test_a_write_whose_pieces_leave_heads_unwritten_is_refused(make) -> None:
         decode.t.expect("a", 1, [2, 3], deadline=time.time() + 60, sender="prefill")
         sock.setsockopt(zmq.ROUTING_ID, b"prefill")
         sock.connect(decode.t.control_address)
-        sock.send(encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]],
-                         pieces=[[0, 0, 2, 1]]))  # rank 1's heads never written
+        sock.send(encode(Written(xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[(2, 2)],
+                                 pieces=[(0, 0, 2, 1)])))  # rank 1's heads never written
         end = time.monotonic() + 5
         while not sock.poll(10):
             assert time.monotonic() < end, "no reply to the write"
@@ -214,8 +215,8 @@ def refusal(decode: Worker, pieces: list[list[int]], frames: list[bytes]) -> str
         decode.t.expect("a", 1, [2, 3], deadline=time.time() + 60, sender="prefill")
         sock.setsockopt(zmq.ROUTING_ID, b"prefill")
         sock.connect(decode.t.control_address)
-        sock.send_multipart([encode("written", xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[[2, 2]],
-                                    pieces=pieces), *frames])
+        sock.send_multipart([encode(Written(xfer=1, req="a", epoch=1, blocks=[2, 3], runs=[(2, 2)],
+                                            pieces=[tuple(p) for p in pieces])), *frames])
         end = time.monotonic() + 5
         while not sock.poll(10):
             assert time.monotonic() < end, "no reply to the write"

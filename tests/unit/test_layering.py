@@ -19,7 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": set(),
     "protocol": {"engine"},  # Generate carries engine.sampling_params.SamplingParams
     "security": set(),
-    "kv_transfer": {"security"},
+    "kv_transfer": {"protocol", "security"},  # its control messages are protocol/kv_control.py's
     "workers": {"engine", "kv_transfer", "protocol", "security"},
     "decode_worker": {"engine", "kv_transfer", "protocol", "security", "workers"},
     "prefill_worker": {"engine", "kv_transfer", "protocol", "security", "workers"},
