@@ -6,9 +6,10 @@ its path in the cluster config."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 
+import msgpack
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -16,9 +17,10 @@ from cluster.config import ClusterConfig, ConfigError
 from engine import LLM, SamplingParams
 from engine.speculative.metrics import PER_POSITION, SPEC_DECODE_COUNTERS, Counter, Vector
 from engine.speculative.speculator import SpecStats
-from protocol import MessageError, SpecDecodeStats
+from protocol import WORKER_MESSAGES, MessageError, SpecDecodeStats, StatsReply, encode
 from router.metrics import RouterMetrics
 from tests.unit.test_grafana_dashboard import expressions, load_dashboard, metric_names
+from tests.worker_stats import worker_stats
 
 REPEATING = [[7, 8, 9, 10, 11] * 6, [3, 4] * 12 + [5]]  # n-grams find drafts here
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -66,11 +68,12 @@ def test_without_speculation_there_is_nothing_to_report(llama_dir: Path) -> None
 
 
 def test_the_engine_counters_are_what_the_stats_reply_carries() -> None:
-    """decode_worker/server.py sends dataclasses.asdict(SpecStats): the protocol type
-    must read every field of it, or the router would drop the counters."""
+    """decode_worker/server.py sends SpecDecodeStats(**dataclasses.asdict(SpecStats)):
+    the protocol type must have every field of it, and the router read them back."""
     stats = SpecStats(num_drafts=2, num_draft_tokens=5, num_accepted_tokens=3, accepted_per_position=[2, 1, 0],
                       num_disabled=0)
-    wire = SpecDecodeStats.from_stats(dataclasses.asdict(stats))
+    sent = StatsReply(seq=1, stats=worker_stats(spec_decode=SpecDecodeStats(**dataclasses.asdict(stats))))
+    wire = WORKER_MESSAGES.decode(encode(sent)).stats.spec_decode
     assert dataclasses.asdict(stats) == {f: getattr(wire, f) for f in wire.__struct_fields__}
 
 
@@ -79,14 +82,17 @@ def test_the_engine_counters_are_what_the_stats_reply_carries() -> None:
                                        ({k: v for k, v in SPEC.items() if k != "num_disabled"}, "num_disabled"),
                                        ([1, 2], "object")])
 def test_malformed_counters_are_refused_by_name(bad, where: str) -> None:
-    with pytest.raises(MessageError, match=where):
-        SpecDecodeStats.from_stats(bad)
+    reply = msgspec.to_builtins(StatsReply(seq=1, stats=worker_stats()))
+    reply["stats"]["spec_decode"] = bad
+    with pytest.raises(MessageError, match=where) as refused:
+        WORKER_MESSAGES.decode(msgpack.packb(reply))
+    assert "$.stats.spec_decode" in str(refused.value)
 
 
-def test_router_exposes_a_speculating_workers_counters_by_worker_role_and_position(caplog) -> None:
+def test_router_exposes_a_speculating_workers_counters_by_worker_role_and_position() -> None:
     m = RouterMetrics()
-    m.set_worker("decode-0", "decode", {"running": 1, "spec_decode": SPEC})
-    m.set_worker("decode-1", "decode", {"running": 0})  # does not speculate
+    m.set_worker("decode-0", "decode", worker_stats(running=1, spec_decode=SpecDecodeStats(**SPEC)))
+    m.set_worker("decode-1", "decode", worker_stats(running=0))  # does not speculate
     got = samples(m)
     d = (("role", "decode"), ("worker", "decode-0"))
     assert got[("pdserve_spec_decode_num_drafts_total", d)] == 4
@@ -99,12 +105,10 @@ def test_router_exposes_a_speculating_workers_counters_by_worker_role_and_positi
                    for name, labels in got)
     assert got[("pdserve_worker_running", (("role", "decode"), ("worker", "decode-1")))] == 0
 
-    # A later reply replaces the counts; a malformed one drops them (logged), never the scrape.
-    m.set_worker("decode-0", "decode", {"spec_decode": {**SPEC, "num_drafts": 9}})
+    # A later reply replaces the counts; one without them (restarted, not speculating) drops them.
+    m.set_worker("decode-0", "decode", worker_stats(running=1, spec_decode=SpecDecodeStats(**{**SPEC, "num_drafts": 9})))
     assert samples(m)[("pdserve_spec_decode_num_drafts_total", d)] == 9
-    with caplog.at_level(logging.WARNING, logger="router.worker_metrics"):
-        m.set_worker("decode-0", "decode", {"spec_decode": {**SPEC, "num_drafts": "9"}})
-    assert "decode-0 sent malformed speculative decoding counters" in caplog.text
+    m.set_worker("decode-0", "decode", worker_stats(running=1))
     got = samples(m)
     assert ("pdserve_spec_decode_num_drafts_total", d) not in got and ("pdserve_worker_running", d) in got
 
