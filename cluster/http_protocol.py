@@ -42,7 +42,7 @@ def with_header_deadline(timeout_s: float, linger_bytes: int = 0) -> type[H11Pro
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             # Every close, the request cycles' included, goes through this one.
-            self.transport = _LingeringClose(transport, self._linger)
+            self.transport = _LingeringClose(transport, self._linger)  # type: ignore[assignment]  # a wrapper with the transport's verbs
             self._arm()
 
         def data_received(self, data: bytes) -> None:

@@ -44,7 +44,7 @@ from kv_transfer.rank_pairs import HeadRange, plan
 from kv_transfer.receiver import ReceiverState
 from kv_transfer.sender import SenderState, Write, written_message
 from protocol import Message, encode
-from protocol.kv_control import Ack, Cancel, CancelAck, Hello, Join, Written
+from protocol.kv_control import Ack, Cancel, CancelAck, Hello, Join, Piece, Run, Written
 
 
 class KVTransport(ABC):
@@ -125,14 +125,14 @@ class KVTransport(ABC):
     def _abandon(self, write: Write) -> None:
         """Free the data plane's resources of a write that failed or timed out."""
 
-    def _apply(self, sender: str, xfer: int, runs: list[list[int]], pieces: list[list[int]],
+    def _apply(self, sender: str, xfer: int, runs: Sequence[Run], pieces: Sequence[Piece],
                frames: list[Any]) -> None:
         """Two-sided, on D: put write `xfer`'s data into the local caches (runs: dst_start,
         count; pieces: rank_pairs.wire, checked to fill every local head); `frames` are
         whatever came with the notification."""
         raise NotImplementedError
 
-    def _discard(self, sender: str, xfer: int, runs: list[list[int]]) -> None:
+    def _discard(self, sender: str, xfer: int, runs: Sequence[Run]) -> None:
         """Two-sided, on D: consume and drop the data of a refused write, if it comes
         separately from the notification."""
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -33,7 +34,7 @@ from kv_transfer.compat import IncompatiblePeerError
 from kv_transfer.control import Peer
 from kv_transfer.sender import Write
 from protocol import encode
-from protocol.kv_control import Join
+from protocol.kv_control import Join, Piece, Run
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class NcclTransport(KVTransport):
     def _send_notification(self, peer: Peer, write: Write) -> None:
         pass  # sent ahead of the data by _start
 
-    def _receive(self, sender: str, xfer: int, runs: list[list[int]], into_cache: bool) -> None:
+    def _receive(self, sender: str, xfer: int, runs: Sequence[Run], into_cache: bool) -> None:
         group = self._groups.get(sender)
         if group is None:
             raise RuntimeError(f"no transfer group with {sender!r}")
@@ -186,11 +187,11 @@ class NcclTransport(KVTransport):
             target = self._blocks_bytes[d:d + n] if into_cache else torch.empty_like(self._blocks_bytes[:n])
             group.recv([target], SENDER, xfer).wait(self._timeout())
 
-    def _apply(self, sender: str, xfer: int, runs: list[list[int]], pieces: list[list[int]],
+    def _apply(self, sender: str, xfer: int, runs: Sequence[Run], pieces: Sequence[Piece],
                frames: list[Any]) -> None:  # TP 1 only: one whole piece
         self._receive(sender, xfer, runs, into_cache=True)
 
-    def _discard(self, sender: str, xfer: int, runs: list[list[int]]) -> None:
+    def _discard(self, sender: str, xfer: int, runs: Sequence[Run]) -> None:
         self._receive(sender, xfer, runs, into_cache=False)
 
     def _close(self) -> None:

@@ -78,7 +78,7 @@ from kv_transfer.events import Completed, Event, Expired, Overwritten, Received,
 from kv_transfer.liveness import ProcessId, is_gone
 from kv_transfer.rank_pairs import check_wire
 from protocol import encode
-from protocol.kv_control import Ack, Cancel, Written
+from protocol.kv_control import Ack, Cancel, Piece, Run, Written
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +135,9 @@ class ReceiverPlane(Protocol):
     @property
     def registered_compat(self) -> KVCompat: ...
 
-    def _apply(self, sender: str, xfer: int, runs: list[list[int]], pieces: list[list[int]],
+    def _apply(self, sender: str, xfer: int, runs: Sequence[Run], pieces: Sequence[Piece],
                frames: list[Any]) -> None: ...
-    def _discard(self, sender: str, xfer: int, runs: list[list[int]]) -> None: ...
+    def _discard(self, sender: str, xfer: int, runs: Sequence[Run]) -> None: ...
 
 
 class ReceiverState:

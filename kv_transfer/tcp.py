@@ -13,6 +13,7 @@ socket (linger 0), which drops them (control.py: ControlPlane.reconnect).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ import zmq
 from kv_transfer.base import KVTransport
 from kv_transfer.control import Peer
 from kv_transfer.sender import Write
+from protocol.kv_control import Piece, Run
 
 
 class TcpTransport(KVTransport):
@@ -66,7 +68,7 @@ class TcpTransport(KVTransport):
     def _source_in_use(self, write: Write) -> bool:
         return write.handle is not None and not write.handle.done
 
-    def _apply(self, sender: str, xfer: int, runs: list[list[int]], pieces: list[list[int]],
+    def _apply(self, sender: str, xfer: int, runs: Sequence[Run], pieces: Sequence[Piece],
                frames: list[Any]) -> None:
         # The frames in _data_frames' order; `pieces` fill every local head (receiver.py).
         blocks = sum(n for _, n in runs)

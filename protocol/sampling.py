@@ -19,6 +19,8 @@ _FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 def _field(f: dataclasses.Field) -> tuple[str, Any, Any]:
     if f.default is not dataclasses.MISSING:
         return f.name, Any, f.default
+    if f.default_factory is dataclasses.MISSING:
+        raise TypeError(f"SamplingParams.{f.name} needs a default to have a wire form")
     return f.name, Any, msgspec.field(default_factory=f.default_factory)
 
 

@@ -30,7 +30,8 @@ PromptTokenLogprobs = tuple[float, int, list[tuple[int, float]]]
 class Generate(Message, frozen=True, tag="generate"):
     request_id: str  # with params.n > 1: the group's; its sequences are child_request_id(request_id, i)
     prompt: list[int]  # token ids
-    params: WireSamplingParams  # protocol/sampling.py: to_wire(), and from_wire() on arrival
+    # protocol/sampling.py: to_wire(), and from_wire() on arrival.
+    params: WireSamplingParams  # type: ignore[valid-type]  # a Struct made at import from SamplingParams' fields
     remote: bool  # the router asks for a remote prefill (the prompt is long enough)
     priority: int = 0  # lower runs first (scheduling_policy: priority)
     # The last this many prompt tokens are the request's own output on an earlier worker
