@@ -30,7 +30,7 @@ def test_every_target_uses_the_models_dir_it_is_given(tmp_path: Path) -> None:
     lines = dry_run("model", "serve", "generate", "bench", PDSERVE_MODELS_DIR=models)
     commands = {target: [line for line in lines if marker in line] for target, marker in [
         ("model", "model prepare"), ("serve", "pdserve serve"), ("generate", "pdserve generate"),
-        ("bench", "offline_throughput.py")]}
+        ("bench", "benchmarks.offline offline_throughput")]}
     assert all(len(found) == 1 for found in commands.values()), commands
     for target in ("serve", "generate", "bench"):
         assert f"--model {models}/SmolLM2-135M-Instruct" in commands[target][0], commands[target][0]
