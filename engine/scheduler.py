@@ -280,6 +280,8 @@ class Scheduler(ForkGroups):
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             heapq.heappop(self.waiting)
+            if not request.needs_prompt_logprobs:
+                self.kv.count_query(request, hits)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
             self._admit(out, request, num_computed, num_new)
@@ -355,13 +357,15 @@ class Scheduler(ForkGroups):
             return False
         if not self.kv.allocate_slots(request, num_new, hits):
             return False
+        self.kv.count_query(request, hits)
         request.num_cached_tokens = len(hits) * self.kv.block_size
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         return True
 
     def _head_needs(self) -> int:
-        """Free blocks the head of the waiting queue needs to be admitted."""
+        """Free blocks the head of the waiting queue needs to be admitted: a probe, not
+        counted as a prefix-cache query (the head's admission counts its own)."""
         if not self.waiting:
             return 0
         head = self.waiting[0][1]

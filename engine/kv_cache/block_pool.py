@@ -41,6 +41,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, KVBlock] = {}  # block hash -> block
+        # Prefix-cache statistics, counted once per admission (KVCacheManager.count_query),
+        # never by a lookup itself: a probe of what a request would need is no query.
         self.num_cache_queries = 0  # blocks looked up
         self.num_cache_hits = 0  # blocks found
         # Prefix-cache events, when someone collects them (a decode worker, for the
@@ -72,11 +74,9 @@ class BlockPool:
 
     def lookup(self, parent_hash: int, block_hash: int, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block holding exactly these tokens after this parent, if any."""
-        self.num_cache_queries += 1
         block = self._cached.get(block_hash)
         if block is None or block.parent_hash != parent_hash or block.token_ids != tuple(token_ids):
             return None
-        self.num_cache_hits += 1
         return block
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

@@ -85,7 +85,9 @@ class KVCacheManager:
         """Longest cached prefix of the request's tokens, as blocks (no refs taken).
 
         At most num_tokens - 1 tokens count as computed: the last token is always run
-        through the model so there are logits to sample from.
+        through the model so there are logits to sample from. Counts nothing in the
+        cache statistics: the caller that admits the request with these hits does
+        (count_query), so a probe, or an admission that does not fit, is no query.
         """
         if not self.enable_prefix_caching:
             return []
@@ -102,6 +104,17 @@ class KVCacheManager:
             hits.append(block)
             parent = block_hash
         return hits
+
+    def count_query(self, request: Request, hits: list[KVBlock]) -> None:
+        """Count the request's prefix-cache lookup that found `hits` in the pool's
+        statistics: once per admission that takes them, as vLLM counts a request's
+        query when it is scheduled. The blocks looked up: each hit, and the first miss
+        unless the hits reach get_computed_blocks' limit."""
+        if not self.enable_prefix_caching:
+            return
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self.pool.num_cache_queries += min(len(hits) + 1, max_blocks)
+        self.pool.num_cache_hits += len(hits)
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int,
                           new_computed_blocks: Sequence[KVBlock] = ()) -> int:

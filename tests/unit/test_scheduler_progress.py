@@ -165,3 +165,22 @@ def test_a_ready_request_waiting_for_room_is_not_overtaken_with_chunking_off() -
         if any(s.request is fallback for s in step(sched).scheduled):
             return
     raise AssertionError("the ready request starved while later requests ran")
+
+
+def test_probing_the_waiting_head_is_no_prefix_cache_query() -> None:
+    """Issue 35, item 9: a remote reservation asks how many blocks the head of the
+    waiting queue needs (_head_needs); that probe looks the head's prefix up, but the
+    cache statistics count a request's query once, when it is admitted (as vLLM's)."""
+    sched = make(32)
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks of 4, all cacheable
+    sched.add_request(request("a", prompt))
+    run_to_completion(sched)
+    pool = sched.kv.pool
+    assert (pool.num_cache_queries, pool.num_cache_hits) == (1, 0)  # a's own admission: a miss
+    sched.add_request(request("head", prompt))  # queued, never scheduled yet: its hits wait
+    for i in range(3):  # each reservation probes the head; a disjoint prompt: one miss each
+        assert sched.reserve_for_remote_prefill(request(f"r{i}", range(100, 113)))
+    assert (pool.num_cache_queries, pool.num_cache_hits) == (4, 0)
+    out = sched.schedule()  # the head is admitted with its 3 hits: counted now, once
+    assert [s.request.request_id for s in out.scheduled] == ["head"] and out.scheduled[0].start == 12
+    assert (pool.num_cache_queries, pool.num_cache_hits) == (7, 3)
