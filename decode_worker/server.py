@@ -310,8 +310,8 @@ class DecodeWorker(WorkerLoop):
                 logprobs = [(lp.logprob, list(lp.top)) for lp in request.output_logprobs[sent:sent + len(new)]]
             done = rid in finished
             prompt_logprobs = []
-            if not sent and request.sampling_params.prompt_logprobs is not None:  # with the first tokens
-                prompt_logprobs = [(lp.logprob, lp.rank, list(lp.top)) for lp in request.prompt_logprobs]
+            if not sent and request.prompt_logprobs is not None:  # with the first tokens
+                prompt_logprobs = [(lp.logprob, lp.rank, list(lp.top)) for lp in request.prompt_logprobs.entries]
             self.send(client.sock, client.sender, encode(Tokens(
                 request_id=rid, tokens=new, finished=done, reason=request.status.value if done else "",
                 cached=request.num_cached_tokens, logprobs=logprobs, phases=self._phases(request, now) if done else {},

@@ -10,14 +10,15 @@ allocate_slots). Part of the Scheduler, kept apart to keep each file about one t
 
 from __future__ import annotations
 
-import heapq
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from engine.request import Request, RequestStatus
+from engine.request import ForkGroup, Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine.kv_cache.manager import KVCacheManager
+    from engine.remote_kv import RemoteKVQueues
 
 
 class ForkGroups:
@@ -25,14 +26,13 @@ class ForkGroups:
 
     requests: dict[str, Request]
     running: list[Request]
-    ready: list[tuple[tuple[int, int], Request]]
+    remote: RemoteKVQueues
     kv: KVCacheManager
 
     if TYPE_CHECKING:  # the Scheduler's helpers these verbs call
         def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None: ...
         def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]: ...
-        def _push_waiting(self, request: Request) -> None: ...
-        def _push_ready(self, request: Request) -> None: ...
+        def push_waiting(self, request: Request) -> None: ...
 
     def check_group(self, prompt: Request, sequences: Sequence[Request]) -> None:
         """Raise ValueError for a group (n > 1) that could never run, before anything
@@ -46,24 +46,24 @@ class ForkGroups:
 
     def add_group(self, prompt: Request, sequences: list[Request]) -> None:
         """Queue a group: `prompt` (prefill_only, every prompt token but the last)
-        computes its KV once, then its sequences fork from it (_fork)."""
+        computes its KV once, then its sequences fork from it (fork)."""
         self.check_group(prompt, sequences)
         self.join_group(prompt, sequences)
         if prompt.num_tokens == 0:  # a one-token prompt: nothing to share
-            self._fork(prompt)
+            self.fork(prompt)
             return
         self.requests[prompt.request_id] = prompt
-        self._push_waiting(prompt)
+        self.push_waiting(prompt)
 
     def join_group(self, prompt: Request, sequences: list[Request]) -> None:
         """The sequences wait for `prompt` (queued, or reserved for a remote prefill)."""
-        prompt.sequences = sequences
+        prompt.fork = group = ForkGroup(prompt, sequences)
         for sequence in sequences:
-            sequence.group = prompt
+            sequence.fork = group
             sequence.status = RequestStatus.WAITING_FOR_FORK
             self.requests[sequence.request_id] = sequence
 
-    def _fork(self, prompt: Request) -> None:
+    def fork(self, prompt: Request) -> None:
         """The group's prompt KV is computed: each sequence still waiting takes its
         blocks and becomes ready (its first step computes the last prompt token and
         samples); the prompt request ends, giving up its own references."""
@@ -77,14 +77,14 @@ class ForkGroups:
             self.kv.fork(prompt, sequence)
             sequence.num_computed_tokens = prompt.num_computed_tokens
             sequence.num_cached_tokens = prompt.num_cached_tokens
-            sequence.num_remote_tokens = prompt.num_remote_tokens
+            sequence.remote = None if prompt.remote is None else dataclasses.replace(prompt.remote)
             sequence.first_scheduled_time = prompt.first_scheduled_time
             sequence.block_hashes = list(prompt.block_hashes)
             if sequence.num_computed_tokens:
-                self._push_ready(sequence)
+                self.remote.push_ready(sequence)
             else:
                 sequence.status = RequestStatus.WAITING
-                self._push_waiting(sequence)
+                self.push_waiting(sequence)
         prompt.status = RequestStatus.FINISHED_STOPPED
         self.kv.free(prompt)
 
@@ -94,7 +94,7 @@ class ForkGroups:
         assert prompt.sequences is not None  # a group's prompt (join_group set them)
         if (prompt.request_id in self.requests and prompt.status != RequestStatus.WAITING_FOR_REMOTE_KV
                 and not any(r.status == RequestStatus.WAITING_FOR_FORK for r in prompt.sequences)):
-            prompt.sequences = []
+            prompt.fork.sequences = []
             self.finish_requests([prompt.request_id], RequestStatus.FINISHED_ABORTED)
 
 
@@ -104,8 +104,9 @@ class ForkGroups:
         own for its first write while queued requests that share theirs hold every
         block, and nothing running will free one. It gives its shared blocks up and
         recomputes its prompt alone, which fits (check_group)."""
-        heapq.heappop(self.ready)
+        self.remote.pop()
         self.kv.free(head)
-        head.num_computed_tokens = head.num_remote_tokens = 0
+        head.num_computed_tokens = 0
+        head.remote = None
         head.status = RequestStatus.WAITING
-        self._push_waiting(head)
+        self.push_waiting(head)

@@ -99,8 +99,8 @@ class OutputProcessor:
                 token_ids, logprobs = token_ids[:detok.num_tokens], logprobs[:detok.num_tokens]
         wanted = logprobs if request.sampling_params.logprobs is not None else None
         prompt_logprobs = None
-        if request.sampling_params.prompt_logprobs is not None:
-            prompt_logprobs = [None, *request.prompt_logprobs]
+        if request.prompt_logprobs is not None:
+            prompt_logprobs = [None, *request.prompt_logprobs.entries]
         return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids,
                              token_ids, text, reason, wanted,
                              request.num_cached_tokens, prompt_logprobs=prompt_logprobs)

@@ -1,7 +1,7 @@
 """Prompt logprobs (SamplingParams.prompt_logprobs): the extra logits rows a step
 computes for them, and their log-softmax on its way to the host.
 
-Entry j of Request.prompt_logprobs scores prompt token j + 1 with the logits at prompt
+Entry j of Request.prompt_logprobs.entries scores prompt token j + 1 with the logits at prompt
 position j (the first prompt token has none). A step computes a row for each prompt
 position it runs that has no entry yet, in any chunk of a chunked prefill. Entries
 land in position order: a position computed again (a preempted request recomputes its
@@ -52,7 +52,7 @@ def plan_rows(scheduled: Sequence[ScheduledRequest], wanted: Iterable[Request]) 
     for s in scheduled:
         request = s.request
         if request in wanted:
-            first = max(s.start, len(request.prompt_logprobs))
+            first = max(s.start, len(request.prompt_logprobs.entries))
             end = min(s.start + s.num_new_tokens, request.num_prompt_tokens - 1)
             if first < end:
                 index.append(np.arange(offset + first - s.start, offset + end - s.start, dtype=np.int64))
@@ -105,7 +105,7 @@ class PendingPromptLogprobs:
         top_v, top_i = (self._host[2].tolist(), self._host[3].tolist()) if self.k > 0 else ([], [])
         row = 0
         for request, first, n in self.spans:
-            have = len(request.prompt_logprobs)
+            have = len(request.prompt_logprobs.entries)
             if request.status.finished:
                 row += n
                 continue
@@ -116,6 +116,6 @@ class PendingPromptLogprobs:
             for j in range(have - first, n):
                 r = row + j
                 top = list(zip(top_i[r][:count], top_v[r][:count])) if count else []
-                request.prompt_logprobs.append(TokenLogprobs(
+                request.prompt_logprobs.entries.append(TokenLogprobs(
                     request.prompt_token_ids[first + j + 1], chosen[r], top, ranks[r]))
             row += n

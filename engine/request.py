@@ -1,4 +1,4 @@
-"""A request's token-accounting state inside the engine."""
+"""A request's token-accounting state inside the engine, and its features' records."""
 
 from __future__ import annotations
 
@@ -40,6 +40,46 @@ _arrival_counter = itertools.count()
 
 
 @dataclass(eq=False)
+class Speculation:
+    """Speculative decoding's state of one request (engine/speculative): the draft
+    tokens its next step verifies after its last token (proposed just before that
+    step is scheduled), and how its drafts fared (a request whose drafts are mostly
+    rejected stops speculating)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    num_draft_computed: int = 0  # draft model: tokens whose draft KV is in its blocks
+    num_offered: int = 0  # drafts offered in its current acceptance window
+    num_accepted: int = 0  # of those, accepted
+    enabled: bool = True
+
+
+@dataclass(eq=False)
+class RemoteKV:
+    """A decode worker's request whose prompt KV a prefill worker writes into blocks
+    reserved for it (engine/remote_kv.py). Dropped when it falls back to a local prefill."""
+
+    num_tokens: int = 0  # prompt tokens whose KV the prefill worker wrote, once it arrived
+
+
+@dataclass(eq=False)
+class ForkGroup:
+    """Parallel sampling (n > 1), shared by the group's prompt request and its
+    sequences. The prompt request computes the KV of every prompt token but the last
+    once, then forks: each sequence takes its blocks (the last, partial one copied on
+    its first write) and computes the last token itself (engine/fork_groups.py)."""
+
+    prompt: Request
+    sequences: list[Request]
+
+
+@dataclass(eq=False)
+class PromptLogprobs:
+    """params.prompt_logprobs: entry j scores prompt token j + 1 (engine/prompt_logprobs.py)."""
+
+    entries: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(eq=False)
 class Request:
     """One sequence. There is no prefill or decode phase: each step moves
     `num_computed_tokens` (tokens whose KV is in the cache) toward `num_tokens`.
@@ -52,6 +92,10 @@ class Request:
     until its id reaches the host. Synchronous steps clear both before the next
     schedule(); with async scheduling the next step is scheduled while one is in flight,
     so its first token may be a placeholder the runner fills in on the device.
+
+    Its fields are what every request has. Each feature keeps its state in one record
+    (spec, remote, fork, grammar, prompt_logprobs), None while the feature is off for
+    this request: a new feature adds a record, not fields every request carries.
     """
 
     request_id: str
@@ -63,33 +107,21 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when params.logprobs is set
-    # params.prompt_logprobs: entry j scores prompt token j + 1 (engine/prompt_logprobs.py)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0  # in steps scheduled but not yet updated
     num_output_placeholders: int = 0  # sampled by those steps, ids not yet on the host
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first schedule
     num_preemptions: int = 0
-    num_remote_tokens: int = 0  # prompt tokens whose KV a prefill worker wrote (decode side)
-    prefill_only: bool = False  # prefill worker: compute the prompt's KV, never sample
+    prefill_only: bool = False  # prefill worker, or a group's prompt: compute the prompt's KV, never sample
     generator: torch.Generator | None = None
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of all_token_ids
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
+    # Each feature's state: one record, None while the feature is off for this request.
+    spec: Speculation | None = None  # its engine speculates (set by the engine core on every request it makes)
+    remote: RemoteKV | None = None  # decode worker: its prompt's KV comes from a prefill worker
+    fork: ForkGroup | None = None  # parallel sampling (n > 1): the group it belongs to
     grammar: GrammarState | None = None  # structured outputs: what its tokens must follow
-    # Parallel sampling (n > 1). The group's prompt request computes the KV of every
-    # prompt token but the last once, then forks: each sequence takes its blocks (the
-    # last, partial one copied on its first write) and computes the last token itself.
-    sequences: list[Request] | None = None  # on the prompt request: its group's sequences
-    group: Request | None = None  # on a sequence: its group's prompt request
-    # Speculative decoding (engine/speculative): the draft tokens its next step verifies
-    # after its last token (proposed just before that step is scheduled), and how its
-    # drafts fared (a request whose drafts are mostly rejected stops speculating).
-    spec_token_ids: list[int] = field(default_factory=list)
-    num_draft_computed: int = 0  # draft model: tokens whose draft KV is in its blocks
-    num_drafts_offered: int = 0
-    num_drafts_accepted: int = 0
-    speculates: bool = True
-    keyed_draws: bool = False  # its engine speculates: seeded draws are keyed on position (SamplingRow)
+    prompt_logprobs: PromptLogprobs | None = None  # params.prompt_logprobs: set by __post_init__
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -99,6 +131,25 @@ class Request:
         params = self.sampling_params
         always = params.has_penalties or any(len(s) > 1 for s in params.bad_words_token_ids)
         self.reads_history_until: float = math.inf if always else params.min_tokens
+        if params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = PromptLogprobs()
+
+    @property
+    def sequences(self) -> list[Request] | None:
+        """On a group's prompt request: the group's sequences; else None."""
+        fork = self.fork
+        return fork.sequences if fork is not None and fork.prompt is self else None
+
+    @property
+    def group(self) -> Request | None:
+        """On a sequence of a group: the group's prompt request; else None."""
+        fork = self.fork
+        return fork.prompt if fork is not None and fork.prompt is not self else None
+
+    @property
+    def num_remote_tokens(self) -> int:
+        """Prompt tokens whose KV a prefill worker wrote (decode side)."""
+        return 0 if self.remote is None else self.remote.num_tokens
 
     @property
     def grammar_pending(self) -> bool:
@@ -109,8 +160,8 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """It asked for prompt logprobs and some are not computed yet: its prompt runs
         through the model from the first token (no prefix-cache hit)."""
-        return (self.sampling_params.prompt_logprobs is not None
-                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs.entries) < len(self.prompt_token_ids) - 1)
 
     @property
     def num_tokens(self) -> int:
@@ -141,8 +192,9 @@ class Request:
     def sampling_row(self) -> SamplingRow:
         """What the sampler reads of this request. Built once, at its first sample (after
         `generator` is set), and valid from then on: its token lists grow in place."""
+        # In a speculating engine, seeded draws are keyed on position (SamplingRow).
         return SamplingRow(self.sampling_params, self.prompt_token_ids, self.output_token_ids,
-                           self.generator, self.grammar, self.keyed_draws)
+                           self.generator, self.grammar, self.spec is not None)
 
     @property
     def sort_key(self) -> tuple[int, int]:

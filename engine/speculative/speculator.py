@@ -60,7 +60,8 @@ class Speculator:
         for a draft model: fill() writes them once the step has its blocks)."""
         config = self.config
         for request in running:
-            if (not request.speculates or request.prefill_only or request.num_output_placeholders
+            spec = request.spec
+            if (spec is None or not spec.enabled or request.prefill_only or request.num_output_placeholders
                     or request.num_computed_tokens + request.num_scheduled_tokens != request.num_tokens - 1):
                 continue
             # Never past max_tokens or the context: each draft may be accepted, and one
@@ -71,12 +72,12 @@ class Speculator:
             if room < 1:
                 continue
             if self.draft_model is not None:
-                request.spec_token_ids = [-1] * room
+                spec.token_ids = [-1] * room
                 continue
             drafts = propose_ngram(request.all_token_ids, room, config.prompt_lookup_min, config.prompt_lookup_max)
             if drafts and request.grammar is not None:  # the grammar checks them first
                 drafts = drafts[:request.grammar.num_valid(drafts)]
-            request.spec_token_ids = drafts
+            spec.token_ids = drafts
 
     def fill(self, out: SchedulerOutput) -> None:
         """Write a draft model's drafts into the scheduled step (nothing for n-grams)."""
@@ -120,11 +121,11 @@ class Speculator:
             stats.num_accepted_tokens += n
             for i in range(n):
                 stats.accepted_per_position[i] += 1
-            request = s.request
-            request.num_drafts_offered += len(s.draft_token_ids)
-            request.num_drafts_accepted += n
-            if request.num_drafts_offered >= config.acceptance_window:
-                if request.num_drafts_accepted < config.min_acceptance_rate * request.num_drafts_offered:
-                    request.speculates = False
+            spec = s.request.spec  # it has drafts, so its engine speculates
+            spec.num_offered += len(s.draft_token_ids)
+            spec.num_accepted += n
+            if spec.num_offered >= config.acceptance_window:
+                if spec.num_accepted < config.min_acceptance_rate * spec.num_offered:
+                    spec.enabled = False
                     stats.num_disabled += 1
-                request.num_drafts_offered = request.num_drafts_accepted = 0
+                spec.num_offered = spec.num_accepted = 0

@@ -140,7 +140,7 @@ def _check_quiescent(seed: int, core: EngineCore, failures: list[Failure], who: 
     problems = []
     if core.has_unfinished():
         problems.append("has_unfinished")
-    if s.running or s.waiting or s.requests or s.prefilled:
+    if s.running or s.waiting or s.requests or s.remote.prefilled:
         problems.append(f"leftover requests {list(s.requests)} running={len(s.running)} waiting={len(s.waiting)}")
     if getattr(s, "_free_after_step", None):
         problems.append(f"_free_after_step holds {len(s._free_after_step)}")

@@ -125,7 +125,7 @@ def _count_cut_drafts(core: EngineCore, res: SeedResult) -> None:
     schedule = core.scheduler.schedule
 
     def counted():
-        offered = sum(len(r.spec_token_ids) for r in core.scheduler.running)
+        offered = sum(len(r.spec.token_ids) for r in core.scheduler.running if r.spec is not None)
         out = schedule()
         res.stats["drafts_cut"] += offered - out.num_draft_tokens
         return out

@@ -219,7 +219,7 @@ def test_a_request_waits_for_its_grammar_without_holding_up_others(llama_dir: Pa
     core = LLM(str(llama_dir)).core
     core.add_request("warm", [3, 4], SamplingParams(max_tokens=1, structured_outputs=P(regex="a")))
     slow: Future = Future()
-    monkeypatch.setattr(core._group.grammars, "compile", lambda params: slow)
+    monkeypatch.setattr(core._resources.grammars, "compile", lambda params: slow)
     core.add_request("held", [3, 4, 5], SamplingParams(max_tokens=4, temperature=0,
                                                        structured_outputs=P(regex="[a-z]+")))
     core.add_request("free", [3, 4, 6], SamplingParams(max_tokens=4, temperature=0))
@@ -229,7 +229,7 @@ def test_a_request_waits_for_its_grammar_without_holding_up_others(llama_dir: Pa
     assert "free" in finished and "held" not in finished
     assert core.scheduler.requests["held"].num_computed_tokens == 0
     monkeypatch.undo()
-    slow.set_result(core._group.grammars.compile(P(regex="[a-z]+")).result(timeout=30))
+    slow.set_result(core._resources.grammars.compile(P(regex="[a-z]+")).result(timeout=30))
     for _ in range(10):
         finished |= {r.request_id for r in core.step().finished}
     assert "held" in finished
@@ -244,7 +244,7 @@ def test_a_grammar_that_compiles_too_long_fails_its_request_at_its_own_fault(lla
     while core.has_unfinished():
         core.step()
     never: Future = Future()
-    monkeypatch.setattr(core._group.grammars, "compile", lambda params: never)
+    monkeypatch.setattr(core._resources.grammars, "compile", lambda params: never)
     core.add_request("huge", [3, 4], SamplingParams(max_tokens=4, structured_outputs=P(regex="x")))
     assert core.stats().waiting == core.stats().compiling == 1
     core.step()  # within the deadline: it waits
@@ -263,7 +263,7 @@ def _failing(core: EngineCore, monkeypatch, message: str, param: str) -> Future:
     from engine.structured.params import StructuredOutputsError
 
     future: Future = Future()
-    monkeypatch.setattr(core._group.grammars, "compile", lambda params: future)
+    monkeypatch.setattr(core._resources.grammars, "compile", lambda params: future)
     return future, StructuredOutputsError(param, message)
 
 
@@ -310,7 +310,7 @@ def test_resumed_tokens_off_the_grammar_are_refused_before_queueing(llama_dir: P
     core: EngineCore = LLM(str(llama_dir)).core
     spec = P(choice=["The quick"])
     core.add_request("warm", [3, 4], SamplingParams(max_tokens=1, structured_outputs=spec))
-    core._group.grammars.compile(spec).result(timeout=30)  # compiled: judged at once
+    core._resources.grammars.compile(spec).result(timeout=30)  # compiled: judged at once
     with pytest.raises(ValueError, match="does not follow the request's grammar"):
         core.add_request("again", [3, 4, 5, 6], SamplingParams(max_tokens=4, structured_outputs=spec), resumed=2)
     assert "again" not in core.scheduler.requests

@@ -6,7 +6,7 @@ import pytest
 
 from engine.errors import DoesNotFit
 from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, Speculation
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -181,7 +181,7 @@ def test_drafts_that_do_not_fit_are_dropped_before_anyone_is_preempted() -> None
     sched = make_scheduler(num_blocks=2, block_size=4)
     a, _ = add(sched, "a", 3, max_tokens=5), add(sched, "b", 3, max_tokens=5, first_token=20)
     step(sched)  # both prompts; each has 4 tokens in its one block
-    a.spec_token_ids = [5, 6]  # would need a second block for a
+    a.spec = Speculation([5, 6])  # would need a second block for a
     out = sched.schedule()
     assert not out.preempted and out.num_draft_tokens == 0
     assert [(s.request.request_id, s.num_new_tokens, tuple(s.draft_token_ids)) for s in out.scheduled] == \
@@ -194,13 +194,13 @@ def test_accepted_drafts_advance_and_a_stop_among_them_ends_the_request() -> Non
     sched = make_scheduler(block_size=4)
     a = add(sched, "a", 3, max_tokens=8)
     step(sched)
-    a.spec_token_ids = [5, 6, 9]
+    a.spec = Speculation([5, 6, 9])
     out = sched.schedule()
     assert (out.scheduled[0].num_new_tokens, list(out.scheduled[0].draft_token_ids)) == (4, [5, 6, 9])
     sched.update(out, [11], [2])  # 5 and 6 accepted, 11 sampled in place of 9
     assert a.output_token_ids == [7, 5, 6, 11] and a.num_computed_tokens == 6 and a.num_tokens == 7
     a.sampling_params.stop_token_ids = [8]
-    a.spec_token_ids = [12, 8, 13]
+    a.spec = Speculation([12, 8, 13])
     out = sched.schedule()
     _, finished = sched.update(out, [14], [3])  # the stop token 8 ends it; 13 and 14 are dropped
     assert finished == [a] and a.output_token_ids == [7, 5, 6, 11, 12, 8] and a.status == RequestStatus.FINISHED_STOPPED
@@ -213,7 +213,7 @@ def test_drafts_come_after_every_running_requests_token() -> None:
     sched = make_scheduler(num_blocks=5, block_size=4)
     a, _ = add(sched, "a", 7, max_tokens=8), add(sched, "b", 8, max_tokens=8, first_token=20)
     step(sched)  # a holds 2 blocks (its next token fits), b 2 (its next token needs a third)
-    a.spec_token_ids = [5, 6, 9]
+    a.spec = Speculation([5, 6, 9])
     out = sched.schedule()
     assert not out.preempted
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1)]
@@ -222,7 +222,7 @@ def test_drafts_come_after_every_running_requests_token() -> None:
     sched = make_scheduler(budget=3, block_size=4)
     a, _ = add(sched, "a", 2, max_tokens=8), add(sched, "b", 1, max_tokens=8, first_token=20)
     step(sched)
-    a.spec_token_ids = [5, 6, 9]
+    a.spec = Speculation([5, 6, 9])
     out = sched.schedule()
     assert [(s.request.request_id, s.num_new_tokens, list(s.draft_token_ids)) for s in out.scheduled] == \
         [("a", 2, [5]), ("b", 1, [])]

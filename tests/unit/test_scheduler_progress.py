@@ -35,11 +35,11 @@ def test_local_fallback_after_a_prefix_hit_recomputes_in_new_blocks() -> None:
     sched = make(32)
     prompt = list(range(1, 20))
     a, b = request("a", prompt), request("b", prompt)
-    assert sched.reserve_for_remote_prefill(a) and sched.reserve_for_remote_prefill(b)
+    assert sched.remote.reserve(a) and sched.remote.reserve(b)
     b_blocks = sched.kv.block_ids("b")
     fenced = sched.kv.hold("b", 0, len(b_blocks))
-    sched.remote_kv_arrived(a)
-    sched.remote_kv_failed(b)
+    sched.remote.arrived(a)
+    sched.remote.failed(b)
     out = sched.schedule()
     work = {s.request.request_id: (s.start, s.num_new_tokens) for s in out.scheduled}
     assert work == {"a": (18, 1), "b": (16, 3)}
@@ -54,9 +54,9 @@ def test_local_fallback_after_a_prefix_hit_recomputes_in_new_blocks() -> None:
 def test_a_request_holding_blocks_never_takes_prefix_hits() -> None:
     sched = make(32)
     a, b = request("a", range(1, 20)), request("b", range(1, 20))
-    sched.reserve_for_remote_prefill(a)
-    sched.remote_kv_arrived(a)  # a's full blocks are cached now
-    sched.reserve_for_remote_prefill(b)  # takes them as hits
+    sched.remote.reserve(a)
+    sched.remote.arrived(a)  # a's full blocks are cached now
+    sched.remote.reserve(b)  # takes them as hits
     hits = sched.kv.get_computed_blocks(b)
     assert hits
     with pytest.raises(EngineStateError, match="prefix hits only apply"):
@@ -81,11 +81,11 @@ def test_a_ready_request_runs_ahead_of_a_head_that_cannot_fit() -> None:
     sched.add_request(r0)
     step(sched)  # r0 holds 4 blocks
     r1 = request("r1", range(30, 41), max_tokens=3)
-    assert sched.reserve_for_remote_prefill(r1)  # 3 blocks; 1 left
+    assert sched.remote.reserve(r1)  # 3 blocks; 1 left
     while not sched.num_preemptions:
         step(sched)
     assert r0.status == RequestStatus.PREEMPTED and not sched.running
-    sched.remote_kv_arrived(r1)
+    sched.remote.arrived(r1)
     outs = run_to_completion(sched, max_steps=200)
     assert outs[0].scheduled[0].request is r1
     assert len(r0.output_token_ids) == 17 and len(r1.output_token_ids) == 3
@@ -99,10 +99,10 @@ def test_a_reservation_never_takes_the_blocks_the_queue_head_needs() -> None:
     assert [s.request.request_id for s in step(sched).scheduled] == ["w1"]  # head needs 3: waits
     # A reservation of 2 blocks fits the pool but would starve the head: refused (the
     # caller prefills it locally, queued behind the head), and nothing changes.
-    assert not sched.reserve_for_remote_prefill(request("remote", range(60, 66), max_tokens=1))
+    assert not sched.remote.reserve(request("remote", range(60, 66), max_tokens=1))
     assert "remote" not in sched.requests and sched.kv.num_free_blocks == 2
     sched.finish_requests(["w1"], RequestStatus.FINISHED_ABORTED)
-    assert sched.reserve_for_remote_prefill(request("remote", range(60, 66), max_tokens=1))
+    assert sched.remote.reserve(request("remote", range(60, 66), max_tokens=1))
 
 
 def test_a_preempted_recompute_longer_than_a_step_is_chunked_with_chunking_off() -> None:
@@ -157,8 +157,8 @@ def test_a_ready_request_waiting_for_room_is_not_overtaken_with_chunking_off() -
     sched.add_request(request("long", range(1000, 1008), max_tokens=40))
     step(sched)
     fallback = request("fallback", range(2000, 2000 + budget))  # fits a step only alone
-    assert sched.reserve_for_remote_prefill(fallback)
-    sched.remote_kv_failed(fallback)
+    assert sched.remote.reserve(fallback)
+    sched.remote.failed(fallback)
     for i in range(100):
         if i % 3 == 0:  # a steady trickle of short requests
             sched.add_request(request(f"c{i}", range(10000 * (i + 1), 10000 * (i + 1) + 4), max_tokens=6))
@@ -169,7 +169,7 @@ def test_a_ready_request_waiting_for_room_is_not_overtaken_with_chunking_off() -
 
 def test_probing_the_waiting_head_is_no_prefix_cache_query() -> None:
     """Issue 35, item 9: a remote reservation asks how many blocks the head of the
-    waiting queue needs (_head_needs); that probe looks the head's prefix up, but the
+    waiting queue needs (Scheduler.head_needs); that probe looks the head's prefix up, but the
     cache statistics count a request's query once, when it is admitted (as vLLM's)."""
     sched = make(32)
     prompt = list(range(1, 14))  # 13 tokens: 3 full blocks of 4, all cacheable
@@ -179,7 +179,7 @@ def test_probing_the_waiting_head_is_no_prefix_cache_query() -> None:
     assert (pool.num_cache_queries, pool.num_cache_hits) == (1, 0)  # a's own admission: a miss
     sched.add_request(request("head", prompt))  # queued, never scheduled yet: its hits wait
     for i in range(3):  # each reservation probes the head; a disjoint prompt: one miss each
-        assert sched.reserve_for_remote_prefill(request(f"r{i}", range(100, 113)))
+        assert sched.remote.reserve(request(f"r{i}", range(100, 113)))
     assert (pool.num_cache_queries, pool.num_cache_hits) == (4, 0)
     out = sched.schedule()  # the head is admitted with its 3 hits: counted now, once
     assert [s.request.request_id for s in out.scheduled] == ["head"] and out.scheduled[0].start == 12

@@ -1,0 +1,199 @@
+"""Builds what an EngineCore steps with: the model (and its tensor-parallel group),
+the KV pool (sized, allocated), the scheduler, the model runner with its CUDA graphs,
+and the speculator. EngineCore's constructor calls build_engine once; nothing here
+runs a step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.config import EngineConfig
+from engine.distributed import shared_cache
+from engine.distributed.driver import TPDriver
+from engine.distributed.group import SINGLE
+from engine.distributed.rank_model import build_rank_model, step_codec
+from engine.distributed.sharding import Shard
+from engine.gpu_memory import profile_num_kv_blocks
+from engine.kv_cache.manager import KVCacheManager
+from engine.model.config import ModelConfig, max_model_len
+from engine.model.loader import TORCH_DTYPES
+from engine.runner import KVAllocator, ModelRunner, allocate_kv_cache, kv_cache_shape
+from engine.sampling import Sampler
+from engine.scheduler import Scheduler
+from engine.speculative.draft_model import DraftModelProposer, LoadedDraft, load_draft
+from engine.speculative.speculator import Speculator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """What build_engine made; EngineCore keeps each as an attribute of the same name."""
+
+    model_config: ModelConfig
+    shard: Shard  # rank 0's part of the model
+    max_model_len: int
+    resources: EngineResources  # what close() releases
+    model: torch.nn.Module
+    kv_caches: list[torch.Tensor]  # rank 0's first; every rank's on CPU at TP > 1
+    num_blocks: int
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    speculator: Speculator | None
+
+
+def build_engine(config: EngineConfig, kv_allocator: KVAllocator | None = None,
+                 keep_cache_files: bool = False) -> EngineParts:
+    """Build an engine's parts (EngineCore's constructor documents the arguments). On
+    failure whatever was started (follower ranks, cache files) is released."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    return _Builder(config).build(kv_allocator, keep_cache_files)
+
+
+class _Builder:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_model_dir(config.model)
+        self.shard = Shard.of(self.model_config, 0, config.tensor_parallel_size)  # refuses an unshardable model
+        self.resources = EngineResources()
+
+    @property
+    def tp(self) -> TPDriver | None:
+        return self.resources.tp
+
+    def build(self, kv_allocator: KVAllocator | None, keep_cache_files: bool) -> EngineParts:
+        config, model_config = self.config, self.model_config
+        model_len = max_model_len(config, model_config)
+        try:
+            if config.tensor_parallel_size > 1:
+                self.resources.tp = TPDriver(config, step_codec(config, model_len))
+            model, _, backend, _ = build_rank_model(config, 0, self.tp.group if self.tp else SINGLE)
+            draft = self._load_draft(model_len)  # before the pool is sized: on CUDA it counts the draft
+            num_blocks = config.num_kv_blocks or self._pool_blocks(model, backend, TORCH_DTYPES[config.dtype],
+                                                                   model_len, draft)
+            kv_caches = self._allocate_caches(num_blocks, kv_allocator, keep_cache_files)
+            kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            scheduler = Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs, model_len,
+                                  model_config.eos_token_ids, config.enable_chunked_prefill)
+            runner = ModelRunner(model, kv_caches[0], config.block_size,
+                                 Sampler(model_config.eos_token_ids, seed=config.seed),
+                                 backend, config.device, self.tp)
+            if config.device.startswith("cuda") and not config.enforce_eager:
+                if self.tp is None:
+                    self._capture_cuda_graphs(model, runner, backend, model_len)
+                else:
+                    logger.info("no CUDA graphs at tensor_parallel_size > 1: the ranks run eagerly")
+            speculator = self._speculator(kv, num_blocks, model_len, draft)
+        except BaseException:
+            self.resources.close()
+            raise
+        return EngineParts(model_config, self.shard, model_len, self.resources, model, kv_caches, num_blocks,
+                           kv, scheduler, runner, speculator)
+
+    def _load_draft(self, model_len: int) -> LoadedDraft | None:
+        """The draft model (speculative_config.model), checked against this one; None
+        without one."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        return load_draft(self.config, self.model_config, model_len)
+
+    def _speculator(self, kv: KVCacheManager, num_blocks: int, model_len: int,
+                    draft: LoadedDraft | None) -> Speculator | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self.config.async_scheduling:
+            logger.info("speculative decoding: steps run synchronously (each step's drafts follow "
+                        "the tokens the last one accepted); async_scheduling is not used")
+        proposer = None
+        if draft is not None:
+            proposer = DraftModelProposer(draft, self.config, num_blocks, kv)
+        return Speculator(spec, model_len, proposer)
+
+    def _allocate_caches(self, num_blocks: int, kv_allocator: KVAllocator | None,
+                         keep_files: bool) -> list[torch.Tensor]:
+        config, dtype = self.config, TORCH_DTYPES[self.config.dtype]
+        if self.tp is None:
+            return [allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype,
+                                      config.device, kv_allocator)]
+        if config.device == "cpu":
+            shape = kv_cache_shape(self.model_config, num_blocks, config.block_size, self.shard.num_kv_heads)
+            self.resources.files, caches = shared_cache.create_rank_caches(shape, dtype, self.shard.size)
+            self.tp.attach_caches(self.resources.files, num_blocks)
+        else:
+            caches = [allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype,
+                                        config.device, num_kv_heads=self.shard.num_kv_heads)]
+            self.tp.attach_caches(None, num_blocks)
+        self.tp.wait_ready()
+        if not keep_files:
+            shared_cache.unlink(self.resources.files)
+            self.resources.files = []
+        return caches
+
+    def _pool_blocks(self, model: torch.nn.Module, backend: AttentionBackend, dtype: torch.dtype,
+                     model_len: int, draft: LoadedDraft | None) -> int:
+        """On CUDA, the draft model's weights, activations and KV per block are counted;
+        on CPU kv_cache_memory_gib is the target's KV alone (a draft's cache is extra)."""
+        config = self.config
+        if config.device.startswith("cuda") and self.tp is not None:
+            # The profiling forward would need the followers' collectives.
+            raise ValueError("set num_kv_blocks with tensor_parallel_size > 1 on CUDA: the KV pool "
+                             "is not sized by profiling there yet")
+        if config.device.startswith("cuda"):
+            spec = config.speculative_config
+            # A speculating request samples a row per draft and one after them.
+            rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+            return profile_num_kv_blocks(
+                model, self.model_config, backend, config.device, dtype, config.block_size,
+                config.max_num_batched_tokens, model_len, rows, config.gpu_memory_utilization,
+                () if draft is None else [(draft.model, draft.config, draft.backend)])
+        # A rank holds only its own KV heads.
+        block_bytes = (self.model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
+                       * self.shard.num_kv_heads // self.model_config.num_kv_heads)
+        num_blocks = int(config.kv_cache_memory_gib * 2**30 // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_gib={config.kv_cache_memory_gib} is too small for "
+                             f"one KV block ({block_bytes} bytes)")
+        return num_blocks
+
+    def _capture_cuda_graphs(self, model: torch.nn.Module, runner: ModelRunner, backend: AttentionBackend,
+                             model_len: int) -> None:
+        if backend.name != "triton":
+            logger.info("no CUDA graphs: the %r attention backend synchronises with the host", backend.name)
+            return
+        from engine.cuda_graphs import CudaGraphRunner
+
+        rows, spec = None, self.config.speculative_config
+        if spec is not None:  # verify steps replay them with a row per token: the last one and the drafts
+            rows = min(self.config.max_num_seqs * (spec.num_speculative_tokens + 1), self.config.max_num_batched_tokens)
+        graphs = CudaGraphRunner(model, backend, self.config.max_num_seqs, model_len,
+                                 self.config.block_size, torch.device(self.config.device), rows)
+        graphs.capture()
+        runner.graphs = graphs
+
+
+class EngineResources:
+    """What EngineCore.close() releases: follower ranks, cache files, grammar compile
+    threads. Apart from the engine so its finalizer does not keep the engine alive."""
+
+    def __init__(self) -> None:
+        self.tp: TPDriver | None = None
+        self.files: list[str] = []
+        self.grammars: Any = None  # engine.structured.compiler.GrammarCompiler, from the first grammar
+
+    def close(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
+        if self.tp is not None:
+            self.tp.close()
+        shared_cache.unlink(self.files)
+        self.files = []
