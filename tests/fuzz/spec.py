@@ -153,7 +153,7 @@ def _run_core(core: EngineCore, engine: dict[str, Any], specs: list[ReqSpec], or
         tokens, finish = list(request.output_token_ids), FINISH.get(request.status, request.status.value)
         logprobs = request.output_logprobs if params.logprobs is not None else None
         if params.greedy or params.seed is not None:
-            prompt_logprobs = [None, *request.prompt_logprobs] if params.prompt_logprobs is not None else None
+            prompt_logprobs = [None, *request.prompt_logprobs.entries] if request.prompt_logprobs is not None else None
             res.problems += check_greedy(what, tokens, finish, logprobs, oracle.expect(spec.prompt, params),
                                          aborted, prompt_logprobs=prompt_logprobs)
             res.problems += check_constraint(what, spec.params, tokens, finish, oracle)
