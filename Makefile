@@ -16,7 +16,7 @@ NVIDIA_GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || test -e /dev/nvid
 TORCH_INDEX ?= $(if $(NVIDIA_GPU),,https://download.pytorch.org/whl/cpu)
 TORCH := torch==2.13.0$(if $(TORCH_INDEX), --extra-index-url $(TORCH_INDEX))
 
-.PHONY: install model lint typecheck test serve generate bench clean
+.PHONY: install model lint typecheck test test-fast serve generate bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,8 +40,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Most of the suite's time is spent waiting on worker processes, so tests run in
+# parallel (pytest-xdist): each module is one unit of work and the Ray tests one more
+# (tests/conftest.py), the longest sent first. PYTEST_WORKERS=0 runs them in one process.
+PYTEST_WORKERS ?= 4
+PYTEST_XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+
 test: lint model
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(PYTEST_XDIST) tests
+
+# The inner loop: the unit tests alone.
+test-fast: lint model
+	$(PY) -m pytest -q $(PYTEST_XDIST) tests/unit
 
 serve: model
 	$(VENV)/bin/pdserve serve configs/local.yaml --model $(MODEL)
