@@ -66,6 +66,8 @@ FIRST = ("tests/disagg/test_structured_serving.py", "tests/ray/", "tests/disagg/
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        if item.get_closest_marker("xdist_group"):  # modules that share a fixture (tests/disagg/conftest.py)
+            continue
         path = item.nodeid.split("::")[0]
         group = next((name for prefix, name in SERIAL_GROUPS.items() if path.startswith(prefix)), path)
         item.add_marker(pytest.mark.xdist_group(group))

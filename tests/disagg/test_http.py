@@ -7,7 +7,6 @@ import http.client
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,28 +15,21 @@ import pytest
 
 from cluster.config import ClusterConfig
 from cluster.local.workers import LocalWorkers
-from cluster.serve import build
 from engine import LLM, SamplingParams
+from tests.disagg.conftest import PD_SERVER, Served
 from tests.disagg.test_worker_processes import Client
-from tests.http_server import free_port, serving
+from tests.http_server import free_port
 from tests.unit.test_grafana_dashboard import load_dashboard, missing_metrics
 
 PROMPTS = ["The quick brown fox", "Paged attention stores keys and values in fixed-size blocks. " * 2]
 
 
+pytestmark = PD_SERVER
+
+
 @pytest.fixture(scope="module")
-def server(llama_dir: Path) -> Iterator[tuple[openai.OpenAI, ClusterConfig, LocalWorkers]]:
-    config = ClusterConfig.from_dict({
-        "model": str(llama_dir), "transport": "shm", "prefill_deadline_s": 5.0,
-        "router": {"port": free_port(), "remote_prefill_min_tokens": 8, "max_queued_requests": 64},
-        "prefill": {"replicas": 1, "engine": {"num_kv_blocks": 80, "max_num_batched_tokens": 32}},
-        "decode": {"replicas": 1, "engine": {"num_kv_blocks": 80}}})
-    workers, router = build(config)
-    try:
-        with serving(router, config.router.port) as base:
-            yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60, max_retries=0), config, workers
-    finally:
-        workers.stop()
+def server(pd_server: Served) -> tuple[openai.OpenAI, ClusterConfig, LocalWorkers]:
+    return pd_server.client, pd_server.config, pd_server.workers
 
 
 @pytest.fixture(scope="module")

@@ -9,37 +9,26 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
-from cluster.config import ClusterConfig
 from cluster.local.workers import LocalWorkers
-from cluster.serve import build
 from protocol import Generate, encode
 from protocol.kv_control import Written
 from security import DeploymentSecret, connect_securely
-from tests.http_server import free_port, serving
+from tests.disagg.conftest import PD_SERVER, Served
 
 PARAMS = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
 
+pytestmark = PD_SERVER
+
+
 @pytest.fixture(scope="module")
-def served(llama_dir: Path) -> Iterator[tuple[str, LocalWorkers]]:
-    config = ClusterConfig.from_dict({
-        "model": str(llama_dir), "transport": "shm", "prefill_deadline_s": 5.0,
-        "router": {"port": free_port(), "remote_prefill_min_tokens": 8},
-        "prefill": {"replicas": 1, "engine": {"num_kv_blocks": 40}},
-        "decode": {"replicas": 1, "engine": {"num_kv_blocks": 40}}})
-    workers, router = build(config)
-    try:
-        with serving(router, config.router.port) as base:
-            yield base, workers
-    finally:
-        workers.stop()
+def served(pd_server: Served) -> tuple[str, LocalWorkers]:
+    return pd_server.base, pd_server.workers
 
 
 def get(url: str) -> dict:
