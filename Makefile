@@ -41,10 +41,10 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Most of the suite's time is spent waiting on worker processes, so tests run in
-# parallel (pytest-xdist): each module is one unit of work and the Ray tests one more
-# (tests/conftest.py), the longest sent first. PYTEST_WORKERS=0 runs them in one process.
+# parallel (pytest-xdist): each module is one unit of work, the longest sent first
+# (tests/conftest.py). PYTEST_WORKERS=0 runs them in one process.
 PYTEST_WORKERS ?= 4
-PYTEST_XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+PYTEST_XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: lint model
 	$(PY) -m pytest -q $(PYTEST_XDIST) tests

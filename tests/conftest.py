@@ -51,27 +51,19 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-# Under pytest-xdist (`make test`: -n with --dist loadgroup) each test module is one unit
-# of work, so that a module-scoped deployment starts once, on one worker; the Ray tests
-# are one unit, so that one Ray head runs at a time. The modules that take longest are
-# sent first, so that none of them starts last and leaves the other workers idle.
-SERIAL_GROUPS = {"tests/ray/": "ray"}
-# By their times in one process (pytest --durations); a prefix takes a folder.
-FIRST = ("tests/disagg/test_structured_serving.py", "tests/ray/", "tests/disagg/test_chaos.py", "tests/fuzz/",
+# Under pytest-xdist (`make test`: -n with --dist loadfile) each test module is one unit
+# of work, so that a module-scoped deployment starts once, on one worker. (Not loadgroup:
+# xdist 3.8 marks a group by rewriting item._nodeid, which pytest 9 no longer reads.)
+# The modules that take longest are sent first, so that none of them starts last and
+# leaves the other workers idle. By their times in one process (pytest --durations); a
+# prefix takes a folder.
+FIRST = ("tests/disagg/test_structured_serving.py", "tests/disagg/test_chaos.py", "tests/ray/", "tests/fuzz/",
          "tests/disagg/test_prompt_logprobs_serving.py", "tests/benchmarks/test_autoscale_bench_smoke.py",
          "tests/disagg/test_tp_remote_prefill.py", "tests/benchmarks/test_gpu_check_smoke.py", "tests/disagg/",
          "tests/fidelity/", "tests/kv_transfer/", "tests/structured/")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group"):  # modules that share a fixture (tests/disagg/conftest.py)
-            continue
-        path = item.nodeid.split("::")[0]
-        group = next((name for prefix, name in SERIAL_GROUPS.items() if path.startswith(prefix)), path)
-        item.add_marker(pytest.mark.xdist_group(group))
-
     def rank(item: pytest.Item) -> int:
         path = item.nodeid.split("::")[0]
         return next((i for i, prefix in enumerate(FIRST) if path.startswith(prefix)), len(FIRST))

@@ -16,10 +16,6 @@ from engine import LLM
 from tests.disagg.test_remote_prefill import GREEDY, PROMPTS
 from tests.http_server import free_port, serving
 
-# The modules that share `pd_server` carry this mark, so that under pytest-xdist they run
-# on one worker, one after another, and the deployment starts once.
-PD_SERVER = pytest.mark.xdist_group("pd_server")
-
 
 class Served(NamedTuple):
     client: openai.OpenAI
@@ -39,8 +35,9 @@ def reference(llama_dir: Path) -> dict[str, list[int]]:
 def pd_server(llama_dir: Path) -> Iterator[Served]:
     """1 prefill + 1 decode worker process (shm) behind the router over real HTTP, shared
     by the modules that need nothing else (test_http, test_parallel_sampling,
-    test_worker_plane_auth: marked PD_SERVER): one start instead of three. Their tests
-    count from what they see first, not from zero; none leaves a request running."""
+    test_worker_plane_auth): one start instead of three in one process (an xdist worker
+    starts it once for those of them it runs). Their tests count from what they see
+    first, not from zero; none leaves a request running."""
     config = ClusterConfig.from_dict({
         "model": str(llama_dir), "transport": "shm", "prefill_deadline_s": 5.0,
         "router": {"port": free_port(), "remote_prefill_min_tokens": 8, "max_queued_requests": 64},

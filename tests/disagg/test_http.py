@@ -16,15 +16,12 @@ import pytest
 from cluster.config import ClusterConfig
 from cluster.local.workers import LocalWorkers
 from engine import LLM, SamplingParams
-from tests.disagg.conftest import PD_SERVER, Served
+from tests.disagg.conftest import Served
 from tests.disagg.test_worker_processes import Client
 from tests.http_server import free_port
 from tests.unit.test_grafana_dashboard import load_dashboard, missing_metrics
 
 PROMPTS = ["The quick brown fox", "Paged attention stores keys and values in fixed-size blocks. " * 2]
-
-
-pytestmark = PD_SERVER
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,11 @@ import urllib.request
 import openai
 import pytest
 
-from tests.disagg.conftest import PD_SERVER, Served
+from tests.disagg.conftest import Served
 
 # Its own: no other test on the shared deployment sends it (a prefix-cache hit there
 # would leave too few tokens to prefill remotely).
 PROMPT = "Speculative decoding drafts a few tokens that the target model then verifies at once."
-
-
-pytestmark = PD_SERVER
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,9 @@ from cluster.local.workers import LocalWorkers
 from protocol import Generate, encode
 from protocol.kv_control import Written
 from security import DeploymentSecret, connect_securely
-from tests.disagg.conftest import PD_SERVER, Served
+from tests.disagg.conftest import Served
 
 PARAMS = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-
-
-pytestmark = PD_SERVER
 
 
 @pytest.fixture(scope="module")
