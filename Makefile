@@ -46,8 +46,13 @@ typecheck: $(STAMP)
 PYTEST_WORKERS ?= 4
 PYTEST_XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
+# These run after the rest, one at a time: Ray's own processes would crowd the 2 cores
+# the others share, and the chaos and late-write tests time faults against their load.
+SERIAL_TESTS := tests/ray tests/disagg/test_chaos.py tests/kv_transfer/test_late_writes.py
+
 test: lint model
-	$(PY) -m pytest -q $(PYTEST_XDIST) tests
+	$(PY) -m pytest -q $(PYTEST_XDIST) tests $(addprefix --ignore=,$(SERIAL_TESTS))
+	$(PY) -m pytest -q $(SERIAL_TESTS)
 
 # The inner loop: the unit tests alone.
 test-fast: lint model
