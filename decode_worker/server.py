@@ -26,6 +26,7 @@ from decode_worker.guards import RouterBug, check_router_rules
 from decode_worker.remote_kv import DecodeWorkerCore
 from engine.errors import RequestsFailed
 from engine.request import Request
+from engine.sampling import TokenLogprobs
 from protocol import (
     Abort,
     Generate,
@@ -43,6 +44,7 @@ from protocol import (
     encode,
     from_wire,
 )
+from protocol.worker import PromptTokenLogprobs
 from security import DeploymentSecret
 from workers.config import WorkerConfig
 from workers.control import ControlChannel
@@ -61,7 +63,7 @@ class _Client:
     """A request this worker serves: who asked, what it was sent, and when it passed
     each point here (time.monotonic())."""
 
-    sock: zmq.Socket | None  # the socket it came in on, and the asker's routing id
+    sock: zmq.Socket  # the socket it came in on, and the asker's routing id
     sender: bytes
     arrived: float
     sent: int = 0  # output tokens already sent
@@ -207,6 +209,7 @@ class DecodeWorker(WorkerLoop):
             for rid in client.members:
                 self.requests[rid] = _Client(sock, sender, now, group=request_id)
         if rp is not None:
+            assert prefill is not None  # add_request plans a remote prefill only when given a worker
             client.prefill = prefill
             self.dealers[prefill].send(encode(rp))
 
@@ -262,9 +265,10 @@ class DecodeWorker(WorkerLoop):
         over (it stalled, or lost a tensor-parallel rank): then the router resubmits
         them to another decode worker once this one is reported down."""
         for request_id, client in self.requests.items():
-            sock = self.dealers.get(client.prefill) if client.prefill is not None else None
-            if sock is not None:
-                self.send_now(sock, client.prefill.encode(), encode(Abort(request_id=request_id)))
+            prefill = client.prefill
+            sock = self.dealers.get(prefill) if prefill is not None else None
+            if sock is not None and prefill is not None:
+                self.send_now(sock, prefill.encode(), encode(Abort(request_id=request_id)))
         if fail_over:
             return
         for request_id, client in self.requests.items():
@@ -311,7 +315,7 @@ class DecodeWorker(WorkerLoop):
             done = rid in finished
             prompt_logprobs = []
             if not sent and request.prompt_logprobs is not None:  # with the first tokens
-                prompt_logprobs = [(lp.logprob, lp.rank, list(lp.top)) for lp in request.prompt_logprobs.entries]
+                prompt_logprobs = [_prompt_token(lp) for lp in request.prompt_logprobs.entries]
             self.send(client.sock, client.sender, encode(Tokens(
                 request_id=rid, tokens=new, finished=done, reason=request.status.value if done else "",
                 cached=request.num_cached_tokens, logprobs=logprobs, phases=self._phases(request, now) if done else {},
@@ -342,6 +346,7 @@ class DecodeWorker(WorkerLoop):
         if kv_ready is not None:
             phases["queue"] = max(0.0, scheduled - kv_ready)
             if remote.remote_compute_s is not None:  # else its prefill_done is still on the way
+                assert remote.remote_transfer_s is not None  # _prefill_done sets both
                 phases.update(prefill=remote.remote_compute_s, kv_write=remote.remote_transfer_s,
                               transfer=max(0.0, kv_ready - t.arrived - remote.remote_compute_s))
         else:
@@ -360,6 +365,12 @@ class DecodeWorker(WorkerLoop):
             late_writes_dropped=transport.stats["late_writes_dropped"], kv_overwritten=transport.stats["overwritten"],
             kv_overwritten_in_use=transport.stats["overwritten_in_use"],
             spec_decode=SpecDecodeStats(**asdict(engine.spec)) if engine.spec is not None else None)
+
+
+def _prompt_token(entry: TokenLogprobs) -> PromptTokenLogprobs:
+    """A prompt token's entry as Tokens carries it."""
+    assert entry.rank is not None  # prompt logprobs' entries always have their rank (engine/prompt_logprobs.py)
+    return entry.logprob, entry.rank, list(entry.top)
 
 
 def _step_error(exc: RequestsFailed) -> str:

@@ -22,6 +22,7 @@ from engine.distributed.sharding import Shard
 from engine.gpu_memory import profile_num_kv_blocks
 from engine.kv_cache.manager import KVCacheManager
 from engine.model.config import ModelConfig, max_model_len
+from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import TORCH_DTYPES
 from engine.runner import KVAllocator, ModelRunner, allocate_kv_cache, kv_cache_shape
 from engine.sampling import Sampler
@@ -40,7 +41,7 @@ class EngineParts:
     shard: Shard  # rank 0's part of the model
     max_model_len: int
     resources: EngineResources  # what close() releases
-    model: torch.nn.Module
+    model: LlamaForCausalLM
     kv_caches: list[torch.Tensor]  # rank 0's first; every rank's on CPU at TP > 1
     num_blocks: int
     kv: KVCacheManager
@@ -139,7 +140,7 @@ class _Builder:
             self.resources.files = []
         return caches
 
-    def _pool_blocks(self, model: torch.nn.Module, backend: AttentionBackend, dtype: torch.dtype,
+    def _pool_blocks(self, model: LlamaForCausalLM, backend: AttentionBackend, dtype: torch.dtype,
                      model_len: int, draft: LoadedDraft | None) -> int:
         """On CUDA, the draft model's weights, activations and KV per block are counted;
         on CPU kv_cache_memory_gib is the target's KV alone (a draft's cache is extra)."""
@@ -165,7 +166,7 @@ class _Builder:
                              f"one KV block ({block_bytes} bytes)")
         return num_blocks
 
-    def _capture_cuda_graphs(self, model: torch.nn.Module, runner: ModelRunner, backend: AttentionBackend,
+    def _capture_cuda_graphs(self, model: LlamaForCausalLM, runner: ModelRunner, backend: AttentionBackend,
                              model_len: int) -> None:
         if backend.name != "triton":
             logger.info("no CUDA graphs: the %r attention backend synchronises with the host", backend.name)

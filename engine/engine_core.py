@@ -248,9 +248,9 @@ class EngineCore:
         if pool.events is None:
             pool.events = []
 
-    def take_kv_events(self) -> tuple[list[list], bool]:
-        """The events since the last take, in order ([block hash, True = cached / False
-        = evicted]), and whether some were dropped since (start the index over)."""
+    def take_kv_events(self) -> tuple[list[tuple[int, bool]], bool]:
+        """The events since the last take, in order, each (block hash, True = cached /
+        False = evicted), and whether some were dropped since (start the index over)."""
         pool = self.kv.pool
         events, lost = pool.events or [], pool.events_lost
         if pool.events is not None:
@@ -298,6 +298,7 @@ class EngineCore:
             if out.scheduled:
                 queued.append(out)
                 if out.num_draft_tokens:  # a draft model's forwards: their failure voids the step
+                    assert self.speculator is not None  # only a speculating engine's requests have drafts
                     self._run(self.speculator.fill, queued, out)
                 rows = self._prompt_rows(out)
                 launch = self.runner.launch if rows is None else functools.partial(self.runner.launch,
@@ -378,12 +379,15 @@ class EngineCore:
     def _finish_speculative_step(self, out: SchedulerOutput, sampled: SamplerOutput) -> StepOutput:
         """_finish_step's update for a step with drafts: each request takes the drafts
         it accepted and the token sampled after them (with their logprobs)."""
-        tokens, num_accepted, logprobs = self.speculator.accepted(out, sampled)
-        self.speculator.record(out, num_accepted)
+        speculator = self.speculator
+        assert speculator is not None  # only a speculating engine's steps have drafts
+        tokens, num_accepted, logprobs = speculator.accepted(out, sampled)
+        speculator.record(out, num_accepted)
         sampling = [s.request for s in out.scheduled if s.samples]
         before = [r.num_output_tokens for r in sampling]
         advanced, finished = self.scheduler.update(out, tokens, num_accepted)
         for request, n, entries in zip(sampling, before, logprobs):
             if request.sampling_params.logprobs is not None:  # one per token it took (a stop drops the rest)
-                request.output_logprobs += entries[:request.num_output_tokens - n]
+                # A row is None only where its request asked for no logprobs: none is dropped here.
+                request.output_logprobs += [e for e in entries[:request.num_output_tokens - n] if e is not None]
         return StepOutput(advanced, finished, out.num_tokens, len(out.scheduled))

@@ -91,10 +91,11 @@ class ForkGroups:
     def _drop_unneeded_prompt(self, prompt: Request) -> None:
         """Stop computing a group's prompt once none of its sequences waits for it (not
         while a prefill worker writes into its blocks: it ends when that is over)."""
-        assert prompt.sequences is not None  # a group's prompt (join_group set them)
+        fork = prompt.fork
+        assert fork is not None and prompt.sequences is not None  # a group's prompt (join_group set them)
         if (prompt.request_id in self.requests and prompt.status != RequestStatus.WAITING_FOR_REMOTE_KV
                 and not any(r.status == RequestStatus.WAITING_FOR_FORK for r in prompt.sequences)):
-            prompt.fork.sequences = []
+            fork.sequences = []
             self.finish_requests([prompt.request_id], RequestStatus.FINISHED_ABORTED)
 
 

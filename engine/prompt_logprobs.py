@@ -52,6 +52,7 @@ def plan_rows(scheduled: Sequence[ScheduledRequest], wanted: Iterable[Request]) 
     for s in scheduled:
         request = s.request
         if request in wanted:
+            assert request.prompt_logprobs is not None  # wanted: it needs prompt logprobs, so has a record
             first = max(s.start, len(request.prompt_logprobs.entries))
             end = min(s.start + s.num_new_tokens, request.num_prompt_tokens - 1)
             if first < end:
@@ -105,7 +106,9 @@ class PendingPromptLogprobs:
         top_v, top_i = (self._host[2].tolist(), self._host[3].tolist()) if self.k > 0 else ([], [])
         row = 0
         for request, first, n in self.spans:
-            have = len(request.prompt_logprobs.entries)
+            record = request.prompt_logprobs
+            assert record is not None  # plan_rows spans only requests that have one
+            have = len(record.entries)
             if request.status.finished:
                 row += n
                 continue
@@ -116,6 +119,6 @@ class PendingPromptLogprobs:
             for j in range(have - first, n):
                 r = row + j
                 top = list(zip(top_i[r][:count], top_v[r][:count])) if count else []
-                request.prompt_logprobs.entries.append(TokenLogprobs(
+                record.entries.append(TokenLogprobs(
                     request.prompt_token_ids[first + j + 1], chosen[r], top, ranks[r]))
             row += n

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.errors import EngineStateError
 from engine.sampling import SamplingRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -150,6 +151,13 @@ class Request:
     def num_remote_tokens(self) -> int:
         """Prompt tokens whose KV a prefill worker wrote (decode side)."""
         return 0 if self.remote is None else self.remote.num_tokens
+
+    @property
+    def speculation(self) -> Speculation:
+        """Its spec, for code that runs only where its engine speculates (which sets it)."""
+        if self.spec is None:
+            raise EngineStateError(f"request {self.request_id!r} has no speculation state: its engine does not speculate")
+        return self.spec
 
     @property
     def grammar_pending(self) -> bool:

@@ -98,7 +98,9 @@ class GrammarWatch:
 
     def wait(self, timeout_s: float) -> None:
         """Nothing else to do: wait a little for one of them."""
-        next(iter(self.compiling.values())).grammar.wait(timeout_s)
+        grammar = next(iter(self.compiling.values())).grammar
+        assert grammar is not None  # track() keeps only requests whose grammar is compiling
+        grammar.wait(timeout_s)
 
     def check(self) -> None:
         """Forget requests whose grammar has compiled. One whose compile failed is
@@ -111,15 +113,18 @@ class GrammarWatch:
                 del self.compiling[request_id]
                 continue
             timeout = self.timeout_s
+            grammar = request.grammar
+            assert grammar is not None  # track() keeps only requests whose grammar is compiling
+            error: BaseException | None
             try:
-                if not request.grammar.ready():
-                    if time.monotonic() - request.grammar.created <= timeout:
+                if not grammar.ready():
+                    if time.monotonic() - grammar.created <= timeout:
                         continue
                     # The compile thread cannot be stopped; it finishes into the cache.
                     error = ValueError(f"its grammar did not compile within {timeout:g} s "
                                        "(engine.grammar_compile_timeout_s): the schema is too large or complex")
                 else:
-                    error = request.grammar.error()
+                    error = grammar.error()
             except ValueError as exc:  # its resumed tokens do not follow the grammar
                 error = exc
             del self.compiling[request_id]

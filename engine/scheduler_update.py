@@ -6,7 +6,7 @@ request. Part of the Scheduler, kept apart to keep each file about one thing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from engine.request import Request, RequestStatus
@@ -29,6 +29,10 @@ class SchedulerUpdates:
     eos_token_ids: frozenset[int]
     max_model_len: int
     _free_after_step: dict[Request, list[KVBlock]]
+
+    if TYPE_CHECKING:  # the Scheduler's verbs (scheduler.py, fork_groups.py) these call
+        def fork(self, prompt: Request) -> None: ...
+        def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]: ...
 
     def update(self, out: SchedulerOutput, sampled: Sequence[int],
                num_accepted: Sequence[int] | None = None) -> tuple[list[Request], list[Request]]:

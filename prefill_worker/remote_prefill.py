@@ -107,12 +107,12 @@ class PrefillWorkerCore:
             held = self._held.pop(event.xfer, None)
             if held is not None:
                 self.engine.release_blocks(held)
-            job = self.jobs.get(event.req)
-            if job is None:
+            written = self.jobs.get(event.req)
+            if written is None:
                 continue
-            job.outstanding.discard(event.xfer)
-            if isinstance(event, WriteFailed) and job.failed is None:
-                job.failed = event.reason
+            written.outstanding.discard(event.xfer)
+            if isinstance(event, WriteFailed) and written.failed is None:
+                written.failed = event.reason
                 self.transport.cancel(event.req)
         return self._finish_jobs()
 
@@ -156,5 +156,5 @@ class PrefillWorkerCore:
             computed = job.computed if job.computed is not None else now
             ended.append(PrefillDone(request_id=request_id, error=job.failed, compute_s=computed - job.submitted,
                                      transfer_s=now - computed, bytes_written=(job.next_block - job.rp.first_block)
-                                     * self.transport.compat.block_bytes))
+                                     * self.transport.registered_compat.block_bytes))
         return ended

@@ -47,7 +47,7 @@ class BlockPool:
         self.num_cache_hits = 0  # blocks found
         # Prefix-cache events, when someone collects them (a decode worker, for the
         # router's kv_aware index): [block hash, True = cached / False = evicted], in order.
-        self.events: list[list] | None = None
+        self.events: list[tuple[int, bool]] | None = None
         # More than this many uncollected events: nobody is taking them; they are dropped
         # and events_lost says so (the collector starts its index over).
         self.events_limit: int | None = None
@@ -113,7 +113,7 @@ class BlockPool:
 
     def _record(self, block_hash: int, cached: bool) -> None:
         assert self.events is not None  # its callers record only while events are kept
-        self.events.append([block_hash, cached])
+        self.events.append((block_hash, cached))
         if self.events_limit is not None and len(self.events) > self.events_limit:
             self.events.clear()
             self.events_lost = True

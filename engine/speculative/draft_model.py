@@ -110,7 +110,7 @@ class DraftModelProposer:
         counts = [len(s.draft_token_ids) for s in work]
         # The last token always runs, for its logits: num_draft_computed is L after a
         # step that was discarded (it failed) and left the request as it was.
-        starts = [min(s.request.spec.num_draft_computed, end - 1) for s, end in zip(work, ends)]
+        starts = [min(s.request.speculation.num_draft_computed, end - 1) for s, end in zip(work, ends)]
         if self.blocks is not None:
             starts = [self.blocks.trusted(s.request, start, row) for s, start, row in zip(work, starts, tables)]
             for start, end, n, row in zip(starts, ends, counts, tables):
@@ -127,7 +127,7 @@ class DraftModelProposer:
             drafts[rows, i] = self.runner.forward(inputs, dev).argmax(-1)
         for s, tokens, n, start, row in zip(work, drafts.tolist(), counts, starts, tables):  # the one wait
             s.draft_token_ids = tokens[:n]
-            s.request.spec.num_draft_computed = s.request.num_tokens
+            s.request.speculation.num_draft_computed = s.request.num_tokens
             if self.blocks is not None:
                 self.blocks.computed(s.request, start, row)
 
@@ -180,7 +180,7 @@ class DraftBlocks:
     def trusted(self, request: Request, start: int, row: np.ndarray) -> int:
         """Where the request's catch-up starts: `start`, or earlier at the first of its
         (newly admitted) hit blocks whose draft KV is not of its tokens."""
-        if self._filled.get(request) == (request.spec.num_draft_computed, request.num_preemptions):
+        if self._filled.get(request) == (request.speculation.num_draft_computed, request.num_preemptions):
             return start  # its own fills computed everything before
         hashes = request.block_hashes  # of its hits at least: the lookup hashed them
         for i in range(start // self.block_size):
@@ -200,7 +200,7 @@ class DraftBlocks:
         if num_full > first:
             hashes = hash_full_blocks(request.all_token_ids, self.block_size, request.block_hashes[:num_full])
             self.hashes[row[first:num_full]] = np.array(hashes[first:num_full], dtype=np.uint64)
-        self._filled[request] = (request.spec.num_draft_computed, request.num_preemptions)
+        self._filled[request] = (request.speculation.num_draft_computed, request.num_preemptions)
 
 
 def _without_placeholders(inputs: StepInputs) -> StepInputs:

@@ -121,7 +121,7 @@ class Speculator:
             stats.num_accepted_tokens += n
             for i in range(n):
                 stats.accepted_per_position[i] += 1
-            spec = s.request.spec  # it has drafts, so its engine speculates
+            spec = s.request.speculation  # it has drafts, so its engine speculates
             spec.num_offered += len(s.draft_token_ids)
             spec.num_accepted += n
             if spec.num_offered >= config.acceptance_window:

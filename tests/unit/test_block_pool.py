@@ -126,7 +126,7 @@ def test_prefix_cache_events_report_caching_and_eviction_in_order() -> None:
     pool.cache(b, 11, 22, [2])  # already cached: no event
     pool.free([b, a])
     pool.allocate(2)  # both evicted, least recently freed first
-    assert pool.events == [[22, True], [22, False], [11, False]]
+    assert pool.events == [(22, True), (22, False), (11, False)]
 
 
 def test_uncollected_events_beyond_the_limit_are_dropped_and_that_is_said() -> None:
