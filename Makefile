@@ -50,8 +50,8 @@ PYTEST_XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist l
 SERIAL_TESTS := tests/ray tests/disagg/test_chaos.py tests/kv_transfer/test_late_writes.py
 
 test: lint model
-	$(PY) -m pytest -q $(PYTEST_XDIST) tests $(addprefix --ignore=,$(SERIAL_TESTS))
-	$(PY) -m pytest -q $(SERIAL_TESTS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_XDIST) tests $(addprefix --ignore=,$(SERIAL_TESTS))
+	$(PY) -m pytest -q --durations=10 $(SERIAL_TESTS)
 
 # The inner loop: the unit tests alone.
 test-fast: lint model
