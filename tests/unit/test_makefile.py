@@ -19,7 +19,9 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make on
 
 
 def dry_run(*args: str, **env: str) -> list[str]:
-    environ = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_MODELS_DIR", "MAKEFLAGS", "MAKELEVEL")}
+    # The caller's own settings of the variables under test would override what each case sets.
+    ignored = ("PDSERVE_MODELS_DIR", "TORCH_INDEX", "NVIDIA_GPU", "MAKEFLAGS", "MAKELEVEL")
+    environ = {k: v for k, v in os.environ.items() if k not in ignored}
     out = subprocess.run(["make", "-n", "-B", *args], cwd=REPO, env={**environ, **env}, capture_output=True,
                          text=True, timeout=60, check=True)
     return out.stdout.splitlines()

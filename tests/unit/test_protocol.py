@@ -110,6 +110,21 @@ def test_an_unknown_sampling_parameter_is_refused_and_the_request_named() -> Non
     assert (error.kind, error.request_id) == ("generate", "r9")
 
 
+def test_a_sampling_parameter_of_the_wrong_type_is_refused_on_arrival_and_the_request_named() -> None:
+    # Typed on the wire as in SamplingParams: a string, a bool or a float where an int goes
+    # fails to decode, naming the field, and the worker can still answer request r9.
+    for name, value, expected in (("max_tokens", "7", "int"), ("top_k", True, "int"), ("seed", 1.5, "int | null"),
+                                  ("stop", [1], "str"), ("logit_bias", {"x": 1.0}, "int")):
+        error = refusal(raw("generate", request_id="r9", prompt=[1], params={name: value}, remote=False,
+                            priority=0))
+        assert f"Expected `{expected}`" in str(error) and f"$.params.{name}" in str(error), str(error)
+        assert (error.kind, error.request_id) == ("generate", "r9")
+    # A structured-outputs request crosses as the map of its one key.
+    params = SamplingParams(structured_outputs={"regex": "[ab]+"})
+    sent = WORKER_MESSAGES.decode(encode(Generate(request_id="r", prompt=[1], params=to_wire(params), remote=False)))
+    assert sent.params.structured_outputs == {"regex": "[ab]+"} and from_wire(sent.params) == params
+
+
 def test_a_control_message_is_not_a_worker_message() -> None:
     with pytest.raises(MessageError):
         WORKER_MESSAGES.decode(encode(Stop()))
