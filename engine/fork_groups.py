@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from engine.errors import EngineStateError
 from engine.request import ForkGroup, Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -104,8 +105,11 @@ class ForkGroups:
         no step is in flight. Only a forked sequence gets here: it needs a block of its
         own for its first write while queued requests that share theirs hold every
         block, and nothing running will free one. It gives its shared blocks up and
-        recomputes its prompt alone, which fits (check_group)."""
-        self.remote.pop()
+        recomputes its prompt alone, which fits (check_group). Taken out of `ready` by
+        identity: by now requests set aside (a grammar still compiling) are back in front
+        of it."""
+        if not self.remote.discard(head):
+            raise EngineStateError(f"stuck request {head.request_id!r} is not in the ready queue")
         self.kv.free(head)
         head.num_computed_tokens = 0
         head.remote = None

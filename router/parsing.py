@@ -109,6 +109,9 @@ class RequestParser:
             self._check_chars(len(text), "prompt")
         if texts:
             batch = await self._tokenize(lambda: [self.tokenizer.encode(text) for text in texts])
+            for i, ids in enumerate(batch):
+                request_body.check_tokenized(ids, self.limits.vocab_size, f"prompt[{i}]" if len(batch) > 1 else "prompt",
+                                             "prompt")
         else:
             batch = prompts
         sampling_body, scoring = prompt_scoring(body)
@@ -148,6 +151,7 @@ class RequestParser:
             ids = await self._tokenize(tokenize)
         except RecursionError:  # the template walks what the bounds let through; never a 500
             raise APIError(400, "messages are nested too deeply for the model's chat template", "messages") from None
+        request_body.check_tokenized(ids, self.limits.vocab_size, "messages", "messages")
         n, _ = self._choices(body, True, stream, 1)
         with _counted(len(ids)):
             options, names = self._sampling_options(body, True, len(ids), "messages")

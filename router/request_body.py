@@ -202,6 +202,16 @@ def _one_prompt(prompt: str | list[int], where: str, vocab_size: int) -> str | l
     return prompt
 
 
+def check_tokenized(ids: list[int], vocab_size: int, where: str, param: str) -> None:
+    """Text the tokenizer turned into ids the model has no embedding for (a tokenizer
+    with added tokens past the model's vocab_size): that request's 400, as a token-id
+    prompt's (vLLM refuses it too)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"{where} tokenizes to ids outside the model's vocabulary [0, {vocab_size}): "
+                            f"{show(bad[:5])} (the tokenizer has tokens the model does not)", param)
+
+
 def choices(body: dict[str, Any], chat: bool, stream: bool, max_n: int) -> tuple[int, int]:
     """(n, best_of): the choices answered per prompt, and the sequences sampled per
     prompt to pick them from (best_of >= n; completions only, chat samples n)."""

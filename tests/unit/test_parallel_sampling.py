@@ -147,3 +147,33 @@ def test_one_remote_prefill_serves_the_whole_group(llama_dir: Path) -> None:
     finally:  # their sockets and segments: never left to the garbage collector
         decode.transport.close()
         prefill.transport.close()
+
+
+def test_a_stuck_sequence_is_unshared_by_itself_while_a_grammar_compiles_in_front_of_it() -> None:
+    """Two forked sequences share the prompt's 2 blocks in a 2-block pool: each needs one
+    of its own for its first write, so the ready head is stuck and gives its blocks up.
+    Sequence 0's grammar is still compiling: it is set aside from in front of sequence 1
+    and put back before the stuck one is taken out of `ready`, which once took the head
+    (sequence 0) instead: lost from every queue, and sequence 1 queued twice."""
+    from engine.kv_cache.manager import KVCacheManager
+    from engine.request import Request, RequestStatus
+    from engine.scheduler import Scheduler
+
+    class Compiling:  # a grammar whose matcher is not built yet
+        matcher = None
+
+    kv = KVCacheManager(2, 4)
+    scheduler = Scheduler(kv, 32, 8, max_model_len=64, eos_token_ids=[0])
+    prompt_ids = [1, 2, 3, 4, 5, 6]
+    sequences = [Request(f"g-{i}", list(prompt_ids), SamplingParams(max_tokens=1, ignore_eos=True)) for i in range(2)]
+    prompt = Request("g", prompt_ids[:-1], SamplingParams(max_tokens=1))
+    prompt.prefill_only = True
+    scheduler.add_group(prompt, sequences)
+    scheduler.update(scheduler.schedule(), [])  # the prompt's 5 tokens, in both blocks
+    assert [r.status for r in sequences] == [RequestStatus.WAITING] * 2 and len(scheduler.remote.ready) == 2
+    sequences[0].grammar = Compiling()  # type: ignore[assignment]  # only its matcher is read
+    scheduler.schedule()
+    queued = [r.request_id for _, r in scheduler.remote.ready] + [r.request_id for _, r in scheduler.waiting]
+    assert sorted(queued) == ["g-0", "g-1"], queued  # each once: none lost, none twice
+    assert scheduler.waiting[0][1].request_id == "g-1"  # unshared: it recomputes its prompt alone
+    assert kv.num_held_blocks("g-1") == 0 and kv.num_held_blocks("g-0") == 2

@@ -57,3 +57,23 @@ def test_a_request_builds_its_sampling_params_once(parser: RequestParser, monkey
     assert built[0] is params
     if body.get("bad_words"):
         assert params.bad_words_token_ids  # tokenized into the params built
+
+
+@pytest.mark.parametrize("endpoint,body,param,where", [
+    ("completion", {"prompt": "Hello there", "max_tokens": 4}, "prompt", "prompt"),
+    ("completion", {"prompt": ["Hi", "Hello there"], "max_tokens": 4}, "prompt", "prompt[0]"),
+    ("chat", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}, "messages", "messages"),
+])
+def test_text_the_tokenizer_turns_into_ids_past_the_model_s_vocabulary_is_a_400(
+        llama_dir: Path, endpoint: str, body: dict, param: str, where: str) -> None:
+    """The router owns the vocabulary rule for every prompt, tokenized ones too (a
+    tokenizer with tokens past the model's embedding): else the decode worker's guard
+    would answer the user's input as a router bug (500)."""
+    from router.errors import APIError
+
+    limits = ModelLimits(model=str(llama_dir), max_model_len=1024, vocab_size=5, block_size=16, num_kv_blocks=None)
+    small = RequestParser(load_tokenizer(str(llama_dir)), limits, list)
+    with pytest.raises(APIError) as refused:
+        asyncio.run(getattr(small, endpoint)(json.dumps(body).encode()))
+    assert refused.value.status == 400 and refused.value.param == param
+    assert str(refused.value).startswith(f"{where} tokenizes to ids outside the model's vocabulary [0, 5)")
