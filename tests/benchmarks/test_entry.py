@@ -31,7 +31,8 @@ def is_script(path: Path) -> bool:
 
 
 def test_the_groups_are_the_issue_s():
-    assert GROUPS == ["chaos", "elastic", "fuzz", "gpu", "kv", "offline", "serving"]
+    # Issue 35's seven, and the counts of the code's own shape that it asked for.
+    assert GROUPS == ["chaos", "codebase", "elastic", "fuzz", "gpu", "kv", "offline", "serving"]
 
 
 @pytest.mark.parametrize("group", GROUPS)

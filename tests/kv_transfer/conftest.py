@@ -14,6 +14,13 @@ from kv_transfer import KVTransport
 from kv_transfer.shm_segments import unlink_segment
 from tests.kv_transfer.agent import run_agent, secret_of
 
+# Agents start from a fork server that has imported torch and the transports once: a
+# spawned agent would import them again (about 2.5 CPU-seconds each, ~100 agents in the
+# suite). The server is its own fresh process (not a fork of pytest's, which may hold
+# threads), and forks each agent before the agent makes any thread.
+_AGENTS = mp.get_context("forkserver")
+_AGENTS.set_forkserver_preload(["torch", "kv_transfer", "tests.kv_transfer.agent"])
+
 
 class RemoteAgent:
     """The child process side. While waiting for its replies the test keeps polling its
@@ -23,7 +30,7 @@ class RemoteAgent:
     def __init__(self, transport: str, name: str, seed: int, local: KVTransport | None = None,
                  timeout_s: float = 5.0, grace_s: float = 5.0, block_size: int = 16,
                  dtype: str = "float32") -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _AGENTS
         self.conn, child = ctx.Pipe()
         secret = secret_of(transport)
         self.process = ctx.Process(target=run_agent, daemon=True,
