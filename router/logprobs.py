@@ -111,8 +111,16 @@ class LogprobFormatter:
             text = self._text(t)
             out["tokens"].append(text)
             out["token_logprobs"].append(lp)
-            # None: an echoed prompt's first token, which nothing predicts
-            out["top_logprobs"].append(None if top is None else {self._text(a): v for a, v in top})
+            # None: an echoed prompt's first token, which nothing predicts. The chosen token
+            # first, then the alternatives: up to logprobs + 1 entries (OpenAI's legacy
+            # API "always returns the logprob of the sampled token", and vLLM does so).
+            if top is None:
+                out["top_logprobs"].append(None)
+            else:
+                entry = {text: lp}
+                for a, v in top:
+                    entry.setdefault(self._text(a), v)
+                out["top_logprobs"].append(entry)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
             self._advance(t)

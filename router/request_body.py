@@ -50,8 +50,9 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_grammar": _unset, "guided_decoding_backend": _unset,
     "logits_processors": _unset, "truncate_prompt_tokens": _unset,
     "skip_special_tokens": _default_true, "spaces_between_special_tokens": _default_true,
+    "return_tokens_as_token_ids": _unset, "return_token_ids": _unset, "cache_salt": _unset,
 }
-_UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"suffix": _unset}
+_UNSUPPORTED_COMPLETIONS: dict[str, Callable[[Any], bool]] = {"suffix": _unset, "prompt_embeds": _unset}
 _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "best_of": _one, "functions": _unset, "function_call": lambda v: v in (None, "none", "auto"),
     "echo": _unset, "prompt_logprobs": _unset, "continue_final_message": _unset, "chat_template": _unset,
@@ -65,7 +66,9 @@ _HINTS = {"best_of": "best_of is a completions parameter; chat samples n choices
           "echo": "only on /v1/completions", "prompt_logprobs": "only on /v1/completions",
           "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
           "guided_decoding_backend": "pdserve's one backend is xgrammar",
-          "functions": "the legacy functions field: send tools", "function_call": "send tool_choice"}
+          "functions": "the legacy functions field: send tools", "function_call": "send tool_choice",
+          "cache_salt": "the prefix cache is shared by every request of a deployment; isolate tenants by deployment",
+          "prompt_embeds": "send the prompt as text or token ids"}
 
 
 def read_json(raw: bytes) -> dict[str, Any]:

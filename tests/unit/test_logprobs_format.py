@@ -46,6 +46,19 @@ def test_completions_tokens_and_offsets_add_up_to_the_text(tokenizer) -> None:
     assert out["text_offset"] == [sum(map(len, out["tokens"][:i])) for i in range(len(ids))]
 
 
+def test_completions_top_logprobs_hold_the_chosen_token_first(tokenizer) -> None:
+    """OpenAI's legacy completions "always return the logprob of the sampled token" among
+    the top ones (up to logprobs + 1 entries), and vLLM does: also where it is not among
+    the k most likely, and with logprobs 0 (nothing else)."""
+    hi, there, other = tokenizer.encode("Hi there ok")[:3]
+    out = LogprobFormatter(tokenizer, chat=False).format(
+        [hi, there, other], [[-2.0, [[there, -0.1]]], [-0.1, [[there, -0.1]]], [-3.0, []]])
+    texts = out["tokens"]
+    assert out["top_logprobs"] == [{texts[0]: -2.0, tokenizer.decode([there]): -0.1}, {texts[1]: -0.1},
+                                   {texts[2]: -3.0}]
+    assert [list(top)[0] for top in out["top_logprobs"]] == texts
+
+
 def test_a_sequence_split_over_chunks_keeps_its_context(tokenizer) -> None:
     """A stream formats a sequence chunk by chunk: a character split across two chunks
     is said whole by the second."""
