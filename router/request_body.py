@@ -198,21 +198,25 @@ def _one_prompt(prompt: str | list[int], where: str, vocab_size: int) -> str | l
         return prompt
     if not prompt:
         raise APIError(400, f"{where} must not be an empty list of token ids", "prompt")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    bad = outside_vocab(prompt, vocab_size)
     if bad:
-        raise APIError(400, f"{where} token ids must be integers in [0, {vocab_size}), got {show(bad[:5])}",
-                       "prompt")
+        raise APIError(400, f"{where} token ids must be integers in [0, {vocab_size}), got {show(bad)}", "prompt")
     return prompt
+
+
+def outside_vocab(ids: list[int], vocab_size: int) -> list[int]:
+    """The first few (5, enough for a message) of `ids` outside [0, vocab_size)."""
+    return [t for t in ids if not 0 <= t < vocab_size][:5]
 
 
 def check_tokenized(ids: list[int], vocab_size: int, where: str, param: str) -> None:
     """Text the tokenizer turned into ids the model has no embedding for (a tokenizer
     with added tokens past the model's vocab_size): that request's 400, as a token-id
     prompt's (vLLM refuses it too)."""
-    bad = [t for t in ids if not 0 <= t < vocab_size]
+    bad = outside_vocab(ids, vocab_size)
     if bad:
         raise APIError(400, f"{where} tokenizes to ids outside the model's vocabulary [0, {vocab_size}): "
-                            f"{show(bad[:5])} (the tokenizer has tokens the model does not)", param)
+                            f"{show(bad)} (the tokenizer has tokens the model does not)", param)
 
 
 def choices(body: dict[str, Any], chat: bool, stream: bool, max_n: int) -> tuple[int, int]:

@@ -79,7 +79,7 @@ async def detokenize(parser: RequestParser, raw: bytes) -> dict[str, Any]:
     if len(tokens) > max_model_len:  # bounds the tokenizer thread's time, as the context bounds a prompt's
         raise APIError(400, f"tokens has {len(tokens)} ids; at most the model's context length "
                             f"({max_model_len}) are accepted", "tokens")
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    bad = request_body.outside_vocab(tokens, vocab_size)
     if bad:
-        raise APIError(400, f"tokens must be integers in [0, {vocab_size}), got {show(bad[:5])}", "tokens")
+        raise APIError(400, f"tokens must be integers in [0, {vocab_size}), got {show(bad)}", "tokens")
     return {"prompt": await parser.in_tokenizer_thread(parser.tokenizer.decode, tokens)}
