@@ -11,7 +11,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+# One OpenMP thread per process, set before torch loads libgomp (it reads this then):
+# `make test` runs 4 test processes on 2 cores, beside the workers they start, and a
+# torch op with 2 threads spins waiting for one that has no core. The parallel part
+# took 8:57 with this and 11:22-12:24 without, using 772 CPU-seconds instead of
+# 1,106-1,198 (docs/benchmarks/2026-12-04-codebase.md). A worker's engine.num_threads
+# and the one_torch_thread fixture still set their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # after OMP_NUM_THREADS is set
 
 # The Triton kernels run on CPU tensors only under the interpreter, and it must be on
 # before any @triton.jit function is defined (ENVIRONMENT.md).

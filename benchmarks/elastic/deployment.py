@@ -119,7 +119,9 @@ class Deployment:
 
     def worker_processes(self) -> int:
         """Worker processes alive under pdserve serve, those still loading and those
-        draining included (multiprocessing's spawned children; not its resource tracker)."""
+        draining included: the children of its fork server (cluster/local/fork_server.py),
+        which carry the server's command line; not the server itself, nor the resource
+        tracker, nor a worker's tensor-parallel followers."""
         if self.process is None:
             return 0
         try:
@@ -129,7 +131,8 @@ class Deployment:
         count = 0
         for child in children:
             try:
-                count += any("multiprocessing.spawn" in part for part in child.cmdline())
+                forked = any("multiprocessing.forkserver" in part for part in child.cmdline())
+                count += forked and child.ppid() != self.process.pid
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 pass
         return count

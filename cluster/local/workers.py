@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 
 from cluster import console
 from cluster.config import ClusterConfig
+from cluster.local.fork_server import in_environment, worker_context
 from cluster.peers import peers_messages
 from cluster.worker_configs import serve_worker, worker_config
 from engine.distributed.shm_files import sweep_orphans
@@ -31,7 +32,7 @@ _Message = TypeVar("_Message", Ready, Serving)
 @dataclass
 class Worker:
     name: str
-    process: BaseProcess  # a "spawn" context's process
+    process: BaseProcess  # forked by the fork server (cluster/local/fork_server.py)
     control: Connection
     address: str = ""
     metadata: bytes = b""
@@ -131,13 +132,14 @@ def stop_processes(workers: list[Worker], timeout: float = 10.0) -> None:
 
 
 def spawn(config: ClusterConfig, role: str, index: int, secret: DeploymentSecret | None) -> Worker:
-    """Start worker `index` of `role` ("decode" or "prefill") as a process. `secret`
-    reaches it in its WorkerConfig, pickled into the spawn arguments (a pipe to the
-    child, never its argv, environment or a file)."""
-    ctx = mp.get_context("spawn")
+    """Start worker `index` of `role` ("decode" or "prefill") as a process, forked by the
+    fork server. `secret` reaches it in its WorkerConfig, pickled into the process's
+    arguments (a pipe to the child, never its argv, environment or a file)."""
+    ctx = worker_context()
     parent, child = ctx.Pipe()
     worker = worker_config(config, role, index, secret=secret)
-    process = ctx.Process(target=serve_worker, args=(worker, child), name=f"pdserve-{role}-{index}", daemon=True)
+    process = ctx.Process(target=in_environment, args=(dict(os.environ), serve_worker, worker, child),
+                          name=f"pdserve-{role}-{index}", daemon=True)
     started = time.monotonic()
     process.start()
     console.worker_starting(worker.name, worker.engine)

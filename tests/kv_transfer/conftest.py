@@ -10,16 +10,19 @@ from typing import Any
 import msgpack
 import pytest
 
+from cluster.local.fork_server import PRELOAD
 from kv_transfer import KVTransport
 from kv_transfer.shm_segments import unlink_segment
 from tests.kv_transfer.agent import run_agent, secret_of
 
 # Agents start from a fork server that has imported torch and the transports once: a
 # spawned agent would import them again (2.2-2.4 CPU-seconds each here; with the fork
-# server test_transports took 52 s of test time instead of 232). The server is its own fresh process (not a fork of pytest's, which may hold
-# threads), and forks each agent before the agent makes any thread.
+# server test_transports took 52 s of test time instead of 232). The server is its own
+# fresh process (not a fork of pytest's, which may hold threads), and forks each agent
+# before the agent makes any thread. It is this process's only fork server, which also
+# forks the local launcher's workers (cluster/local/fork_server.py): it preloads theirs too.
 _AGENTS = mp.get_context("forkserver")
-_AGENTS.set_forkserver_preload(["torch", "kv_transfer", "tests.kv_transfer.agent"])
+_AGENTS.set_forkserver_preload([*PRELOAD, "kv_transfer", "tests.kv_transfer.agent"])
 
 
 class RemoteAgent:

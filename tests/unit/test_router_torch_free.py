@@ -68,13 +68,13 @@ class Process:  # what spawn() hands multiprocessing, kept instead of started
     def start(self):
         pass
 
-local.mp = types.SimpleNamespace(get_context=lambda kind: types.SimpleNamespace(Pipe=lambda: (None, None),
-                                                                                 Process=Process))
+local.worker_context = lambda: types.SimpleNamespace(Pipe=lambda: (None, None), Process=Process)
 config = ClusterConfig.from_dict({"model": sys.argv[1]})
 launcher_for(config)
 workers = [local.spawn(config, role, 0, None) for role in ("decode", "prefill")]
 router_for(config, {"decode-0": "tcp://127.0.0.1:9"}, {"prefill-0": "tcp://127.0.0.1:10"})
-print(workers[0].process.args[0].name, "torch" in sys.modules)
+environ, serve_worker, worker, control = workers[0].process.args
+print(worker.name, "torch" in sys.modules)
 """
     out = python(code, str(DEMO))
     assert out.returncode == 0, out.stderr
