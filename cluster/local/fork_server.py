@@ -5,7 +5,8 @@ A spawned worker imports them afresh before it loads its model: 2.2-2.4 CPU-seco
 one core of the 2-core CI machine, paid again by every restart and every worker an
 elastic pool adds. The fork server (multiprocessing's "forkserver") is a fresh process
 of its own, started by the first worker: it never runs the router's threads, so a fork
-of it is as safe as a spawn. The launcher's process still imports neither torch nor the
+of it is as safe as a spawn. It outlives a SIGTERM to the process group
+(server_signals.py). The launcher's process still imports neither torch nor the
 engine.
 
 A forked worker would see the fork server's environment, which is the launcher's as it
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 from collections.abc import Callable
 from multiprocessing.context import ForkServerContext
 from typing import Any
@@ -26,7 +28,7 @@ from typing import Any
 # server: the list is set when this module is imported, and whoever else forks from the
 # server in this process sets a list that includes it (tests/kv_transfer/conftest.py).
 # It takes effect when the server starts; a module left out is imported by each worker.
-PRELOAD = ["torch", "decode_worker.server", "prefill_worker.server"]
+PRELOAD = ["cluster.local.server_signals", "torch", "decode_worker.server", "prefill_worker.server"]
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
@@ -38,7 +40,9 @@ def worker_context() -> ForkServerContext:
 
 def in_environment(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
     """The worker's entry point: run `target(*args)` in the launcher's environment
-    `environ` (its os.environ when it started this worker)."""
+    `environ` (its os.environ when it started this worker), with SIGTERM's default
+    action back (the server ignores it: cluster/local/server_signals.py)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(environ)
     target(*args)

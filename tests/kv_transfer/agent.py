@@ -13,6 +13,7 @@ bytes (never pickled objects):
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -88,6 +89,9 @@ def run_agent(conn: Connection, transport: str, name: str, seed: int, timeout_s:
               grace_s: float, block_size: int, dtype: str, secret_hex: str | None = None) -> None:
     from kv_transfer import TransportConfig, create_transport
 
+    # Forked by the workers' fork server, which ignores SIGTERM (cluster/local/server_signals.py):
+    # an agent ends on it, as multiprocessing's exit handler expects of a daemon child.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     secret = DeploymentSecret.from_hex(secret_hex) if secret_hex is not None else None
     t = create_transport(transport, name, TransportConfig(timeout_s=timeout_s, cancel_grace_s=grace_s,
                                                           secret=secret))

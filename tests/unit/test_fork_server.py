@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
 
 import pytest
@@ -46,3 +49,34 @@ def test_a_worker_gets_the_environment_of_its_start_and_the_preloaded_modules(mo
     assert (first["value"], second["value"], third["value"]) == ("first", "second", None)
     # imported by the server before the fork: the worker does not import them itself
     assert first["torch"] and first["roles"]
+
+
+LAUNCHER = """
+import os, signal, time
+from cluster.local.fork_server import in_environment, worker_context
+ctx = worker_context()
+worker = ctx.Process(target=in_environment, args=(dict(os.environ), time.sleep, 60), daemon=True)
+worker.start()
+signal.signal(signal.SIGTERM, lambda *_: None)  # the launcher catches it, as pdserve serve does
+print("started", flush=True)
+worker.join(60)
+print(worker.exitcode, flush=True)
+"""
+
+
+def test_a_sigterm_to_the_process_group_reaches_the_worker_as_sigterm() -> None:
+    """`timeout` or systemd signal the launcher's whole group: the worker's exit code is
+    -SIGTERM (what the supervisor takes for a shutdown), not the 255 of a lost server."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], cwd=root, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": root}, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert out.strip() == str(-signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
