@@ -13,6 +13,12 @@ A forked worker would see the fork server's environment, which is the launcher's
 was when the server started. So each worker gets the launcher's environment as it is
 when the worker starts, as a spawned one would (a test's fault injection or a user's
 setting made after the first start reaches it).
+
+A worker is the server's child, not the launcher's: the launcher learns its exit from
+the server. Should the server die alone (the OOM killer, a stray kill), multiprocessing
+takes every worker for exited with 255, and will not signal them any more, while they
+all still run. ForkedProcess therefore asks the kernel, by pid, before it takes a worker
+for exited, and signals it by pid.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 from collections.abc import Callable
 from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 # Imported once, by the fork server, before it forks any worker. A process has one fork
@@ -46,3 +54,62 @@ def in_environment(environ: dict[str, str], target: Callable[..., None], *args: 
     os.environ.clear()
     os.environ.update(environ)
     target(*args)
+
+
+# What multiprocessing reports for a forked process whose fork server is gone (and for
+# one that really exited with 255: the kernel tells them apart).
+_SERVER_LOST = 255
+
+
+class ForkedProcess:
+    """A started worker process of the fork server: is_alive, exitcode, kill and join as
+    on multiprocessing's Process, right also after the fork server died."""
+
+    def __init__(self, process: BaseProcess) -> None:
+        if process.pid is None:
+            raise ValueError("ForkedProcess wraps a started process")
+        self._process = process
+        self.pid: int = process.pid
+        self.name = process.name
+        self._start_ticks = _start_ticks(process.pid)  # tells a reused pid from it
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; 255 also where it exited after its fork server, whose
+        exit status nobody can learn."""
+        return None if self.is_alive() else self._process.exitcode
+
+    def is_alive(self) -> bool:
+        if self._process.is_alive():
+            return True
+        if self._process.exitcode != _SERVER_LOST:
+            return False  # its exit status, from the server: it exited
+        return self._start_ticks is not None and _start_ticks(self.pid) == self._start_ticks
+
+    def kill(self) -> None:
+        """SIGKILL, by pid (multiprocessing's kill does nothing once it took the
+        process for exited)."""
+        if self.is_alive():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def join(self, timeout: float | None = None) -> None:
+        end = None if timeout is None else time.monotonic() + timeout
+        self._process.join(timeout)  # returns at once if the server is gone
+        while self.is_alive() and (end is None or time.monotonic() < end):
+            time.sleep(0.05)  # not our child: no wait() to block in
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), or None where no process of
+    that pid runs: gone, or a zombie nobody reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    state, start = fields[0], fields[19]  # fields 3 and 22 of proc(5)
+    return None if state in ("Z", "X") else int(start)

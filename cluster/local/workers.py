@@ -9,12 +9,11 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_any
-from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from cluster import console
 from cluster.config import ClusterConfig
-from cluster.local.fork_server import in_environment, worker_context
+from cluster.local.fork_server import ForkedProcess, in_environment, worker_context
 from cluster.peers import peers_messages
 from cluster.worker_configs import serve_worker, worker_config
 from engine.distributed.shm_files import sweep_orphans
@@ -32,7 +31,7 @@ _Message = TypeVar("_Message", Ready, Serving)
 @dataclass
 class Worker:
     name: str
-    process: BaseProcess  # forked by the fork server (cluster/local/fork_server.py)
+    process: ForkedProcess  # forked by the fork server (cluster/local/fork_server.py)
     control: Connection
     address: str = ""
     metadata: bytes = b""
@@ -143,7 +142,7 @@ def spawn(config: ClusterConfig, role: str, index: int, secret: DeploymentSecret
     started = time.monotonic()
     process.start()
     console.worker_starting(worker.name, worker.engine)
-    return Worker(worker.name, process, parent, started=started)
+    return Worker(worker.name, ForkedProcess(process), parent, started=started)
 
 
 def await_ready(w: Worker, timeout: float) -> None:

@@ -193,3 +193,35 @@ def test_a_stopped_prefill_worker_the_router_declares_dead_is_killed_and_its_fen
         if stopped.process.is_alive():
             os.kill(stopped.process.pid, signal.SIGCONT)
         client.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_fork_server_dying_alone_downs_no_worker_and_a_stop_still_ends_them(supervised: Supervised,
+                                                                               reference) -> None:
+    """The workers are the fork server's children: when it is killed alone, they run on
+    and serve; multiprocessing alone would take them all for exited (255) and could
+    no longer kill them. Last in this module: it stops the deployment."""
+    workers = supervised.workers.all
+    server = {parent(w.process.pid) for w in workers}
+    assert len(server) == 1 and os.getpid() not in server
+    seen = len(supervised.events)
+    os.kill(server.pop(), signal.SIGKILL)
+    time.sleep(5 * supervised.supervisor.interval_s)  # several sweeps
+    assert supervised.events[seen:] == [] and all(w.process.is_alive() for w in workers)
+    client = Client(supervised.workers.decode[0].address, supervised.workers.secret)
+    try:
+        assert client.generate({"f0": PROMPTS[0]}, remote=True)["f0"]["tokens"] == reference[0]
+    finally:
+        client.close()
+    pids = [w.process.pid for w in workers]
+    supervised.workers.stop()
+    assert supervised.events[seen:] == []
+    assert not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and state(pid) != "Z"]
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]

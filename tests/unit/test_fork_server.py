@@ -80,3 +80,40 @@ def test_a_sigterm_to_the_process_group_reaches_the_worker_as_sigterm() -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+ORPHANING = """
+import os, signal, time
+from cluster.local.fork_server import ForkedProcess, in_environment, worker_context
+ctx = worker_context()
+def start():
+    process = ctx.Process(target=in_environment, args=(dict(os.environ), time.sleep, 60), daemon=True)
+    process.start()
+    return process
+raw = start()
+worker = ForkedProcess(raw)
+server = int(open(f"/proc/{worker.pid}/stat").read().rpartition(")")[2].split()[1])  # its parent
+os.kill(server, signal.SIGKILL)
+raw.join(10)  # returns once multiprocessing takes the worker for exited
+print(raw.exitcode, worker.is_alive(), worker.exitcode, flush=True)
+worker.kill()
+worker.join(10)
+gone = not os.path.exists(f"/proc/{worker.pid}") or open(f"/proc/{worker.pid}/stat").read().rpartition(")")[2].split()[0] == "Z"
+print(worker.is_alive(), gone, flush=True)
+again = ForkedProcess(start())  # a restart starts a new server
+print(again.is_alive(), flush=True)
+again.kill()
+again.join(10)
+print(again.is_alive(), again.exitcode, flush=True)
+"""
+
+
+def test_a_worker_whose_fork_server_died_is_still_seen_running_and_can_be_killed() -> None:
+    """multiprocessing takes every worker of a dead fork server for exited with 255 and
+    stops signalling it; the supervisor would report them all down and start second
+    copies beside them. ForkedProcess asks the kernel."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", ORPHANING], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root}, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:4] == ["255 True None", "False True", "True", f"False {-signal.SIGKILL}"]

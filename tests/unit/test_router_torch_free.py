@@ -55,16 +55,19 @@ def test_the_launchers_process_where_the_router_runs_does_not_load_torch() -> No
     launcher, the worker configs it hands to the worker processes and the router it
     builds load no torch there (the workers' roles are imported in their own processes)."""
     code = """
-import sys, types
+import os, sys, types
 import cluster.cli, cluster.local.launcher, cluster.local.supervisor
 import cluster.local.workers as local
 from cluster.config import ClusterConfig
 from cluster.launcher import launcher_for
 from cluster.serve import router_for
 
+made = []
+
 class Process:  # what spawn() hands multiprocessing, kept instead of started
     def __init__(self, target, args, name, daemon):
-        self.target, self.args = target, args
+        self.target, self.args, self.name, self.pid = target, args, name, os.getpid()
+        made.append(self)
     def start(self):
         pass
 
@@ -73,7 +76,7 @@ config = ClusterConfig.from_dict({"model": sys.argv[1]})
 launcher_for(config)
 workers = [local.spawn(config, role, 0, None) for role in ("decode", "prefill")]
 router_for(config, {"decode-0": "tcp://127.0.0.1:9"}, {"prefill-0": "tcp://127.0.0.1:10"})
-environ, serve_worker, worker, control = workers[0].process.args
+environ, serve_worker, worker, control = made[0].args
 print(worker.name, "torch" in sys.modules)
 """
     out = python(code, str(DEMO))
