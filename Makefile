@@ -47,7 +47,7 @@ PYTEST_XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist l
 
 # These run after the rest, one at a time: Ray's own processes would crowd the 2 cores
 # the others share, and the chaos and late-write tests time faults against their load.
-SERIAL_TESTS := tests/ray tests/disagg/test_chaos.py tests/kv_transfer/test_late_writes.py
+SERIAL_TESTS := tests/ray tests/multihost/test_ray_hosts.py tests/disagg/test_chaos.py tests/kv_transfer/test_late_writes.py
 
 test: lint model
 	$(PY) -m pytest -q --durations=20 $(PYTEST_XDIST) tests $(addprefix --ignore=,$(SERIAL_TESTS))

@@ -69,3 +69,21 @@ def missing_resources(bundles: dict[str, list[Resources]], nodes: list[Resources
         problems.append(f"all pools together need {fmt_resources(over)}, "
                         f"the cluster has {fmt_resources({k: have[k] for k in over})}")
     return problems
+
+
+# Transports that move KV through memory of one host (/dev/shm files, CUDA IPC handles).
+ONE_HOST_TRANSPORTS = ("shm", "cuda_ipc")
+
+
+def check_one_host_transport(transport: str, nodes: dict[str, list[str]]) -> None:
+    """Refuse a one-host transport when Ray placed the pools on several nodes: a prefill
+    worker could not reach a decode worker's cache (every prompt would fall back to a
+    local prefill). `nodes`: role -> the node id of each of its workers."""
+    if transport not in ONE_HOST_TRANSPORTS or not nodes.get("prefill"):
+        return
+    placed = sorted({node for role_nodes in nodes.values() for node in role_nodes})
+    if len(placed) > 1:
+        raise PlacementError(
+            f"transport: {transport} moves KV within one host, but Ray placed the pools on {len(placed)} nodes "
+            f"({', '.join(n[:12] for n in placed)}): use transport tcp, nixl or nccl between hosts, or pin both "
+            f"pools to one node (ray.prefill.resources / ray.decode.resources)")

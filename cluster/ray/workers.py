@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 from ray._private import services
+from ray.util import placement_group_table
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -29,7 +30,14 @@ from cluster.config import ClusterConfig, RayConfig
 from cluster.launcher import RouterHooks
 from cluster.peers import peers_messages
 from cluster.ray.actor import WorkerActor
-from cluster.ray.resources import PlacementError, missing_resources, pool_bundles, rank_bundles, tp_size
+from cluster.ray.resources import (
+    PlacementError,
+    check_one_host_transport,
+    missing_resources,
+    pool_bundles,
+    rank_bundles,
+    tp_size,
+)
 from cluster.ray.supervisor import PEERS_WAIT_S, Supervisor, first_line
 from cluster.worker_configs import without_router_secrets
 from kv_transfer.shm_segments import unlink_segment
@@ -254,6 +262,15 @@ def _place(config: ClusterConfig) -> dict[str, list[tuple[PlacementGroup, int]]]
             f"(strategy {config.ray.strategy}; each worker needs "
             f"{', '.join(f'{r}: {pool_bundles(config)[r][0]}' for r in late)}; "
             f"available now: {ray.available_resources()})")
+    try:
+        check_one_host_transport(config.transport, {
+            role: [placement_group_table(group)["bundles_to_node_id"][bundle] for group, bundle in role_places]
+            for role, role_places in places.items()})
+    except PlacementError:
+        for role_groups in groups.values():
+            for group in role_groups:
+                remove_placement_group(group)
+        raise
     return places
 
 

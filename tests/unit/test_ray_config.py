@@ -159,3 +159,17 @@ def test_detach_without_a_lasting_ray_cluster_is_refused_before_anything_starts(
     assert "--detach needs a Ray cluster that outlives this command" in capsys.readouterr().err
     assert main(["down", str(REPO / "configs" / "local.yaml")]) == 2
     assert "only a Ray deployment (launcher: ray) runs detached" in capsys.readouterr().err
+
+
+def test_a_one_host_transport_across_nodes_is_refused_naming_the_field() -> None:
+    from cluster.ray.resources import PlacementError, check_one_host_transport
+
+    for transport in ("shm", "cuda_ipc"):
+        with pytest.raises(PlacementError, match=f"transport: {transport} moves KV within one host.*2 nodes"):
+            check_one_host_transport(transport, {"prefill": ["nodeA"], "decode": ["nodeB"]})
+        with pytest.raises(PlacementError, match="2 nodes"):  # one decode worker elsewhere is enough
+            check_one_host_transport(transport, {"prefill": ["nodeA"], "decode": ["nodeA", "nodeB"]})
+        check_one_host_transport(transport, {"prefill": ["nodeA"], "decode": ["nodeA", "nodeA"]})
+        check_one_host_transport(transport, {"prefill": [], "decode": ["nodeA", "nodeB"]})  # no KV moves
+    for transport in ("tcp", "nixl", "nccl"):
+        check_one_host_transport(transport, {"prefill": ["nodeA"], "decode": ["nodeB"]})
