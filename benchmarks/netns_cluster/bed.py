@@ -10,19 +10,26 @@ at the bridge, what each sends the other: packets vanish, as on a cut cable, and
 every other path stays (the kernel here has no netem, nftables, iptables or tc actions:
 see _shape_port).
 
-Cleanup: the bed writes its state (its namespaces, what /dev/shm held, its owner) to
-BEDS_DIR/{name}/ before it creates anything. `down` kills every process in its
-namespaces, removes them (their veths go with them), removes the /dev/shm files that
-appeared while it was up and that no live process holds, and its state directory. `up`
-first tears down a bed of the same name, and any bed whose owner process died.
+Cleanup: the bed writes its state (what /dev/shm held, its owner) to BEDS_DIR/{name}/
+before it creates anything (atomically, under a lock that sweeps take too). `down`
+kills every process in its namespaces, removes them (their veths go with them), the
+/dev/shm files that appeared while it was up and that its own processes held when they
+were killed (not other programs' files: /dev/shm is the machine's), and its state
+directory. `up` first tears down a bed of the same name, and any bed whose owner
+process died.
+
+Known gap: changing a port's shaping (partition, heal, limit) rebuilds its qdisc, so
+for a moment the port neither drops nor limits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -31,7 +38,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-BEDS_DIR = Path("/tmp/pdnet")
+BEDS_DIR = Path("/run/pdnet")  # root's, not world-writable /tmp: a sweep acts on what it finds here
+BED_PREFIXES = ("pdnet", "pdt")  # namespaces of beds (pdt: the tests'); a sweep adopts state-less ones
 SUBNET = "10.88.0"  # inside the bed's namespaces only
 SHM_DIR = Path("/dev/shm")
 _CLONE_NEWNET = 0x40000000
@@ -71,8 +79,7 @@ class NetnsCluster:
         sweep this one (None: only `down` removes it)."""
         if not 1 <= hosts <= 200:
             raise ValueError(f"hosts must be 1-200, got {hosts}")
-        if not name.replace("-", "").isalnum() or len(name) > 20:
-            raise ValueError(f"name must be letters, digits and '-', at most 20, got {name!r}")
+        check_name(name)
         if rate is not None:
             _rate_bits(rate)
         self.name, self.hosts, self.rate, self.owner = name, hosts, rate, owner
@@ -109,10 +116,13 @@ class NetnsCluster:
     # -- up and down ----------------------------------------------------------------
     def up(self) -> NetnsCluster:
         check_available()
-        sweep(also=self.name)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        state = BedState(self.name, self.hosts, self.owner, sorted(p.name for p in SHM_DIR.iterdir()))
-        (self.state_dir / "state.json").write_text(json.dumps(asdict(state)))
+        with _locked():
+            _sweep(also=self.name)
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            state = BedState(self.name, self.hosts, self.owner, sorted(p.name for p in SHM_DIR.iterdir()))
+            temporary = self.state_dir / "state.json.new"
+            temporary.write_text(json.dumps(asdict(state)))
+            os.replace(temporary, self.state_dir / "state.json")
         try:
             self._build()
         except BaseException:  # Ctrl-C or a failed command: leave nothing half-made
@@ -159,12 +169,16 @@ class NetnsCluster:
     def partition(self, a: int, b: int) -> None:
         """Cut hosts a and b apart: the bridge drops what either sends the other,
         silently (a connection waits for its timeouts, as over a cut cable)."""
+        self._check_host(a)
+        self._check_host(b)
         self._blocked.setdefault(b, set()).add(a)
         self._blocked.setdefault(a, set()).add(b)
         self._shape_port(a)
         self._shape_port(b)
 
     def heal(self, a: int, b: int) -> None:
+        self._check_host(a)
+        self._check_host(b)
         self._blocked.get(b, set()).discard(a)
         self._blocked.get(a, set()).discard(b)
         self._shape_port(a)
@@ -227,33 +241,72 @@ class NetnsCluster:
             raise ValueError(f"host must be 1-{self.hosts}, got {host}")
 
 
+def check_name(name: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]{0,19}", name):
+        raise ValueError(f"name must be letters, digits and '-', at most 20, got {name!r}")
+
+
 def teardown(name: str) -> None:
-    """Remove bed `name`: processes, namespaces, new /dev/shm files, its state."""
+    """Remove bed `name`: processes, namespaces, the /dev/shm files its processes
+    held, its state. Every step is tried, whatever failed before it."""
+    check_name(name)
+    with _locked():
+        _teardown(name)
+
+
+def _teardown(name: str) -> None:
     state_dir = BEDS_DIR / name
     state = _read_state(state_dir)
-    namespaces = [ns for ns in _namespaces() if ns == f"{name}-br" or ns.startswith(f"{name}-h")]
+    own = re.compile(rf"{re.escape(name)}-(br|h[0-9]+)")
+    namespaces = [ns for ns in _namespaces() if own.fullmatch(ns)]
+    held = set().union(*(_held_shm(_pids(ns)) for ns in namespaces))
+    errors = []
     for ns in namespaces:
-        _kill_all(ns)
+        try:
+            _kill_all(ns)
+        except RuntimeError as e:
+            errors.append(str(e))
     for ns in namespaces:
-        subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+        subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
     if state is not None:
-        _remove_new_shm(set(state.shm_before))
-    shutil.rmtree(state_dir, ignore_errors=True)
+        for leftover in held - set(state.shm_before):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                (SHM_DIR / leftover).unlink()
+    if state_dir.parent == BEDS_DIR:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    if errors:
+        raise RuntimeError("; ".join(errors))
 
 
 def sweep(also: str | None = None) -> list[str]:
     """Tear down every bed whose owner died (and bed `also` whatever its owner), and
     namespaces named like a bed's that have no state: what a crash left. Returns the
     beds removed."""
+    with _locked():
+        return _sweep(also)
+
+
+def _sweep(also: str | None) -> list[str]:
     removed = []
     names = {p.name for p in BEDS_DIR.iterdir() if p.is_dir()} if BEDS_DIR.is_dir() else set()
-    names |= {ns.rpartition("-")[0] for ns in _namespaces() if ns.startswith("pdnet")}
+    bed_namespace = re.compile(rf"((?:{'|'.join(BED_PREFIXES)})[A-Za-z0-9-]*)-(?:br|h[0-9]+)")
+    names |= {m.group(1) for ns in _namespaces() if (m := bed_namespace.fullmatch(ns))}
     for name in sorted(names):
         state = _read_state(BEDS_DIR / name)
         if name == also or state is None or (state.owner is not None and not _alive(state.owner)):
-            teardown(name)
+            _teardown(name)
             removed.append(name)
     return removed
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """One bed operation at a time on this machine (beds of parallel test processes:
+    a sweep must not see another bed half-written)."""
+    BEDS_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(BEDS_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _read_state(state_dir: Path) -> BedState | None:
@@ -293,23 +346,11 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _remove_new_shm(before: set[str]) -> None:
-    """The /dev/shm files that appeared since the bed went up and that no live process
-    has open or mapped: what its killed processes left."""
-    new = {p.name for p in SHM_DIR.iterdir()} - before
-    if not new:
-        return
-    held = _held_shm()
-    for name in new - held:
-        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-            (SHM_DIR / name).unlink()
-
-
-def _held_shm() -> set[str]:
+def _held_shm(pids: set[int]) -> set[str]:
+    """The /dev/shm files these processes have open or mapped."""
     held = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for pid in pids:
+        proc = Path(f"/proc/{pid}")
         with contextlib.suppress(OSError):
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
@@ -331,7 +372,11 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 @contextlib.contextmanager
 def _in_namespace(ns: str) -> Iterator[None]:
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    except OSError:
+        os.close(own)
+        raise
     try:
         if _LIBC.setns(target, _CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), f"setns into {ns}: {os.strerror(ctypes.get_errno())}")

@@ -73,9 +73,16 @@ class RayHosts:
 
     def job_status(self, submission_id: str) -> str:
         """PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED: the job server's REST answer."""
-        with self.bed.inside(self.head):
-            with urllib.request.urlopen(f"{self.dashboard}/api/jobs/{submission_id}", timeout=10) as r:
-                return str(json.loads(r.read())["status"])
+        for attempt in range(3):  # a dashboard busy on a loaded machine: ask again
+            try:
+                with self.bed.inside(self.head):
+                    with urllib.request.urlopen(f"{self.dashboard}/api/jobs/{submission_id}", timeout=10) as r:
+                        return str(json.loads(r.read())["status"])
+            except OSError:
+                if attempt == 2:
+                    raise
+                time.sleep(2)
+        raise AssertionError("unreachable")
 
     def job_logs(self, submission_id: str) -> str:
         return self.cli("job", "logs", f"--address={self.dashboard}", submission_id).stdout

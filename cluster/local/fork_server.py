@@ -79,6 +79,12 @@ class ForkedProcess:
         exit status nobody can learn."""
         return None if self.is_alive() else self._process.exitcode
 
+    @property
+    def exit_known(self) -> bool:
+        """Whether exitcode is its real exit status (not a lost server's 255; a real
+        255 reads as unknown too)."""
+        return self._process.exitcode != _SERVER_LOST
+
     def is_alive(self) -> bool:
         if self._process.is_alive():
             return True

@@ -15,6 +15,7 @@ For each that exited:
   their jobs for a dead decode worker.
 - A worker that died of SIGTERM is taken for down only once SIGTERM_GRACE_S passed
   without the launcher stopping: a signal to the whole process group is a shutdown.
+  So is one whose exit status nobody knows (it exited after its fork server died).
 - restarted, in a thread of its own (other deaths are reported meanwhile), up to
   `max_restarts` starts per worker (the config's `local.max_restarts`): a new process
   under the same name gets its peers and starts serving (its handshakes made), then
@@ -96,7 +97,7 @@ class LocalSupervisor:
                     if w.name in hung:
                         self._kill_hung(w)
                     continue
-                if w.process.exitcode == -signal.SIGTERM and not self._grace_over(w):
+                if (w.process.exitcode == -signal.SIGTERM or not w.process.exit_known) and not self._grace_over(w):
                     continue  # maybe the deployment is stopping: not a crash yet
                 try:
                     self._report_down(w)

@@ -5,6 +5,7 @@ bed sweeps it), not after a failed start."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -43,6 +44,8 @@ class Echo:
                 conn.sendall(self.payload)
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):  # close() alone would not wake the accept()
+            self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
 
 
@@ -105,35 +108,42 @@ def test_a_rate_limit_limits_both_directions(bed3: NetnsCluster) -> None:
 def test_down_leaves_no_namespace_process_shm_file_or_state() -> None:
     bed = bed_or_skip(2, suffix="d").up()
     shm = SHM_DIR / f"pdnet-test-{os.getpid()}"
+    other = SHM_DIR / f"pdnet-test-{os.getpid()}-not-the-beds"
     try:
         sleeper = bed.popen(2, ["sleep", "600"])
-        # a process of the host that made a shared-memory file and was killed before it removed it
-        made = bed.run(1, [sys.executable, "-c", f"open({str(shm)!r}, 'w').write('kv')"])
-        assert made.returncode == 0 and shm.exists()
-        assert sleeper.pid in {p for h in (1, 2) for p in bed.pids(h)} or bed.pids(2)
+        # a process of the host holding a shared-memory file, killed before it removes it
+        holder = bed.popen(1, [sys.executable, "-c", f"import time; f = open({str(shm)!r}, 'w'); f.write('kv'); "
+                                                     "f.flush(); print('made', flush=True); time.sleep(600)"],
+                           stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "made"
+        other.write_text("a file of this machine, made while the bed is up")
+        assert sleeper.pid in bed.pids(2) and holder.pid in bed.pids(1)
     finally:
         bed.down()
-    sleeper.wait(10)
-    assert namespaces_named(bed.name) == [] and not bed.state_dir.exists() and not shm.exists()
+    try:
+        sleeper.wait(10)
+        holder.wait(10)
+        assert namespaces_named(bed.name) == [] and not bed.state_dir.exists() and not shm.exists()
+        assert other.exists()  # not the bed's: kept
+    finally:
+        other.unlink(missing_ok=True)
 
 
 @pytest.mark.timeout(60)
 def test_a_crashed_beds_leftovers_are_swept_by_the_next_bed() -> None:
     check = bed_or_skip(1)  # skips without root
     # A bed whose owner died without `down` (the owner: a process that has exited).
+    kept = NetnsCluster(f"{check.name}k", 1, owner=os.getpid()).up()  # its owner lives on: not touched
     gone = subprocess.Popen(["true"])
     gone.wait()
     crashed = NetnsCluster(f"{check.name}c", 2, owner=gone.pid).up()
     survivor = crashed.popen(1, ["sleep", "600"])
-    # and one whose owner lives on: not touched
-    kept = NetnsCluster(f"{check.name}k", 1, owner=os.getpid()).up()
     try:
         fresh = NetnsCluster(f"{check.name}f", 1, owner=os.getpid()).up()
         fresh.down()
         survivor.wait(10)
         assert namespaces_named(crashed.name) == [] and not crashed.state_dir.exists()
-        assert namespaces_named(kept.name) == [f"{kept.name}-br", f"{kept.name}-h1"] or \
-            sorted(namespaces_named(kept.name)) == [f"{kept.name}-br", f"{kept.name}-h1"]
+        assert sorted(namespaces_named(kept.name)) == [f"{kept.name}-br", f"{kept.name}-h1"]
     finally:
         kept.down()
         crashed.down()
@@ -146,7 +156,7 @@ def test_a_start_that_fails_half_way_leaves_nothing(monkeypatch: pytest.MonkeyPa
 
     def failing(*args: str) -> None:
         calls.append(args)
-        if len(calls) == 8:  # host 2's namespace exists, its link not yet
+        if len(calls) == 11:  # host 2's namespace exists, its link not yet
             raise KeyboardInterrupt
         real(*args)
 
@@ -166,6 +176,8 @@ def test_without_root_the_bed_refuses_and_says_why(monkeypatch: pytest.MonkeyPat
 
 
 def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="name must be"):
+        bed_module.teardown("..")  # never a path out of the beds' directory
     with pytest.raises(ValueError, match="hosts must be 1-200"):
         NetnsCluster("x", 0)
     with pytest.raises(ValueError, match="rate must end in"):

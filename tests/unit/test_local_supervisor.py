@@ -24,6 +24,10 @@ class Process:
     def is_alive(self) -> bool:
         return self.alive
 
+    @property
+    def exit_known(self) -> bool:
+        return self.exitcode != 255
+
     def kill(self) -> None:
         self.alive = False
 
@@ -185,6 +189,21 @@ def test_a_sigterm_death_during_shutdown_is_not_taken_for_a_crash(monkeypatch) -
     h.wait(lambda: not any(t.name.startswith("restart-") for t in threading.enumerate()),
            "the restart thread ended (before this test's fakes are undone)")
     assert ("down", "decode-1") not in h.events and len(h.spawned) <= 1
+
+
+@pytest.mark.timeout(30)
+def test_an_exit_nobody_knows_the_status_of_gets_the_sigterm_grace(monkeypatch) -> None:
+    """After the fork server died, a worker's exit status is lost (255): it may be the
+    group's SIGTERM of a shutdown, so it waits out the grace like a SIGTERM death."""
+    serving = threading.Event()
+    h = sigterm_death(monkeypatch, serving, grace_s=5.0)
+    h.workers.decode[1].process.exitcode = 255
+    time.sleep(0.3)  # several watch intervals
+    assert ("down", "decode-1") not in h.events
+    h.workers.stop_supervising()
+    serving.set()
+    h.wait(lambda: not any(t.name.startswith("restart-") for t in threading.enumerate()), "no restart left")
+    assert ("down", "decode-1") not in h.events
 
 
 @pytest.mark.timeout(60)
