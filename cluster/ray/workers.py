@@ -266,7 +266,7 @@ def _place(config: ClusterConfig) -> dict[str, list[tuple[PlacementGroup, int]]]
         check_one_host_transport(config.transport, {
             role: [placement_group_table(group)["bundles_to_node_id"][bundle] for group, bundle in role_places]
             for role, role_places in places.items()})
-    except PlacementError:
+    except BaseException:  # refused, or the GCS did not answer: release what was placed
         for role_groups in groups.values():
             for group in role_groups:
                 remove_placement_group(group)
