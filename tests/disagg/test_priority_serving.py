@@ -57,7 +57,10 @@ def test_a_later_request_of_better_priority_runs_first(one_seq_worker) -> None:
     finished: list[str] = []
 
     def send(name: str, priority: int | None) -> None:
-        body = {"prompt": [8, 9, 10], "max_tokens": 2, "ignore_eos": True}
+        # 16 tokens, one slot: the second to run starts 16 steps after the first ended,
+        # so the order the clients hear their answers is the order they ran, even on a
+        # loaded machine (at 2 tokens a late HTTP reply swapped them in a CI run).
+        body = {"prompt": [8, 9, 10], "max_tokens": 16, "ignore_eos": True}
         status, out = request(base, "POST", "/v1/completions", body | ({} if priority is None else
                                                                        {"priority": priority}))
         assert status == 200, out
