@@ -60,6 +60,15 @@ def _host() -> tuple[str, int]:
     return _read("/proc/sys/kernel/random/boot_id").decode("ascii", "replace"), pidns
 
 
+def process_id(pid: int) -> ProcessId | None:
+    """The name of process `pid` as it runs now, or None if none runs (a zombie counts
+    as none)."""
+    stat = _stat(pid)
+    if stat is None or stat[0] in ("Z", "X"):
+        return None
+    return ProcessId(pid, stat[1], *_host())
+
+
 def this_process() -> ProcessId:
     stat = _stat(os.getpid())
     return ProcessId(os.getpid(), stat[1] if stat else 0, *_host())

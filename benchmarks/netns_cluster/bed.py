@@ -38,6 +38,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kv_transfer.liveness import process_id
+
 BEDS_DIR = Path("/run/pdnet")  # root's, not world-writable /tmp: a sweep acts on what it finds here
 BED_PREFIXES = ("pdnet", "pdt")  # namespaces of beds (pdt: the tests'); a sweep adopts state-less ones
 SUBNET = "10.88.0"  # inside the bed's namespaces only
@@ -169,20 +171,21 @@ class NetnsCluster:
     def partition(self, a: int, b: int) -> None:
         """Cut hosts a and b apart: the bridge drops what either sends the other,
         silently (a connection waits for its timeouts, as over a cut cable)."""
-        self._check_host(a)
-        self._check_host(b)
-        self._blocked.setdefault(b, set()).add(a)
-        self._blocked.setdefault(a, set()).add(b)
-        self._shape_port(a)
-        self._shape_port(b)
+        self._cut(a, b, True)
 
     def heal(self, a: int, b: int) -> None:
-        self._check_host(a)
-        self._check_host(b)
-        self._blocked.get(b, set()).discard(a)
-        self._blocked.get(a, set()).discard(b)
-        self._shape_port(a)
-        self._shape_port(b)
+        self._cut(a, b, False)
+
+    def _cut(self, a: int, b: int, cut: bool) -> None:
+        for to, source in ((a, b), (b, a)):
+            self._check_host(to)
+            blocked = self._blocked.setdefault(to, set())
+            if cut:
+                blocked.add(source)
+            else:
+                blocked.discard(source)
+        for host in (a, b):
+            self._shape_port(host)
 
     def set_link(self, host: int, up: bool) -> None:
         """Take host's cable out (or put it back): it reaches no other host."""
@@ -293,7 +296,7 @@ def _sweep(also: str | None) -> list[str]:
     names |= {m.group(1) for ns in _namespaces() if (m := bed_namespace.fullmatch(ns))}
     for name in sorted(names):
         state = _read_state(BEDS_DIR / name)
-        if name == also or state is None or (state.owner is not None and not _alive(state.owner)):
+        if name == also or state is None or (state.owner is not None and process_id(state.owner) is None):
             _teardown(name)
             removed.append(name)
     return removed
@@ -338,32 +341,21 @@ def _kill_all(ns: str, timeout: float = 10.0) -> None:
         raise RuntimeError(f"processes in {ns} outlived SIGKILL for {timeout} s: {sorted(_pids(ns))}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
 def _held_shm(pids: set[int]) -> set[str]:
     """The /dev/shm files these processes have open or mapped."""
-    held = set()
+    paths = []
     for pid in pids:
         proc = Path(f"/proc/{pid}")
         with contextlib.suppress(OSError):
             for fd in (proc / "fd").iterdir():
                 with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("/dev/shm/"):
-                        held.add(target[len("/dev/shm/"):].removesuffix(" (deleted)"))
+                    paths.append(os.readlink(fd))
         with contextlib.suppress(OSError):
             for line in (proc / "maps").read_text().splitlines():
                 parts = line.split(maxsplit=5)
-                path = parts[5] if len(parts) == 6 else ""  # an anonymous mapping has none
-                if path.startswith("/dev/shm/"):
-                    held.add(path[len("/dev/shm/"):].removesuffix(" (deleted)"))
-    return held
+                paths += parts[5:]  # an anonymous mapping has no path
+    prefix = f"{SHM_DIR}/"
+    return {path[len(prefix):].removesuffix(" (deleted)") for path in paths if path.startswith(prefix)}
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)

@@ -32,6 +32,8 @@ from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from kv_transfer.liveness import is_gone, process_id
+
 # Imported once, by the fork server, before it forks any worker. A process has one fork
 # server: the list is set when this module is imported, and whoever else forks from the
 # server in this process sets a list that includes it (tests/kv_transfer/conftest.py).
@@ -71,7 +73,7 @@ class ForkedProcess:
         self._process = process
         self.pid: int = process.pid
         self.name = process.name
-        self._start_ticks = _start_ticks(process.pid)  # tells a reused pid from it
+        self._identity = process_id(process.pid)  # pid and start time: tells a reused pid from it
 
     @property
     def exitcode(self) -> int | None:
@@ -90,7 +92,7 @@ class ForkedProcess:
             return True
         if self._process.exitcode != _SERVER_LOST:
             return False  # its exit status, from the server: it exited
-        return self._start_ticks is not None and _start_ticks(self.pid) == self._start_ticks
+        return self._identity is not None and is_gone(self._identity) is False
 
     def kill(self) -> None:
         """SIGKILL, by pid (multiprocessing's kill does nothing once it took the
@@ -107,15 +109,3 @@ class ForkedProcess:
         while self.is_alive() and (end is None or time.monotonic() < end):
             time.sleep(0.05)  # not our child: no wait() to block in
 
-
-def _start_ticks(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot), or None where no process of
-    that pid runs: gone, or a zombie nobody reaped yet."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
-    state, start = fields[0], fields[19]  # fields 3 and 22 of proc(5)
-    return None if state in ("Z", "X") else int(start)

@@ -263,9 +263,10 @@ def _place(config: ClusterConfig) -> dict[str, list[tuple[PlacementGroup, int]]]
             f"{', '.join(f'{r}: {pool_bundles(config)[r][0]}' for r in late)}; "
             f"available now: {ray.available_resources()})")
     try:
+        tables = {group.id: placement_group_table(group)["bundles_to_node_id"]
+                  for role_groups in groups.values() for group in role_groups}
         check_one_host_transport(config.transport, {
-            role: [placement_group_table(group)["bundles_to_node_id"][bundle] for group, bundle in role_places]
-            for role, role_places in places.items()})
+            role: [tables[group.id][bundle] for group, bundle in role_places] for role, role_places in places.items()})
     except BaseException:  # refused, or the GCS did not answer: release what was placed
         for role_groups in groups.values():
             for group in role_groups:
