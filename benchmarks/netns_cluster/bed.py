@@ -18,8 +18,8 @@ were killed (not other programs' files: /dev/shm is the machine's), and its stat
 directory. `up` first tears down a bed of the same name, and any bed whose owner
 process died.
 
-Known gap: changing a port's shaping (partition, heal, limit) rebuilds its qdisc, so
-for a moment the port neither drops nor limits.
+A port's shaping is built once, with the bed; a partition, heal or limit changes it in
+place (a filter added or deleted, a class's rate changed), so it is never unshaped.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ BEDS_DIR = Path("/run/pdnet")  # root's, not world-writable /tmp: a sweep acts o
 BED_PREFIXES = ("pdnet", "pdt")  # namespaces of beds (pdt: the tests'); a sweep adopts state-less ones
 SUBNET = "10.88.0"  # inside the bed's namespaces only
 SHM_DIR = Path("/dev/shm")
+UNLIMITED = "100gbit"  # an htb line class's rate when the link has no limit (beyond a veth's speed)
 _CLONE_NEWNET = 0x40000000
 
 
@@ -85,8 +86,6 @@ class NetnsCluster:
         if rate is not None:
             _rate_bits(rate)
         self.name, self.hosts, self.rate, self.owner = name, hosts, rate, owner
-        self._rates: dict[int, str | None] = {}
-        self._blocked: dict[int, set[int]] = {}  # host -> hosts whose packets to it are dropped
 
     # -- names --------------------------------------------------------------------
     @property
@@ -153,66 +152,67 @@ class NetnsCluster:
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
+            self._shape_port(host)
             if self.rate:
                 self.limit(host, self.rate)
 
     # -- links --------------------------------------------------------------------
     def limit(self, host: int, rate: str | None) -> None:
-        """Rate-limit host's link both ways (a tbf on each end); None removes it."""
+        """Rate-limit host's link both ways (a tbf on the host's end, the bridge port's
+        line class on the other); None removes it. Changed in place: never a moment
+        unshaped, and a partition on the port stays."""
         if rate is not None:
             _rate_bits(rate)
-        self._rates[host] = rate
-        subprocess.run(["tc", "-n", self.namespace(host), "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
-        if rate is not None:
-            _run("tc", "-n", self.namespace(host), "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
-                 "burst", _burst(rate), "latency", "50ms")
-        self._shape_port(host)
+        tc = ["tc", "-n", self.namespace(host), "qdisc"]
+        if rate is None:
+            subprocess.run([*tc, "del", "dev", "eth0", "root"], capture_output=True)
+        else:
+            _run(*tc, "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", _burst(rate), "latency", "50ms")
+        line = rate or UNLIMITED
+        _run("tc", "-n", self.bridge, "class", "change", "dev", f"p{host}", "parent", "1:", "classid", "1:1",
+             "htb", "rate", line, "ceil", line, "burst", _burst(line), "cburst", _burst(line))
 
     def partition(self, a: int, b: int) -> None:
         """Cut hosts a and b apart: the bridge drops what either sends the other,
         silently (a connection waits for its timeouts, as over a cut cable)."""
-        self._cut(a, b, True)
+        for to, source in ((a, b), (b, a)):
+            if not self._cut(to, source):
+                _run(*self._filter(to, source, "add"), "u32", "match", "ip", "src", f"{self.address(source)}/32",
+                     "flowid", "1:2")
 
     def heal(self, a: int, b: int) -> None:
-        self._cut(a, b, False)
-
-    def _cut(self, a: int, b: int, cut: bool) -> None:
         for to, source in ((a, b), (b, a)):
-            self._check_host(to)
-            blocked = self._blocked.setdefault(to, set())
-            if cut:
-                blocked.add(source)
-            else:
-                blocked.discard(source)
-        for host in (a, b):
-            self._shape_port(host)
+            if self._cut(to, source):
+                _run(*self._filter(to, source, "del"))
 
     def set_link(self, host: int, up: bool) -> None:
         """Take host's cable out (or put it back): it reaches no other host."""
         _ip("-n", self.bridge, "link", "set", f"p{host}", "up" if up else "down")
 
     def _shape_port(self, host: int) -> None:
-        """The bridge's port to `host` (what the host receives): its rate limit, and a
-        drop of what hosts partitioned from it send. tc actions are not in this
-        kernel: the dropped packets are classified into an htb class whose qdisc is a
-        blackhole."""
-        tc = ["tc", "-n", self.bridge]
-        dev, rate, blocked = f"p{host}", self._rates.get(host), sorted(self._blocked.get(host, ()))
-        subprocess.run([*tc, "qdisc", "del", "dev", dev, "root"], capture_output=True)
-        if not blocked:
-            if rate is not None:
-                _run(*tc, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", _burst(rate),
-                     "latency", "50ms")
-            return
-        line = rate or "100gbit"
+        """The bridge's port to `host` (what the host receives), shaped once for the
+        bed's life: an htb whose default class is the line (its rate: the link's limit,
+        or UNLIMITED), and a class whose qdisc is a blackhole. A partition is one u32
+        filter per source, at priority = the source's host number, that sends its
+        packets to the blackhole (this kernel has no tc actions, netem or nftables)."""
+        tc, dev, line = ["tc", "-n", self.bridge], f"p{host}", UNLIMITED
         _run(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
-        _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", line,
+        _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", line, "ceil", line,
              "burst", _burst(line), "cburst", _burst(line))
         _run(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:2", "htb", "rate", "8kbit")
         _run(*tc, "qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", "blackhole")
-        for source in blocked:
-            _run(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                 "match", "ip", "src", f"{self.address(source)}/32", "flowid", "1:2")
+
+    def _filter(self, to: int, source: int, verb: str) -> list[str]:
+        """tc's filter verb on the port to `to`, at the priority of `source`."""
+        self._check_host(to)
+        self._check_host(source)
+        return ["tc", "-n", self.bridge, "filter", verb, "dev", f"p{to}", "parent", "1:", "protocol", "ip",
+                "prio", str(source)]
+
+    def _cut(self, to: int, source: int) -> bool:
+        """Whether what `source` sends `to` is dropped (read from the bridge, so any
+        NetnsCluster of this bed, a CLI's too, sees the same)."""
+        return bool(subprocess.run(self._filter(to, source, "show"), capture_output=True, text=True).stdout.strip())
 
     # -- processes ------------------------------------------------------------------
     def popen(self, host: int, argv: Sequence[str], **kwargs: object) -> subprocess.Popen:

@@ -84,6 +84,28 @@ def test_hosts_reach_each_other_and_a_partition_drops_silently_until_healed(bed3
 
 
 @pytest.mark.timeout(60)
+def test_cuts_are_per_pair_and_stay_while_other_links_change(bed3: NetnsCluster) -> None:
+    echo = Echo(bed3, 2)
+    try:
+        bed3.partition(1, 2)
+        bed3.partition(1, 2)  # twice: still one cut, healed by one heal
+        bed3.partition(2, 3)
+        bed3.limit(2, "50mbit")  # changed in place: the cuts on host 2's port stay
+        bed3.heal(2, 3)
+        bed3.heal(2, 3)  # not cut: nothing to do
+        assert fetch(bed3, 3, echo.address) == b"xx"
+        with pytest.raises(TimeoutError):
+            fetch(bed3, 1, echo.address, timeout=0.5)
+        bed3.limit(2, None)
+        with pytest.raises(TimeoutError):
+            fetch(bed3, 1, echo.address, timeout=0.5)
+        bed3.heal(1, 2)
+        assert fetch(bed3, 1, echo.address) == b"xx"
+    finally:
+        echo.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_rate_limit_limits_both_directions(bed3: NetnsCluster) -> None:
     size = 1 << 20  # 8 Mbit: 0.5 s at 16 Mbit/s, milliseconds unlimited
     echo = Echo(bed3, 3, size)
