@@ -168,8 +168,9 @@ class DecodeWorker(WorkerLoop):
 
     def _prefill_done(self, prefill: str, msg: PrefillDone) -> None:
         request_id = msg.request_id
-        self.transfer["kv_bytes_received"] += msg.bytes_written
-        self.transfer["kv_transfer_seconds"] += msg.transfer_s
+        if msg.error is None:  # a failed job's bytes (some never sent, or dropped here) are not KV received
+            self.transfer["kv_bytes_received"] += msg.bytes_written
+            self.transfer["kv_transfer_seconds"] += msg.transfer_s
         if msg.error is not None:
             if self.core.is_waiting_for_kv(request_id):  # else not (or no longer) ours, e.g. from before a restart
                 logger.warning("prefill of %s failed on %s: %s", request_id, prefill, msg.error)

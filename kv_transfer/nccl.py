@@ -44,6 +44,7 @@ RECEIVER, SENDER = 0, 1  # ranks in every pairwise group
 class NcclTransport(KVTransport):
     name = "nccl"
     one_sided = False
+    fabric = "nccl"
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)

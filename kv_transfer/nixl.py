@@ -33,6 +33,7 @@ import torch
 from kv_transfer.base import KVTransport, TransportConfig
 from kv_transfer.compat import IncompatiblePeerError
 from kv_transfer.control import Peer
+from kv_transfer.fabric import ucx_fabric
 from kv_transfer.rank_pairs import Piece
 from kv_transfer.runs import block_pairs
 from kv_transfer.sender import Write
@@ -63,6 +64,11 @@ class NixlTransport(KVTransport):
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)
         nixl_agent, nixl_agent_config = _import_nixl()
+        self.fabric, why = ucx_fabric()
+        if self.fabric == "tcp":  # UCX says nothing of it: KV crosses hosts at a fraction of RDMA's rate
+            logger.warning("%s: nixl moves KV between hosts over TCP, not RDMA: %s", agent_name, why)
+        else:
+            logger.info("%s: nixl may move KV between hosts over RDMA: %s", agent_name, why)
         self._agent = nixl_agent(agent_name, nixl_agent_config(
             enable_prog_thread=self.config.progress_thread, backends=["UCX"]))
         self._registered = None

@@ -30,6 +30,7 @@ class TcpTransport(KVTransport):
     name = "tcp"
     one_sided = False
     multi_rank = True
+    fabric = "tcp"
 
     def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         return {}

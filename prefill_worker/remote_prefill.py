@@ -47,19 +47,28 @@ class PrefillWorkerCore:
         # then has the data plane stopped reading them): the engine may preempt or
         # abort their request meanwhile, and must not hand them to another one.
         self._held: dict[int, list[KVBlock]] = {}
-        self.stats = dict(prefills=0, blocks_written=0, failed=0, tokens_computed=0)
+        self.stats = dict(prefills=0, blocks_written=0, failed=0, refused=0, tokens_computed=0)
         self.steps = StepMetrics()  # its engine steps' time and batch (stats replies)
 
     def submit(self, rp: RemotePrefill) -> None:
+        """Start computing rp's prompt; ValueError (counted as refused) if it cannot be."""
         end = cdiv(len(rp.prompt_token_ids) - 1, self.block_size)
-        if not (0 <= rp.first_block < end <= len(rp.block_ids)):
-            raise ValueError(f"{rp.request_id}: blocks [{rp.first_block}, {end}) to write do not fit "
-                             f"the {len(rp.block_ids)} destination blocks")
-        if self.transport.peer_session(rp.peer) != rp.session:
-            raise ValueError(f"{rp.request_id}: decode worker {rp.peer!r} is not a peer in the session that "
-                             "reserved these blocks (it restarted, or is gone)")
+        refusal = self._refusal(rp, end)
+        if refusal is not None:
+            self.stats["refused"] += 1
+            raise ValueError(f"{rp.request_id}: {refusal}")
         self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1])
         self.jobs[rp.request_id] = _Job(rp, rp.first_block, end)
+
+    def _refusal(self, rp: RemotePrefill, end: int) -> str | None:
+        if not (0 <= rp.first_block < end <= len(rp.block_ids)):
+            return f"blocks [{rp.first_block}, {end}) to write do not fit the {len(rp.block_ids)} destination blocks"
+        if self.transport.peer_session(rp.peer) != rp.session:
+            return (f"decode worker {rp.peer!r} is not a peer in the session that reserved these blocks "
+                    "(it restarted, or is gone)")
+        if time.time() > rp.deadline:  # held up on the way (a partition that healed): D has prefilled it
+            return "arrived after its reservation's deadline; not computed"
+        return None
 
     def fail_jobs_for(self, peer: str) -> None:
         """Decode worker `peer` died (or restarted: its blocks are not the ones reserved):

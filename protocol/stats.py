@@ -71,6 +71,8 @@ class WorkerStats(Record, frozen=True, omit_defaults=True):
     step_seconds: Histogram  # wall time of its engine steps that computed tokens
     step_requests: Histogram  # requests per such step
     step_tokens: Histogram  # tokens per such step
+    kv_transport: str | None = None  # its KV transport's name (tcp, nixl, ...)
+    kv_fabric: str | None = None  # the wire that KV crosses between hosts: tcp, rdma, host, nccl (kv_transfer/fabric.py)
 
     # A decode worker's (None on a prefill worker).
     waiting_for_kv: Count | None = None  # requests whose prompt KV a prefill worker computes
@@ -93,6 +95,7 @@ class WorkerStats(Record, frozen=True, omit_defaults=True):
     prefills: Count | None = None  # remote prefills whose KV was all written (total)
     blocks_written: Count | None = None  # KV blocks written to decode workers (total)
     failed: Count | None = None  # remote prefills that failed here (total)
+    refused: Count | None = None  # remote prefills refused unstarted: past their deadline, or no peer's (total)
     tokens_computed: Count | None = None  # prompt tokens computed (total)
 
     @property

@@ -90,7 +90,12 @@ WORKER_GAUGES = {  # WorkerStats field -> (metric, help); a worker reports those
                        "KV blocks the prefill worker wrote to decode workers (total)"),
     "prefills": ("pdserve_worker_prefills_done", "remote prefills whose KV was all written (total)"),
     "failed": ("pdserve_worker_prefills_failed", "remote prefills that failed on the prefill worker (total)"),
+    "refused": ("pdserve_worker_prefills_refused", "remote prefills the prefill worker refused unstarted: they "
+                "arrived past their deadline, or from a decode worker no longer its peer (total)"),
 }
+# These also carry the worker's KV transport and fabric (tcp, rdma, ...: kv_transfer/fabric.py)
+# as labels: KV that crosses hosts over TCP where RDMA was meant is visible on the graph.
+TRANSFER_GAUGES = ("kv_bytes_received", "kv_transfer_seconds", "kv_transfer_failures", "blocks_written")
 PHASES = ("queue", "prefill", "transfer", "decode", "kv_write")
 
 
@@ -134,8 +139,10 @@ class RouterMetrics:
                                   registry=r)
         self.worker_live = Gauge("pdserve_worker_live", "1 if the router considers the worker (decode or "
                                  "prefill) alive", ["worker", "role"], registry=r)
-        self.worker = {key: Gauge(name, help_, ["worker", "role"], registry=r)
+        self.worker = {key: Gauge(name, help_, ["worker", "role", *(("transport", "fabric") if key in TRANSFER_GAUGES
+                                                                    else ())], registry=r)
                        for key, (name, help_) in WORKER_GAUGES.items()}
+        self._links: dict[tuple[str, str], tuple[str, str]] = {}  # (worker, role) -> its transfer gauges' labels
         # Elastic pools (cluster/elastic.py) and their planner (cluster/autoscale/).
         self.pool_workers = Gauge("pdserve_pool_workers", "workers taking work in each pool (not draining)",
                                   ["role"], registry=r)
@@ -169,23 +176,39 @@ class RouterMetrics:
 
     def set_worker(self, name: str, role: str, stats: WorkerStats) -> None:
         """One worker's stats reply (role: "decode" or "prefill")."""
+        link = (stats.kv_transport or "", stats.kv_fabric or "")
+        if self._links.get((name, role), link) != link:  # restarted on another transport: its old series go
+            self._forget_transfers(name, role)
+        self._links[(name, role)] = link
         for field, gauge in self.worker.items():
             value = getattr(stats, field)
             if value is not None:  # None: a figure of the other role
-                gauge.labels(worker=name, role=role).set(value)
+                gauge.labels(name, role, *(link if field in TRANSFER_GAUGES else ())).set(value)
         self.steps.update(name, role, stats)
         self.spec_decode.update(name, role, stats)
 
     def forget_worker(self, name: str, role: str) -> None:
         """A worker scaled away: its labelled series leave /metrics (a restarted one
         keeps its name, so only a scale-down forgets)."""
-        for gauge in [*self.worker.values(), self.worker_live]:
+        self._forget_transfers(name, role)
+        self._links.pop((name, role), None)
+        for gauge in [*(g for k, g in self.worker.items() if k not in TRANSFER_GAUGES), self.worker_live]:
             try:
                 gauge.remove(name, role)
             except KeyError:  # it never reported that figure
                 pass
         self.steps.forget(name, role)
         self.spec_decode.forget(name, role)
+
+    def _forget_transfers(self, name: str, role: str) -> None:
+        link = self._links.get((name, role))
+        if link is None:
+            return
+        for key in TRANSFER_GAUGES:
+            try:
+                self.worker[key].remove(name, role, *link)
+            except KeyError:  # a figure of the other role
+                pass
 
     def set_live(self, decode: dict[str, bool], prefill: dict[str, bool]) -> None:
         """Each worker's health as the router sees it (router/health.py)."""

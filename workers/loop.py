@@ -243,7 +243,7 @@ class WorkerLoop:
             refused_peers=(self.guard.refused if self.guard is not None else 0) + transport.refused_peers(),
             stalled=self.watchdog.stalled, no_progress_s=round(self.watchdog.no_progress_s(self.clock()), 3),
             step_seconds=steps.seconds.snapshot(), step_requests=steps.requests.snapshot(),
-            step_tokens=steps.tokens.snapshot(), **role)
+            step_tokens=steps.tokens.snapshot(), kv_transport=transport.name, kv_fabric=transport.fabric, **role)
 
     def run(self, control: ControlChannel) -> None:
         """Until the launcher says stop (or closes the control channel); a "peers"

@@ -233,7 +233,8 @@ def test_metrics_count_requests_latencies_and_worker_blocks(server) -> None:
     decode = '{role="decode",worker="decode-0"}'
     assert values[f"pdserve_worker_free_blocks{decode}"] == values[f"pdserve_worker_num_blocks{decode}"]
     assert values[f"pdserve_worker_remote{decode}"] >= 1
-    assert values[f"pdserve_worker_kv_bytes_received{decode}"] > 0
+    link = f'{{fabric="host",role="decode",transport="{config.transport}",worker="decode-0"}}'  # transfer figures: which wire
+    assert values[f"pdserve_worker_kv_bytes_received{link}"] > 0
     assert values["pdserve_prompt_tokens_total"] >= values["pdserve_prefix_cache_hit_tokens_total"] >= 0
     for phase in ("queue", "prefill", "transfer", "decode", "kv_write"):  # from the remote prefills of earlier tests
         assert values[f'pdserve_request_phase_seconds_count{{phase="{phase}",prefill="remote"}}'] >= 1
@@ -270,7 +271,8 @@ def test_every_worker_reports_its_steps_and_figures_by_role(server) -> None:
         assert values[f"pdserve_worker_live{labels}"] == 1
     assert values[f"pdserve_worker_waiting_for_kv{decode}"] == 0
     assert values[f"pdserve_worker_prefill_tokens_computed{prefill}"] >= len(PROMPTS[1].split())
-    assert values[f"pdserve_worker_prefill_blocks_written{prefill}"] > 0
+    link = f'{{fabric="host",role="prefill",transport="{config.transport}",worker="prefill-0"}}'
+    assert values[f"pdserve_worker_prefill_blocks_written{link}"] > 0
     assert values[f"pdserve_worker_prefills_done{prefill}"] >= 1
     assert values[f"pdserve_worker_prefills_failed{prefill}"] == 0 and values[f"pdserve_worker_prefill_jobs{prefill}"] == 0
     assert values["pdserve_time_per_output_token_seconds_count"] >= 1

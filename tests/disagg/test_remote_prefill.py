@@ -124,6 +124,23 @@ def test_dead_prefill_worker_falls_back_to_local_prefill(llama_dir: Path, refere
 
 
 @pytest.mark.timeout(120)
+def test_a_prompt_that_arrives_after_its_deadline_is_refused_not_computed(llama_dir: Path) -> None:
+    """A RemotePrefill held up on the way (a partition between the hosts that healed)
+    reaches the prefill worker after the decode worker gave up on it: computing it
+    would only waste the prefill pool."""
+    decode, prefill = worker_pair(llama_dir, "tcp", deadline_s=0.2)
+    try:
+        rp = decode.add_request("late", PROMPTS[1], GREEDY, remote=True)
+        time.sleep(0.3)
+        with pytest.raises(ValueError, match="arrived after its reservation's deadline; not computed"):
+            prefill.submit(rp)
+        assert not prefill.jobs and not prefill.engine.has_unfinished() and prefill.stats["refused"] == 1
+    finally:
+        decode.transport.close()
+        prefill.transport.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_restarted_decode_worker_never_gets_writes_meant_for_the_one_before(llama_dir: Path) -> None:
     """The decode worker dies and comes back under the same name (new cache, new
     session) while the prefill worker still has a job queued for the old one, and a

@@ -41,7 +41,8 @@ def test_step_histograms_and_gauges_are_labelled_by_worker_and_role() -> None:
     m.set_worker("decode-0", "decode", stats_with_steps((0.003, 4, 4), (0.03, 2, 40), running=2, preemptions=1,
                                                         num_blocks=80, free_blocks=70))
     m.set_worker("prefill-0", "prefill", stats_with_steps((0.2, 1, 512), jobs=1, tokens_computed=512,
-                                                          blocks_written=32, prefills=3, failed=1))
+                                                          blocks_written=32, prefills=3, failed=1, refused=2,
+                                                          kv_transport="nixl", kv_fabric="tcp"))
     got = samples(m)
     d, p = (("role", "decode"), ("worker", "decode-0")), (("role", "prefill"), ("worker", "prefill-0"))
     assert got[("pdserve_worker_step_seconds_count", d)] == 2
@@ -58,9 +59,21 @@ def test_step_histograms_and_gauges_are_labelled_by_worker_and_role() -> None:
     assert got[("pdserve_worker_free_blocks", d)] == 70
     assert got[("pdserve_worker_prefill_jobs", p)] == 1
     assert got[("pdserve_worker_prefill_tokens_computed", p)] == 512
-    assert got[("pdserve_worker_prefill_blocks_written", p)] == 32
+    link = (("fabric", "tcp"), ("role", "prefill"), ("transport", "nixl"), ("worker", "prefill-0"))
+    assert got[("pdserve_worker_prefill_blocks_written", link)] == 32  # a transfer figure: which wire it crossed
     assert got[("pdserve_worker_prefills_done", p)] == 3 and got[("pdserve_worker_prefills_failed", p)] == 1
+    assert got[("pdserve_worker_prefills_refused", p)] == 2
     assert ("pdserve_worker_prefill_jobs", d) not in got  # a worker reports its role's figures only
+
+
+def test_transfer_gauges_follow_a_worker_onto_another_fabric_and_leave_with_it() -> None:
+    m = RouterMetrics()
+    m.set_worker("decode-0", "decode", worker_stats(kv_bytes_received=10, kv_transport="nixl", kv_fabric="rdma"))
+    m.set_worker("decode-0", "decode", worker_stats(kv_bytes_received=20, kv_transport="nixl", kv_fabric="tcp"))
+    received = {labels: v for (name, labels), v in samples(m).items() if name == "pdserve_worker_kv_bytes_received"}
+    assert received == {(("fabric", "tcp"), ("role", "decode"), ("transport", "nixl"), ("worker", "decode-0")): 20}
+    m.forget_worker("decode-0", "decode")
+    assert not [name for name, _ in samples(m) if name.startswith("pdserve_worker_") and "decode-0" in str(_)]
 
 
 def test_a_later_reply_replaces_the_histogram_it_is_cumulative_on_the_worker() -> None:

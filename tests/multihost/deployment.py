@@ -1,0 +1,136 @@
+"""A pdserve deployment on the bed's hosts, as its tests reach it: `ray job submit` of a
+config, then HTTP to the router from inside the router's host (the bed's addresses are
+reached from inside the bed only)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.netns_cluster.bed import NetnsCluster
+from benchmarks.netns_cluster.ray_hosts import RayHosts
+from tests.multihost.conftest import bed_or_skip
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
+KEY = "sk-multihost"
+RUNTIME_ENV = {"excludes": ["/.git", "/.venv", "/models", "/results"], "env_vars": {"PDSERVE_API_KEYS": KEY}}
+SERVE_TIMEOUT_S = 240.0
+
+
+@contextlib.contextmanager
+def ray_cluster(suffix: str, head: int, joined: Mapping[int, Mapping[str, float]]) -> Iterator[RayHosts]:
+    """A bed of 1 + len(joined) hosts with Ray on each: the head (no pool resources)
+    and each joined host with its resources. Skips without root or the demo model;
+    checks that nothing of the bed outlives it."""
+    if not (MODEL / "model.safetensors").is_file():
+        pytest.skip(f"demo model not prepared at {MODEL} (make model)")
+    bed = bed_or_skip(1 + len(joined), suffix=suffix).up()
+    try:
+        ray = RayHosts(bed, head=head)
+        ray.start_head()
+        for host, resources in joined.items():
+            ray.join(host, resources)
+        yield ray
+    finally:
+        bed.down()
+    out = os.popen("ip netns list").read()
+    assert bed.name not in out and not bed.state_dir.exists(), "the bed outlived the test"
+
+
+class Deployment:
+    def __init__(self, bed: NetnsCluster, ray: RayHosts, router_host: int, job: str = "serve") -> None:
+        self.bed, self.ray, self.router_host, self.job = bed, ray, router_host, job
+
+    def submit(self, config: Path | str) -> Deployment:
+        self.ray.submit(self.job, ["pdserve", "serve", str(config), "--model", str(MODEL)], REPO, RUNTIME_ENV)
+        self.wait_serving()
+        return self
+
+    def stop(self) -> None:
+        if self.ray.job_status(self.job) in ("PENDING", "RUNNING"):
+            self.ray.stop_job(self.job)
+
+    def call(self, path: str, body: dict | None = None, timeout: float = 60.0) -> Any:
+        with self.bed.inside(self.router_host):
+            with urllib.request.urlopen(self._request(path, body), timeout=timeout) as r:
+                return json.loads(r.read())
+
+    def stream(self, body: dict, on_event: Callable[[int], None] | None = None,
+               timeout: float = 120.0) -> tuple[str, list[dict], float]:
+        """A streamed completion: its text, its events, and the seconds to its first
+        token. `on_event(i)` runs after the i-th event (1 first)."""
+        start = time.monotonic()
+        with self.bed.inside(self.router_host):
+            response = urllib.request.urlopen(self._request("/v1/completions", {**body, "stream": True}),
+                                              timeout=timeout)
+        text, events, first = "", [], float("nan")
+        with response:
+            for line in _sse_data(response):
+                event = json.loads(line)
+                events.append(event)
+                if event.get("choices"):
+                    if not text:
+                        first = time.monotonic() - start
+                    text += event["choices"][0].get("text", "")
+                if on_event is not None:
+                    on_event(len(events))
+        return text, events, first
+
+    def workers(self) -> dict[str, dict]:
+        """/status's rows of both pools by name: address, live, draining, stats."""
+        status = self.call("/status", timeout=30)
+        return {w["name"]: w for w in status["decode_workers"] + status["prefill_workers"]}
+
+    def host_of(self, row: dict) -> int:
+        """The bed host a /status row's worker listens on."""
+        address = row["address"].removeprefix("tcp://").rsplit(":", 1)[0]
+        return [h for h in range(1, self.bed.hosts + 1) if self.bed.address(h) == address][0]
+
+    def wait(self, what: str, done: Callable[[dict[str, dict]], bool], timeout: float = 120.0) -> dict[str, dict]:
+        """Poll /status until done(workers) holds."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                workers = self.workers()
+                if done(workers):
+                    return workers
+            except (OSError, urllib.error.URLError):
+                workers = {}
+            assert time.monotonic() < end, f"not within {timeout:g} s: {what}; last /status: {workers}"
+            time.sleep(1)
+
+    def wait_serving(self) -> None:
+        end = time.monotonic() + SERVE_TIMEOUT_S
+        while True:
+            try:
+                self.call("/health", timeout=2)
+                return
+            except (OSError, urllib.error.URLError):
+                pass
+            status = self.ray.job_status(self.job)
+            assert status in ("PENDING", "RUNNING"), \
+                f"the job ended ({status}) before serving:\n{self.ray.job_logs(self.job)}"
+            assert time.monotonic() < end, f"no /health within {SERVE_TIMEOUT_S:g} s:\n{self.ray.job_logs(self.job)}"
+            time.sleep(1)
+
+    def _request(self, path: str, body: dict | None) -> urllib.request.Request:
+        data = None if body is None else json.dumps(body).encode()
+        return urllib.request.Request(f"http://{self.bed.address(self.router_host)}:8000{path}", data=data, headers={
+            "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+
+
+def _sse_data(response: Any) -> Iterator[str]:
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield line.removeprefix("data: ")
