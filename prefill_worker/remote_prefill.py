@@ -51,7 +51,9 @@ class PrefillWorkerCore:
         self.steps = StepMetrics()  # its engine steps' time and batch (stats replies)
 
     def submit(self, rp: RemotePrefill) -> None:
-        """Start computing rp's prompt; ValueError (counted as refused) if it cannot be."""
+        """Start computing rp's prompt. Refused (stats["refused"], and ValueError naming
+        why) when its blocks do not fit, its decode worker is not the peer that reserved
+        them, or it arrived after its deadline."""
         end = cdiv(len(rp.prompt_token_ids) - 1, self.block_size)
         refusal = self._refusal(rp, end)
         if refusal is not None:

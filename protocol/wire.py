@@ -18,7 +18,8 @@ import msgspec
 # Bump when any message changes shape: peers of another version are refused by name.
 # 14: StatsReply.stats is a typed WorkerStats (protocol/stats.py), no longer a map, and the KV
 # transports' control messages (protocol/kv_control.py) are typed under this version.
-PROTOCOL_VERSION = 14
+# 15: WorkerStats has kv_transport, kv_fabric (both roles) and refused (prefill).
+PROTOCOL_VERSION = 15
 
 
 class MessageError(ValueError):

@@ -9,6 +9,7 @@ BENCHMARKS = {
     "schedules": "benchmarks.fuzz.schedules",
     "scale": "benchmarks.fuzz.scale",
     "groups": "tests.fuzz.groups",
+    "hosts": "benchmarks.fuzz.hosts",
 }
 
 if __name__ == "__main__":  # not when a spawned child imports this module as its main

@@ -1,4 +1,5 @@
-"""KV transfer benchmarks: one transport's writes between two processes on this machine.
+"""KV transfer benchmarks: one transport's writes between two processes, on this machine or
+on two hosts of the multi-host test bed (link).
 
     python -m benchmarks.kv NAME [ARGS]     # NAME --help for its options; no NAME: the list
 """
@@ -9,6 +10,7 @@ BENCHMARKS = {
     "transfer": "benchmarks.kv.transfer",
     "tp_transfer": "benchmarks.kv.tp_transfer",
     "nccl_rendezvous": "benchmarks.kv.nccl_rendezvous",
+    "link": "benchmarks.kv.link",
 }
 
 if __name__ == "__main__":  # not when a spawned child imports this module as its main

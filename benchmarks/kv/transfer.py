@@ -20,10 +20,14 @@ their ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -48,9 +52,22 @@ def shape(num_blocks: int, block_bytes: int) -> tuple[int, ...]:
     return (num_blocks, KV_HEADS, block_bytes // LAYER_BYTES, 2, BLOCK_SIZE, HEAD_DIM)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where each side runs: `sender`/`receiver` move the calling thread onto its host
+    (what it starts or opens meanwhile is that host's), and each side's transport binds
+    its host's address. The default: both on this machine's loopback."""
+
+    sender: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+    receiver: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+    sender_host: str = "127.0.0.1"
+    receiver_host: str = "127.0.0.1"
+
+
 def receiver(conn: Connection, transport: str, num_blocks: int, device: str, block_bytes: int,
-             secret: DeploymentSecret | None) -> None:
-    t = create_transport(transport, "receiver", TransportConfig(timeout_s=120, cancel_grace_s=5, secret=secret))
+             secret: DeploymentSecret | None, host: str = "127.0.0.1") -> None:
+    t = create_transport(transport, "receiver", TransportConfig(timeout_s=120, cancel_grace_s=5, secret=secret,
+                                                                host=host))
     cache = t.allocate_kv_cache(shape(num_blocks, block_bytes), torch.float32, device)
     cache.fill_(1.0)  # fault every page in now, as a serving engine's cache would be
     t.register_kv_cache(cache, "bench")
@@ -69,17 +86,28 @@ def receiver(conn: Connection, transport: str, num_blocks: int, device: str, blo
 
 def run_transport(name: str, sizes: list[int], descs: list[int], repeats: int,
                   device: str = "cpu", block_bytes: int = BLOCK_BYTES,
-                  secret: DeploymentSecret | None = None) -> dict[tuple[int, int], float]:
+                  secret: DeploymentSecret | None = None,
+                  placement: Placement = Placement()) -> dict[tuple[int, int], float]:
     """GiB/s per (transfer bytes, descriptor bytes), median of `repeats`; both agents
-    with `secret` (None: plain sockets)."""
+    with `secret` (None: plain sockets), placed by `placement`."""
     if block_bytes % LAYER_BYTES or any(d % block_bytes for d in descs):
         raise ValueError(f"blocks are whole {LAYER_BYTES >> 10} KiB layers and descriptors whole blocks")
     num_blocks = max(sizes) // block_bytes
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver, args=(child, name, num_blocks, device, block_bytes, secret), daemon=True)
-    proc.start()
-    sender = create_transport(name, "sender", TransportConfig(timeout_s=120, secret=secret))
+    proc = ctx.Process(target=receiver, args=(child, name, num_blocks, device, block_bytes, secret,
+                                              placement.receiver_host), daemon=True)
+    with placement.receiver():  # a process started here lives on the receiver's host
+        proc.start()
+    with placement.sender():
+        return _send(name, sizes, descs, repeats, device, block_bytes, secret, placement.sender_host, conn, proc)
+
+
+def _send(name: str, sizes: list[int], descs: list[int], repeats: int, device: str, block_bytes: int,
+          secret: DeploymentSecret | None, host: str, conn: Connection,
+          proc: mp.process.BaseProcess) -> dict[tuple[int, int], float]:
+    num_blocks = max(sizes) // block_bytes
+    sender = create_transport(name, "sender", TransportConfig(timeout_s=120, secret=secret, host=host))
     try:
         cache = sender.allocate_kv_cache(shape(num_blocks, block_bytes), torch.float32, device)
         cache.normal_()

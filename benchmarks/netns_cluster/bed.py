@@ -5,7 +5,8 @@ machine's own network stack, so no address outside the bed is ever used.
     bridge namespace {name}-br:  bridge br0, ports p1..pN
     host namespace   {name}-hI:  lo, eth0 = 10.88.0.I/24 (the other end of pI)
 
-A link may be rate-limited (tc tbf on both ends). A partition between two hosts drops,
+A link may be rate-limited (the bridge port's htb line class toward the host, a tbf on
+the host's own end). A partition between two hosts drops,
 at the bridge, what each sends the other: packets vanish, as on a cut cable, and
 every other path stays (the kernel here has no netem, nftables, iptables or tc actions:
 see _shape_port).
@@ -84,7 +85,7 @@ class NetnsCluster:
             raise ValueError(f"hosts must be 1-200, got {hosts}")
         check_name(name)
         if rate is not None:
-            _rate_bits(rate)
+            rate_bits(rate)
         self.name, self.hosts, self.rate, self.owner = name, hosts, rate, owner
 
     # -- names --------------------------------------------------------------------
@@ -162,7 +163,7 @@ class NetnsCluster:
         line class on the other); None removes it. Changed in place: never a moment
         unshaped, and a partition on the port stays."""
         if rate is not None:
-            _rate_bits(rate)
+            rate_bits(rate)
         tc = ["tc", "-n", self.namespace(host), "qdisc"]
         if rate is None:
             subprocess.run([*tc, "del", "dev", "eth0", "root"], capture_output=True)
@@ -184,6 +185,15 @@ class NetnsCluster:
         for to, source in ((a, b), (b, a)):
             if self._cut(to, source):
                 _run(*self._filter(to, source, "del"))
+
+    def bytes_to(self, host: int) -> int:
+        """Bytes the bridge has passed toward host so far (what reached its link; a
+        partition's dropped packets are not counted): a transfer's progress, read
+        without asking either end."""
+        self._check_host(host)
+        out = subprocess.run(["ip", "-n", self.bridge, "-j", "-s", "link", "show", f"p{host}"],
+                             capture_output=True, text=True, check=True).stdout
+        return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
 
     def set_link(self, host: int, up: bool) -> None:
         """Take host's cable out (or put it back): it reaches no other host."""
@@ -383,11 +393,11 @@ def _in_namespace(ns: str) -> Iterator[None]:
 
 
 def _burst(rate: str) -> str:
-    bits = _rate_bits(rate)
+    bits = rate_bits(rate)
     return str(max(32 * 1024, bits // 8 // 100))  # bytes: 10 ms at the rate, at least 32 KiB
 
 
-def _rate_bits(rate: str) -> int:
+def rate_bits(rate: str) -> int:
     units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
     for unit, scale in units.items():
         if rate.endswith(unit):

@@ -11,6 +11,7 @@ BENCHMARKS = {
     "plane_latency": "benchmarks.serving.plane_latency",
     "router_memory": "benchmarks.serving.router_memory",
     "protocol_codec": "benchmarks.serving.protocol_codec",
+    "across_hosts": "benchmarks.serving.across_hosts",
 }
 
 if __name__ == "__main__":  # not when a spawned child imports this module as its main

@@ -2,9 +2,10 @@
 deploys it: `ray start --head` on host 1 (the router's), `ray start --address` on hosts
 2 and 3 marked prefill_node and decode_node, then `ray job submit` of
 configs/ray-multinode-cpu.yaml. Each pool lands on its own host, every worker listens on
-its host's address, the prompt's KV crosses hosts over tcp, and the tokens equal the
-colocated engine's. A one-host transport across hosts is refused, naming the field.
-Everything the bed started is gone afterwards."""
+its host's address, the prompt's KV crosses hosts (over tcp, and in a second deployment
+over nixl, UCX over TCP), and the tokens equal the colocated engine's. A one-host
+transport across hosts is refused, naming the field. Everything the bed started is gone
+afterwards."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import pytest
 import yaml
 
 from benchmarks.netns_cluster.bed import NetnsCluster
+from benchmarks.netns_cluster.deployment import MODEL, REPO, RUNTIME_ENV, UCX_ACROSS_THE_BED, Deployment
 from benchmarks.netns_cluster.ray_hosts import RayHosts
 from engine import LLM, SamplingParams
-from tests.multihost.deployment import MODEL, REPO, RUNTIME_ENV, Deployment, ray_cluster
+from tests.multihost.conftest import ray_cluster
 
 pytest.importorskip("ray.dashboard", reason="ray job submit needs ray[default]")
 
@@ -48,12 +50,19 @@ def test_a_one_host_transport_between_pools_on_different_hosts_is_refused(hosts,
     assert status == "FAILED" and "transport: shm moves KV within one host" in logs, logs
 
 
-@pytest.fixture(scope="module")
-def deployment(hosts) -> Iterator[Deployment]:
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def deployment(request: pytest.FixtureRequest, hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """configs/ray-multinode-cpu.yaml as it is (KV over tcp), and with nixl (UCX over TCP)."""
     bed, ray = hosts
-    served = Deployment(bed, ray, ROUTER)
+    transport = request.param
+    if transport == "nixl":
+        pytest.importorskip("nixl", reason="the nixl transport needs the nixl package")
+    config = yaml.safe_load((REPO / "configs" / "ray-multinode-cpu.yaml").read_text())
+    path = tmp_path_factory.mktemp(transport) / "ray-multinode-cpu.yaml"
+    path.write_text(yaml.safe_dump({**config, "transport": transport}))
+    served = Deployment(bed, ray, ROUTER, job=f"serve-{transport}")
     try:
-        yield served.submit("configs/ray-multinode-cpu.yaml")
+        yield served.submit(path, UCX_ACROSS_THE_BED if transport == "nixl" else None)
     finally:
         served.stop()
 
@@ -67,11 +76,14 @@ def test_pools_on_their_own_hosts_serve_the_colocated_engines_tokens_with_kv_acr
     assert workers["decode-0"]["address"].startswith(f"tcp://{bed.address(DECODE)}:")
     assert workers["prefill-0"]["address"].startswith(f"tcp://{bed.address(PREFILL)}:")
     before = workers["decode-0"]["stats"]
+    transport = deployment.job.removeprefix("serve-")
+    # the wire its KV crosses, as the worker reports it: TCP either way here (no RDMA device)
+    assert (before["kv_transport"], before["kv_fabric"]) == (transport, "tcp")
     answer = deployment.call("/v1/completions", {"prompt": PROMPT, **PARAMS})["choices"][0]["text"]
     after = deployment.workers()["decode-0"]["stats"]
     expected = LLM(str(MODEL), dtype="float32", num_kv_blocks=64, num_threads=1).generate(
         [PROMPT], SamplingParams(**PARAMS), use_tqdm=False)[0].text
     assert answer == expected
-    # prefilled on host 2, its KV pushed to host 3 over tcp
+    # prefilled on host 2, its KV pushed to host 3
     assert after["remote"] == before["remote"] + 1 and after["fallbacks"] == before["fallbacks"]
     assert after["kv_bytes_received"] > before["kv_bytes_received"]

@@ -1,12 +1,10 @@
-"""A pdserve deployment on the bed's hosts, as its tests reach it: `ray job submit` of a
-config, then HTTP to the router from inside the router's host (the bed's addresses are
-reached from inside the bed only)."""
+"""A pdserve deployment on the bed's hosts, as its tests and benchmarks reach it: `ray job
+submit` of a config, then HTTP to the router from inside the router's host (the bed's
+addresses are reached from inside the bed only)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import time
 import urllib.error
 import urllib.request
@@ -14,45 +12,29 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from benchmarks.netns_cluster.bed import NetnsCluster
 from benchmarks.netns_cluster.ray_hosts import RayHosts
-from tests.multihost.conftest import bed_or_skip
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the working dir a job uploads
 MODEL = REPO / "models" / "SmolLM2-135M-Instruct"
 KEY = "sk-multihost"
-RUNTIME_ENV = {"excludes": ["/.git", "/.venv", "/models", "/results"], "env_vars": {"PDSERVE_API_KEYS": KEY}}
+RUNTIME_ENV: dict[str, Any] = {"excludes": ["/.git", "/.venv", "/models", "/results"],
+                               "env_vars": {"PDSERVE_API_KEYS": KEY}}
+# UCX on the bed: its hosts share one kernel, so UCX would take them for one machine and
+# move KV through shared memory, never over the link (real hosts without RDMA get TCP).
+UCX_ACROSS_THE_BED = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 SERVE_TIMEOUT_S = 240.0
-
-
-@contextlib.contextmanager
-def ray_cluster(suffix: str, head: int, joined: Mapping[int, Mapping[str, float]]) -> Iterator[RayHosts]:
-    """A bed of 1 + len(joined) hosts with Ray on each: the head (no pool resources)
-    and each joined host with its resources. Skips without root or the demo model;
-    checks that nothing of the bed outlives it."""
-    if not (MODEL / "model.safetensors").is_file():
-        pytest.skip(f"demo model not prepared at {MODEL} (make model)")
-    bed = bed_or_skip(1 + len(joined), suffix=suffix).up()
-    try:
-        ray = RayHosts(bed, head=head)
-        ray.start_head()
-        for host, resources in joined.items():
-            ray.join(host, resources)
-        yield ray
-    finally:
-        bed.down()
-    out = os.popen("ip netns list").read()
-    assert bed.name not in out and not bed.state_dir.exists(), "the bed outlived the test"
 
 
 class Deployment:
     def __init__(self, bed: NetnsCluster, ray: RayHosts, router_host: int, job: str = "serve") -> None:
         self.bed, self.ray, self.router_host, self.job = bed, ray, router_host, job
 
-    def submit(self, config: Path | str) -> Deployment:
-        self.ray.submit(self.job, ["pdserve", "serve", str(config), "--model", str(MODEL)], REPO, RUNTIME_ENV)
+    def submit(self, config: Path | str, env: Mapping[str, str] | None = None) -> Deployment:
+        """`ray job submit` of config (with `env` for every process of the job) and wait
+        until the router serves."""
+        runtime_env = {**RUNTIME_ENV, "env_vars": {**RUNTIME_ENV["env_vars"], **(env or {})}}
+        self.ray.submit(self.job, ["pdserve", "serve", str(config), "--model", str(MODEL)], REPO, runtime_env)
         self.wait_serving()
         return self
 
@@ -91,21 +73,29 @@ class Deployment:
         status = self.call("/status", timeout=30)
         return {w["name"]: w for w in status["decode_workers"] + status["prefill_workers"]}
 
+    def stats(self, timeout: float = 60.0) -> dict[str, dict]:
+        """Every worker's stats by name, once each has answered the router's last ask
+        (a worker in a long step may miss one: its row's stats are then null)."""
+        workers = self.wait("every worker's stats", lambda w: all(row["stats"] for row in w.values()), timeout)
+        return {name: row["stats"] for name, row in workers.items()}
+
     def host_of(self, row: dict) -> int:
         """The bed host a /status row's worker listens on."""
         address = row["address"].removeprefix("tcp://").rsplit(":", 1)[0]
         return [h for h in range(1, self.bed.hosts + 1) if self.bed.address(h) == address][0]
 
     def wait(self, what: str, done: Callable[[dict[str, dict]], bool], timeout: float = 120.0) -> dict[str, dict]:
-        """Poll /status until done(workers) holds."""
+        """Poll /status until done(workers) holds (a row without stats, a worker that
+        missed the router's last ask, is a "not yet": TypeError or KeyError in done)."""
         end = time.monotonic() + timeout
+        workers: dict[str, dict] = {}
         while True:
             try:
                 workers = self.workers()
                 if done(workers):
                     return workers
-            except (OSError, urllib.error.URLError):
-                workers = {}
+            except (OSError, urllib.error.URLError, TypeError, KeyError):
+                pass
             assert time.monotonic() < end, f"not within {timeout:g} s: {what}; last /status: {workers}"
             time.sleep(1)
 

@@ -1,0 +1,156 @@
+"""Random fault schedules on a multi-host deployment (tests/multihost/test_faults.py's
+four hosts), every answer checked against the colocated oracle.
+
+A seed draws requests (random words, some under the router's remote-prefill threshold,
+some streamed) and fault events: a partition between the prefill host and a decode host,
+between the router and one decode host (never both: then a 503 would be right), or a
+decode host's link slowed to 10-100 Mbit/s; each lasts 1-8 s from a random start. The
+requests go out three at a time while the events play. Every request must succeed with
+the oracle's text; afterwards, with every link whole, every worker must be live with
+every block free and none held.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.netns_cluster.deployment import REPO, Deployment
+
+ROUTER, PREFILL, DECODES = 1, 2, (3, 4)
+DEADLINE_S = 6.0  # prefill_deadline_s: a decode worker waits this long for pushed KV
+TRANSPORT_TIMEOUT_S = 5.0  # transport_options.timeout_s: a KV write not acknowledged within this fails
+WORKER_TIMEOUT_S = 5.0  # router.worker_timeout_s: silence before a worker is declared dead
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+WORDS = ("cache block token prefill decode router worker batch step prompt layer head rank "
+         "stream queue grammar draft verify fence transfer host link partition").split()
+
+
+def write_config(path: Path) -> Path:
+    """configs/ray-multinode-cpu.yaml with two decode workers and short timeouts."""
+    config = yaml.safe_load((REPO / "configs" / "ray-multinode-cpu.yaml").read_text())
+    config.update(prefill_deadline_s=DEADLINE_S, transport_options={"timeout_s": TRANSPORT_TIMEOUT_S})
+    config["router"]["worker_timeout_s"] = WORKER_TIMEOUT_S
+    config["decode"]["replicas"] = len(DECODES)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # "pd" (prefill-decode cut), "router" (router-decode cut), "slow" (a decode link's rate)
+    decode: int
+    start: float
+    seconds: float
+    rate: str = ""
+
+
+@dataclass(frozen=True)
+class Ask:
+    prompt: str
+    max_tokens: int
+    stream: bool
+
+
+def draw(seed: int, requests: int, events: int) -> tuple[list[Ask], list[Fault]]:
+    rng = random.Random(seed)
+    asks = [Ask(" ".join(rng.choice(WORDS) for _ in range(rng.choice((4, 12, 60, 120, 200)))),
+                rng.randint(4, 24), rng.random() < 0.5) for _ in range(requests)]
+    faults: list[Fault] = []
+    for _ in range(events):
+        kind = rng.choice(("pd", "router", "slow"))
+        decode, start, seconds = rng.choice(DECODES), rng.uniform(0, 10), rng.uniform(1, 8)
+        if kind == "router" and any(f.kind == "router" and f.decode != decode and _overlap(f, start, seconds)
+                                    for f in faults):
+            kind = "pd"  # both decode hosts cut off the router: nothing could serve
+        faults.append(Fault(kind, decode, start, seconds, rng.choice(("10mbit", "40mbit", "100mbit"))))
+    return asks, faults
+
+
+def _overlap(f: Fault, start: float, seconds: float) -> bool:
+    return f.start < start + seconds and start < f.start + f.seconds
+
+
+def play(deployment: Deployment, faults: list[Fault], stop: threading.Event) -> None:
+    """Apply each fault at its start and undo it at its end (or when `stop` is set)."""
+    bed, t0 = deployment.bed, time.monotonic()
+    steps = sorted([(f.start, True, f) for f in faults] + [(f.start + f.seconds, False, f) for f in faults],
+                   key=lambda s: s[0])
+    for at, begin, fault in steps:
+        if stop.wait(max(0.0, t0 + at - time.monotonic())):
+            return
+        a, b = (PREFILL if fault.kind == "pd" else ROUTER), fault.decode
+        # Another fault of the same kind on the same link, still running, ends it instead.
+        running = [g for g in faults if g is not fault and (g.kind, g.decode) == (fault.kind, b)
+                   and g.start <= at < g.start + g.seconds]
+        if fault.kind == "slow":
+            bed.limit(b, fault.rate if begin else (running[0].rate if running else None))
+        elif begin:
+            bed.partition(a, b)
+        elif not running:
+            bed.heal(a, b)
+
+
+def heal_all(deployment: Deployment) -> None:
+    bed = deployment.bed
+    for a in range(1, bed.hosts + 1):
+        for b in range(a + 1, bed.hosts + 1):
+            bed.heal(a, b)
+        bed.limit(a, None)
+
+
+def answer(deployment: Deployment, ask: Ask) -> str:
+    body: dict[str, Any] = {"prompt": ask.prompt, "max_tokens": ask.max_tokens, **GREEDY}
+    if ask.stream:
+        text, events, _ = deployment.stream(body)
+        errors = [e for e in events if "error" in e]
+        if errors:
+            raise RuntimeError(f"stream error: {errors}")
+        return text
+    return str(deployment.call("/v1/completions", body, timeout=180)["choices"][0]["text"])
+
+
+def run_hosts_seed(deployment: Deployment, oracle: Any, seed: int, requests: int = 12,
+                   events: int = 4) -> list[str]:
+    """One seed; `oracle(prompt, max_tokens)` is the colocated engine's text. Returns
+    the failures (empty: every answer was the oracle's and the deployment settled)."""
+    asks, faults = draw(seed, requests, events)
+    stop = threading.Event()
+    player = threading.Thread(target=play, args=(deployment, faults, stop), daemon=True)
+    failures = []
+    player.start()
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(answer, deployment, ask) for ask in asks]
+            for ask, future in zip(asks, futures, strict=True):
+                try:
+                    got = future.result(timeout=300)
+                except Exception as e:  # one failure is a finding, not the end of the seed
+                    failures.append(f"seed {seed}: {ask} failed: {e!r}")
+                    continue
+                if got != oracle(ask.prompt, ask.max_tokens):
+                    failures.append(f"seed {seed}: {ask} got {got!r}, the oracle {oracle(ask.prompt, ask.max_tokens)!r}")
+    finally:
+        stop.set()
+        player.join(30)
+        heal_all(deployment)
+    try:
+        deployment.wait("every worker live with every block free", settled, timeout=120)
+    except AssertionError as e:
+        failures.append(f"seed {seed} (faults {faults}): {e}")
+    return failures
+
+
+def settled(workers: dict[str, dict]) -> bool:
+    """Every worker live, nothing reserved, held, fenced or in flight: every block free."""
+    return len(workers) == 1 + len(DECODES) and all(
+        row["live"] and row["stats"]["free_blocks"] == row["stats"]["num_blocks"] and not row["stats"].get("jobs")
+        and not row["stats"].get("quarantined_blocks") and not row["stats"].get("waiting_for_kv")
+        for row in workers.values())
