@@ -23,8 +23,8 @@ from benchmarks.fuzz.scale import seeds  # noqa: E402
 from benchmarks.netns_cluster.bed import NetnsCluster  # noqa: E402
 from benchmarks.netns_cluster.deployment import MODEL, Deployment  # noqa: E402
 from benchmarks.netns_cluster.ray_hosts import RayHosts  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from tests.fuzz.hosts import DECODES, GREEDY, PREFILL, ROUTER, run_hosts_seed, write_config  # noqa: E402
+from engine import LLM  # noqa: E402
+from tests.fuzz.hosts import DECODES, PREFILL, ROUTER, TextOracle, run_hosts_seed, write_config  # noqa: E402
 
 
 def main() -> int:
@@ -33,15 +33,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--events", type=int, default=4)
     args = parser.parse_args()
-    llm = LLM(str(MODEL), dtype="float32", num_kv_blocks=256, num_threads=1)
-    texts: dict[tuple[str, int], str] = {}
-
-    def oracle(prompt: str, max_tokens: int) -> str:
-        if (prompt, max_tokens) not in texts:
-            texts[(prompt, max_tokens)] = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **GREEDY),
-                                                       use_tqdm=False)[0].text
-        return texts[(prompt, max_tokens)]
-
+    oracle = TextOracle(LLM(str(MODEL), dtype="float32", num_kv_blocks=256, num_threads=1))
     failures: list[str] = []
     bed = NetnsCluster("pdnetfz", 1 + 1 + len(DECODES), owner=os.getpid()).up()
     try:

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from benchmarks.netns_cluster.deployment import REPO, Deployment
+from engine import LLM, SamplingParams
 
 ROUTER, PREFILL, DECODES = 1, 2, (3, 4)
 DEADLINE_S = 6.0  # prefill_deadline_s: a decode worker waits this long for pushed KV
@@ -32,6 +33,21 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 WINDOW_S = 12.0  # requests go out, and faults start, within this many seconds
 WORDS = ("cache block token prefill decode router worker batch step prompt layer head rank "
          "stream queue grammar draft verify fence transfer host link partition").split()
+
+
+class TextOracle:
+    """The colocated engine's greedy text for a prompt alone (float32, as served),
+    cached per (prompt, max_tokens)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self._texts: dict[tuple[str, int], str] = {}
+
+    def __call__(self, prompt: str, max_tokens: int) -> str:
+        if (prompt, max_tokens) not in self._texts:
+            params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+            self._texts[(prompt, max_tokens)] = self.llm.generate([prompt], params, use_tqdm=False)[0].text
+        return self._texts[(prompt, max_tokens)]
 
 
 def write_config(path: Path) -> Path:

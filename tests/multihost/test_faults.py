@@ -35,7 +35,17 @@ import pytest
 
 from benchmarks.netns_cluster.deployment import MODEL, Deployment
 from engine import LLM, SamplingParams
-from tests.fuzz.hosts import DEADLINE_S, DECODES, GREEDY, PREFILL, ROUTER, run_hosts_seed, settled, write_config
+from tests.fuzz.hosts import (
+    DEADLINE_S,
+    DECODES,
+    GREEDY,
+    PREFILL,
+    ROUTER,
+    TextOracle,
+    run_hosts_seed,
+    settled,
+    write_config,
+)
 from tests.multihost.conftest import ray_cluster
 
 pytest.importorskip("ray.dashboard", reason="ray job submit needs ray[default]")
@@ -272,12 +282,4 @@ def test_a_slow_link_between_the_pools_keeps_remote_prefill_and_bounds_ttft(heal
 @pytest.mark.timeout(400)
 def test_a_random_fault_schedule_costs_no_request_and_no_token(healthy: Deployment, llm: LLM) -> None:
     """tests/fuzz/hosts.py, one seed (`python -m benchmarks.fuzz hosts` runs more)."""
-    texts: dict[tuple[str, int], str] = {}
-
-    def oracle(prompt: str, max_tokens: int) -> str:
-        if (prompt, max_tokens) not in texts:
-            texts[(prompt, max_tokens)] = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **GREEDY),
-                                                       use_tqdm=False)[0].text
-        return texts[(prompt, max_tokens)]
-
-    assert run_hosts_seed(healthy, oracle, seed=0) == []
+    assert run_hosts_seed(healthy, TextOracle(llm), seed=0) == []
