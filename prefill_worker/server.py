@@ -94,7 +94,8 @@ class PrefillWorker(WorkerLoop):
         core = self.core
         return self.worker_stats(core.engine.stats(), core.steps, core.transport, jobs=len(core.jobs),
                                  prefills=core.stats["prefills"], blocks_written=core.stats["blocks_written"],
-                                 failed=core.stats["failed"], refused=core.stats["refused"], tokens_computed=core.stats["tokens_computed"])
+                                 failed=core.stats["failed"], refused=core.stats["refused"],
+                                 tokens_computed=core.stats["tokens_computed"])
 
     def check_engine(self) -> None:
         self.core.engine.check_health()

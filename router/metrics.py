@@ -91,7 +91,8 @@ WORKER_GAUGES = {  # WorkerStats field -> (metric, help); a worker reports those
     "prefills": ("pdserve_worker_prefills_done", "remote prefills whose KV was all written (total)"),
     "failed": ("pdserve_worker_prefills_failed", "remote prefills that failed on the prefill worker (total)"),
     "refused": ("pdserve_worker_prefills_refused", "remote prefills the prefill worker refused unstarted: they "
-                "arrived past their deadline, or from a decode worker no longer its peer (total)"),
+                "arrived past their deadline, from a decode worker no longer its peer, or named blocks that do "
+                "not fit (total)"),
 }
 # These also carry the worker's KV transport and fabric (tcp, rdma, ...: kv_transfer/fabric.py)
 # as labels: KV that crosses hosts over TCP where RDMA was meant is visible on the graph.

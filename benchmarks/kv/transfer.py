@@ -100,13 +100,13 @@ def run_transport(name: str, sizes: list[int], descs: list[int], repeats: int,
     with placement.receiver():  # a process started here lives on the receiver's host
         proc.start()
     with placement.sender():
-        return _send(name, sizes, descs, repeats, device, block_bytes, secret, placement.sender_host, conn, proc)
+        return _send(name, sizes, descs, repeats, device, block_bytes, num_blocks, secret, placement.sender_host,
+                     conn, proc)
 
 
 def _send(name: str, sizes: list[int], descs: list[int], repeats: int, device: str, block_bytes: int,
-          secret: DeploymentSecret | None, host: str, conn: Connection,
+          num_blocks: int, secret: DeploymentSecret | None, host: str, conn: Connection,
           proc: mp.process.BaseProcess) -> dict[tuple[int, int], float]:
-    num_blocks = max(sizes) // block_bytes
     sender = create_transport(name, "sender", TransportConfig(timeout_s=120, secret=secret, host=host))
     try:
         cache = sender.allocate_kv_cache(shape(num_blocks, block_bytes), torch.float32, device)
