@@ -7,6 +7,7 @@ runs a step.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from engine.distributed.rank_model import build_rank_model, step_codec
 from engine.distributed.sharding import Shard
 from engine.gpu_memory import profile_num_kv_blocks
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.tiers import KVTiers
 from engine.model.config import ModelConfig, max_model_len
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import TORCH_DTYPES
@@ -82,6 +84,8 @@ class _Builder:
                                                                    model_len, draft)
             kv_caches = self._allocate_caches(num_blocks, kv_allocator, keep_cache_files)
             kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            if config.kv_offload_gib > 0:
+                kv.attach_tiers(self._tiers(kv_caches))
             scheduler = Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs, model_len,
                                   model_config.eos_token_ids, config.enable_chunked_prefill)
             runner = ModelRunner(model, kv_caches[0], config.block_size,
@@ -140,6 +144,21 @@ class _Builder:
             self.resources.files = []
         return caches
 
+    def _tiers(self, caches: list[torch.Tensor]) -> KVTiers:
+        """The offload tiers, over every rank cache this process reaches."""
+        config = self.config
+        if config.device.startswith("cuda") and self.tp is not None:
+            raise ValueError("kv_offload_gib is not supported with tensor_parallel_size > 1 on CUDA yet: "
+                             "each rank's cache lives in its own process")
+        # What makes a block's bytes mean what its hash says: the checksums are seeded with it.
+        namespace = "|".join(str(part) for part in (
+            "pdserve-kv-tier-1", os.path.realpath(config.model), config.dtype, config.load_format, config.seed,
+            config.block_size, [tuple(c.shape[1:]) for c in caches], self.shard.size))
+        tiers = KVTiers(caches, int(config.kv_offload_gib * 2**30), config.kv_offload_dir,
+                        int(config.kv_offload_disk_gib * 2**30), namespace)
+        self.resources.tiers = tiers
+        return tiers
+
     def _pool_blocks(self, model: LlamaForCausalLM, backend: AttentionBackend, dtype: torch.dtype,
                      model_len: int, draft: LoadedDraft | None) -> int:
         """On CUDA, the draft model's weights, activations and KV per block are counted;
@@ -190,8 +209,12 @@ class EngineResources:
         self.tp: TPDriver | None = None
         self.files: list[str] = []
         self.grammars: Any = None  # engine.structured.compiler.GrammarCompiler, from the first grammar
+        self.tiers: KVTiers | None = None
 
     def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
         if self.grammars is not None:
             self.grammars.close()
         if self.tp is not None:

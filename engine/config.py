@@ -63,6 +63,12 @@ class EngineConfig:
     # compile time grows fast with a schema's size, and a huge one would hold it forever.
     grammar_compile_timeout_s: float = 10.0
     speculative_config: SpeculativeConfig | None = None
+    # KV offload tiers (engine/kv_cache/tiers.py): blocks the pool evicts are kept in a
+    # host tier of this many GiB (0 = off), and, with kv_offload_dir, written through to
+    # a disk tier of kv_offload_disk_gib there; prefix hits load back from them.
+    kv_offload_gib: float = 0.0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_gib: float = 4.0
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:  # a mapping from YAML or keyword options
@@ -100,6 +106,13 @@ class EngineConfig:
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         require(self.distributed_timeout_s > 0,
                 f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        require(self.kv_offload_gib >= 0, f"kv_offload_gib must be >= 0 (0 = off), got {self.kv_offload_gib}")
+        require(self.kv_offload_disk_gib > 0, f"kv_offload_disk_gib must be > 0, got {self.kv_offload_disk_gib}")
+        require(self.kv_offload_dir is None or self.kv_offload_gib > 0,
+                "kv_offload_dir needs kv_offload_gib > 0: the disk tier is written through from the host tier")
+        require(self.kv_offload_dir != "", "kv_offload_dir must be a directory path or None")
+        require(self.kv_offload_gib == 0 or self.enable_prefix_caching,
+                "kv_offload_gib needs enable_prefix_caching: the offload tiers keep blocks by prefix hash")
         require(self.grammar_compile_timeout_s > 0,
                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
 

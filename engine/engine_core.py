@@ -21,6 +21,7 @@ from engine.distributed.driver import TPDriver
 from engine.distributed.sharding import kv_head_range
 from engine.errors import EngineStateError, RequestsFailed
 from engine.kv_cache.block_pool import KVBlock
+from engine.kv_cache.tiers import OffloadStats
 from engine.prompt_logprobs import PromptRows, plan_rows
 from engine.request import Request, RequestStatus
 from engine.request_factory import GrammarWatch, RequestFactory
@@ -53,6 +54,7 @@ class EngineStats:
     ranks: tuple[int, ...] = ()  # the process id of each tensor-parallel rank, rank 0 first
     preemptions: int = 0  # running requests preempted so far (their blocks freed; they recompute)
     spec: SpecStats | None = None  # speculative decoding's counters so far (a copy); None: not speculating
+    offload: OffloadStats | None = None  # the KV offload tiers' figures so far; None: no tiers
 
 
 class EngineCore:
@@ -237,7 +239,8 @@ class EngineCore:
             spec = dataclasses.replace(live, accepted_per_position=list(live.accepted_per_position))
         return EngineStats(self.kv.pool.num_blocks, self.kv.num_free_blocks, len(self.scheduler.running),
                            self.scheduler.num_waiting, len(self._grammars.compiling),
-                           (os.getpid(), *(self.tp.pids if self.tp else ())), self.scheduler.num_preemptions, spec)
+                           (os.getpid(), *(self.tp.pids if self.tp else ())), self.scheduler.num_preemptions, spec,
+                           self.kv.tiers.stats() if self.kv.tiers is not None else None)
 
     def collect_kv_events(self, max_per_block: int) -> None:
         """Keep prefix-cache events from now on, for take_kv_events(): at most
@@ -272,7 +275,8 @@ class EngineCore:
         """Requests a step can advance: running, or queued (waiting for blocks, a slot,
         or ready to resume), or a launched step to collect; not those only waiting for
         remote KV."""
-        return bool(self.scheduler.running) or self.scheduler.num_waiting > 0 or self._in_flight is not None
+        return (bool(self.scheduler.running) or self.scheduler.num_waiting > 0 or self._in_flight is not None
+                or self.scheduler.loads.busy)
 
     def step(self) -> StepOutput:
         """Run one step and report the requests it advanced and finished.
@@ -287,6 +291,7 @@ class EngineCore:
         """
         if self._grammars.compiling:
             self._grammars.check()
+        self.scheduler.loads.poll()
         in_flight, self._in_flight = self._in_flight, None
         queued = [in_flight[0]] if in_flight else []
         try:
@@ -310,6 +315,8 @@ class EngineCore:
                 self._in_flight = (out, launched)
             elif not in_flight and self._grammars.compiling:  # nothing to do but wait for a grammar
                 self._grammars.wait(0.01)
+            elif not in_flight and self.scheduler.loads.busy:
+                self.scheduler.loads.poll(0.01)  # nothing to do but wait for a tier load
             return self._finish_step(in_flight, queued) if in_flight else StepOutput()
         except BaseException as exc:
             # Whatever was queued is void: its requests compute those tokens again, and

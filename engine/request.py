@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # xgrammar is imported only by engines that see a structured 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # decode worker: blocks reserved, KV in flight
+    LOADING_KV = "loading_kv"  # its prefix is being loaded back from an offload tier (engine/tier_loads.py)
     RUNNING = "running"
     PREEMPTED = "preempted"
     PREFILLED = "prefilled"  # prefill worker: prompt KV computed, blocks held until written out

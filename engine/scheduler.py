@@ -15,8 +15,9 @@ decode worker's fence over blocks a dead reservation's sender may still write (l
 by its cancel_ack or its exit: a live sender that never answers shrinks the pool, the
 one case where the engine waits on another process), a
 prefill worker's computed prompt (released once written out), a queued request that
-holds its blocks (`ready`: its KV arrived, or it prefills locally in them), or a step
-or KV write in flight (both end). Ready requests need no new block for their prompt
+holds its blocks (`ready`: its KV arrived, or it prefills locally in them), or a step,
+KV write or tier load in flight (all end; a loaded request holds its whole prompt's
+blocks, engine/tier_loads.py). Ready requests need no new block for their prompt
 and are admitted ahead of the waiting queue, whose requests hold no blocks; a remote
 reservation never takes the blocks the head of that queue needs; and a request that
 holds no blocks fits alone in an empty pool, chunked when its recompute is longer than
@@ -39,13 +40,15 @@ from engine.remote_kv import RemoteKVQueues
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.scheduler_update import SchedulerUpdates
+from engine.tier_loads import TierLoads
 
 
 class Scheduler(ForkGroups, SchedulerUpdates):
     """Called by the engine core: add/abort between steps, schedule() then update().
     Groups of sequences (parallel sampling) are engine/fork_groups.py's; remote KV
     reservations, the ready queue and prefilled prompts are `remote`'s
-    (engine/remote_kv.py); update() and discard() are engine/scheduler_update.py's."""
+    (engine/remote_kv.py); loads back from the KV offload tiers `loads`'
+    (engine/tier_loads.py); update() and discard() are engine/scheduler_update.py's."""
 
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, eos_token_ids: Sequence[int] = (),
@@ -61,6 +64,8 @@ class Scheduler(ForkGroups, SchedulerUpdates):
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.remote = RemoteKVQueues(self)  # queued requests holding blocks: admitted first
+        # Waiting requests whose prefix an offload tier is loading back (engine/tier_loads.py).
+        self.loads = TierLoads(self, kv.tiers)
         self._free_after_step: dict[Request, list[KVBlock]] = {}  # finished while a step was in flight
 
     # --- admission -----------------------------------------------------------------
@@ -108,7 +113,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif not self.remote.discard(request):
+            elif not self.remote.discard(request) and not self.loads.discard(request):
                 self.waiting = [(k, r) for k, r in self.waiting if r is not request]
                 heapq.heapify(self.waiting)
             self.end(request, status)
@@ -133,8 +138,8 @@ class Scheduler(ForkGroups, SchedulerUpdates):
 
     @property
     def num_waiting(self) -> int:
-        """Queued requests, holding blocks or not."""
-        return len(self.waiting) + len(self.remote.ready)
+        """Queued requests, holding blocks or not (loading their prefix back too)."""
+        return len(self.waiting) + len(self.remote.ready) + len(self.loads.loading)
 
     @property
     def has_unfinished(self) -> bool:
@@ -278,6 +283,9 @@ class Scheduler(ForkGroups, SchedulerUpdates):
             if admission is None:
                 break
             hits, num_computed, num_new = admission
+            if not request.needs_prompt_logprobs and self.loads.start(request, hits):
+                heapq.heappop(self.waiting)  # it waits for its load, holding its blocks
+                continue
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             heapq.heappop(self.waiting)

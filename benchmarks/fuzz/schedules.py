@@ -7,6 +7,7 @@
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer offline --tp 2 --seeds 100
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer pd --transport shm --tp random --seeds 100
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer offline --structured 0.5 --seeds 300
+    .venv/bin/python -m benchmarks.fuzz schedules --fuzzer tiers --seeds 1000
 
 Prints one line per failure: seed, kind (mismatch / exception / hang / error_finish /
 invariant / rejection / constraint), a tag when it looks like a known bug (F1-F4; F3 on
@@ -25,6 +26,11 @@ tokens are checked against Hugging Face transformers on a few prompts first
 (--no-hf-check to skip). P/D copies are slowed without bound by default (a stalled
 host); --bounded-copies keeps a started copy within the transport's bounds, as the
 short test in tests/fuzz does.
+
+--fuzzer tiers: offline schedules for the KV offload tiers (tests/fuzz/tiers.py):
+multi-turn conversations into a device pool of about one request, tiers of a few blocks,
+a disk tier half the time, aborts while loads run; besides the tokens, every tier slot
+must be an entry's and none pinned once the seed is over (tier_loads counts the loads).
 
 --tp runs the fuzzed engines tensor-parallel (one torch thread per rank; the oracle
 stays TP 1): offline `--tp P`; pd `--tp P,D` (prefill TP P, decode TP D) or `--tp
@@ -74,7 +80,7 @@ from tests.tiny_models import build_tiny_model  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fuzzer", choices=("offline", "pd"), default="offline")
+    ap.add_argument("--fuzzer", choices=("offline", "pd", "tiers"), default="offline")
     ap.add_argument("--transport", choices=("shm", "tcp"), default="shm", help="pd only")
     ap.add_argument("--tp", default="1",
                     help="tensor_parallel_size of the fuzzed engines: offline P; pd P,D (prefill, decode), "
@@ -124,7 +130,7 @@ def main() -> int:
 
 def parse_tp(text: str, fuzzer: str) -> int | tuple[int, int] | str:
     """--tp: offline an int; pd a (prefill, decode) pair, or "random"."""
-    if fuzzer == "offline":
+    if fuzzer in ("offline", "tiers"):
         return int(text)
     if text == "random":
         return text
@@ -171,7 +177,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
 
     signal.signal(signal.SIGALRM, on_alarm)
     tp = parse_tp(args.tp, args.fuzzer)
-    label = args.fuzzer if args.fuzzer == "offline" else f"pd/{args.transport}"
+    label = args.fuzzer if args.fuzzer != "pd" else f"pd/{args.transport}"
     if args.tp != "1":
         label += f"/tp{args.tp}"
     if args.structured:
@@ -179,8 +185,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
     for seed in range(args.start, args.start + args.seeds):
         if args.time_limit and time.monotonic() - t_start > args.time_limit:
             break
-        if args.fuzzer == "offline":
-            case = H.make_offline_case(seed, tp=tp)
+        if args.fuzzer != "pd":
+            case = (H.make_offline_case if args.fuzzer == "offline" else H.make_tier_case)(seed, tp=tp)
             where = ""
         else:
             pair = H.draw_tp_pair(seed, args.transport) if tp == "random" else tp
@@ -214,9 +220,9 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
             failed_seeds.append(seed)
             if args.dump_dir:
                 Path(args.dump_dir).mkdir(parents=True, exist_ok=True)
-                name = f"offline-{seed}" if args.fuzzer == "offline" else f"pd-{args.transport}-{seed}"
+                name = f"{args.fuzzer}-{seed}" if args.fuzzer != "pd" else f"pd-{args.transport}-{seed}"
                 if args.tp != "1":
-                    name += "-tp" + "-".join(str(x) for x in ((tp,) if args.fuzzer == "offline" else pair))
+                    name += "-tp" + "-".join(str(x) for x in ((tp,) if args.fuzzer != "pd" else pair))
                 with open(Path(args.dump_dir) / f"{name}.json", "w") as fh:
                     json.dump({"case": H.case_dict(case), "failures": [f.line() for f in res.failures]}, fh)
         if args.progress and seeds % args.progress == 0:

@@ -15,7 +15,7 @@ every uncached and older cached block has been reused.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.errors import EngineStateError
@@ -52,6 +52,10 @@ class BlockPool:
         # and events_lost says so (the collector starts its index over).
         self.events_limit: int | None = None
         self.events_lost = False
+        # Called with each cached block about to be reused, while its KV is still intact
+        # (the offload tiers copy it out: engine/kv_cache/tiers.py). Not for blocks whose
+        # contents are unknown (uncache) or dropped wholesale (reset_prefix_cache).
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,6 +71,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_cnt != 0:
                 raise EngineStateError(f"free block {block_id} has ref_cnt {block.ref_cnt}")
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -10,6 +10,8 @@ from engine.errors import EngineStateError
 from engine.kv_cache.block_hash import NONE_HASH, hash_full_blocks
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.block_table import BlockTable
+from engine.kv_cache.tier_store import TierEntry
+from engine.kv_cache.tiers import KVTiers
 from engine.request import Request
 
 
@@ -39,6 +41,15 @@ class KVCacheManager:
         # Per block a count, as two fences may name one block.
         self._fences = np.zeros(num_blocks, dtype=np.int32)
         self.num_fenced = 0  # blocks with a fence
+        self.tiers: KVTiers | None = None  # the offload tiers below the pool (attach_tiers)
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Offload cached blocks to `tiers` as the pool reuses them; look prefixes up there
+        after the pool (get_tier_hits)."""
+        if not self.enable_prefix_caching:
+            raise ValueError("the KV offload tiers need enable_prefix_caching: they keep blocks by prefix hash")
+        self.tiers = tiers
+        self.pool.on_evict = tiers.offload
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,6 +115,17 @@ class KVCacheManager:
             hits.append(block)
             parent = block_hash
         return hits
+
+    def get_tier_hits(self, request: Request, num_hits: int) -> list[tuple[str, TierEntry]]:
+        """The offload tiers' blocks continuing the request's prefix after its first
+        `num_hits` blocks (get_computed_blocks' hits), within the same limit: (tier name,
+        entry) each. [] without tiers."""
+        if self.tiers is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes, tokens, bs = request.block_hashes, request.all_token_ids, self.block_size
+        blocks = ((hashes[i], tokens[i * bs:(i + 1) * bs]) for i in range(num_hits, max_blocks))
+        return self.tiers.lookup(hashes[num_hits - 1] if num_hits else NONE_HASH, blocks)
 
     def count_query(self, request: Request, hits: list[KVBlock]) -> None:
         """Count the request's prefix-cache lookup that found `hits` in the pool's

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import tempfile
 from typing import Any
 
 from engine.kv_cache.manager import cdiv
@@ -99,6 +101,24 @@ def draw_tp_pair(seed: int, transport: str) -> tuple[int, int]:
     return random.Random(f"pd-tp-{transport}-{seed}").choice(TP_PAIRS)
 
 
+# The fuzzed tiny llama's KV per token (2 layers x K,V x 2 heads x 16 dims x 4 bytes):
+# tier sizes are drawn in blocks.
+TINY_KV_BYTES_PER_TOKEN = 512
+TIER_DIR = os.path.join(tempfile.gettempdir(), "pdserve-fuzz-kv-tiers")
+
+
+def tier_options(rng: random.Random, block_size: int) -> dict[str, Any]:
+    """KV offload tiers of a few blocks (LRU eviction and busy slots all the time),
+    with a disk tier under the host tier half the time."""
+    def gib(blocks: int) -> float:
+        return (blocks + 0.5) * block_size * TINY_KV_BYTES_PER_TOKEN / 2**30
+
+    options: dict[str, Any] = {"kv_offload_gib": gib(rng.choice((1, 2, 3, 8, 64)))}
+    if rng.random() < 0.5:
+        options.update(kv_offload_dir=TIER_DIR, kv_offload_disk_gib=gib(rng.choice((1, 4, 64))))
+    return options
+
+
 def make_offline_case(seed: int, tp: int = 1) -> OfflineCase:
     """tp: the fuzzed engine's tensor_parallel_size (the schedule is the same at any)."""
     rng = random.Random(f"offline-{seed}")
@@ -128,6 +148,9 @@ def make_offline_case(seed: int, tp: int = 1) -> OfflineCase:
     engine = dict(block_size=bs, num_kv_blocks=blocks, max_num_batched_tokens=budget,
                   max_num_seqs=rng.choice((1, 2, 3, 4, 8, 64)), enable_chunked_prefill=chunked,
                   enable_prefix_caching=rng.random() < 0.7, async_scheduling=rng.random() < 0.5)
+    tiers = random.Random(f"offline-tiers-{seed}")  # its own stream: every other choice stays as it was
+    if engine["enable_prefix_caching"] and tiers.random() < 0.5:
+        engine.update(tier_options(tiers, bs))
     if rng.random() < 0.2:  # a small context: some requests end exactly at it, a few are refused
         engine["max_model_len"] = max(2, max(len(p) + m for p, m in zip(prompts, mts)) - rng.choice((0, 0, 0, 1, 2)))
     mode = "llm" if rng.random() < 0.2 else "core"

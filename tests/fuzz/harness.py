@@ -63,10 +63,11 @@ from tests.fuzz.common import (
 from tests.fuzz.offline import run_offline
 from tests.fuzz.pd import run_pd
 from tests.fuzz.structured import violation
+from tests.fuzz.tiers import make_tier_case
 
 __all__ = ["TP_PAIRS", "VOCAB", "Failure", "Hang", "OfflineCase", "Oracle", "PDCase", "ReqSpec", "SeedResult",
            "add_structured", "case_dict", "case_from_dict", "draw_tp_pair", "hf_agreement", "live_followers",
-           "make_offline_case", "make_pd_case", "run_case", "run_offline", "run_pd", "shrink", "violation"]
+           "make_offline_case", "make_pd_case", "make_tier_case", "run_case", "run_offline", "run_pd", "shrink", "violation"]
 
 
 # ----------------------------------------------------------------------------- shrinking

@@ -133,6 +133,8 @@ def _drive_core(case: OfflineCase, core: EngineCore, oracle: Oracle, res: SeedRe
     _check_quiescent(case.seed, core, res.failures)
     res.stats["preemptions"] = core.scheduler.num_preemptions
     res.stats["cache_hits"] = core.kv.pool.num_cache_hits
+    if core.kv.tiers is not None:
+        res.stats["tier_loads"] = core.kv.tiers.stats().loads
 
 
 def _check_quiescent(seed: int, core: EngineCore, failures: list[Failure], who: str = "") -> None:
@@ -144,11 +146,31 @@ def _check_quiescent(seed: int, core: EngineCore, failures: list[Failure], who: 
         problems.append(f"leftover requests {list(s.requests)} running={len(s.running)} waiting={len(s.waiting)}")
     if getattr(s, "_free_after_step", None):
         problems.append(f"_free_after_step holds {len(s._free_after_step)}")
+    if s.loads.busy or s.loads.loading:
+        problems.append(f"tier loads still in flight: {list(s.loads.loading)}")
+    problems += _tier_leaks(core)
     if core.kv.num_free_blocks != core.kv.pool.num_blocks:
         problems.append(f"free blocks {core.kv.num_free_blocks}/{core.kv.pool.num_blocks} "
                         f"(held by {dict((k, len(v)) for k, v in core.kv.req_blocks.items())})")
     if problems:
         failures.append(Failure(seed, "invariant", f"{who}after all requests ended: " + "; ".join(problems)))
+
+
+def _tier_leaks(core: EngineCore) -> list[str]:
+    """Once its seals are done, every tier slot is an entry's, and no entry is pinned."""
+    tiers = core.kv.tiers
+    if tiers is None:
+        return []
+    deadline = time.monotonic() + 10
+    while tiers.io.pending and time.monotonic() < deadline:
+        tiers.poll(0.05)
+    problems = [f"{tiers.io.pending} tier jobs unfinished"] if tiers.io.pending else []
+    for index in tiers.indexes:
+        pinned = [e.slot for e in index.entries.values() if e.pins]
+        if pinned or index.num_used != len(index.entries):
+            problems.append(f"{index.name} tier: {index.num_used} slots used by {len(index.entries)} entries, "
+                            f"slots {pinned} pinned")
+    return problems
 
 
 def _offline_llm(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedResult,

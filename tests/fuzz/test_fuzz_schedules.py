@@ -92,6 +92,21 @@ def test_pd_schedules_match_the_oracle(llama_dir: Path, oracle: H.Oracle, transp
     assert exercised["remote"] > 0 and exercised["fallbacks"] > 0, exercised
 
 
+TIER_SEEDS = range(0, 100)
+
+
+@pytest.mark.timeout(120)
+def test_tier_schedules_match_the_oracle(llama_dir: Path, oracle: H.Oracle) -> None:
+    """KV offload tiers under tiny pools (tests/fuzz/tiers.py): the tokens are exact,
+    and no tier slot or pin leaks. More seeds: benchmarks/fuzz/schedules.py --fuzzer tiers."""
+    results = [H.run_offline(H.make_tier_case(seed), llama_dir, oracle) for seed in TIER_SEEDS]
+    assert report(results) == ""
+    exercised = Counter()
+    for r in results:
+        exercised.update(r.stats)
+    assert exercised["tier_loads"] > 50, exercised
+
+
 UNBOUNDED_PD_SEEDS = range(0, 20)
 
 
@@ -111,6 +126,7 @@ def test_pd_schedules_with_copies_slowed_without_bound_match_the_oracle(llama_di
 # Tensor parallelism: a few seeds only (each engine starts a follower process per rank).
 # The seeds' schedules are those of TP 1; the oracle stays TP 1.
 OFFLINE_TP_SEEDS = (6, 9)
+TIER_TP_SEED = 4  # loads back into both ranks' caches
 PD_TP_SEEDS = ((1, "shm", (1, 2)), (0, "tcp", (2, 1)))
 
 
@@ -122,6 +138,8 @@ def test_tp_schedules_match_the_oracle(llama_dir: Path, oracle: H.Oracle) -> Non
         assert case.engine["tensor_parallel_size"] == 2
         results.append(H.run_offline(case, llama_dir, oracle))
         assert H.live_followers() == [], f"offline seed {seed} left its follower processes"
+    results.append(H.run_offline(H.make_tier_case(TIER_TP_SEED, tp=2), llama_dir, oracle))
+    assert H.live_followers() == [], f"tier seed {TIER_TP_SEED} left its follower processes"
     offline = Counter()
     for r in results:
         offline.update(r.stats)
@@ -132,9 +150,9 @@ def test_tp_schedules_match_the_oracle(llama_dir: Path, oracle: H.Oracle) -> Non
         assert H.live_followers() == [], f"pd seed {seed} at TP {p},{d} left its follower processes"
     assert report(results) == ""
     pd = Counter()
-    for r in results[len(OFFLINE_TP_SEEDS):]:
+    for r in results[len(OFFLINE_TP_SEEDS) + 1:]:
         pd.update(r.stats)
-    assert offline["preemptions"] > 0 and offline["cache_hits"] > 0, offline
+    assert offline["preemptions"] > 0 and offline["cache_hits"] > 0 and offline["tier_loads"] > 0, offline
     assert pd["remote"] > 0, pd
 
 

@@ -1,0 +1,161 @@
+"""Where offloaded KV blocks live: a host tier (memory) and a disk tier (one file).
+
+Each tier is a fixed number of block-sized slots and an index in LRU order. A slot
+holds one block of every rank cache the engine reaches (every rank's on CPU at tensor
+parallel > 1), one piece per rank. An entry names its block as the device prefix cache
+does, by its chained hash, checked against (parent hash, token ids); its checksum covers
+its bytes, seeded with the engine's namespace (model, dtype, layout, ranks), so bytes
+written by another configuration, or changed since, never pass (tier_io.checksum).
+
+Only the engine's thread touches an index. The tier's I/O thread (tier_io.py) reads and
+writes slots, each one pinned while it does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(eq=False)
+class TierEntry:
+    block_hash: int
+    parent_hash: int
+    token_ids: tuple[int, ...]
+    slot: int
+    checksum: int | None = None  # None until sealed (the I/O thread hashes the bytes it stored)
+    pins: int = 0  # jobs reading or writing its slot; the slot is not reused before they end
+    dropped: bool = False  # left its index: evicted (its slot reused at once) or dropped (freed at the last unpin)
+
+
+class SlotIndex:
+    """One tier's slots: block hash -> entry, least recently used first, and free slots."""
+
+    def __init__(self, name: str, num_slots: int) -> None:
+        self.name = name
+        self.num_slots = num_slots
+        self.entries: OrderedDict[int, TierEntry] = OrderedDict()
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.hits = 0  # blocks loaded back from this tier
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def lookup(self, parent_hash: int, block_hash: int, token_ids: Sequence[int]) -> TierEntry | None:
+        """The sealed entry holding exactly these tokens after this parent (now the most
+        recently used), if any."""
+        entry = self.entries.get(block_hash)
+        if (entry is None or entry.checksum is None or entry.parent_hash != parent_hash
+                or entry.token_ids != tuple(token_ids)):
+            return None
+        self.entries.move_to_end(block_hash)
+        return entry
+
+    def touch(self, block_hash: int) -> bool:
+        """Mark the block's entry most recently used; False: the tier has none."""
+        if block_hash not in self.entries:
+            return False
+        self.entries.move_to_end(block_hash)
+        return True
+
+    def take_slot(self) -> int | None:
+        """A free slot, evicting the least recently used sealed entry that no job
+        reads; None when every slot is busy (the caller drops the block)."""
+        if self._free:
+            return self._free.pop()
+        victim = next((e for e in self.entries.values() if e.pins == 0 and e.checksum is not None), None)
+        if victim is None:
+            return None
+        del self.entries[victim.block_hash]
+        victim.dropped = True  # its slot passes to the caller
+        return victim.slot
+
+    def add(self, entry: TierEntry) -> None:
+        self.entries[entry.block_hash] = entry
+
+    def drop(self, entry: TierEntry) -> None:
+        """Forget one of this index's entries (its bytes are bad, or its seal failed);
+        its slot is free once no job holds it."""
+        if entry.dropped:
+            return
+        if self.entries.get(entry.block_hash) is not entry:
+            raise ValueError(f"{self.name} tier: entry {entry.block_hash:#x} is not this index's")
+        del self.entries[entry.block_hash]
+        entry.dropped = True
+        if entry.pins == 0:
+            self._free.append(entry.slot)
+
+    def unpin(self, entry: TierEntry) -> None:
+        entry.pins -= 1
+        if entry.pins == 0 and entry.dropped:
+            self._free.append(entry.slot)
+
+
+class HostStore:
+    """The host tier's memory: per rank cache a [slots, *block] tensor (pinned on CUDA,
+    so copies to and from the device run asynchronously)."""
+
+    def __init__(self, block_shapes: Sequence[torch.Size], dtype: torch.dtype, num_slots: int,
+                 pin: bool) -> None:
+        self.buffers = [torch.empty((num_slots, *shape), dtype=dtype, pin_memory=pin) for shape in block_shapes]
+
+    def pieces(self, slot: int) -> list[torch.Tensor]:
+        return [buffer[slot] for buffer in self.buffers]
+
+
+class DiskStore:
+    """The disk tier: one file of slots under the given directory, read and written with
+    pread/pwrite (whole slots, so the file stays the pieces' bytes one after another).
+    The file is this engine's alone and removed at close: a restarted engine starts
+    with an empty disk tier."""
+
+    def __init__(self, directory: str, block_shapes: Sequence[torch.Size], dtype: torch.dtype,
+                 num_slots: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.piece_bytes = [int(np.prod(shape)) * dtype.itemsize for shape in block_shapes]
+        self.slot_bytes = sum(self.piece_bytes)
+        self.path = os.path.join(directory, f"pdserve-kv-{os.getpid()}-{os.urandom(4).hex()}.tier")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.ftruncate(self._fd, self.slot_bytes * num_slots)
+
+    def write(self, slot: int, pieces: Sequence[torch.Tensor]) -> None:
+        offset = slot * self.slot_bytes
+        for piece in pieces:
+            data = _bytes_of(piece)
+            if os.pwrite(self._fd, data, offset) != len(data):
+                raise OSError(f"short write to {self.path}")
+            offset += len(data)
+
+    def read(self, slot: int) -> bytes:
+        data = os.pread(self._fd, self.slot_bytes, slot * self.slot_bytes)
+        if len(data) != self.slot_bytes:
+            raise OSError(f"short read from {self.path}: {len(data)} of {self.slot_bytes} bytes")
+        return data
+
+    def split(self, data: bytes) -> list[memoryview]:
+        """A slot's bytes, as each rank's piece."""
+        view, out, start = memoryview(data), [], 0
+        for n in self.piece_bytes:
+            out.append(view[start:start + n])
+            start += n
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+def _bytes_of(piece: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's bytes, without a copy."""
+    return piece.view(torch.uint8).numpy().data.cast("B")
