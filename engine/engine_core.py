@@ -21,6 +21,7 @@ from engine.distributed.driver import TPDriver
 from engine.distributed.sharding import kv_head_range
 from engine.errors import EngineStateError, RequestsFailed
 from engine.kv_cache.block_pool import KVBlock
+from engine.kv_cache.events import Event, KVEvents
 from engine.kv_cache.tiers import OffloadStats
 from engine.prompt_logprobs import PromptRows, plan_rows
 from engine.request import Request, RequestStatus
@@ -79,6 +80,7 @@ class EngineCore:
         self._requests = RequestFactory(config, self.model_config, self.speculator is not None, self._resources)
         self._grammars = GrammarWatch(config.grammar_compile_timeout_s)  # requests whose grammar is compiling
         self._prompt_logprobs: set[Request] = set()  # with prompt logprobs still to compute
+        self._kv_events: KVEvents | None = None  # kept once collect_kv_events is called
         logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, tensor parallel %d",
                     self.model_config.architecture, parts.num_blocks, config.block_size, self.max_model_len,
                     config.tensor_parallel_size)
@@ -244,22 +246,20 @@ class EngineCore:
 
     def collect_kv_events(self, max_per_block: int) -> None:
         """Keep prefix-cache events from now on, for take_kv_events(): at most
-        max_per_block per KV block between two takes; beyond that they are dropped
-        (nobody is taking them) and the next take says so."""
-        pool = self.kv.pool
-        pool.events_limit = max_per_block * pool.num_blocks
-        if pool.events is None:
-            pool.events = []
+        max_per_block per KV block (of every tier) between two takes; beyond that they
+        are dropped (nobody is taking them) and the next take says so."""
+        if self._kv_events is None:
+            indexes = self.kv.tiers.indexes if self.kv.tiers is not None else []
+            self._kv_events = KVEvents(max_per_block * (self.kv.pool.num_blocks + sum(i.num_slots for i in indexes)))
+            self.kv.pool.events = self._kv_events
+            for index in indexes:
+                index.events = self._kv_events
 
-    def take_kv_events(self) -> tuple[list[tuple[int, bool]], bool]:
-        """The events since the last take, in order, each (block hash, True = cached /
-        False = evicted), and whether some were dropped since (start the index over)."""
-        pool = self.kv.pool
-        events, lost = pool.events or [], pool.events_lost
-        if pool.events is not None:
-            pool.events = []
-        pool.events_lost = False
-        return events, lost
+    def take_kv_events(self) -> tuple[list[Event], bool]:
+        """The events since the last take, in order, each (block hash, tier, stored:
+        engine/kv_cache/events.py), and whether some were dropped since (start the
+        index over)."""
+        return self._kv_events.take() if self._kv_events is not None else ([], False)
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

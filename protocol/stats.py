@@ -9,9 +9,12 @@ every field as it does a message's (protocol/wire.py), so the router, `pdserve s
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
+
+if TYPE_CHECKING:
+    from engine.kv_cache.tiers import OffloadStats
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -53,6 +56,38 @@ class SpecDecodeStats(Record, frozen=True):
     num_disabled: Count  # requests that stopped speculating (low acceptance)
 
 
+class TierUsage(Record, frozen=True):
+    """One KV offload tier of a worker (the engine's TierUsage)."""
+
+    name: str  # "host" or "disk"
+    capacity_blocks: Count
+    used_blocks: Count
+    hits: Count  # blocks loaded back from it (total)
+
+
+class KVTierStats(Record, frozen=True):
+    """A worker's KV offload tiers since it started (the engine's OffloadStats); a
+    worker without tiers sends none."""
+
+    tiers: list[TierUsage]  # host, then disk
+    offloaded_bytes: Count  # device pool -> host tier
+    loaded_bytes: Count  # tiers -> device pool
+    loads: Count  # requests whose prefix was loaded back
+    load_seconds: float  # their loads' time, summed
+    failed_loads: Count  # checksum mismatch or I/O error: computed instead
+    dropped_blocks: Count  # evicted while every host slot was busy
+
+    @classmethod
+    def of(cls, o: OffloadStats | None) -> KVTierStats | None:
+        """The engine's figures as a stats reply carries them (None: no tiers)."""
+        if o is None:
+            return None
+        return cls(tiers=[TierUsage(name=t.name, capacity_blocks=t.capacity_blocks, used_blocks=t.used_blocks,
+                                    hits=t.hits) for t in o.tiers],
+                   offloaded_bytes=o.offloaded_bytes, loaded_bytes=o.loaded_bytes, loads=o.loads,
+                   load_seconds=o.load_seconds, failed_loads=o.failed_loads, dropped_blocks=o.dropped_blocks)
+
+
 class WorkerStats(Record, frozen=True, omit_defaults=True):
     """What a worker reports of itself (docs/api.md, /status; router/metrics.py's gauges
     are named after these fields). Totals count since the worker started."""
@@ -73,6 +108,7 @@ class WorkerStats(Record, frozen=True, omit_defaults=True):
     step_tokens: Histogram  # tokens per such step
     kv_transport: str | None = None  # its KV transport's name (tcp, nixl, ...)
     kv_fabric: str | None = None  # the wire that KV crosses between hosts: tcp, rdma, host, nccl (kv_transfer/fabric.py)
+    kv_tiers: KVTierStats | None = None  # only with KV offload tiers
 
     # A decode worker's (None on a prefill worker).
     waiting_for_kv: Count | None = None  # requests whose prompt KV a prefill worker computes

@@ -19,7 +19,8 @@ import msgspec
 # 14: StatsReply.stats is a typed WorkerStats (protocol/stats.py), no longer a map, and the KV
 # transports' control messages (protocol/kv_control.py) are typed under this version.
 # 15: WorkerStats has kv_transport, kv_fabric (both roles) and refused (prefill).
-PROTOCOL_VERSION = 15
+# 16: StatsReply.kv_events carry each block's tier; WorkerStats has kv_tiers (both roles).
+PROTOCOL_VERSION = 16
 
 
 class MessageError(ValueError):

@@ -17,6 +17,10 @@ what each one means.
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from protocol.sampling import WireSamplingParams
 from protocol.stats import WorkerStats
 from protocol.wire import Codec, Message
@@ -54,9 +58,10 @@ class Stats(Message, frozen=True, tag="stats"):
 class StatsReply(Message, frozen=True, tag="stats_reply"):
     seq: int
     stats: WorkerStats  # protocol/stats.py: the worker's figures, health and step histograms
-    # Prefix-cache events since the last reply, in order: (block hash, cached?), for
-    # the router's kv_aware index. kv_reset: some were dropped; start the index over.
-    kv_events: list[tuple[int, bool]] = []
+    # Prefix-cache events since the last reply, in order: (block hash, tier: 0 device,
+    # 1 host, 2 disk, stored?) (engine/kv_cache/events.py), for the router's kv_aware
+    # index. kv_reset: some were dropped; start the index over.
+    kv_events: list[tuple[int, Annotated[int, msgspec.Meta(ge=0, le=2)], bool]] = []
     kv_reset: bool = False
 
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from protocol import WorkerStats
-from router.worker_metrics import WorkerHistograms, WorkerSpecDecode
+from router.worker_metrics import WorkerHistograms, WorkerKVTiers, WorkerSpecDecode
 
 # From 0.1 ms: a KV transfer on one GPU (phase kv_write) takes well under 5 ms, and
 # a quantile read from buckets is only as fine as they are.
@@ -159,6 +159,8 @@ class RouterMetrics:
         r.register(self.steps)
         self.spec_decode = WorkerSpecDecode()
         r.register(self.spec_decode)
+        self.kv_tiers = WorkerKVTiers()
+        r.register(self.kv_tiers)
 
     def observe_phases(self, phases: dict[str, float], remote: bool | None = None) -> None:
         """One finished request's phase times, labelled by where its prompt KV was
@@ -187,6 +189,7 @@ class RouterMetrics:
                 gauge.labels(name, role, *(link if field in TRANSFER_GAUGES else ())).set(value)
         self.steps.update(name, role, stats)
         self.spec_decode.update(name, role, stats)
+        self.kv_tiers.update(name, role, stats)
 
     def forget_worker(self, name: str, role: str) -> None:
         """A worker scaled away: its labelled series leave /metrics (a restarted one
@@ -200,6 +203,7 @@ class RouterMetrics:
                 pass
         self.steps.forget(name, role)
         self.spec_decode.forget(name, role)
+        self.kv_tiers.forget(name, role)
 
     def _forget_transfers(self, name: str, role: str) -> None:
         link = self._links.get((name, role))

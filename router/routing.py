@@ -8,9 +8,13 @@ lowest cost = prompt tokens it would have to prefill + LOAD_TOKENS per request i
 already serving (in the spirit of Dynamo's KV router). The index learns from two
 sources: routing history (a prompt's blocks are added when it is sent, so the next
 request sees them at once) and the worker's own prefix-cache events (blocks cached and
-evicted, reported with every stats reply, protocol/worker.py StatsReply), which correct it: an
-evicted block stops attracting requests. The same overlap decides conditional
-disaggregation: only the uncached part counts toward the threshold.
+evicted, tier by tier, reported with every stats reply, protocol/worker.py StatsReply),
+which correct it: an evicted block stops attracting requests. A block a worker holds
+only in a KV offload tier (host memory, disk: engine/kv_cache/tiers.py) counts too, at
+a discount (TIER_COST: a load back costs more than a device hit, far less than a
+prefill), as Dynamo's and llm-d's routers weigh tiers. The same overlap, every tier
+counted as cached, decides conditional disaggregation: only the uncached part counts
+toward the threshold.
 """
 
 from __future__ import annotations
@@ -19,25 +23,41 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from engine.kv_cache.block_hash import hash_full_blocks
+from engine.kv_cache.events import DEVICE
 
 LOAD_TOKENS = 64  # what one in-flight request costs, in prompt tokens to prefill
+# What a cached token costs by the tier it is in (device, host, disk), in prompt tokens to
+# prefill: a device hit is free, a load back from host memory cheap, from disk dearer.
+TIER_COST = (0.0, 0.1, 0.25)
 
 
 class PrefixIndex:
-    """The block hashes one worker was last sent (routing history), LRU-bounded."""
+    """The block hashes one worker probably holds: on its device (routing history and
+    its device events, LRU-bounded by its pool) or only in its offload tiers (their
+    events alone: the worker says when they go)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._hashes: OrderedDict[int, None] = OrderedDict()
+        self._hashes: OrderedDict[int, None] = OrderedDict()  # on the device
+        self._tiers: dict[int, int] = {}  # hash -> bit mask of the offload tiers holding it
+
+    def cached_tiers(self, hashes: Sequence[int]) -> list[int]:
+        """The nearest tier holding each leading block of a prompt (chained: stop at a
+        miss); DEVICE, HOST or DISK (engine/kv_cache/events.py)."""
+        out = []
+        for h in hashes:
+            if h in self._hashes:
+                out.append(DEVICE)
+                continue
+            mask = self._tiers.get(h, 0)
+            if not mask:
+                break
+            out.append((mask & -mask).bit_length() - 1)  # the lowest bit: the nearest tier
+        return out
 
     def cached_blocks(self, hashes: Sequence[int]) -> int:
-        """Leading blocks of a prompt this worker probably holds (chained: stop at a miss)."""
-        n = 0
-        for h in hashes:
-            if h not in self._hashes:
-                break
-            n += 1
-        return n
+        """Leading blocks of a prompt this worker probably holds, in any tier."""
+        return len(self.cached_tiers(hashes))
 
     def add(self, hashes: Sequence[int]) -> None:
         for h in hashes:
@@ -47,13 +67,19 @@ class PrefixIndex:
             self._hashes.popitem(last=False)
 
     def apply(self, events: Sequence[Sequence]) -> None:
-        """The worker's prefix-cache events, in order: [hash, True] cached, [hash, False]
-        evicted."""
-        for h, cached in events:
-            if cached:
-                self.add((h,))
+        """The worker's prefix-cache events, in order: (hash, tier, stored?)."""
+        for h, tier, stored in events:
+            if tier == DEVICE:
+                if stored:
+                    self.add((h,))
+                else:
+                    self._hashes.pop(h, None)
+                continue
+            mask = self._tiers.get(h, 0) | (1 << tier) if stored else self._tiers.get(h, 0) & ~(1 << tier)
+            if mask:
+                self._tiers[h] = mask
             else:
-                self._hashes.pop(h, None)
+                self._tiers.pop(h, None)
 
 
 class RoutingPolicy:
@@ -84,10 +110,15 @@ class RoutingPolicy:
             return names[min(candidates, key=lambda i: loads[names[i]])], 0
         # At most len - 1 tokens can be cached: the last one is always computed.
         hashes = hash_full_blocks(prompt[:-1], self.block_size)
-        cached = {i: self.indexes[names[i]].cached_blocks(hashes) * self.block_size for i in candidates}
-        best = min(candidates, key=lambda i: (len(prompt) - cached[i] + LOAD_TOKENS * loads[names[i]], i))
+        tiers = {i: self.indexes[names[i]].cached_tiers(hashes) for i in candidates}
+
+        def cost(i: int) -> tuple[float, int]:
+            saved = sum(1 - TIER_COST[t] for t in tiers[i]) * self.block_size
+            return len(prompt) - saved + LOAD_TOKENS * loads[names[i]], i
+
+        best = min(candidates, key=cost)
         self.indexes[names[best]].add(hashes)
-        return names[best], cached[best]
+        return names[best], len(tiers[best]) * self.block_size
 
     def add(self, name: str) -> None:
         """A worker joined the pool, after the others."""

@@ -43,7 +43,7 @@ import zmq
 from engine.errors import RankFailure, RequestsFailed
 from kv_transfer import KVTransport
 from protocol import CONTROL_MESSAGES, WORKER_MESSAGES, Message, MessageError, Peers, Ready, Serving, Stop, encode
-from protocol.stats import WorkerStats
+from protocol.stats import KVTierStats, WorkerStats
 from security import DeploymentSecret, PlaneGuard, connect_securely, serve_securely
 from workers.control import ControlChannel
 from workers.watchdog import HangWatchdog, StallWatchdog
@@ -243,7 +243,8 @@ class WorkerLoop:
             refused_peers=(self.guard.refused if self.guard is not None else 0) + transport.refused_peers(),
             stalled=self.watchdog.stalled, no_progress_s=round(self.watchdog.no_progress_s(self.clock()), 3),
             step_seconds=steps.seconds.snapshot(), step_requests=steps.requests.snapshot(),
-            step_tokens=steps.tokens.snapshot(), kv_transport=transport.name, kv_fabric=transport.fabric, **role)
+            step_tokens=steps.tokens.snapshot(), kv_transport=transport.name, kv_fabric=transport.fabric,
+            kv_tiers=KVTierStats.of(engine.offload), **role)
 
     def run(self, control: ControlChannel) -> None:
         """Until the launcher says stop (or closes the control channel); a "peers"
@@ -394,3 +395,4 @@ def _flush_logs() -> None:
             stream.flush()
         except Exception:
             pass
+

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.errors import EngineStateError
+from engine.kv_cache.events import DEVICE, KVEvents
 
 
 @dataclass
@@ -45,13 +46,9 @@ class BlockPool:
         # never by a lookup itself: a probe of what a request would need is no query.
         self.num_cache_queries = 0  # blocks looked up
         self.num_cache_hits = 0  # blocks found
-        # Prefix-cache events, when someone collects them (a decode worker, for the
-        # router's kv_aware index): [block hash, True = cached / False = evicted], in order.
-        self.events: list[tuple[int, bool]] | None = None
-        # More than this many uncollected events: nobody is taking them; they are dropped
-        # and events_lost says so (the collector starts its index over).
-        self.events_limit: int | None = None
-        self.events_lost = False
+        # Prefix-cache events (device tier), while someone collects them (a decode
+        # worker, for the router's kv_aware index): engine/kv_cache/events.py.
+        self.events: KVEvents | None = None
         # Called with each cached block about to be reused, while its KV is still intact
         # (the offload tiers copy it out: engine/kv_cache/tiers.py). Not for blocks whose
         # contents are unknown (uncache) or dropped wholesale (reset_prefix_cache).
@@ -115,14 +112,7 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, tuple(token_ids)
         self._cached[block_hash] = block
         if self.events is not None:
-            self._record(block_hash, True)
-
-    def _record(self, block_hash: int, cached: bool) -> None:
-        assert self.events is not None  # its callers record only while events are kept
-        self.events.append((block_hash, cached))
-        if self.events_limit is not None and len(self.events) > self.events_limit:
-            self.events.clear()
-            self.events_lost = True
+            self.events.record(block_hash, DEVICE, True)
 
     def uncache(self, block: KVBlock) -> None:
         """Forget the block's hash: its contents are no longer what the hash says."""
@@ -136,5 +126,5 @@ class BlockPool:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
             if self.events is not None:
-                self._record(block.block_hash, False)
+                self.events.record(block.block_hash, DEVICE, False)
             block.block_hash = block.parent_hash = block.token_ids = None

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.kv_cache.events import KVEvents
+
 
 @dataclass(eq=False)
 class TierEntry:
@@ -34,10 +36,14 @@ class TierEntry:
 
 
 class SlotIndex:
-    """One tier's slots: block hash -> entry, least recently used first, and free slots."""
+    """One tier's slots: block hash -> entry, least recently used first, and free slots.
+    Its sealed entries coming and going are events (engine/kv_cache/events.py) while
+    `events` is set."""
 
-    def __init__(self, name: str, num_slots: int) -> None:
+    def __init__(self, name: str, tier: int, num_slots: int) -> None:
         self.name = name
+        self.tier = tier
+        self.events: KVEvents | None = None
         self.num_slots = num_slots
         self.entries: OrderedDict[int, TierEntry] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
@@ -74,10 +80,19 @@ class SlotIndex:
             return None
         del self.entries[victim.block_hash]
         victim.dropped = True  # its slot passes to the caller
+        if self.events is not None:
+            self.events.record(victim.block_hash, self.tier, False)
         return victim.slot
 
     def add(self, entry: TierEntry) -> None:
+        """A new entry, not found until seal()."""
         self.entries[entry.block_hash] = entry
+
+    def seal(self, entry: TierEntry, checksum: int) -> None:
+        """Its bytes are stored and checksummed: lookups find it from now on."""
+        entry.checksum = checksum
+        if self.events is not None and not entry.dropped:
+            self.events.record(entry.block_hash, self.tier, True)
 
     def drop(self, entry: TierEntry) -> None:
         """Forget one of this index's entries (its bytes are bad, or its seal failed);
@@ -88,6 +103,8 @@ class SlotIndex:
             raise ValueError(f"{self.name} tier: entry {entry.block_hash:#x} is not this index's")
         del self.entries[entry.block_hash]
         entry.dropped = True
+        if self.events is not None and entry.checksum is not None:
+            self.events.record(entry.block_hash, self.tier, False)
         if entry.pins == 0:
             self._free.append(entry.slot)
 

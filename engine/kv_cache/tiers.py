@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from engine.kv_cache import events
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.tier_io import LoadJob, SealJob, TierIO
 from engine.kv_cache.tier_store import DiskStore, HostStore, SlotIndex, TierEntry
@@ -76,7 +77,7 @@ class KVTiers:
                              f"({self.block_bytes} bytes)")
         self._cuda = self.caches[0].device.type == "cuda"
         shapes = [c.shape[1:] for c in self.caches]
-        self.host = SlotIndex(HOST, host_slots)
+        self.host = SlotIndex(HOST, events.HOST, host_slots)
         self._host_store = HostStore(shapes, self.caches[0].dtype, host_slots, pin=self._cuda)
         self.disk: SlotIndex | None = None
         disk_store = None
@@ -85,7 +86,7 @@ class KVTiers:
             if disk_slots < 1:
                 raise ValueError(f"kv_offload_disk_gib ({disk_bytes / 2**30:g}) is too small for one KV "
                                  f"block ({self.block_bytes} bytes)")
-            self.disk = SlotIndex(DISK, disk_slots)
+            self.disk = SlotIndex(DISK, events.DISK, disk_slots)
             disk_store = DiskStore(disk_dir, shapes, self.caches[0].dtype, disk_slots)
         self._disk_store = disk_store
         self.io = TierIO(self.caches, self._host_store, disk_store, xxhash.xxh3_64_intdigest(namespace.encode()))
@@ -187,7 +188,8 @@ class KVTiers:
             if entry is None or index is None:
                 continue
             if job.error is None:
-                entry.checksum = job.checksum
+                assert job.checksum is not None  # a seal without an error has one
+                index.seal(entry, job.checksum)
             index.unpin(entry)
             if job.error is not None:
                 index.drop(entry)

@@ -114,7 +114,7 @@ def test_stats_replies_carry_the_prefix_cache_events_for_the_router(client: Clie
     client.send(Stats(seq=2))
     reply = client.recv(10)
     assert reply.kv_reset is False
-    cached = [h for h, stored in reply.kv_events if stored]
+    cached = [h for h, tier, stored in reply.kv_events if stored and tier == 0]
     assert hash_full_blocks(prompt, 16) == cached[:2]  # the prompt's blocks, in order
     client.send(Stats(seq=3))
     assert client.recv(10).kv_events == []  # each event is reported once

@@ -7,6 +7,7 @@ import pytest
 from engine.errors import EngineStateError
 from engine.kv_cache.block_hash import NONE_HASH, hash_block, hash_full_blocks
 from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.events import DEVICE, KVEvents
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -121,12 +122,13 @@ def test_prefix_cache_events_report_caching_and_eviction_in_order() -> None:
     a, b = pool.allocate(2)
     pool.cache(a, NONE_HASH, 11, [1])
     assert pool.events is None  # nobody collects: nothing is kept
-    pool.events = []
+    pool.events = KVEvents(limit=100)
     pool.cache(b, 11, 22, [2])
     pool.cache(b, 11, 22, [2])  # already cached: no event
     pool.free([b, a])
     pool.allocate(2)  # both evicted, least recently freed first
-    assert pool.events == [(22, True), (22, False), (11, False)]
+    assert pool.events.take() == ([(22, DEVICE, True), (22, DEVICE, False), (11, DEVICE, False)], False)
+    assert pool.events.take() == ([], False)  # each is taken once
 
 
 def test_uncollected_events_beyond_the_limit_are_dropped_and_that_is_said() -> None:
@@ -134,10 +136,11 @@ def test_uncollected_events_beyond_the_limit_are_dropped_and_that_is_said() -> N
     arriving, an abort), not only in an engine step: a decode worker whose router stops
     asking must not pile them up."""
     pool = BlockPool(4)
-    pool.events, pool.events_limit = [], 3
+    pool.events = KVEvents(limit=3)
     blocks = pool.allocate(4)
     for i, block in enumerate(blocks[:3]):
         pool.cache(block, NONE_HASH, 100 + i, [i])
-    assert len(pool.events) == 3 and not pool.events_lost
+    assert len(pool.events.items) == 3 and not pool.events.lost
     pool.cache(blocks[3], NONE_HASH, 103, [3])
-    assert pool.events == [] and pool.events_lost
+    assert pool.events.take() == ([], True)
+    assert pool.events.take() == ([], False)  # said once

@@ -17,6 +17,7 @@ from engine import LLM
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.kv_cache import tier_io
+from engine.kv_cache.events import DISK, HOST, KVEvents
 from engine.kv_cache.tier_store import SlotIndex, TierEntry
 from engine.kv_cache.tiers import KVTiers
 from engine.sampling_params import SamplingParams
@@ -207,7 +208,8 @@ def test_abort_while_loading_frees_every_block(llama_dir: Path) -> None:
 
 
 def test_slot_index_evicts_least_recently_used_and_never_a_pinned_slot() -> None:
-    index = SlotIndex("host", 2)
+    index = SlotIndex("host", HOST, 2)
+    index.events = KVEvents(limit=100)
     a, b = (TierEntry(h, 0, (h,), index.take_slot(), checksum=h) for h in (1, 2))
     index.add(a)
     index.add(b)
@@ -218,8 +220,9 @@ def test_slot_index_evicts_least_recently_used_and_never_a_pinned_slot() -> None
     assert index.take_slot() is None  # every slot is busy: the caller drops the block
     b.pins = 0
     assert index.take_slot() == b.slot and b.dropped and 2 not in index.entries
+    assert index.events.take() == ([(2, HOST, False)], False)  # only sealed entries were ever stored
     with pytest.raises(ValueError, match="not this index's"):
-        SlotIndex("disk", 1).drop(a)
+        SlotIndex("disk", DISK, 1).drop(a)
     index.drop(a)  # pinned: its slot is freed at the last unpin
     assert index.num_used == 2
     index.unpin(a)

@@ -83,11 +83,48 @@ def test_a_workers_eviction_events_correct_the_routing_history() -> None:
     other = "b" if first == "a" else "a"
     assert policy.choose(SHARED + [2], loads=idle(*AB)) == (first, 64)
     hashes = hash_full_blocks(SHARED, 16)
-    policy.kv_events(first, [[hashes[2], False]], reset=False)  # its third block was evicted
+    policy.kv_events(first, [[hashes[2], 0, False]], reset=False)  # its third block was evicted
     assert policy.choose(SHARED + [3], loads=idle(*AB)) == (first, 32)  # chained: only 2 blocks left
     policy.kv_events(first, [], reset=True)  # events were lost: nothing is assumed cached
     assert policy.indexes[first].cached_blocks(hashes) == 0
-    policy.kv_events(other, [[h, True] for h in hashes], reset=False)  # the other cached them
+    policy.kv_events(other, [[h, 0, True] for h in hashes], reset=False)  # the other cached them
     assert policy.choose(SHARED + [4], loads=idle(*AB)) == (other, 64)
-    policy.kv_events("gone", [[hashes[0], True]], reset=False)  # a worker that left meanwhile: ignored
+    policy.kv_events("gone", [[hashes[0], 0, True]], reset=False)  # a worker that left meanwhile: ignored
     assert "gone" not in policy.indexes
+
+
+def test_kv_aware_scores_a_hit_by_its_tier() -> None:
+    """device > host > disk > none (Dynamo's and llm-d's order), and a block a worker
+    holds in any tier counts as cached for the remote-prefill decision."""
+    from engine.kv_cache.block_hash import hash_full_blocks
+    from engine.kv_cache.events import DEVICE, DISK, HOST
+
+    names = ("dev", "host", "disk", "none")
+    policy = RoutingPolicy("kv_aware", 16, capacity_blocks=100, names=names)
+    hashes = hash_full_blocks(SHARED, 16)
+    policy.kv_events("dev", [[h, DEVICE, True] for h in hashes], reset=False)
+    # Evicted from the device, sealed in the host tier: two events.
+    policy.kv_events("host", [e for h in hashes for e in ([h, DEVICE, True], [h, DEVICE, False], [h, HOST, True])],
+                     reset=False)
+    policy.kv_events("disk", [[h, DISK, True] for h in hashes], reset=False)
+    assert policy.indexes["host"].cached_tiers(hashes) == [HOST] * 4
+    order = []
+    for _ in names:
+        name, cached = policy.choose(SHARED + [5], loads={n: 0 for n in names if n not in order})
+        order.append(name)
+        assert cached == (0 if name == "none" else 64)
+    assert order == list(names)
+    # A block in both offload tiers is the nearer's; leaving one tier keeps the other.
+    index = PrefixIndex(100)
+    index.apply([[h, DISK, True] for h in hashes] + [[hashes[0], HOST, True]])
+    assert index.cached_tiers(hashes) == [HOST, DISK, DISK, DISK]
+    index.apply([[hashes[0], HOST, False]])
+    assert index.cached_tiers(hashes)[:1] == [DISK]
+    index.apply([[hashes[1], DISK, False]])  # chained: a hole ends the hit
+    assert index.cached_blocks(hashes) == 1
+    # Load still counts: a busy device hit loses to an idle host hit.
+    busy = RoutingPolicy("kv_aware", 16, capacity_blocks=100, names=("dev", "host"))
+    busy.kv_events("dev", [[h, DEVICE, True] for h in hashes], reset=False)
+    busy.kv_events("host", [[h, HOST, True] for h in hashes], reset=False)
+    assert busy.choose(SHARED + [6], loads={"dev": 3, "host": 0})[0] == "host"
+    assert busy.choose(SHARED + [7], loads={"dev": 0, "host": 0})[0] == "dev"

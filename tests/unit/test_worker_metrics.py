@@ -131,3 +131,26 @@ def test_docs_api_lists_every_metric_the_router_exports() -> None:
     families = list(RouterMetrics().registry.collect())
     undocumented = [f.name for f in families if f"`{f.name}`" not in doc and f"`{f.name}_total`" not in doc]
     assert families and undocumented == []
+
+
+def test_kv_tier_figures_are_labelled_by_worker_role_and_tier_and_leave_with_the_worker() -> None:
+    from protocol import KVTierStats, TierUsage
+
+    tiers = KVTierStats(tiers=[TierUsage(name="host", capacity_blocks=100, used_blocks=40, hits=7),
+                               TierUsage(name="disk", capacity_blocks=1000, used_blocks=90, hits=2)],
+                        offloaded_bytes=4096, loaded_bytes=2048, loads=3, load_seconds=0.25, failed_loads=1,
+                        dropped_blocks=5)
+    m = RouterMetrics()
+    m.set_worker("decode-0", "decode", stats_with_steps(kv_tiers=tiers))
+    m.set_worker("decode-1", "decode", stats_with_steps())  # no tiers: no samples
+    got = samples(m)
+    d = (("role", "decode"), ("worker", "decode-0"))
+    assert got[("pdserve_kv_tier_used_blocks", (d[0], ("tier", "host"), d[1]))] == 40
+    assert got[("pdserve_kv_tier_capacity_blocks", (d[0], ("tier", "disk"), d[1]))] == 1000
+    assert got[("pdserve_kv_tier_hits_blocks_total", (d[0], ("tier", "disk"), d[1]))] == 2
+    assert got[("pdserve_kv_offloaded_bytes_total", d)] == 4096
+    assert got[("pdserve_kv_tier_load_seconds_total", d)] == 0.25
+    assert got[("pdserve_kv_tier_failed_loads_total", d)] == 1
+    assert not any(("worker", "decode-1") in labels for name, labels in got if name.startswith("pdserve_kv_"))
+    m.forget_worker("decode-0", "decode")
+    assert not any(name.startswith("pdserve_kv_") for name, _ in samples(m))
