@@ -193,6 +193,25 @@ class TransportOptions:
 
 
 @dataclass(frozen=True)
+class KVStoreConfig:
+    """The KV store the deployment's workers share (kv_store/), below each worker's
+    offload tiers: the launcher starts it, and every worker whose pool has a host tier
+    (<pool>.engine.kv_offload_gib) puts the blocks it offloads there and loads prefixes
+    from it."""
+    enabled: bool = False
+    capacity_gib: float = 4.0  # the store's memory for blocks, least recently used evicted
+    # A worker waits this long for a fetch before it computes the blocks instead.
+    fetch_timeout_s: float = 1.0
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "kv_store") -> KVStoreConfig:
+        data = checked_mapping(cls, data, path)
+        out = cls(**data)
+        return cls(out.enabled, number(out.capacity_gib, f"{path}.capacity_gib", 0, strict=True),
+                   number(out.fetch_timeout_s, f"{path}.fetch_timeout_s", 0, strict=True))
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     model: str
     dtype: str = "float32"
@@ -210,6 +229,7 @@ class ClusterConfig:
     local: LocalConfig = field(default_factory=LocalConfig)  # read only by the local launcher
     # Pool bounds (for the planner and `pdserve scale`), SLO targets, thresholds, timing.
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     @classmethod
     def from_dict(cls, data: Any) -> ClusterConfig:
@@ -245,7 +265,8 @@ class ClusterConfig:
                   prefill=PoolConfig.from_dict(data.get("prefill", {}), "prefill", minimum=0),
                   decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1),
                   launcher=launcher, ray=ray, local=LocalConfig.from_dict(data.get("local", {})),
-                  autoscale=AutoscaleConfig.from_dict(data.get("autoscale")))
+                  autoscale=AutoscaleConfig.from_dict(data.get("autoscale")),
+                  kv_store=KVStoreConfig.from_dict(data.get("kv_store", {})))
         out.autoscale.check_cluster({role: getattr(out, role).replicas for role in ("prefill", "decode")},
                                     out.router.remote_prefill_min_tokens)
         for role in ("prefill", "decode"):  # Ray hides every GPU from an actor that asks for none
@@ -263,6 +284,12 @@ class ClusterConfig:
                 raise ConfigError(f"{role}.engine: {exc}") from None
             if getattr(out, role).replicas and engine.tensor_parallel_size > 1:
                 _check_shardable(out.model, engine.tensor_parallel_size, f"{role}.engine.tensor_parallel_size")
+        if out.kv_store.enabled:
+            check(launcher == "local", "kv_store.enabled", "the shared KV store is started by the local launcher "
+                  "only so far; with launcher ray leave it off")
+            with_tier = [r for r in ("prefill", "decode") if out.engine_config(r).kv_offload_gib > 0]
+            check(bool(with_tier), "kv_store.enabled", "no pool has a host tier to reach the store through: "
+                  "set <pool>.engine.kv_offload_gib > 0 on the pools that should share it")
         if load_format == "dummy" and out.prefill.replicas:  # the seed draws the weights: one model for both pools
             seeds = {role: out.engine_config(role).seed for role in ("prefill", "decode")}
             check(seeds["prefill"] == seeds["decode"], "decode.engine.seed",

@@ -17,13 +17,16 @@ def stall_grace_s(config: ClusterConfig) -> float:
 
 
 def worker_config(config: ClusterConfig, role: str, index: int, host: str = "127.0.0.1", *,
-                  secret: DeploymentSecret | None) -> WorkerConfig:
+                  secret: DeploymentSecret | None, kv_store: str | None = None) -> WorkerConfig:
     """Worker `index` of pool `role`, its sockets listening on `host`; `secret`: its
-    deployment's, made by the launcher (None only in tests: plain sockets)."""
+    deployment's, made by the launcher (None only in tests: plain sockets); kv_store:
+    the shared KV store's address, which a worker of a pool with a host tier uses."""
     transport = dataclasses.replace(config.transport_config(host), secret=secret)
-    return WorkerConfig(role, index, config.engine_config(role), config.transport, transport,
+    engine = config.engine_config(role)
+    return WorkerConfig(role, index, engine, config.transport, transport,
                         config.router.stall_timeout_s or None, stall_grace_s(config), config.prefill_deadline_s,
-                        config.router.prefill_max_outstanding)
+                        config.router.prefill_max_outstanding, kv_store if engine.kv_offload_gib > 0 else None,
+                        config.kv_store.fetch_timeout_s)
 
 
 def without_router_secrets(config: ClusterConfig) -> ClusterConfig:

@@ -22,6 +22,7 @@ from engine.distributed.rank_model import build_rank_model, step_codec
 from engine.distributed.sharding import Shard
 from engine.gpu_memory import profile_num_kv_blocks
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.shared_tier import SharedTier
 from engine.kv_cache.tiers import KVTiers
 from engine.model.config import ModelConfig, max_model_len
 from engine.model.llama import LlamaForCausalLM
@@ -53,12 +54,12 @@ class EngineParts:
 
 
 def build_engine(config: EngineConfig, kv_allocator: KVAllocator | None = None,
-                 keep_cache_files: bool = False) -> EngineParts:
+                 keep_cache_files: bool = False, shared_kv: SharedTier | None = None) -> EngineParts:
     """Build an engine's parts (EngineCore's constructor documents the arguments). On
     failure whatever was started (follower ranks, cache files) is released."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    return _Builder(config).build(kv_allocator, keep_cache_files)
+    return _Builder(config).build(kv_allocator, keep_cache_files, shared_kv)
 
 
 class _Builder:
@@ -72,7 +73,8 @@ class _Builder:
     def tp(self) -> TPDriver | None:
         return self.resources.tp
 
-    def build(self, kv_allocator: KVAllocator | None, keep_cache_files: bool) -> EngineParts:
+    def build(self, kv_allocator: KVAllocator | None, keep_cache_files: bool,
+              shared_kv: SharedTier | None) -> EngineParts:
         config, model_config = self.config, self.model_config
         model_len = max_model_len(config, model_config)
         try:
@@ -85,7 +87,9 @@ class _Builder:
             kv_caches = self._allocate_caches(num_blocks, kv_allocator, keep_cache_files)
             kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
             if config.kv_offload_gib > 0:
-                kv.attach_tiers(self._tiers(kv_caches))
+                kv.attach_tiers(self._tiers(kv_caches, shared_kv))
+            elif shared_kv is not None:
+                raise ValueError("a shared KV store needs kv_offload_gib > 0: blocks reach it through the host tier")
             scheduler = Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs, model_len,
                                   model_config.eos_token_ids, config.enable_chunked_prefill)
             runner = ModelRunner(model, kv_caches[0], config.block_size,
@@ -144,7 +148,7 @@ class _Builder:
             self.resources.files = []
         return caches
 
-    def _tiers(self, caches: list[torch.Tensor]) -> KVTiers:
+    def _tiers(self, caches: list[torch.Tensor], shared_kv: SharedTier | None) -> KVTiers:
         """The offload tiers, over every rank cache this process reaches."""
         config = self.config
         if config.device.startswith("cuda") and self.tp is not None:
@@ -157,6 +161,8 @@ class _Builder:
         tiers = KVTiers(caches, int(config.kv_offload_gib * 2**30), config.kv_offload_dir,
                         int(config.kv_offload_disk_gib * 2**30), namespace)
         self.resources.tiers = tiers
+        if shared_kv is not None:
+            tiers.attach_shared(shared_kv)
         return tiers
 
     def _pool_blocks(self, model: LlamaForCausalLM, backend: AttentionBackend, dtype: torch.dtype,

@@ -22,6 +22,7 @@ from engine.distributed.sharding import kv_head_range
 from engine.errors import EngineStateError, RequestsFailed
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.events import Event, KVEvents
+from engine.kv_cache.shared_tier import SharedTier
 from engine.kv_cache.tiers import OffloadStats
 from engine.prompt_logprobs import PromptRows, plan_rows
 from engine.request import Request, RequestStatus
@@ -60,9 +61,10 @@ class EngineStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None,
-                 keep_cache_files: bool = False) -> None:
+                 keep_cache_files: bool = False, shared_kv: SharedTier | None = None) -> None:
         """kv_allocator places the KV cache where a KV transport can reach it
-        (KVTransport.allocate_kv_cache); None: ordinary device memory.
+        (KVTransport.allocate_kv_cache); None: ordinary device memory. shared_kv: the
+        deployment's KV store, below the offload tiers (closed with the engine).
 
         With tensor_parallel_size > 1 this process is rank 0, the driver: it starts a
         follower process per other rank (engine/distributed). On CPU every rank's cache
@@ -70,7 +72,7 @@ class EngineCore:
         kv_allocator's; the files are removed once the followers have mapped them
         unless keep_cache_files (a transport maps them by name), else at close()."""
         self.config = config
-        parts = build_engine(config, kv_allocator, keep_cache_files)
+        parts = build_engine(config, kv_allocator, keep_cache_files, shared_kv)
         self._resources = parts.resources
         self._finalizer = weakref.finalize(self, parts.resources.close)
         self.model_config, self.shard, self.max_model_len = parts.model_config, parts.shard, parts.max_model_len
@@ -98,13 +100,11 @@ class EngineCore:
 
     @property
     def kv_cache_files(self) -> list[str]:
-        """The rank caches' files, kept for a transport to map (keep_cache_files)."""
-        return list(self._resources.files)
+        return list(self._resources.files)  # the rank caches', kept for a transport to map
 
     def close(self) -> None:
-        """Stop the follower ranks and remove the cache files (nothing at TP 1), and
-        the grammar compile threads. The engine is unusable afterwards; also run at
-        garbage collection and exit."""
+        """Stop the follower ranks, grammar threads and tiers; remove the cache files.
+        The engine is unusable afterwards; also run at garbage collection and exit."""
         self._finalizer()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -73,6 +73,8 @@ class RemoteKVQueues:
             return False
         if not kv.allocate_slots(request, num_new, hits):
             return False
+        if kv.tiers is not None:  # the blocks' ids leave for a writer that knows nothing of our stream
+            kv.tiers.settle()
         kv.count_query(request, hits)
         request.num_cached_tokens = len(hits) * kv.block_size
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV

@@ -28,6 +28,10 @@ class WorkerConfig:
     prefill_deadline_s: float = 30.0
     # decode: remote prefills in flight per prefill worker, beyond which it prefills here
     prefill_max_outstanding: int = 16
+    # The deployment's shared KV store (kv_store/): its address, None without one, and
+    # how long a fetch from it may take before the blocks are computed instead.
+    kv_store: str | None = None
+    kv_store_fetch_timeout_s: float = 1.0
 
     @property
     def secret(self) -> DeploymentSecret | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from engine.engine_core import EngineCore
+from kv_store import StoreClient
 from kv_transfer import KVTransport, create_transport
 from workers.config import WorkerConfig
 from workers.fault_injection import TEST_FAULTS_ENV, inject_test_faults
@@ -14,11 +15,15 @@ def engine_and_transport(config: WorkerConfig) -> tuple[EngineCore, KVTransport]
     """The worker's engine (its cache placed where the transport reaches it) and its
     transport (the cache registered, its control socket on config.host)."""
     transport = create_transport(config.transport, config.name, config.transport_config)
-    engine = None
+    engine = shared = None
     try:
+        if config.kv_store is not None:
+            shared = StoreClient(config.kv_store, config.secret, config.kv_store_fetch_timeout_s,
+                                 name=f"{config.name}-kv-store")
         # At TP > 1 on CPU the engine places each rank's cache in a file; the shm
         # transport's peers map those files by name, so they stay until close().
-        engine = EngineCore(config.engine, transport.allocate_kv_cache, keep_cache_files=config.transport == "shm")
+        engine = EngineCore(config.engine, transport.allocate_kv_cache, keep_cache_files=config.transport == "shm",
+                            shared_kv=shared)
         register_caches(transport, engine, config.engine.model)
     except BaseException:
         # A failed start (no model, no memory) must not leave its sockets, threads and
@@ -27,6 +32,8 @@ def engine_and_transport(config: WorkerConfig) -> tuple[EngineCore, KVTransport]
         transport.close()
         if engine is not None:
             engine.close()
+        elif shared is not None:  # the engine owns it once made
+            shared.close()
         raise
     if os.environ.get(TEST_FAULTS_ENV):
         inject_test_faults(config.name, engine, os.environ[TEST_FAULTS_ENV])

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "router_memory": "benchmarks.serving.router_memory",
     "protocol_codec": "benchmarks.serving.protocol_codec",
     "across_hosts": "benchmarks.serving.across_hosts",
+    "multi_turn": "benchmarks.serving.multi_turn",
 }
 
 if __name__ == "__main__":  # not when a spawned child imports this module as its main

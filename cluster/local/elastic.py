@@ -30,7 +30,7 @@ class LocalPools:
         with self.workers.lock:  # its name: never one the deployment used before
             self._check_running(role)
             index = self.workers.next_index(role)
-        new = spawn(self.config, role, index, self.workers.secret)
+        new = spawn(self.config, role, index, self.workers.secret, self.workers.store_address)
         try:
             with self.workers.lock:  # from now on a shutdown stops it too
                 self.workers.starting.append(new)

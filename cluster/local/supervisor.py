@@ -155,7 +155,7 @@ class LocalSupervisor:
 
     def _start(self, dead: Worker) -> bool:
         role = dead.role
-        new = spawn(self.config, role, dead.index, self.workers.secret)  # the deployment's, as before
+        new = spawn(self.config, role, dead.index, self.workers.secret, self.workers.store_address)  # the deployment's, as before
         with self._lock:
             self._starting[new.name] = new
         try:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeVar, cast
 from cluster import console
 from cluster.config import ClusterConfig
 from cluster.local.fork_server import ForkedProcess, in_environment, worker_context
+from cluster.local.kv_store import StoreProcess, start_store
 from cluster.peers import peers_messages
 from cluster.worker_configs import serve_worker, worker_config
 from engine.distributed.shm_files import sweep_orphans
@@ -67,6 +68,11 @@ class LocalWorkers:
     # too. Once `stopped`, none is added (cluster/local/elastic.py checks under the lock).
     starting: list[Worker] = field(default_factory=list)
     stopped: bool = False
+    store: StoreProcess | None = None  # the shared KV store (kv_store.enabled), stopped after the workers
+
+    @property
+    def store_address(self) -> str | None:
+        return self.store.address if self.store is not None else None
 
     def next_index(self, role: str) -> int:
         pool = self.decode if role == "decode" else self.prefill
@@ -111,6 +117,8 @@ class LocalWorkers:
             starting = list(self.starting)
         self.stop_supervising(timeout)  # first: a worker stopped now is not restarted
         stop_processes(self.all + starting, timeout)
+        if self.store is not None:
+            self.store.stop(timeout)
 
 
 def stop_processes(workers: list[Worker], timeout: float = 10.0) -> None:
@@ -130,13 +138,15 @@ def stop_processes(workers: list[Worker], timeout: float = 10.0) -> None:
     sweep_orphans()  # rank caches of a TP worker killed before it said ready
 
 
-def spawn(config: ClusterConfig, role: str, index: int, secret: DeploymentSecret | None) -> Worker:
+def spawn(config: ClusterConfig, role: str, index: int, secret: DeploymentSecret | None,
+          kv_store: str | None = None) -> Worker:
     """Start worker `index` of `role` ("decode" or "prefill") as a process, forked by the
     fork server. `secret` reaches it in its WorkerConfig, pickled into the process's
-    arguments (a pipe to the child, never its argv, environment or a file)."""
+    arguments (a pipe to the child, never its argv, environment or a file); kv_store:
+    the shared KV store's address, if the deployment has one."""
     ctx = worker_context()
     parent, child = ctx.Pipe()
-    worker = worker_config(config, role, index, secret=secret)
+    worker = worker_config(config, role, index, secret=secret, kv_store=kv_store)
     process = ctx.Process(target=in_environment, args=(dict(os.environ), serve_worker, worker, child),
                           name=f"pdserve-{role}-{index}", daemon=True)
     started = time.monotonic()
@@ -200,12 +210,21 @@ def start_workers(config: ClusterConfig, timeout: float = 180.0) -> LocalWorkers
     """Make the deployment's secret, spawn every worker with it, wait until each reports
     ready, then tell each its peers: decode workers get the prefill workers' addresses,
     prefill workers the decode workers' transport metadata; wait until each reports
-    serving (its handshakes made). Raises (after stopping what started) if any fails."""
+    serving (its handshakes made). With kv_store.enabled the shared KV store starts
+    first. Raises (after stopping what started) if any fails."""
     secret = DeploymentSecret.new()
-    workers = LocalWorkers(decode=[spawn(config, "decode", i, secret) for i in range(config.decode.replicas)],
-                           prefill=[spawn(config, "prefill", i, secret) for i in range(config.prefill.replicas)],
-                           secret=secret,
-                           indexes={"decode": config.decode.replicas, "prefill": config.prefill.replicas})
+    store = start_store(config, secret) if config.kv_store.enabled else None
+    address = store.address if store is not None else None
+    try:
+        workers = LocalWorkers(
+            decode=[spawn(config, "decode", i, secret, address) for i in range(config.decode.replicas)],
+            prefill=[spawn(config, "prefill", i, secret, address) for i in range(config.prefill.replicas)],
+            secret=secret, indexes={"decode": config.decode.replicas, "prefill": config.prefill.replicas},
+            store=store)
+    except BaseException:
+        if store is not None:
+            store.stop()
+        raise
     try:
         await_all_ready(workers.all, timeout)
         to_decode, to_prefill = peers_messages(workers.decode, workers.prefill)

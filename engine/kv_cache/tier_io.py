@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from engine.kv_cache.tier_store import DiskStore, HostStore, TierEntry
+from engine.kv_cache.shared_tier import SharedBlock, SharedTier
+from engine.kv_cache.tier_store import DiskStore, HostStore, TierEntry, bytes_of, split
+
+SHARED = "shared"  # a load source's tier name: the deployment's KV store (shared_tier.py)
 
 
 def checksum(pieces: Sequence[torch.Tensor | memoryview], seed: int) -> int:
@@ -38,11 +41,14 @@ class CorruptBlock(Exception):
 
 @dataclass(eq=False)
 class SealJob:
-    """Hash a block just copied into a host slot and write it through to a disk slot."""
+    """Hash a block just copied into a host slot and write it through to a disk slot;
+    or, with every host slot busy, copied into `staged` for the disk slot alone."""
 
-    entry: TierEntry
+    block: TierEntry  # which block (its hash, parent and tokens)
+    entry: TierEntry | None  # its host entry
     disk_entry: TierEntry | None
     copied: torch.cuda.Event | None  # on CUDA: the device-to-host copy is done once this is
+    staged: list[torch.Tensor] | None = None  # the block's pieces, when it has no host entry
     checksum: int | None = None
     error: str | None = None
 
@@ -59,6 +65,7 @@ class LoadJob:
     seconds: float = 0.0
     error: str | None = None
     bad: tuple[str, TierEntry] | None = None  # (tier, entry) whose bytes failed their checksum
+    missing: list[int] = field(default_factory=list)  # shared blocks the store did not bring
 
 
 class TierIO:
@@ -67,6 +74,8 @@ class TierIO:
     def __init__(self, caches: Sequence[torch.Tensor], host: HostStore, disk: DiskStore | None,
                  seed: int) -> None:
         self.caches, self.host, self.disk, self.seed = list(caches), host, disk, seed
+        self.shared: SharedTier | None = None
+        self._piece_bytes = [c[0].numel() * c.element_size() for c in self.caches]
         self._jobs: queue.PriorityQueue[tuple[int, int, SealJob | LoadJob | None]] = queue.PriorityQueue()
         self._order = itertools.count()
         self.done: queue.SimpleQueue[SealJob | LoadJob] = queue.SimpleQueue()
@@ -115,33 +124,68 @@ class TierIO:
     def _seal(self, job: SealJob) -> None:
         if job.copied is not None:
             job.copied.synchronize()
-        pieces = self.host.pieces(job.entry.slot)
+        pieces = job.staged if job.entry is None else self.host.pieces(job.entry.slot)
+        assert pieces is not None  # a seal without a host entry has its pieces staged
         job.checksum = checksum(pieces, self.seed)
         if job.disk_entry is not None:
             assert self.disk is not None  # a disk entry is made only with a disk tier
             self.disk.write(job.disk_entry.slot, pieces)
+        e = job.block
+        if self.shared is not None and not self.shared.holds(e.block_hash):
+            self.shared.put(SharedBlock(e.block_hash, e.parent_hash, e.token_ids, job.checksum,
+                                        b"".join(bytes_of(p) for p in pieces)))
 
     def _load(self, job: LoadJob) -> None:
         if job.ready is not None:
             assert self._stream is not None
             self._stream.wait_event(job.ready)
+        fetched = self._fetch(job)
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             for (tier, entry), block_id in zip(job.sources, job.block_ids):
-                if tier == "host":
-                    pieces: Sequence[torch.Tensor | memoryview] = self.host.pieces(entry.slot)
-                else:
-                    assert self.disk is not None
-                    pieces = self.disk.split(self.disk.read(entry.slot))
-                if checksum(pieces, self.seed) != entry.checksum:
+                try:
+                    self._load_one(job, tier, entry, block_id, fetched)
+                except Exception:
+                    # Whatever failed (its bytes, a disk read), the entry goes: the
+                    # request's retry computes this block instead of trying it again.
                     job.bad = (tier, entry)
-                    raise CorruptBlock(f"{tier} tier block {entry.block_hash:#x} (slot {entry.slot}) "
-                                       "does not match its checksum")
-                for cache, piece in zip(self.caches, pieces):
-                    src = piece if isinstance(piece, torch.Tensor) else _tensor(piece, cache)
-                    cache[block_id].copy_(src, non_blocking=self._stream is not None)
+                    raise
         if self._stream is not None:
             self._stream.synchronize()
         job.seconds = time.monotonic() - job.started
+
+    def _load_one(self, job: LoadJob, tier: str, entry: TierEntry, block_id: int,
+                  fetched: dict[int, SharedBlock]) -> None:
+        if tier == "host":
+            pieces: Sequence[torch.Tensor | memoryview] = self.host.pieces(entry.slot)
+        elif tier == SHARED:
+            block = fetched[entry.block_hash]
+            if block.parent_hash != entry.parent_hash or block.token_ids != entry.token_ids:
+                raise CorruptBlock(f"shared tier block {entry.block_hash:#x} holds other tokens")
+            entry.checksum = block.checksum
+            pieces = split(block.data, self._piece_bytes)
+        else:
+            assert self.disk is not None
+            pieces = split(self.disk.read(entry.slot), self._piece_bytes)
+        if checksum(pieces, self.seed) != entry.checksum:
+            raise CorruptBlock(f"{tier} tier block {entry.block_hash:#x} (slot {entry.slot}) "
+                               "does not match its checksum")
+        for cache, piece in zip(self.caches, pieces):
+            src = piece if isinstance(piece, torch.Tensor) else _tensor(piece, cache)
+            cache[block_id].copy_(src, non_blocking=self._stream is not None)
+
+    def _fetch(self, job: LoadJob) -> dict[int, SharedBlock]:
+        """The load's shared blocks, by hash, fetched in one round trip; all of them, or
+        the load fails with job.missing naming those the store did not bring."""
+        wanted = [e.block_hash for tier, e in job.sources if tier == SHARED]
+        if not wanted:
+            return {}
+        assert self.shared is not None  # a shared source is found only with a shared tier
+        job.missing = wanted  # until the store answers
+        got = self.shared.fetch(wanted)
+        job.missing = wanted[len(got):]
+        if job.missing:
+            raise CorruptBlock(f"the shared tier no longer holds {len(job.missing)} of {len(wanted)} blocks")
+        return {b.block_hash: b for b in got}
 
 
 def _tensor(data: memoryview, cache: torch.Tensor) -> torch.Tensor:

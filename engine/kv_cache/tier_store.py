@@ -129,8 +129,9 @@ class HostStore:
 class DiskStore:
     """The disk tier: one file of slots under the given directory, read and written with
     pread/pwrite (whole slots, so the file stays the pieces' bytes one after another).
-    The file is this engine's alone and removed at close: a restarted engine starts
-    with an empty disk tier."""
+    The file is this engine's alone, unlinked as soon as it is open (its space is
+    freed when the process closes it or dies): a restarted engine starts with an empty
+    disk tier."""
 
     def __init__(self, directory: str, block_shapes: Sequence[torch.Size], dtype: torch.dtype,
                  num_slots: int) -> None:
@@ -139,12 +140,15 @@ class DiskStore:
         self.slot_bytes = sum(self.piece_bytes)
         self.path = os.path.join(directory, f"pdserve-kv-{os.getpid()}-{os.urandom(4).hex()}.tier")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        # Unlinked at once: the space is this engine's only while it has the file open,
+        # so a worker killed (or ended by os._exit) leaves nothing behind in the directory.
+        os.unlink(self.path)
         os.ftruncate(self._fd, self.slot_bytes * num_slots)
 
     def write(self, slot: int, pieces: Sequence[torch.Tensor]) -> None:
         offset = slot * self.slot_bytes
         for piece in pieces:
-            data = _bytes_of(piece)
+            data = bytes_of(piece)
             if os.pwrite(self._fd, data, offset) != len(data):
                 raise OSError(f"short write to {self.path}")
             offset += len(data)
@@ -155,24 +159,23 @@ class DiskStore:
             raise OSError(f"short read from {self.path}: {len(data)} of {self.slot_bytes} bytes")
         return data
 
-    def split(self, data: bytes) -> list[memoryview]:
-        """A slot's bytes, as each rank's piece."""
-        view, out, start = memoryview(data), [], 0
-        for n in self.piece_bytes:
-            out.append(view[start:start + n])
-            start += n
-        return out
-
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
-def _bytes_of(piece: torch.Tensor) -> memoryview:
+def bytes_of(piece: torch.Tensor) -> memoryview:
     """A contiguous host tensor's bytes, without a copy."""
     return piece.view(torch.uint8).numpy().data.cast("B")
+
+
+def split(data: bytes | memoryview, piece_bytes: Sequence[int]) -> list[memoryview]:
+    """A block's bytes (each rank's piece, one after another), as each rank's piece."""
+    if len(data) != sum(piece_bytes):
+        raise ValueError(f"a block of {len(data)} bytes, not {sum(piece_bytes)}")
+    view, out, start = memoryview(data).cast("B"), [], 0
+    for n in piece_bytes:
+        out.append(view[start:start + n])
+        start += n
+    return out

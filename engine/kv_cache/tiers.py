@@ -28,17 +28,21 @@ import xxhash
 
 from engine.kv_cache import events
 from engine.kv_cache.block_pool import KVBlock
-from engine.kv_cache.tier_io import LoadJob, SealJob, TierIO
+from engine.kv_cache.shared_tier import SharedTier
+from engine.kv_cache.tier_io import SHARED, LoadJob, SealJob, TierIO
 from engine.kv_cache.tier_store import DiskStore, HostStore, SlotIndex, TierEntry
 
 logger = logging.getLogger(__name__)
 
 HOST, DISK = "host", "disk"
+# Blocks in staging memory (evicted while every host slot was busy) at most, on their way
+# to the shared store alone: beyond, one is dropped rather than memory growing.
+MAX_STAGED = 256
 
 
 @dataclass(frozen=True)
 class TierUsage:
-    name: str  # "host" or "disk"
+    name: str  # "host", "disk" or "shared"
     capacity_blocks: int
     used_blocks: int
     hits: int  # blocks loaded back from this tier so far
@@ -90,9 +94,19 @@ class KVTiers:
             disk_store = DiskStore(disk_dir, shapes, self.caches[0].dtype, disk_slots)
         self._disk_store = disk_store
         self.io = TierIO(self.caches, self._host_store, disk_store, xxhash.xxh3_64_intdigest(namespace.encode()))
+        self.shared: SharedTier | None = None
+        self._shared_hits = 0
+        self._last_copy: torch.cuda.Event | None = None  # CUDA: the latest offload's copy
+        self._staged = 0  # seals of blocks in staging memory (no host slot) not yet polled
         self.loads_in_flight = 0
         self._offloaded = self._loaded = self._loads = self._failed = self._dropped = 0
         self._load_seconds = 0.0
+
+    def attach_shared(self, shared: SharedTier) -> None:
+        """Put every sealed block to the deployment's KV store too, and look prefixes
+        up in it after this worker's own tiers (shared_tier.py); closed with the tiers."""
+        shared.open(self.io.seed)
+        self.shared = self.io.shared = shared
 
     @property
     def indexes(self) -> list[SlotIndex]:
@@ -103,25 +117,45 @@ class KVTiers:
         if self.host.touch(block.block_hash):
             return
         slot = self.host.take_slot()
-        if slot is None:
-            self._dropped += 1
-            return
-        for cache, piece in zip(self.caches, self._host_store.pieces(slot)):
-            piece.copy_(cache[block.block_id], non_blocking=self._cuda)
-        copied = None
-        if self._cuda:
-            copied = torch.cuda.Event()
-            copied.record()
-        entry = TierEntry(block.block_hash, block.parent_hash, block.token_ids, slot, pins=1)
-        self.host.add(entry)
         disk_entry = None
         if self.disk is not None and not self.disk.touch(block.block_hash):
             disk_slot = self.disk.take_slot()
             if disk_slot is not None:
                 disk_entry = TierEntry(block.block_hash, block.parent_hash, block.token_ids, disk_slot, pins=1)
                 self.disk.add(disk_entry)
-        self.io.submit(SealJob(entry, disk_entry, copied))
+        to_store = self.shared is not None and self._staged < MAX_STAGED
+        if slot is None and disk_entry is None and not to_store:
+            self._dropped += 1
+            return
+        # Every host slot busy (their seals not yet polled: one admission can evict more
+        # blocks than the host tier has): the block goes on to the disk tier and the
+        # shared store through staging memory of its own, freed once it is sealed.
+        staged = None if slot is not None else [torch.empty_like(p, pin_memory=self._cuda)
+                                                for p in self._host_store.pieces(0)]
+        targets = self._host_store.pieces(slot) if slot is not None else staged
+        assert targets is not None
+        for cache, piece in zip(self.caches, targets):
+            piece.copy_(cache[block.block_id], non_blocking=self._cuda)
+        copied = None
+        if self._cuda:
+            copied = self._last_copy = torch.cuda.Event()
+            copied.record()
+        self._staged += staged is not None
+        entry = None
+        if slot is not None:
+            entry = TierEntry(block.block_hash, block.parent_hash, block.token_ids, slot, pins=1)
+            self.host.add(entry)
+        key = TierEntry(block.block_hash, block.parent_hash, block.token_ids, slot=-1)
+        self.io.submit(SealJob(key, entry, disk_entry, copied, staged))
         self._offloaded += self.block_bytes
+
+    def settle(self) -> None:
+        """Wait until every block offloaded so far is copied out (CUDA: the copies run on
+        the step stream): before the blocks they came from may be written by something
+        not ordered after that stream, e.g. a remote prefill's KV write."""
+        if self._last_copy is not None:
+            self._last_copy.synchronize()
+            self._last_copy = None
 
     def lookup(self, parent_hash: int, blocks: Iterable[tuple[int, Sequence[int]]]) -> list[tuple[str, TierEntry]]:
         """The tier entries continuing a chain after `parent_hash`, for `blocks` (block
@@ -134,7 +168,9 @@ class KVTiers:
                     out.append((index.name, entry))
                     break
             else:
-                break
+                if self.shared is None or not self.shared.holds(block_hash):
+                    break
+                out.append((SHARED, TierEntry(block_hash, parent_hash, tuple(token_ids), slot=-1)))
             parent_hash = block_hash
         return out
 
@@ -147,7 +183,8 @@ class KVTiers:
 
     def unpin(self, sources: list[tuple[str, TierEntry]]) -> None:
         for tier, entry in sources:
-            self._index(tier).unpin(entry)
+            if tier != SHARED:  # a shared source holds no slot of ours
+                self._index(tier).unpin(entry)
 
     def load(self, request_id: str, sources: list[tuple[str, TierEntry]], block_ids: list[int]) -> None:
         """Copy `sources` (pinned) into `block_ids` (new blocks the request holds) on
@@ -171,12 +208,19 @@ class KVTiers:
             self.unpin(job.sources)
             if job.error is not None:
                 self._failed += 1
-                if job.bad is not None:
+                if job.bad is not None and job.bad[0] == SHARED:
+                    job.missing.append(job.bad[1].block_hash)
+                elif job.bad is not None:
                     self._index(job.bad[0]).drop(job.bad[1])
+                if job.missing and self.shared is not None:
+                    self.shared.forget(job.missing)
                 logger.warning("KV tier load for request %r failed, computing instead: %s", job.request_id, job.error)
             else:
                 for tier, _ in job.sources:
-                    self._index(tier).hits += 1
+                    if tier == SHARED:
+                        self._shared_hits += 1
+                    else:
+                        self._index(tier).hits += 1
                 self._loaded += len(job.sources) * self.block_bytes
                 self._loads += 1
                 self._load_seconds += job.seconds
@@ -184,6 +228,7 @@ class KVTiers:
         return results
 
     def _sealed(self, job: SealJob) -> None:
+        self._staged -= job.staged is not None
         for index, entry in ((self.host, job.entry), (self.disk, job.disk_entry)):
             if entry is None or index is None:
                 continue
@@ -194,7 +239,7 @@ class KVTiers:
             if job.error is not None:
                 index.drop(entry)
         if job.error is not None:
-            logger.warning("KV tier could not store block %#x: %s", job.entry.block_hash, job.error)
+            logger.warning("KV tier could not store block %#x: %s", job.block.block_hash, job.error)
 
     def _index(self, name: str) -> SlotIndex:
         if name == HOST:
@@ -203,11 +248,16 @@ class KVTiers:
         return self.disk
 
     def stats(self) -> OffloadStats:
-        return OffloadStats(tuple(TierUsage(i.name, i.num_slots, i.num_used, i.hits) for i in self.indexes),
+        usage = [TierUsage(i.name, i.num_slots, i.num_used, i.hits) for i in self.indexes]
+        if self.shared is not None:  # its capacity is the store's: 0 here
+            usage.append(TierUsage(SHARED, 0, self.shared.blocks(), self._shared_hits))
+        return OffloadStats(tuple(usage),
                             self._offloaded, self._loaded, self._loads, self._load_seconds, self._failed,
                             self._dropped)
 
     def close(self) -> None:
         self.io.close()
+        if self.shared is not None:
+            self.shared.close()
         if self._disk_store is not None:
             self._disk_store.close()

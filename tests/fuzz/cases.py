@@ -211,6 +211,12 @@ def make_pd_case(seed: int, transport: str, bounded_copies: bool = False,
                max_num_seqs=rng.choice((1, 2, 64)), enable_chunked_prefill=rng.random() < 0.85,
                enable_prefix_caching=rng.random() < 0.7,
                async_scheduling=async_sched if rng.random() < 0.8 else not async_sched)
+    tiers = random.Random(f"pd-tiers-{transport}-{seed}")  # its own stream: every other choice stays as it was
+    for options, least in ((dec, need), (pre, pneed)):
+        if options["enable_prefix_caching"] and tiers.random() < 0.5:
+            options.update(tier_options(tiers, bs))
+            if tiers.random() < 0.7:  # a pool of about one request: what it evicts comes back from a tier
+                options["num_kv_blocks"] = least + tiers.choice((0, 0, 1, 2))
     if rng.random() < 0.15:  # a small context on D: some requests end exactly at it
         dec["max_model_len"] = max(2, max(len(p) + m for p, m in zip(prompts, mts)) - rng.choice((0, 0, 1)))
     short = rng.random() < 0.5

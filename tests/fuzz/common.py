@@ -190,6 +190,10 @@ class OfflineCase:
     engine: dict[str, Any]  # EngineConfig options besides model
     mode: str  # "core": drive EngineCore.step; "llm": LLM.generate, the requests split over 1-3 calls
     requests: list[ReqSpec]
+    # "core" with tiers: the fuzz's shared KV store below them (tests/fuzz/shared_store.py),
+    # restarted empty at step store_restart if that is not None
+    shared_store: bool = False
+    store_restart: int | None = None
 
 
 @dataclass

@@ -10,6 +10,7 @@ from engine import LLM
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import Request
+from tests.fuzz import shared_store
 from tests.fuzz.cases import _fits
 from tests.fuzz.common import (
     Failure,
@@ -54,7 +55,8 @@ def _expect_fit(case: OfflineCase, spec: ReqSpec) -> bool:
 
 def _offline_core(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedResult,
                   wall_limit: float, stall_steps: int) -> None:
-    core = EngineCore(EngineConfig(model=model_dir, **case.engine))
+    shared = shared_store.client() if case.shared_store else None
+    core = EngineCore(EngineConfig(model=model_dir, **case.engine), shared_kv=shared)
     try:  # a TP engine's followers are processes: stopped whatever happens
         _drive_core(case, core, oracle, res, time.monotonic(), wall_limit, stall_steps)
     finally:
@@ -76,6 +78,8 @@ def _drive_core(case: OfflineCase, core: EngineCore, oracle: Oracle, res: SeedRe
     max_steps = 40 * sum(len(s.prompt) + s.max_tokens for s in specs) + 200
     i = 0
     while i < len(specs) or core.has_unfinished():
+        if step == case.store_restart:
+            shared_store.restart()
         for rid in aborts.pop(step, []):
             entry = live.pop(rid, None)
             if entry is None:
@@ -134,7 +138,10 @@ def _drive_core(case: OfflineCase, core: EngineCore, oracle: Oracle, res: SeedRe
     res.stats["preemptions"] = core.scheduler.num_preemptions
     res.stats["cache_hits"] = core.kv.pool.num_cache_hits
     if core.kv.tiers is not None:
-        res.stats["tier_loads"] = core.kv.tiers.stats().loads
+        stats = core.kv.tiers.stats()
+        res.stats["tier_loads"] = stats.loads
+        res.stats["shared_hits"] = sum(t.hits for t in stats.tiers if t.name == "shared")
+        res.stats["failed_loads"] = stats.failed_loads
 
 
 def _check_quiescent(seed: int, core: EngineCore, failures: list[Failure], who: str = "") -> None:

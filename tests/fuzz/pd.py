@@ -365,4 +365,5 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, wall_limi
                      late_writes_dropped=t_dec.stats["late_writes_dropped"], expired=t_dec.stats["expired"],
                      p_failed=pre.stats["failed"], preemptions=dec_engine.scheduler.num_preemptions,
                      late_landings=len(late), overwritten=t_dec.stats.get("overwritten", 0),
-                     overwritten_in_use=t_dec.stats.get("overwritten_in_use", 0))
+                     overwritten_in_use=t_dec.stats.get("overwritten_in_use", 0),
+                     tier_loads=sum(e.kv.tiers.stats().loads for e in (dec_engine, pre_engine) if e.kv.tiers is not None))

@@ -14,6 +14,7 @@ from cluster.autoscale.config import AutoscaleConfig, DecodeBounds, PrefillBound
 from cluster.config import (
     ROLE_FIELDS,
     ClusterConfig,
+    KVStoreConfig,
     LocalConfig,
     PoolConfig,
     RayConfig,
@@ -32,7 +33,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 SECTIONS: list[tuple[type, str]] = [
     (ClusterConfig, ""), (RouterConfig, "router."), (PoolConfig, "prefill."), (PoolConfig, "decode."),
     (EngineConfig, "<pool>.engine."), (RayConfig, "ray."), (RayPoolConfig, "ray.<pool>."),
-    (TransportOptions, "transport_options."), (LocalConfig, "local."),
+    (TransportOptions, "transport_options."), (LocalConfig, "local."), (KVStoreConfig, "kv_store."),
     (SpeculativeConfig, "<pool>.engine.speculative_config."), (AutoscaleConfig, "autoscale."),
     (PrefillBounds, "autoscale.prefill."), (DecodeBounds, "autoscale.decode."),
 ]

@@ -6,6 +6,7 @@ nothing; and the index's LRU and pins."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -16,7 +17,7 @@ import pytest
 from engine import LLM
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.kv_cache import tier_io
+from engine.kv_cache import tier_io, tier_store
 from engine.kv_cache.events import DISK, HOST, KVEvents
 from engine.kv_cache.tier_store import SlotIndex, TierEntry
 from engine.kv_cache.tiers import KVTiers
@@ -105,8 +106,9 @@ def test_disk_tier_under_a_tiny_host_tier(llama_dir: Path, expected, tmp_path: P
     llm = LLM(str(llama_dir), num_kv_blocks=12, kv_offload_gib=gib(2.5), kv_offload_dir=str(tmp_path),
               kv_offload_disk_gib=gib(200))
     try:
-        files = list(tmp_path.iterdir())
-        assert len(files) == 1 and files[0].stat().st_size == 200 * BLOCK_BYTES
+        # The file is unlinked once open (a killed worker leaves nothing), sized for 200 blocks.
+        assert list(tmp_path.iterdir()) == []
+        assert os.fstat(llm.core.kv.tiers._disk_store._fd).st_size == 200 * BLOCK_BYTES
         tokens, _ = run_chat(llm, chat_turns())
         host, disk = llm.stats().offload.tiers
     finally:
@@ -114,7 +116,6 @@ def test_disk_tier_under_a_tiny_host_tier(llama_dir: Path, expected, tmp_path: P
     assert tokens == expected[0]
     assert (host.name, host.capacity_blocks, disk.name, disk.capacity_blocks) == ("host", 2, "disk", 200)
     assert disk.hits > 0 and disk.used_blocks > host.used_blocks
-    assert list(tmp_path.iterdir()) == []  # the engine's file goes with it
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
@@ -134,11 +135,8 @@ def test_changed_bytes_are_refused_and_computed_again(llama_dir: Path, expected,
                 io.host.buffers[0][entry.slot].view(-1)[7] += 1.0
             else:
                 assert io.disk is not None
-                with open(io.disk.path, "r+b") as f:
-                    f.seek(entry.slot * io.disk.slot_bytes + 5)
-                    byte = f.read(1)
-                    f.seek(entry.slot * io.disk.slot_bytes + 5)
-                    f.write(bytes([byte[0] ^ 0x40]))
+                at = entry.slot * io.disk.slot_bytes + 5  # the file is unlinked: through its descriptor
+                os.pwrite(io.disk._fd, bytes([os.pread(io.disk._fd, 1, at)[0] ^ 0x40]), at)
             flipped.append(entry.slot)
         original(io, job)
 
@@ -152,6 +150,47 @@ def test_changed_bytes_are_refused_and_computed_again(llama_dir: Path, expected,
     assert flipped, "no load read the tier"
     assert tokens == expected[0]  # each refused load computed its prefix instead
     assert stats is not None and stats.failed_loads == len(flipped), stats
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_that_fails_every_read_costs_only_time(llama_dir: Path, expected, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An I/O error (no checksum involved) drops the entry like a bad checksum does: the
+    request computes that block on its retry instead of loading it again forever."""
+    def failing_read(store: tier_store.DiskStore, slot: int) -> bytes:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(tier_store.DiskStore, "read", failing_read)
+    llm = LLM(str(llama_dir), num_kv_blocks=12, kv_offload_gib=gib(2.5), kv_offload_dir=str(tmp_path),
+              kv_offload_disk_gib=gib(200))
+    try:
+        tokens, _ = run_chat(llm, chat_turns())
+        stats = llm.stats().offload
+    finally:
+        llm.core.close()
+    assert tokens == expected[0]
+    assert stats.failed_loads > 0 and stats.tiers[1].hits == 0
+    # each failure drops the entry it read: at most one per block ever offloaded
+    assert stats.failed_loads <= stats.offloaded_bytes // BLOCK_BYTES, stats
+
+
+def test_a_burst_of_evictions_reaches_the_disk_tier(llama_dir: Path, tmp_path: Path) -> None:
+    """One admission evicts more blocks than the host tier has slots (their seals not yet
+    polled): those go to the disk tier through staging memory, not dropped."""
+    rng = random.Random(1)
+    a, b = ([rng.randrange(5, 300) for _ in range(30 * 16 + 3)] for _ in range(2))
+    llm = LLM(str(llama_dir), num_kv_blocks=40, max_num_batched_tokens=1024, kv_offload_gib=gib(4),
+              kv_offload_dir=str(tmp_path), kv_offload_disk_gib=gib(200))
+    try:
+        want = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in (a, b)]  # b evicts a
+        drain(llm.core.kv.tiers)
+        stats = llm.stats().offload
+        again = llm.generate([a], GREEDY, use_tqdm=False)[0]
+    finally:
+        llm.core.close()
+    offloaded = stats.offloaded_bytes // BLOCK_BYTES  # b evicts about 20 of a's 30 full blocks
+    assert offloaded > 16 and stats.dropped_blocks == 0 and stats.tiers[1].used_blocks == offloaded, stats
+    assert again.token_ids == want[0] and again.num_cached_tokens == 30 * 16, again.num_cached_tokens
 
 
 def test_a_checksum_from_another_configuration_never_passes(llama_dir: Path) -> None:

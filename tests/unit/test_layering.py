@@ -20,12 +20,13 @@ ALLOWED: dict[str, set[str]] = {
     "protocol": {"engine"},  # Generate carries engine.sampling_params.SamplingParams
     "security": set(),
     "kv_transfer": {"protocol", "security"},  # its control messages are protocol/kv_control.py's
-    "workers": {"engine", "kv_transfer", "protocol", "security"},
+    "kv_store": {"engine", "protocol", "security"},  # the client is the engine's SharedTier
+    "workers": {"engine", "kv_transfer", "kv_store", "protocol", "security"},
     "decode_worker": {"engine", "kv_transfer", "protocol", "security", "workers"},
     "prefill_worker": {"engine", "kv_transfer", "protocol", "security", "workers"},
     "router": {"engine", "protocol", "security"},
-    "cluster": {"engine", "kv_transfer", "protocol", "security", "workers", "decode_worker", "prefill_worker",
-                "router"},
+    "cluster": {"engine", "kv_transfer", "kv_store", "protocol", "security", "workers", "decode_worker",
+                "prefill_worker", "router"},
 }
 
 

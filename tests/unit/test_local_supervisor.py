@@ -53,7 +53,7 @@ class Harness:
 
         self.secrets: list[DeploymentSecret | None] = []  # each start's
 
-        def spawn(config, role: str, index: int, secret: DeploymentSecret | None) -> Worker:
+        def spawn(config, role: str, index: int, secret: DeploymentSecret | None, kv_store: str | None = None) -> Worker:
             w = Worker(f"{role}-{index}", Process(), Control())
             self.spawned.append(w)
             self.secrets.append(secret)

@@ -1,0 +1,163 @@
+"""A worker's side of the shared KV store (kv_store/server.py): the engine's SharedTier
+(engine/kv_cache/shared_tier.py).
+
+Two sockets, each used by one thread only: the tiers' I/O thread puts and fetches blocks
+on one (fetch waits for its answer up to fetch_timeout_s); a thread of the client's own
+keeps the copy of the store's directory on the other, asking for the changes every
+sync_interval_s. While the store does not answer, the copy is empty, so no lookup
+finds a block there and nothing waits on it: the workers compute instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from engine.kv_cache.shared_tier import SharedBlock, StoreUnavailable
+from protocol import MessageError, encode
+from protocol.kv_store import (
+    KV_STORE_MESSAGES,
+    StoreBlocks,
+    StoredBlock,
+    StoreDirectory,
+    StoreFetch,
+    StorePut,
+    StoreSync,
+)
+from security import DeploymentSecret, connect_securely
+
+logger = logging.getLogger(__name__)
+
+SEND_QUEUE = 64  # puts queued toward the store at most; beyond, a put is dropped
+
+
+class StoreClient:
+    def __init__(self, address: str, secret: DeploymentSecret | None, fetch_timeout_s: float = 1.0,
+                 sync_interval_s: float = 0.2, name: str = "kv-store-client") -> None:
+        self.address, self.fetch_timeout_s, self.sync_interval_s = address, fetch_timeout_s, sync_interval_s
+        self._secret, self._name = secret, name
+        self._ctx = zmq.Context()
+        self._namespace: int | None = None
+        self._held: set[int] = set()
+        self._version = 0
+        self._lock = threading.Lock()  # _held and _version: the sync thread writes, the engine's reads
+        self._seq = itertools.count(1)
+        self._io_sock: zmq.Socket | None = None  # made by the I/O thread, its only user
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sync_loop, name=f"{name}-sync", daemon=True)
+        self.puts = self.dropped_puts = self.fetches = self.failed_fetches = 0
+
+    def open(self, namespace: int) -> None:
+        self._namespace = namespace
+        self._thread.start()
+
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._held  # a set's lookup is atomic under the GIL
+
+    def blocks(self) -> int:
+        return len(self._held)
+
+    def forget(self, hashes: Sequence[int]) -> None:
+        with self._lock:
+            self._held.difference_update(hashes)
+
+    def put(self, block: SharedBlock) -> None:
+        assert self._namespace is not None
+        msg = StorePut(namespace=self._namespace, block=StoredBlock(
+            block_hash=block.block_hash, parent_hash=block.parent_hash, token_ids=list(block.token_ids),
+            checksum=block.checksum))
+        try:
+            self._socket().send_multipart([encode(msg), block.data], flags=zmq.NOBLOCK, copy=False)
+            self.puts += 1
+        except zmq.Again:  # the store is slow or gone: a tier is a cache
+            self.dropped_puts += 1
+
+    def fetch(self, hashes: Sequence[int]) -> list[SharedBlock]:
+        assert self._namespace is not None
+        self.fetches += 1
+        sock, seq = self._socket(), next(self._seq)
+        sock.send(encode(StoreFetch(seq=seq, namespace=self._namespace, hashes=list(hashes))), flags=zmq.NOBLOCK)
+        frames = _answer(sock, seq, StoreBlocks, self.fetch_timeout_s)
+        if frames is None:
+            self.failed_fetches += 1
+            raise StoreUnavailable(f"the KV store at {self.address} did not answer a fetch "
+                                   f"in {self.fetch_timeout_s:g} s")
+        msg, data = frames
+        if len(data) != len(msg.blocks) or len(msg.blocks) > len(hashes) or any(
+                b.block_hash != h for b, h in zip(msg.blocks, hashes)):
+            raise MessageError("store_blocks does not answer the fetch (blocks, hashes or frames differ)")
+        return [SharedBlock(b.block_hash, b.parent_hash, tuple(b.token_ids), b.checksum, d)
+                for b, d in zip(msg.blocks, data)]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._ctx.destroy(linger=0)  # the I/O thread's socket too: the tiers close after it stops
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        if self._secret is not None:
+            connect_securely(sock, self._secret)
+        sock.connect(self.address)
+        return sock
+
+    def _socket(self) -> zmq.Socket:
+        if self._io_sock is None:
+            self._io_sock = self._connect()
+        return self._io_sock
+
+    def _sync_loop(self) -> None:
+        sock = self._connect()
+        assert self._namespace is not None
+        while not self._stop.wait(self.sync_interval_s):
+            seq = next(self._seq)
+            try:
+                sock.send(encode(StoreSync(seq=seq, namespace=self._namespace, since=self._version)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            frames = _answer(sock, seq, StoreDirectory, max(1.0, 4 * self.sync_interval_s))
+            if frames is None:
+                if self._version or self._held:
+                    logger.warning("%s: the KV store at %s does not answer: its blocks are not looked up "
+                                   "until it does", self._name, self.address)
+                with self._lock:  # nothing waits on a store that is gone; a fresh copy once it is back
+                    self._held, self._version = set(), 0
+                sock.close(0)
+                sock = self._connect()  # a fresh connection drops what was queued toward it
+                continue
+            directory = frames[0]
+            with self._lock:
+                if directory.reset:
+                    self._held = set(directory.added)
+                else:
+                    self._held.update(directory.added)
+                    self._held.difference_update(directory.removed)
+                self._version = directory.version
+        sock.close(0)
+
+
+def _answer(sock: zmq.Socket, seq: int, kind: type, timeout_s: float) -> tuple | None:
+    """The answer `seq` of type `kind` and its data frames, or None after timeout_s
+    (answers to calls given up on, and anything else, are dropped on the way)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if not sock.poll(int(left * 1000) + 1):
+            return None
+        frames = sock.recv_multipart(copy=False)
+        try:
+            msg = KV_STORE_MESSAGES.decode(frames[0].bytes)
+        except MessageError as exc:
+            logger.warning("the KV store sent a message we refuse: %s", exc)
+            continue
+        if isinstance(msg, kind) and getattr(msg, "seq", None) == seq:
+            return msg, [f.buffer for f in frames[1:]]
+    return None
+

@@ -1,0 +1,200 @@
+"""The shared KV store: KV blocks that every worker of a deployment writes to and reads
+from, so that a prefix one worker computed is loaded by another instead of computed.
+
+One ZMQ ROUTER, CURVE behind a PlaneGuard when the deployment has a secret (only its
+workers get a message through), serving protocol/kv_store.py's messages from one thread.
+Blocks are kept in memory up to a capacity, least recently used evicted first (a fetch
+or a put of a held block makes it most recently used). Every block added or evicted is
+logged with a version number per namespace, so that a worker keeps a copy of the
+directory (which blocks are here) and looks a prefix up without asking: StoreSync
+answers the changes since the version the worker has, or everything held when the log
+no longer reaches back that far.
+
+The store is a cache: losing it, or any block in it, costs the workers only the time to
+compute again; a worker never waits on it for longer than its fetch timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from protocol import MessageError, encode
+from protocol.kv_store import (
+    KV_STORE_MESSAGES,
+    StoreBlocks,
+    StoredBlock,
+    StoreDirectory,
+    StoreFetch,
+    StorePut,
+    StoreSync,
+)
+from security import DeploymentSecret, PlaneGuard, serve_securely
+from security.refusals import RefusalLog
+
+logger = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 256 << 20  # one KV block of a large model is a few MiB
+LOG_LENGTH = 1 << 16  # directory changes kept per namespace, for StoreSync
+POLL_MS = 100  # how often the serving thread looks at its stop flag
+
+
+@dataclass
+class _Namespace:
+    block_bytes: int  # every block of one configuration has the same size
+    held: set[int] = field(default_factory=set)
+    log: deque[tuple[int, int, bool]] = field(default_factory=lambda: deque(maxlen=LOG_LENGTH))  # (version, hash, added)
+
+
+class KVStore:
+    """The blocks, their LRU order and the directory log: no sockets (StoreServer serves it)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.version = 0
+        self._blocks: OrderedDict[tuple[int, int], tuple[StoredBlock, bytes]] = OrderedDict()
+        self._spaces: dict[int, _Namespace] = {}
+        self.puts = self.fetches = self.hits = self.evicted = 0
+
+    def put(self, namespace: int, block: StoredBlock, data: bytes) -> str | None:
+        """Keep the block (the least recently used go to make room); a reason if refused."""
+        space = self._spaces.get(namespace)
+        if space is not None and len(data) != space.block_bytes:
+            return f"a block of {len(data)} bytes in a namespace of {space.block_bytes}-byte blocks"
+        if len(data) == 0 or len(data) > self.capacity_bytes:
+            return f"a block of {len(data)} bytes (capacity {self.capacity_bytes})"
+        self.puts += 1
+        key = (namespace, block.block_hash)
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return None
+        while self.used_bytes + len(data) > self.capacity_bytes:
+            (old_space, old_hash), (_, old_data) = self._blocks.popitem(last=False)
+            self.used_bytes -= len(old_data)
+            self.evicted += 1
+            self._changed(old_space, old_hash, added=False)
+        if space is None:
+            space = self._spaces[namespace] = _Namespace(len(data))
+        self._blocks[key] = (block, data)
+        self.used_bytes += len(data)
+        self._changed(namespace, block.block_hash, added=True)
+        return None
+
+    def fetch(self, namespace: int, hashes: list[int]) -> list[tuple[StoredBlock, bytes]]:
+        """The chain's first blocks held here, in order."""
+        self.fetches += 1
+        out = []
+        for block_hash in hashes:
+            found = self._blocks.get((namespace, block_hash))
+            if found is None:
+                break
+            self._blocks.move_to_end((namespace, block_hash))
+            out.append(found)
+        self.hits += len(out)
+        return out
+
+    def changes(self, namespace: int, since: int) -> tuple[bool, list[int], list[int]]:
+        """(reset, added, removed) in `namespace` after version `since`."""
+        space = self._spaces.get(namespace)
+        if since > self.version:  # a version of an earlier store (this one restarted)
+            return True, sorted(space.held) if space is not None else [], []
+        if space is None or since == self.version:
+            return False, [], []
+        if since == 0 or not space.log or space.log[0][0] > since + 1:
+            return True, sorted(space.held), []
+        added: dict[int, bool] = {}
+        for version, block_hash, was_added in space.log:
+            if version > since:
+                added[block_hash] = was_added  # the last change of a block is what holds
+        return False, [h for h, a in added.items() if a], [h for h, a in added.items() if not a]
+
+    def _changed(self, namespace: int, block_hash: int, added: bool) -> None:
+        self.version += 1
+        space = self._spaces[namespace]
+        (space.held.add if added else space.held.discard)(block_hash)
+        space.log.append((self.version, block_hash, added))
+
+
+class StoreServer:
+    """A KVStore served on `host` (port 0: any free one) by a thread of its own."""
+
+    def __init__(self, capacity_bytes: int, host: str, port: int = 0, secret: DeploymentSecret | None = None,
+                 name: str = "kv-store") -> None:
+        self.store = KVStore(capacity_bytes)
+        self._ctx = zmq.Context()
+        self._guard = PlaneGuard(self._ctx, secret, name) if secret is not None else None  # before the bind
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        if secret is not None:
+            serve_securely(self._sock, secret)
+        if port == 0:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            self._sock.bind(f"tcp://{host}:{port}")
+        self.address = f"tcp://{host}:{port}"
+        if self._guard is not None:
+            self._guard.watch(self._sock)
+            self._guard.start()
+        self._refusals = RefusalLog(logger)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @property
+    def refused(self) -> int:
+        """Peers refused by the guard, and messages refused by the store."""
+        return (self._guard.refused if self._guard is not None else 0) + self._refusals.count
+
+    def start(self) -> StoreServer:
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._run()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if self._guard is not None:
+            self._guard.close()
+        self._ctx.destroy(linger=0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(POLL_MS):
+                continue
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                self._handle(frames[0].bytes, [f.buffer for f in frames[1:]])
+            except MessageError as exc:
+                self._refusals.refused("kv store: refused a message: %s", str(exc))
+
+    def _handle(self, peer: bytes, frames: list[memoryview]) -> None:
+        if not frames:
+            raise MessageError("an empty message")
+        msg = KV_STORE_MESSAGES.decode(bytes(frames[0]))
+        data = frames[1:]
+        if isinstance(msg, StorePut):
+            if len(data) != 1:
+                raise MessageError(f"store_put with {len(data)} data frames, not 1", msg.kind)
+            reason = self.store.put(msg.namespace, msg.block, bytes(data[0]))
+            if reason is not None:
+                raise MessageError(f"store_put refused: {reason}", msg.kind)
+        elif isinstance(msg, StoreFetch):
+            found = self.store.fetch(msg.namespace, msg.hashes)
+            self._sock.send_multipart([peer, encode(StoreBlocks(seq=msg.seq, blocks=[b for b, _ in found])),
+                                       *(data for _, data in found)], copy=False)
+        elif isinstance(msg, StoreSync):
+            reset, added, removed = self.store.changes(msg.namespace, msg.since)
+            self._sock.send_multipart([peer, encode(StoreDirectory(seq=msg.seq, version=self.store.version,
+                                                                   reset=reset, added=added, removed=removed))])
+        else:
+            raise MessageError(f"{msg.kind} is not a request to the store", msg.kind)

@@ -1,0 +1,220 @@
+"""The shared KV store (kv_store/) below the offload tiers: a prefix one engine computed
+and evicted is loaded by another engine from the store, with the tokens a roomy engine
+computes; a store that is gone, or bytes changed in it, cost only time (the engine
+computes); only the deployment's clients get through; and the store's LRU, capacity and
+directory log."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.kv_cache.shared_tier import SharedBlock, StoreUnavailable
+from engine.sampling_params import SamplingParams
+from kv_store import KVStore, StoreClient, StoreServer
+from protocol import encode
+from protocol.kv_store import StoredBlock, StoreSync
+from security import DeploymentSecret
+from tests.unit.test_kv_tiers import chat_turns, drain, gib
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+def generate(core: EngineCore, prompts: list[list[int]], tag: str) -> tuple[list[list[int]], list[int]]:
+    """Each prompt to its end, one after another: (tokens, cached tokens)."""
+    tokens, cached = [], []
+    for i, prompt in enumerate(prompts):
+        request = core.add_request(f"{tag}{i}", prompt, GREEDY)
+        deadline = time.monotonic() + 60
+        while core.has_unfinished():
+            assert time.monotonic() < deadline, "the engine did not finish"
+            core.step()
+        tokens.append(list(request.output_token_ids))
+        cached.append(request.num_cached_tokens)
+    return tokens, cached
+
+
+def engine(llama_dir: Path, shared: StoreClient | None, blocks: int = 8) -> EngineCore:
+    config = EngineConfig.from_options(str(llama_dir), num_kv_blocks=blocks, kv_offload_gib=gib(32))
+    return EngineCore(config, shared_kv=shared)
+
+
+def wait_for(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def settle(core: EngineCore, server: StoreServer) -> None:
+    """Every block the engine offloaded is sealed and in the store."""
+    drain(core.kv.tiers)
+    wait_for(lambda: server.store.puts >= core.kv.tiers.shared.puts > 0, "the engine's puts did not land")
+
+
+@pytest.fixture
+def server():
+    s = StoreServer(64 << 20, "127.0.0.1").start()
+    yield s
+    s.stop()
+
+
+def test_a_prefix_computed_by_one_engine_is_loaded_by_another(llama_dir: Path, server) -> None:
+    """Engine B, which never saw the prompts (its own tiers are empty), loads the
+    prefixes engine A computed and evicted from the store."""
+    prompts = chat_turns(num_convs=4, num_turns=1)[0]
+    roomy = EngineCore(EngineConfig.from_options(str(llama_dir), num_kv_blocks=200))
+    try:
+        want, _ = generate(roomy, prompts, "r")
+    finally:
+        roomy.close()
+    a = engine(llama_dir, StoreClient(server.address, None))
+    try:
+        got, _ = generate(a, prompts, "a")
+        assert got == want
+        generate(a, [[7] * 120], "flush")  # evicts the last prompt's blocks too
+        settle(a, server)
+    finally:
+        a.close()
+    b_client = StoreClient(server.address, None)
+    b = engine(llama_dir, b_client)
+    try:
+        wait_for(lambda: b_client.blocks() > 0, "engine B's directory stayed empty")
+        got, cached = generate(b, prompts, "b")
+        stats = b.stats().offload
+    finally:
+        b.close()
+    assert got == want
+    shared = {t.name: t for t in stats.tiers}["shared"]
+    assert shared.hits > 0 and sum(cached) >= shared.hits * 16, (shared, cached)
+    assert stats.failed_loads == 0
+
+
+def test_a_store_that_is_gone_costs_only_time(llama_dir: Path, server) -> None:
+    prompts = chat_turns(num_convs=3, num_turns=1)[0]
+    a = engine(llama_dir, StoreClient(server.address, None))
+    try:
+        want, _ = generate(a, prompts + [[7] * 120], "a")
+        settle(a, server)
+    finally:
+        a.close()
+    client = StoreClient(server.address, None, fetch_timeout_s=0.3)
+    b = engine(llama_dir, client)
+    try:
+        wait_for(lambda: client.blocks() > 0, "the directory stayed empty")
+        server.stop()  # the store dies with B's directory of it still full
+        got, _ = generate(b, prompts, "b")
+        assert got == want[:-1]
+        failed = b.stats().offload.failed_loads
+        assert failed > 0  # B tried, waited at most the fetch timeout, and computed
+        wait_for(lambda: client.blocks() == 0, "the directory outlived the store", timeout=15)
+        assert generate(b, prompts, "later")[0] == want[:-1]
+    finally:
+        b.close()
+
+
+def test_bytes_changed_in_the_store_are_refused(llama_dir: Path, server) -> None:
+    prompts = chat_turns(num_convs=3, num_turns=1)[0]
+    a = engine(llama_dir, StoreClient(server.address, None))
+    try:
+        want, _ = generate(a, prompts + [[7] * 120], "a")
+        settle(a, server)
+    finally:
+        a.close()
+    for key, (block, data) in list(server.store._blocks.items()):
+        server.store._blocks[key] = (block, bytes(len(data)))  # zeros, the same size
+    b = engine(llama_dir, StoreClient(server.address, None))
+    try:
+        wait_for(lambda: b.kv.tiers.shared.blocks() > 0, "engine B's directory stayed empty")
+        got, _ = generate(b, prompts, "b")
+        stats = b.stats().offload
+    finally:
+        b.close()
+    assert got == want[:-1]
+    assert stats.failed_loads > 0 and {t.name: t for t in stats.tiers}["shared"].hits == 0
+
+
+def test_only_the_deployments_clients_get_through(llama_dir: Path) -> None:
+    secret, other = DeploymentSecret.new(), DeploymentSecret.new()
+    s = StoreServer(1 << 20, "127.0.0.1", secret=secret).start()
+    ours, theirs = StoreClient(s.address, secret), StoreClient(s.address, other, fetch_timeout_s=0.3)
+    try:
+        for c in (ours, theirs):
+            c.open(5)
+        block = SharedBlock(11, 0, (1, 2), 99, b"x" * 64)
+        theirs.put(block)
+        with pytest.raises(StoreUnavailable):
+            theirs.fetch([11])
+        assert s.store.used_bytes == 0
+        ours.put(block)
+        wait_for(lambda: ours.fetch([11]) != [], "our put did not land")
+        assert bytes(ours.fetch([11])[0].data) == block.data
+        wait_for(lambda: s.refused > 0, "the stranger was not refused")
+    finally:
+        ours.close()
+        theirs.close()
+        s.stop()
+
+
+def test_the_store_refuses_bad_messages_and_keeps_serving(server) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        sock.send(b"\x81\xa4kind\xa4nope")  # not one of the store's messages
+        sock.send_multipart([encode(StoreSync(seq=1, namespace=1, since=0)), b"extra"])  # answered anyway
+        assert sock.poll(5000)
+        wait_for(lambda: server.refused >= 1, "the bad message was not counted")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_store_lru_capacity_and_directory_log() -> None:
+    store = KVStore(capacity_bytes=3 * 10)
+
+    def put(h: int, ns: int = 1) -> str | None:
+        return store.put(ns, StoredBlock(block_hash=h, parent_hash=0, token_ids=[h], checksum=0), bytes(10))
+
+    for h in (1, 2, 3):
+        assert put(h) is None
+    assert [b.block_hash for b, _ in store.fetch(1, [1, 2, 9, 3])] == [1, 2]  # a chain stops at a miss
+    put(4)  # evicts 3, the least recently used
+    assert store.changes(1, 0) == (True, [1, 2, 4], [])
+    v = store.version
+    put(5)  # evicts 1
+    assert store.changes(1, v) == (False, [5], [1])
+    assert store.changes(1, store.version) == (False, [], [])
+    assert store.changes(1, store.version + 7)[0]  # a version from before a restart: start over
+    assert "bytes" in store.put(1, StoredBlock(block_hash=6, parent_hash=0, token_ids=[], checksum=0), bytes(9))
+    assert store.changes(2, 0) == (False, [], [])  # another namespace sees none of it
+
+
+def test_blocks_the_store_lost_since_the_last_sync_are_computed_and_forgotten(llama_dir: Path, server) -> None:
+    prompts = chat_turns(num_convs=3, num_turns=1)[0]
+    a = engine(llama_dir, StoreClient(server.address, None))
+    try:
+        want, _ = generate(a, prompts + [[7] * 120], "a")
+        settle(a, server)
+    finally:
+        a.close()
+    client = StoreClient(server.address, None, sync_interval_s=30.0)  # one sync, then none in the test's time
+    b = engine(llama_dir, client)
+    try:
+        _, added, _ = server.store.changes(b.kv.tiers.io.seed, 0)
+        client._held = set(added)  # the directory as a sync just brought it
+        server.store._blocks.clear()  # then the store lost them all (as a restart would)
+        got, _ = generate(b, prompts, "b")
+        stats = b.stats().offload
+    finally:
+        b.close()
+    assert got == want[:-1]
+    assert stats.failed_loads > 0 and {t.name: t for t in stats.tiers}["shared"].hits == 0
+    assert len(client._held) < len(added)  # what a fetch missed is not looked for again
