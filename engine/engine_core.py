@@ -249,11 +249,11 @@ class EngineCore:
         max_per_block per KV block (of every tier) between two takes; beyond that they
         are dropped (nobody is taking them) and the next take says so."""
         if self._kv_events is None:
-            indexes = self.kv.tiers.indexes if self.kv.tiers is not None else []
-            self._kv_events = KVEvents(max_per_block * (self.kv.pool.num_blocks + sum(i.num_slots for i in indexes)))
+            slots = sum(i.num_slots for i in self.kv.tiers.indexes) if self.kv.tiers is not None else 0
+            self._kv_events = KVEvents(max_per_block * (self.kv.pool.num_blocks + slots))
             self.kv.pool.events = self._kv_events
-            for index in indexes:
-                index.events = self._kv_events
+            if self.kv.tiers is not None:
+                self.kv.tiers.collect_events(self._kv_events)
 
     def take_kv_events(self) -> tuple[list[Event], bool]:
         """The events since the last take, in order, each (block hash, tier, stored:

@@ -34,6 +34,7 @@ from security import DeploymentSecret, connect_securely
 logger = logging.getLogger(__name__)
 
 SEND_QUEUE = 64  # puts queued toward the store at most; beyond, a put is dropped
+MAX_CHANGES = 1 << 16  # directory changes kept untaken at most; beyond, they are dropped (take says so)
 
 
 class StoreClient:
@@ -45,7 +46,9 @@ class StoreClient:
         self._namespace: int | None = None
         self._held: set[int] = set()
         self._version = 0
-        self._lock = threading.Lock()  # _held and _version: the sync thread writes, the engine's reads
+        self._lock = threading.Lock()  # _held, _version, _changes: the sync thread writes, the engine's reads
+        self._changes: list[tuple[int, bool]] | None = None  # kept once track_changes is called
+        self._changes_lost = False
         self._seq = itertools.count(1)
         self._io_sock: zmq.Socket | None = None  # made by the I/O thread, its only user
         self._stop = threading.Event()
@@ -64,7 +67,27 @@ class StoreClient:
 
     def forget(self, hashes: Sequence[int]) -> None:
         with self._lock:
-            self._held.difference_update(hashes)
+            self._update(set(self._held) - set(hashes))
+
+    def track_changes(self) -> None:
+        with self._lock:
+            if self._changes is None:
+                self._changes = [(h, True) for h in self._held]
+
+    def take_changes(self) -> tuple[list[tuple[int, bool]], bool]:
+        with self._lock:
+            changes, lost = self._changes or [], self._changes_lost
+            if self._changes is not None:
+                self._changes, self._changes_lost = [], False
+            return changes, lost
+
+    def _update(self, held: set[int]) -> None:
+        """The directory is `held` now (the lock held): record what changed."""
+        if self._changes is not None:
+            self._changes += [(h, False) for h in self._held - held] + [(h, True) for h in held - self._held]
+            if len(self._changes) > MAX_CHANGES:
+                self._changes, self._changes_lost = [], True
+        self._held = held
 
     def put(self, block: SharedBlock) -> None:
         assert self._namespace is not None
@@ -129,17 +152,20 @@ class StoreClient:
                     logger.warning("%s: the KV store at %s does not answer: its blocks are not looked up "
                                    "until it does", self._name, self.address)
                 with self._lock:  # nothing waits on a store that is gone; a fresh copy once it is back
-                    self._held, self._version = set(), 0
+                    self._update(set())
+                    self._version = 0
                 sock.close(0)
                 sock = self._connect()  # a fresh connection drops what was queued toward it
                 continue
             directory = frames[0]
+            if not (directory.reset or directory.added or directory.removed):
+                self._version = directory.version
+                continue
             with self._lock:
-                if directory.reset:
-                    self._held = set(directory.added)
-                else:
-                    self._held.update(directory.added)
-                    self._held.difference_update(directory.removed)
+                held = set() if directory.reset else set(self._held)
+                held.update(directory.added)
+                held.difference_update(directory.removed)
+                self._update(held)
                 self._version = directory.version
         sock.close(0)
 

@@ -20,7 +20,9 @@ import msgspec
 # transports' control messages (protocol/kv_control.py) are typed under this version.
 # 15: WorkerStats has kv_transport, kv_fabric (both roles) and refused (prefill).
 # 16: StatsReply.kv_events carry each block's tier; WorkerStats has kv_tiers (both roles).
-PROTOCOL_VERSION = 16
+# 17: StatsReply.kv_events may carry tier 3 (the shared KV store); the store's messages
+# (protocol/kv_store.py) are typed under this version.
+PROTOCOL_VERSION = 17
 
 
 class MessageError(ValueError):

@@ -61,7 +61,7 @@ class StatsReply(Message, frozen=True, tag="stats_reply"):
     # Prefix-cache events since the last reply, in order: (block hash, tier: 0 device,
     # 1 host, 2 disk, stored?) (engine/kv_cache/events.py), for the router's kv_aware
     # index. kv_reset: some were dropped; start the index over.
-    kv_events: list[tuple[int, Annotated[int, msgspec.Meta(ge=0, le=2)], bool]] = []
+    kv_events: list[tuple[int, Annotated[int, msgspec.Meta(ge=0, le=3)], bool]] = []
     kv_reset: bool = False
 
 

@@ -12,9 +12,10 @@ evicted, tier by tier, reported with every stats reply, protocol/worker.py Stats
 which correct it: an evicted block stops attracting requests. A block a worker holds
 only in a KV offload tier (host memory, disk: engine/kv_cache/tiers.py) counts too, at
 a discount (TIER_COST: a load back costs more than a device hit, far less than a
-prefill), as Dynamo's and llm-d's routers weigh tiers. The same overlap, every tier
-counted as cached, decides conditional disaggregation: only the uncached part counts
-toward the threshold.
+prefill), as Dynamo's and llm-d's routers weigh tiers; so does a block in the
+deployment's shared KV store (kv_store/), which every worker reports alike (the changes
+to its copy of the store's directory). The same overlap, every tier counted as cached,
+decides conditional disaggregation: only the uncached part counts toward the threshold.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from engine.kv_cache.block_hash import hash_full_blocks
 from engine.kv_cache.events import DEVICE
 
 LOAD_TOKENS = 64  # what one in-flight request costs, in prompt tokens to prefill
-# What a cached token costs by the tier it is in (device, host, disk), in prompt tokens to
-# prefill: a device hit is free, a load back from host memory cheap, from disk dearer.
-TIER_COST = (0.0, 0.1, 0.25)
+# What a cached token costs by the tier it is in (device, host, disk, shared store), in
+# prompt tokens to prefill: a device hit is free, a load back from host memory cheap,
+# from disk dearer, from the deployment's shared store (a network fetch) dearer still.
+TIER_COST = (0.0, 0.1, 0.25, 0.4)
 
 
 class PrefixIndex:
@@ -43,7 +45,7 @@ class PrefixIndex:
 
     def cached_tiers(self, hashes: Sequence[int]) -> list[int]:
         """The nearest tier holding each leading block of a prompt (chained: stop at a
-        miss); DEVICE, HOST or DISK (engine/kv_cache/events.py)."""
+        miss); DEVICE, HOST, DISK or SHARED (engine/kv_cache/events.py)."""
         out = []
         for h in hashes:
             if h in self._hashes:

@@ -6,12 +6,16 @@ An event is (block hash, tier, stored): stored True when the tier starts to hold
 block (the device pool: once its KV is written; an offload tier: once it is sealed, so
 findable), False when it stops (reused, evicted, or refused as corrupt). A block moved
 from the device pool to the host tier is two events: device False, then host True.
+The shared tier's events are the changes to the worker's copy of the store's directory
+(kv_store/client.py), which every worker of the deployment reports alike.
 """
 
 from __future__ import annotations
 
-DEVICE, HOST, DISK = 0, 1, 2  # tiers, nearest first (the order a lookup tries them)
-TIER_NAMES = ("device", "host", "disk")
+from collections.abc import Callable
+
+DEVICE, HOST, DISK, SHARED = 0, 1, 2, 3  # tiers, nearest first (the order a lookup tries them)
+TIER_NAMES = ("device", "host", "disk", "shared")
 
 Event = tuple[int, int, bool]
 
@@ -24,6 +28,8 @@ class KVEvents:
         self.limit = limit
         self.items: list[Event] = []
         self.lost = False
+        # Events kept elsewhere (the shared tier's, by another thread), taken with these.
+        self.more: Callable[[], tuple[list[Event], bool]] | None = None
 
     def record(self, block_hash: int, tier: int, stored: bool) -> None:
         self.items.append((block_hash, tier, stored))
@@ -35,4 +41,7 @@ class KVEvents:
         """The events since the last take, in order, and whether some were dropped since."""
         items, lost = self.items, self.lost
         self.items, self.lost = [], False
+        if self.more is not None:
+            more, more_lost = self.more()
+            items, lost = items + more, lost or more_lost
         return items, lost

@@ -51,4 +51,11 @@ class SharedTier(Protocol):
     def blocks(self) -> int:
         """Blocks in the directory now."""
 
+    def track_changes(self) -> None:
+        """Keep the directory's changes from now on, for take_changes."""
+
+    def take_changes(self) -> tuple[list[tuple[int, bool]], bool]:
+        """(block hash, held?) for each change to the directory since the last take, in
+        order, and whether some were dropped since (too many untaken: start over)."""
+
     def close(self) -> None: ...

@@ -108,6 +108,21 @@ class KVTiers:
         shared.open(self.io.seed)
         self.shared = self.io.shared = shared
 
+    def collect_events(self, collected: events.KVEvents) -> None:
+        """Record each tier's blocks coming and going in `collected` from now on; the
+        shared tier's are the changes to the worker's copy of the store's directory."""
+        for index in self.indexes:
+            index.events = collected
+        if self.shared is not None:
+            shared = self.shared
+            shared.track_changes()
+
+            def shared_events() -> tuple[list[events.Event], bool]:
+                changes, lost = shared.take_changes()
+                return [(h, events.SHARED, stored) for h, stored in changes], lost
+
+            collected.more = shared_events
+
     @property
     def indexes(self) -> list[SlotIndex]:
         return [self.host] if self.disk is None else [self.host, self.disk]

@@ -14,6 +14,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.kv_cache.events import SHARED
 from engine.kv_cache.shared_tier import SharedBlock, StoreUnavailable
 from engine.sampling_params import SamplingParams
 from kv_store import KVStore, StoreClient, StoreServer
@@ -218,3 +219,28 @@ def test_blocks_the_store_lost_since_the_last_sync_are_computed_and_forgotten(ll
     assert got == want[:-1]
     assert stats.failed_loads > 0 and {t.name: t for t in stats.tiers}["shared"].hits == 0
     assert len(client._held) < len(added)  # what a fetch missed is not looked for again
+
+
+def test_the_directory_copy_reports_its_changes_as_shared_tier_events(llama_dir: Path, server) -> None:
+    """What the router's kv_aware index learns of the store (engine/kv_cache/events.py)."""
+    prompts = chat_turns(num_convs=3, num_turns=1)[0]
+    a = engine(llama_dir, StoreClient(server.address, None))
+    try:
+        generate(a, prompts + [[7] * 120], "a")
+        settle(a, server)
+    finally:
+        a.close()
+    client = StoreClient(server.address, None, fetch_timeout_s=0.3)
+    b = engine(llama_dir, client)
+    try:
+        b.collect_kv_events(4)
+        wait_for(lambda: client.blocks() > 0, "the directory stayed empty")
+        events, lost = b.take_kv_events()
+        held = {h for h, tier, stored in events if tier == SHARED and stored}
+        assert not lost and held == client._held and held <= {h for _, h in server.store._blocks}
+        server.stop()
+        wait_for(lambda: client.blocks() == 0, "the directory outlived the store", timeout=15)
+        events, _ = b.take_kv_events()
+        assert {h for h, tier, stored in events if tier == SHARED and not stored} == held
+    finally:
+        b.close()

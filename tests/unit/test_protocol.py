@@ -37,7 +37,7 @@ WORKER = [
     Stats(seq=7),
     StatsReply(seq=7, stats=worker_stats(name="decode-0", remote=3, kv_transfer_seconds=0.5, spec_decode=SpecDecodeStats(
         num_drafts=1, num_draft_tokens=2, num_accepted_tokens=1, accepted_per_position=[1, 0], num_disabled=0)),
-               kv_events=[(2**64 - 1, 0, True), (3, 2, False)], kv_reset=True),
+               kv_events=[(2**64 - 1, 0, True), (3, 2, False), (4, 3, True)], kv_reset=True),
     StatsReply(seq=8, stats=worker_stats(name="prefill-0", jobs=2, tokens_computed=512)),
     Tokens(request_id="a", tokens=[5], finished=True, reason="length", cached=16,
            logprobs=[(-0.5, [(5, -0.5), (6, -1.25)])], phases={"queue": 0.25}),

@@ -94,12 +94,13 @@ def test_a_workers_eviction_events_correct_the_routing_history() -> None:
 
 
 def test_kv_aware_scores_a_hit_by_its_tier() -> None:
-    """device > host > disk > none (Dynamo's and llm-d's order), and a block a worker
-    holds in any tier counts as cached for the remote-prefill decision."""
+    """device > host > disk > shared > none (Dynamo's and llm-d's order), and a block a
+    worker holds in any tier counts as cached for the remote-prefill decision."""
     from engine.kv_cache.block_hash import hash_full_blocks
     from engine.kv_cache.events import DEVICE, DISK, HOST
+    from engine.kv_cache.events import SHARED as STORE
 
-    names = ("dev", "host", "disk", "none")
+    names = ("dev", "host", "disk", "store", "none")
     policy = RoutingPolicy("kv_aware", 16, capacity_blocks=100, names=names)
     hashes = hash_full_blocks(SHARED, 16)
     policy.kv_events("dev", [[h, DEVICE, True] for h in hashes], reset=False)
@@ -107,6 +108,7 @@ def test_kv_aware_scores_a_hit_by_its_tier() -> None:
     policy.kv_events("host", [e for h in hashes for e in ([h, DEVICE, True], [h, DEVICE, False], [h, HOST, True])],
                      reset=False)
     policy.kv_events("disk", [[h, DISK, True] for h in hashes], reset=False)
+    policy.kv_events("store", [[h, STORE, True] for h in hashes], reset=False)
     assert policy.indexes["host"].cached_tiers(hashes) == [HOST] * 4
     order = []
     for _ in names:
