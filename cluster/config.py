@@ -207,8 +207,10 @@ class KVStoreConfig:
     def from_dict(cls, data: Any, path: str = "kv_store") -> KVStoreConfig:
         data = checked_mapping(cls, data, path)
         out = cls(**data)
-        return cls(out.enabled, number(out.capacity_gib, f"{path}.capacity_gib", 0, strict=True),
-                   number(out.fetch_timeout_s, f"{path}.fetch_timeout_s", 0, strict=True))
+        timeout = number(out.fetch_timeout_s, f"{path}.fetch_timeout_s", 0, strict=True)
+        # A worker's close waits for a fetch in flight (its tiers' I/O thread) up to 10 s.
+        check(timeout <= 5.0, f"{path}.fetch_timeout_s", f"must be <= 5 seconds, got {timeout:g}")
+        return cls(out.enabled, number(out.capacity_gib, f"{path}.capacity_gib", 0, strict=True), timeout)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@
 Two sockets, each used by one thread only: the tiers' I/O thread puts and fetches blocks
 on one (fetch waits for its answer up to fetch_timeout_s); a thread of the client's own
 keeps the copy of the store's directory on the other, asking for the changes every
-sync_interval_s. While the store does not answer, the copy is empty, so no lookup
-finds a block there and nothing waits on it: the workers compute instead.
+sync_interval_s. Once a fetch times out, nothing is fetched or found there until the
+store answers a sync again; while it does not, the copy is empty: the workers compute
+instead, and wait on the store at most one fetch timeout.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class StoreClient:
         self._namespace: int | None = None
         self._held: set[int] = set()
         self._version = 0
+        self._store: int | None = None  # the id of the store the copy is of
+        # A fetch timed out: fetch nothing and find nothing until the store answers a sync
+        # (so loads queued on the I/O thread do not each wait the timeout out).
+        self._down = False
         self._lock = threading.Lock()  # _held, _version, _changes: the sync thread writes, the engine's reads
         self._changes: list[tuple[int, bool]] | None = None  # kept once track_changes is called
         self._changes_lost = False
@@ -60,7 +65,7 @@ class StoreClient:
         self._thread.start()
 
     def holds(self, block_hash: int) -> bool:
-        return block_hash in self._held  # a set's lookup is atomic under the GIL
+        return not self._down and block_hash in self._held  # a set's lookup is atomic under the GIL
 
     def blocks(self) -> int:
         return len(self._held)
@@ -104,10 +109,17 @@ class StoreClient:
         assert self._namespace is not None
         self.fetches += 1
         sock, seq = self._socket(), next(self._seq)
-        sock.send(encode(StoreFetch(seq=seq, namespace=self._namespace, hashes=list(hashes))), flags=zmq.NOBLOCK)
-        frames = _answer(sock, seq, StoreBlocks, self.fetch_timeout_s)
+        frames = None
+        if not self._down:
+            try:
+                sock.send(encode(StoreFetch(seq=seq, namespace=self._namespace, hashes=list(hashes))),
+                          flags=zmq.NOBLOCK)
+                frames = _answer(sock, seq, StoreBlocks, self.fetch_timeout_s)
+            except zmq.Again:  # puts fill the queue toward a store that does not read
+                pass
         if frames is None:
             self.failed_fetches += 1
+            self._down = True
             raise StoreUnavailable(f"the KV store at {self.address} did not answer a fetch "
                                    f"in {self.fetch_timeout_s:g} s")
         msg, data = frames
@@ -148,6 +160,7 @@ class StoreClient:
                 pass
             frames = _answer(sock, seq, StoreDirectory, max(1.0, 4 * self.sync_interval_s))
             if frames is None:
+                self._down = True
                 if self._version or self._held:
                     logger.warning("%s: the KV store at %s does not answer: its blocks are not looked up "
                                    "until it does", self._name, self.address)
@@ -158,6 +171,13 @@ class StoreClient:
                 sock = self._connect()  # a fresh connection drops what was queued toward it
                 continue
             directory = frames[0]
+            self._down = False
+            if self._store is not None and directory.store != self._store:  # restarted: start over
+                with self._lock:
+                    self._update(set())
+                    self._version, self._store = 0, directory.store
+                continue
+            self._store = directory.store
             if not (directory.reset or directory.added or directory.removed):
                 self._version = directory.version
                 continue

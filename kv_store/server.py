@@ -11,12 +11,14 @@ answers the changes since the version the worker has, or everything held when th
 no longer reaches back that far.
 
 The store is a cache: losing it, or any block in it, costs the workers only the time to
-compute again; a worker never waits on it for longer than its fetch timeout.
+compute again; a worker waits on it at most its fetch timeout once, after which it
+looks nothing up there until the store answers a sync again (kv_store/client.py).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 256 << 20  # one KV block of a large model is a few MiB
 LOG_LENGTH = 1 << 16  # directory changes kept per namespace, for StoreSync
 POLL_MS = 100  # how often the serving thread looks at its stop flag
+BLOCK_OVERHEAD = 200  # bytes of a block's record besides its tokens, about (a msgspec Struct, its key)
 
 
 @dataclass
@@ -55,7 +58,8 @@ class KVStore:
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self.used_bytes = 0
+        self.id = int.from_bytes(os.urandom(8), "little")  # told with every directory: a restart shows
+        self.used_bytes = 0  # blocks' bytes and records (_size)
         self.version = 0
         self._blocks: OrderedDict[tuple[int, int], tuple[StoredBlock, bytes]] = OrderedDict()
         self._spaces: dict[int, _Namespace] = {}
@@ -66,23 +70,23 @@ class KVStore:
         space = self._spaces.get(namespace)
         if space is not None and len(data) != space.block_bytes:
             return f"a block of {len(data)} bytes in a namespace of {space.block_bytes}-byte blocks"
-        if len(data) == 0 or len(data) > self.capacity_bytes:
+        if len(data) == 0 or _size(block, data) > self.capacity_bytes:
             return f"a block of {len(data)} bytes (capacity {self.capacity_bytes})"
         self.puts += 1
         key = (namespace, block.block_hash)
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
-            return None
-        while self.used_bytes + len(data) > self.capacity_bytes:
-            (old_space, old_hash), (_, old_data) = self._blocks.popitem(last=False)
-            self.used_bytes -= len(old_data)
+        old = self._blocks.pop(key, None)
+        if old is not None:  # the latest copy wins: one that failed a worker's check is replaced
+            self.used_bytes -= _size(*old)
+        while self.used_bytes + _size(block, data) > self.capacity_bytes and self._blocks:
+            (old_space, old_hash), evicted = self._blocks.popitem(last=False)
+            self.used_bytes -= _size(*evicted)
             self.evicted += 1
             self._changed(old_space, old_hash, added=False)
         if space is None:
             space = self._spaces[namespace] = _Namespace(len(data))
         self._blocks[key] = (block, data)
-        self.used_bytes += len(data)
-        self._changed(namespace, block.block_hash, added=True)
+        self.used_bytes += _size(block, data)
+        self._changed(namespace, block.block_hash, added=True)  # again if held: a worker may have forgotten it
         return None
 
     def fetch(self, namespace: int, hashes: list[int]) -> list[tuple[StoredBlock, bytes]]:
@@ -118,6 +122,12 @@ class KVStore:
         space = self._spaces[namespace]
         (space.held.add if added else space.held.discard)(block_hash)
         space.log.append((self.version, block_hash, added))
+
+
+def _size(block: StoredBlock, data: bytes) -> int:
+    """What a block costs the store: its bytes and its record (the directory log and the
+    namespaces, bounded by LOG_LENGTH and the deployment's configurations, are not counted)."""
+    return len(data) + 8 * len(block.token_ids) + BLOCK_OVERHEAD
 
 
 class StoreServer:
@@ -176,6 +186,9 @@ class StoreServer:
                 self._handle(frames[0].bytes, [f.buffer for f in frames[1:]])
             except MessageError as exc:
                 self._refusals.refused("kv store: refused a message: %s", str(exc))
+            except Exception as exc:  # whatever a peer sent, the store serves on
+                logger.exception("kv store: a message failed")
+                self._refusals.refused("kv store: a message failed: %s: %s", type(exc).__name__, exc)
 
     def _handle(self, peer: bytes, frames: list[memoryview]) -> None:
         if not frames:
@@ -194,7 +207,8 @@ class StoreServer:
                                        *(data for _, data in found)], copy=False)
         elif isinstance(msg, StoreSync):
             reset, added, removed = self.store.changes(msg.namespace, msg.since)
-            self._sock.send_multipart([peer, encode(StoreDirectory(seq=msg.seq, version=self.store.version,
+            self._sock.send_multipart([peer, encode(StoreDirectory(seq=msg.seq, store=self.store.id,
+                                                                   version=self.store.version,
                                                                    reset=reset, added=added, removed=removed))])
         else:
             raise MessageError(f"{msg.kind} is not a request to the store", msg.kind)

@@ -25,6 +25,7 @@ from protocol.wire import Codec, Message
 
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # 64-bit hashes (msgpack carries uint64)
 Seq = Annotated[int, msgspec.Meta(ge=0)]
+MAX_BLOCK_TOKENS = 1024  # a block's tokens at most (EngineConfig.block_size is far smaller)
 
 
 class StoredBlock(Record, frozen=True):
@@ -32,7 +33,7 @@ class StoredBlock(Record, frozen=True):
 
     block_hash: U64
     parent_hash: U64
-    token_ids: list[int]
+    token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_BLOCK_TOKENS)]
     checksum: U64  # xxh3 of the bytes, seeded with the namespace (engine/kv_cache/tier_io.py)
 
 
@@ -60,8 +61,11 @@ class StoreSync(Message, frozen=True, tag="store_sync"):
 
 class StoreDirectory(Message, frozen=True, tag="store_directory"):
     seq: Seq
+    store: U64  # drawn at the store's start: a store restarted at the same address differs
     version: Seq  # the store's directory version now
     reset: bool  # `added` is every block held: the store's log no longer reaches `since`
+    # added: a block stored, or put again (a worker that forgot it after a failed fetch
+    # finds it again); removed: evicted
     added: list[U64]
     removed: list[U64]
 

@@ -59,7 +59,7 @@ class SpecDecodeStats(Record, frozen=True):
 class TierUsage(Record, frozen=True):
     """One KV offload tier of a worker (the engine's TierUsage)."""
 
-    name: str  # "host" or "disk"
+    name: str  # "host", "disk" or "shared"
     capacity_blocks: Count
     used_blocks: Count
     hits: Count  # blocks loaded back from it (total)
@@ -69,7 +69,7 @@ class KVTierStats(Record, frozen=True):
     """A worker's KV offload tiers since it started (the engine's OffloadStats); a
     worker without tiers sends none."""
 
-    tiers: list[TierUsage]  # host, then disk
+    tiers: list[TierUsage]  # host, then disk, then shared
     offloaded_bytes: Count  # device pool -> host tier
     loaded_bytes: Count  # tiers -> device pool
     loads: Count  # requests whose prefix was loaded back

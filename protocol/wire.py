@@ -76,6 +76,8 @@ class Codec:
     def decode(self, data: bytes) -> Any:
         try:
             return self._decoder.decode(data)
+        except RecursionError:  # msgpack nested past the interpreter's limit: no message of ours is
+            raise MessageError("message: nested too deep") from None
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             kind = request_id = None
             reason = str(exc)
@@ -85,6 +87,6 @@ class Codec:
                 request_id = header.request_id if isinstance(header.request_id, str) else None
                 if header.v != PROTOCOL_VERSION:  # a peer of another version: say that, not what it lacks
                     reason = f"protocol version {header.v!r}, this side speaks {PROTOCOL_VERSION}"
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 pass
             raise MessageError(f"{kind or 'message'}: {reason}"[:1000], kind, request_id) from None

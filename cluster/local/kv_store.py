@@ -40,6 +40,7 @@ def start_store(config: ClusterConfig, secret: DeploymentSecret | None, host: st
     process = ctx.Process(target=in_environment, args=(dict(os.environ), serve_store, capacity, host, secret, child),
                           name="pdserve-kv-store", daemon=True)
     process.start()
+    child.close()  # the child's end is the child's alone: its exit is then EOF here, at once
     forked = ForkedProcess(process)
     if not parent.poll(START_TIMEOUT_S):
         forked.kill()

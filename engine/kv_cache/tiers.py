@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 HOST, DISK = "host", "disk"
 # Blocks in staging memory (evicted while every host slot was busy) at most, on their way
-# to the shared store alone: beyond, one is dropped rather than memory growing.
+# to the disk tier or the shared store: beyond, one is dropped rather than memory growing.
 MAX_STAGED = 256
 
 
@@ -132,14 +132,16 @@ class KVTiers:
         if self.host.touch(block.block_hash):
             return
         slot = self.host.take_slot()
+        if slot is None and self._staged >= MAX_STAGED:
+            self._dropped += 1
+            return
         disk_entry = None
         if self.disk is not None and not self.disk.touch(block.block_hash):
             disk_slot = self.disk.take_slot()
             if disk_slot is not None:
                 disk_entry = TierEntry(block.block_hash, block.parent_hash, block.token_ids, disk_slot, pins=1)
                 self.disk.add(disk_entry)
-        to_store = self.shared is not None and self._staged < MAX_STAGED
-        if slot is None and disk_entry is None and not to_store:
+        if slot is None and disk_entry is None and self.shared is None:
             self._dropped += 1
             return
         # Every host slot busy (their seals not yet polled: one admission can evict more

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ClusterConfig
+from cluster.local.kv_store import start_store
 from engine import LLM, SamplingParams
 from protocol.stats import WorkerStats
 from tests.disagg.test_local_supervision import Supervised, back_in_service
@@ -124,3 +125,12 @@ def test_a_deployment_whose_store_died_serves_on(supervised: Supervised, referen
         assert got == {k: v for k, v in reference.items() if k.startswith("o")}
     finally:
         decode.close()
+
+
+def test_a_store_that_fails_to_start_is_reported_at_once(llama_dir: Path) -> None:
+    config = ClusterConfig.from_dict({"model": str(llama_dir), "kv_store": {"enabled": True},
+                                      "decode": {"engine": {"kv_offload_gib": gib(2)}}})
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited as it started"):
+        start_store(config, None, host="256.0.0.1")  # no such address: its bind fails
+    assert time.monotonic() - start < 20  # its exit, not START_TIMEOUT_S

@@ -51,6 +51,7 @@ BASE = {"model": "m", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
     ({"kv_store": {"capacity_gib": 0}}, "kv_store.capacity_gib: must be > 0, got 0"),
     ({"kv_store": {"fetch_timeout_s": "1s"}}, "kv_store.fetch_timeout_s: must be a number"),
     ({"kv_store": {"size": 1}}, "kv_store.size: unknown key"),
+    ({"kv_store": {"fetch_timeout_s": 10}}, "kv_store.fetch_timeout_s: must be <= 5 seconds, got 10"),
 ])
 def test_mistakes_are_named_with_their_path(change: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:

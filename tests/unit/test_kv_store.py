@@ -18,8 +18,9 @@ from engine.kv_cache.events import SHARED
 from engine.kv_cache.shared_tier import SharedBlock, StoreUnavailable
 from engine.sampling_params import SamplingParams
 from kv_store import KVStore, StoreClient, StoreServer
-from protocol import encode
-from protocol.kv_store import StoredBlock, StoreSync
+from kv_store.server import BLOCK_OVERHEAD
+from protocol import MessageError, encode
+from protocol.kv_store import KV_STORE_MESSAGES, StoredBlock, StorePut, StoreSync
 from security import DeploymentSecret
 from tests.unit.test_kv_tiers import chat_turns, drain, gib
 
@@ -179,7 +180,7 @@ def test_the_store_refuses_bad_messages_and_keeps_serving(server) -> None:
 
 
 def test_store_lru_capacity_and_directory_log() -> None:
-    store = KVStore(capacity_bytes=3 * 10)
+    store = KVStore(capacity_bytes=3 * (10 + 8 + BLOCK_OVERHEAD))  # three blocks of 10 bytes and 1 token
 
     def put(h: int, ns: int = 1) -> str | None:
         return store.put(ns, StoredBlock(block_hash=h, parent_hash=0, token_ids=[h], checksum=0), bytes(10))
@@ -244,3 +245,79 @@ def test_the_directory_copy_reports_its_changes_as_shared_tier_events(llama_dir:
         assert {h for h, tier, stored in events if tier == SHARED and not stored} == held
     finally:
         b.close()
+
+
+def test_a_message_nested_too_deep_is_refused_and_the_store_serves_on(server) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        # A map whose first value is a list in a list ... 2,000 deep: skipping it (the
+        # tag comes after) recurses past the interpreter's limit.
+        sock.send(b"\x82\xa2zz" + b"\x91" * 2000 + b"\x00\xa4kind\xaastore_sync")
+        sock.send(encode(StoreSync(seq=2, namespace=1, since=0)))
+        assert sock.poll(5000), "the store stopped answering"
+        assert KV_STORE_MESSAGES.decode(sock.recv()).seq == 2
+        wait_for(lambda: server.refused >= 1, "the nested message was not counted")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_after_a_fetch_times_out_the_next_fails_at_once(server) -> None:
+    client = StoreClient(server.address, None, fetch_timeout_s=0.3, sync_interval_s=60.0)
+    client.open(1)
+    try:
+        server.stop()
+        for waited in (0.25, 0.0):  # the first waits its timeout; a load queued behind it does not
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailable):
+                client.fetch([1])
+            assert waited <= time.monotonic() - start < waited + 0.2
+        assert not client.holds(1)
+    finally:
+        client.close()
+
+
+def test_a_block_put_again_replaces_its_bytes_and_is_announced_again(server) -> None:
+    client = StoreClient(server.address, None, sync_interval_s=0.02)
+    client.open(9)
+    try:
+        client.put(SharedBlock(5, 0, (1,), 0, b"bad!" * 4))
+        wait_for(lambda: client.holds(5), "the block was not announced")
+        client.forget([5])  # a fetch of it failed its check
+        client.put(SharedBlock(5, 0, (1,), 0, b"good" * 4))
+        wait_for(lambda: client.holds(5), "the block put again was not announced again")
+        assert bytes(client.fetch([5])[0].data) == b"good" * 4
+    finally:
+        client.close()
+
+
+def test_a_store_restarted_at_the_same_address_replaces_the_copy() -> None:
+    first = StoreServer(1 << 20, "127.0.0.1").start()
+    port = int(first.address.rpartition(":")[2])
+    client = StoreClient(first.address, None, sync_interval_s=0.02)
+    client.open(9)
+    second = None
+    try:
+        for h in (101, 102, 103):
+            client.put(SharedBlock(h, 0, (h,), 0, b"x" * 16))
+        wait_for(lambda: client.blocks() == 3, "the first store's blocks were not announced")
+        first.stop()
+        second = StoreServer(1 << 20, "127.0.0.1", port).start()
+        for h in (201, 202, 203, 204):  # its version passes the client's before the client notices
+            second.store.put(9, StoredBlock(block_hash=h, parent_hash=0, token_ids=[h], checksum=0), b"y" * 16)
+        wait_for(lambda: client.holds(201) and not client.holds(101), "the copy is still the first store's")
+    finally:
+        client.close()
+        if second is not None:
+            second.stop()
+
+
+def test_capacity_counts_each_blocks_record() -> None:
+    store = KVStore(capacity_bytes=5000)
+    many = StoredBlock(block_hash=1, parent_hash=0, token_ids=list(range(1000)), checksum=0)
+    assert store.put(1, many, bytes(10)) is not None and store.used_bytes == 0
+    with pytest.raises(MessageError, match="length"):
+        KV_STORE_MESSAGES.decode(encode(StorePut(namespace=1, block=StoredBlock(
+            block_hash=1, parent_hash=0, token_ids=[1] * 1025, checksum=0))))

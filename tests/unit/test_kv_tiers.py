@@ -18,6 +18,7 @@ from engine import LLM
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.kv_cache import tier_io, tier_store
+from engine.kv_cache import tiers as tiers_module
 from engine.kv_cache.events import DISK, HOST, KVEvents
 from engine.kv_cache.tier_store import SlotIndex, TierEntry
 from engine.kv_cache.tiers import KVTiers
@@ -191,6 +192,25 @@ def test_a_burst_of_evictions_reaches_the_disk_tier(llama_dir: Path, tmp_path: P
     offloaded = stats.offloaded_bytes // BLOCK_BYTES  # b evicts about 20 of a's 30 full blocks
     assert offloaded > 16 and stats.dropped_blocks == 0 and stats.tiers[1].used_blocks == offloaded, stats
     assert again.token_ids == want[0] and again.num_cached_tokens == 30 * 16, again.num_cached_tokens
+
+
+def test_staging_memory_is_bounded_also_on_the_way_to_disk(llama_dir: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tiers_module, "MAX_STAGED", 3)
+    rng = random.Random(1)
+    a, b = ([rng.randrange(5, 300) for _ in range(30 * 16 + 3)] for _ in range(2))
+    llm = LLM(str(llama_dir), num_kv_blocks=40, max_num_batched_tokens=1024, kv_offload_gib=gib(4),
+              kv_offload_dir=str(tmp_path), kv_offload_disk_gib=gib(200))
+    try:
+        for p in (a, b):
+            llm.generate([p], GREEDY, use_tqdm=False)
+        assert llm.core.kv.tiers._staged <= 3
+        drain(llm.core.kv.tiers)
+        stats = llm.stats().offload
+    finally:
+        llm.core.close()
+    # 4 host slots + 3 staged reach the disk tier per burst; the rest is dropped
+    assert stats.dropped_blocks > 0 and stats.tiers[1].used_blocks <= 4 + 3, stats
 
 
 def test_a_checksum_from_another_configuration_never_passes(llama_dir: Path) -> None:
