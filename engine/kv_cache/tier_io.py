@@ -143,7 +143,7 @@ class TierIO:
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             for (tier, entry), block_id in zip(job.sources, job.block_ids):
                 try:
-                    self._load_one(job, tier, entry, block_id, fetched)
+                    self._load_one(tier, entry, block_id, fetched)
                 except Exception:
                     # Whatever failed (its bytes, a disk read), the entry goes: the
                     # request's retry computes this block instead of trying it again.
@@ -153,8 +153,7 @@ class TierIO:
             self._stream.synchronize()
         job.seconds = time.monotonic() - job.started
 
-    def _load_one(self, job: LoadJob, tier: str, entry: TierEntry, block_id: int,
-                  fetched: dict[int, SharedBlock]) -> None:
+    def _load_one(self, tier: str, entry: TierEntry, block_id: int, fetched: dict[int, SharedBlock]) -> None:
         if tier == "host":
             pieces: Sequence[torch.Tensor | memoryview] = self.host.pieces(entry.slot)
         elif tier == SHARED:
