@@ -61,6 +61,18 @@ def settle(core: EngineCore, server: StoreServer) -> None:
     wait_for(lambda: server.store.puts >= core.kv.tiers.shared.puts > 0, "the engine's puts did not land")
 
 
+def computed_and_put(llama_dir: Path, server: StoreServer, prompts: list[list[int]]) -> list[list[int]]:
+    """An engine (then closed) computes the prompts and a longer one that evicts them:
+    their blocks are in the store. Its tokens for the prompts, then for that one."""
+    a = engine(llama_dir, StoreClient(server.address, None))
+    try:
+        tokens, _ = generate(a, prompts + [[7] * 120], "a")
+        settle(a, server)
+    finally:
+        a.close()
+    return tokens
+
+
 @pytest.fixture
 def server():
     s = StoreServer(64 << 20, "127.0.0.1").start()
@@ -101,12 +113,7 @@ def test_a_prefix_computed_by_one_engine_is_loaded_by_another(llama_dir: Path, s
 
 def test_a_store_that_is_gone_costs_only_time(llama_dir: Path, server) -> None:
     prompts = chat_turns(num_convs=3, num_turns=1)[0]
-    a = engine(llama_dir, StoreClient(server.address, None))
-    try:
-        want, _ = generate(a, prompts + [[7] * 120], "a")
-        settle(a, server)
-    finally:
-        a.close()
+    want = computed_and_put(llama_dir, server, prompts)
     client = StoreClient(server.address, None, fetch_timeout_s=0.3)
     b = engine(llama_dir, client)
     try:
@@ -124,12 +131,7 @@ def test_a_store_that_is_gone_costs_only_time(llama_dir: Path, server) -> None:
 
 def test_bytes_changed_in_the_store_are_refused(llama_dir: Path, server) -> None:
     prompts = chat_turns(num_convs=3, num_turns=1)[0]
-    a = engine(llama_dir, StoreClient(server.address, None))
-    try:
-        want, _ = generate(a, prompts + [[7] * 120], "a")
-        settle(a, server)
-    finally:
-        a.close()
+    want = computed_and_put(llama_dir, server, prompts)
     for key, (block, data) in list(server.store._blocks.items()):
         server.store._blocks[key] = (block, bytes(len(data)))  # zeros, the same size
     b = engine(llama_dir, StoreClient(server.address, None))
@@ -201,12 +203,7 @@ def test_store_lru_capacity_and_directory_log() -> None:
 
 def test_blocks_the_store_lost_since_the_last_sync_are_computed_and_forgotten(llama_dir: Path, server) -> None:
     prompts = chat_turns(num_convs=3, num_turns=1)[0]
-    a = engine(llama_dir, StoreClient(server.address, None))
-    try:
-        want, _ = generate(a, prompts + [[7] * 120], "a")
-        settle(a, server)
-    finally:
-        a.close()
+    want = computed_and_put(llama_dir, server, prompts)
     client = StoreClient(server.address, None, sync_interval_s=30.0)  # one sync, then none in the test's time
     b = engine(llama_dir, client)
     try:
@@ -225,12 +222,7 @@ def test_blocks_the_store_lost_since_the_last_sync_are_computed_and_forgotten(ll
 def test_the_directory_copy_reports_its_changes_as_shared_tier_events(llama_dir: Path, server) -> None:
     """What the router's kv_aware index learns of the store (engine/kv_cache/events.py)."""
     prompts = chat_turns(num_convs=3, num_turns=1)[0]
-    a = engine(llama_dir, StoreClient(server.address, None))
-    try:
-        generate(a, prompts + [[7] * 120], "a")
-        settle(a, server)
-    finally:
-        a.close()
+    computed_and_put(llama_dir, server, prompts)
     client = StoreClient(server.address, None, fetch_timeout_s=0.3)
     b = engine(llama_dir, client)
     try:
