@@ -164,9 +164,6 @@ class StoreServer:
         self._thread.start()
         return self
 
-    def serve_forever(self) -> None:
-        self._run()
-
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():

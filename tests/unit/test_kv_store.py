@@ -7,6 +7,8 @@ directory log."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,19 @@ def computed_and_put(llama_dir: Path, server: StoreServer, prompts: list[list[in
     finally:
         a.close()
     return tokens
+
+
+@contextmanager
+def raw_socket(server: StoreServer) -> Iterator[zmq.Socket]:
+    """A plain DEALER to the store: whatever bytes a test sends."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        yield sock
+    finally:
+        ctx.destroy(linger=0)
 
 
 @pytest.fixture
@@ -168,17 +183,11 @@ def test_only_the_deployments_clients_get_through(llama_dir: Path) -> None:
 
 
 def test_the_store_refuses_bad_messages_and_keeps_serving(server) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.address)
-    try:
+    with raw_socket(server) as sock:
         sock.send(b"\x81\xa4kind\xa4nope")  # not one of the store's messages
         sock.send_multipart([encode(StoreSync(seq=1, namespace=1, since=0)), b"extra"])  # answered anyway
         assert sock.poll(5000)
         wait_for(lambda: server.refused >= 1, "the bad message was not counted")
-    finally:
-        ctx.destroy(linger=0)
 
 
 def test_store_lru_capacity_and_directory_log() -> None:
@@ -240,11 +249,7 @@ def test_the_directory_copy_reports_its_changes_as_shared_tier_events(llama_dir:
 
 
 def test_a_message_nested_too_deep_is_refused_and_the_store_serves_on(server) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.address)
-    try:
+    with raw_socket(server) as sock:
         # A map whose first value is a list in a list ... 2,000 deep: skipping it (the
         # tag comes after) recurses past the interpreter's limit.
         sock.send(b"\x82\xa2zz" + b"\x91" * 2000 + b"\x00\xa4kind\xaastore_sync")
@@ -252,8 +257,6 @@ def test_a_message_nested_too_deep_is_refused_and_the_store_serves_on(server) ->
         assert sock.poll(5000), "the store stopped answering"
         assert KV_STORE_MESSAGES.decode(sock.recv()).seq == 2
         wait_for(lambda: server.refused >= 1, "the nested message was not counted")
-    finally:
-        ctx.destroy(linger=0)
 
 
 def test_after_a_fetch_times_out_the_next_fails_at_once(server) -> None:
