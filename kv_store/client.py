@@ -26,6 +26,7 @@ from protocol.kv_store import (
     StoreBlocks,
     StoredBlock,
     StoreDirectory,
+    StoreDrop,
     StoreFetch,
     StorePut,
     StoreSync,
@@ -48,6 +49,7 @@ class StoreClient:
         self._held: set[int] = set()
         self._version = 0
         self._store: int | None = None  # the id of the store the copy is of
+        self._usage = (0, 0)  # the store's (capacity, used) bytes, as its latest directory said
         # A fetch timed out: fetch nothing and find nothing until the store answers a sync
         # (so loads queued on the I/O thread do not each wait the timeout out).
         self._down = False
@@ -69,6 +71,9 @@ class StoreClient:
 
     def blocks(self) -> int:
         return len(self._held)
+
+    def usage(self) -> tuple[int, int]:
+        return self._usage
 
     def forget(self, hashes: Sequence[int]) -> None:
         with self._lock:
@@ -104,6 +109,15 @@ class StoreClient:
             self.puts += 1
         except zmq.Again:  # the store is slow or gone: a tier is a cache
             self.dropped_puts += 1
+
+    def drop(self, hashes: Sequence[int]) -> None:
+        assert self._namespace is not None
+        self.forget(hashes)
+        try:  # after any put of these blocks on the same socket: the store applies it after them
+            self._socket().send(encode(StoreDrop(namespace=self._namespace, hashes=list(hashes))), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("%s: could not tell the KV store to drop %d bad blocks (it does not read)",
+                           self._name, len(hashes))
 
     def fetch(self, hashes: Sequence[int]) -> list[SharedBlock]:
         assert self._namespace is not None
@@ -172,6 +186,7 @@ class StoreClient:
                 continue
             directory = frames[0]
             self._down = False
+            self._usage = (directory.capacity_bytes, directory.used_bytes)
             if self._store is not None and directory.store != self._store:  # restarted: start over
                 with self._lock:
                     self._update(set())

@@ -31,6 +31,7 @@ from protocol.kv_store import (
     StoreBlocks,
     StoredBlock,
     StoreDirectory,
+    StoreDrop,
     StoreFetch,
     StorePut,
     StoreSync,
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 256 << 20  # one KV block of a large model is a few MiB
 LOG_LENGTH = 1 << 16  # directory changes kept per namespace, for StoreSync
 POLL_MS = 100  # how often the serving thread looks at its stop flag
+Data = bytes | memoryview  # a block's bytes: the frame a put came in, or a copy
+ZERO_COPY_BYTES = 1 << 16
 BLOCK_OVERHEAD = 200  # bytes of a block's record besides its tokens, about (a msgspec Struct, its key)
 
 
@@ -61,11 +64,11 @@ class KVStore:
         self.id = int.from_bytes(os.urandom(8), "little")  # told with every directory: a restart shows
         self.used_bytes = 0  # blocks' bytes and records (_size)
         self.version = 0
-        self._blocks: OrderedDict[tuple[int, int], tuple[StoredBlock, bytes]] = OrderedDict()
+        self._blocks: OrderedDict[tuple[int, int], tuple[StoredBlock, Data]] = OrderedDict()
         self._spaces: dict[int, _Namespace] = {}
         self.puts = self.fetches = self.hits = self.evicted = 0
 
-    def put(self, namespace: int, block: StoredBlock, data: bytes) -> str | None:
+    def put(self, namespace: int, block: StoredBlock, data: Data) -> str | None:
         """Keep the block (the least recently used go to make room); a reason if refused."""
         space = self._spaces.get(namespace)
         if space is not None and len(data) != space.block_bytes:
@@ -89,7 +92,14 @@ class KVStore:
         self._changed(namespace, block.block_hash, added=True)  # again if held: a worker may have forgotten it
         return None
 
-    def fetch(self, namespace: int, hashes: list[int]) -> list[tuple[StoredBlock, bytes]]:
+    def drop(self, namespace: int, hashes: list[int]) -> None:
+        for block_hash in hashes:
+            old = self._blocks.pop((namespace, block_hash), None)
+            if old is not None:
+                self.used_bytes -= _size(*old)
+                self._changed(namespace, block_hash, added=False)
+
+    def fetch(self, namespace: int, hashes: list[int]) -> list[tuple[StoredBlock, Data]]:
         """The chain's first blocks held here, in order."""
         self.fetches += 1
         out = []
@@ -124,7 +134,7 @@ class KVStore:
         space.log.append((self.version, block_hash, added))
 
 
-def _size(block: StoredBlock, data: bytes) -> int:
+def _size(block: StoredBlock, data: Data) -> int:
     """What a block costs the store: its bytes and its record (the directory log and the
     namespaces, bounded by LOG_LENGTH and the deployment's configurations, are not counted)."""
     return len(data) + 8 * len(block.token_ids) + BLOCK_OVERHEAD
@@ -195,9 +205,14 @@ class StoreServer:
         if isinstance(msg, StorePut):
             if len(data) != 1:
                 raise MessageError(f"store_put with {len(data)} data frames, not 1", msg.kind)
-            reason = self.store.put(msg.namespace, msg.block, bytes(data[0]))
+            # A large block's frame is kept as it is (its memoryview holds it) rather than
+            # copied; a small one may share a receive buffer larger than itself: copied.
+            block = data[0] if len(data[0]) >= ZERO_COPY_BYTES else bytes(data[0])
+            reason = self.store.put(msg.namespace, msg.block, block)
             if reason is not None:
                 raise MessageError(f"store_put refused: {reason}", msg.kind)
+        elif isinstance(msg, StoreDrop):
+            self.store.drop(msg.namespace, msg.hashes)
         elif isinstance(msg, StoreFetch):
             found = self.store.fetch(msg.namespace, msg.hashes)
             self._sock.send_multipart([peer, encode(StoreBlocks(seq=msg.seq, blocks=[b for b, _ in found])),
@@ -206,6 +221,8 @@ class StoreServer:
             reset, added, removed = self.store.changes(msg.namespace, msg.since)
             self._sock.send_multipart([peer, encode(StoreDirectory(seq=msg.seq, store=self.store.id,
                                                                    version=self.store.version,
-                                                                   reset=reset, added=added, removed=removed))])
+                                                                   reset=reset, added=added, removed=removed,
+                                                                   capacity_bytes=self.store.capacity_bytes,
+                                                                   used_bytes=self.store.used_bytes))])
         else:
             raise MessageError(f"{msg.kind} is not a request to the store", msg.kind)

@@ -5,6 +5,7 @@ message names travels in a ZMQ frame after it, in the order named.
     worker -> store   StorePut (+1 frame)         a block the worker offloaded; no answer
     worker -> store   StoreFetch                  a chain of blocks, in prefix order
     store -> worker   StoreBlocks (+1 frame each) the chain's first blocks the store holds
+    worker -> store   StoreDrop                   blocks whose bytes the worker learned are bad; no answer
     worker -> store   StoreSync                   what changed since `since`
     store -> worker   StoreDirectory              the block hashes added and removed
 
@@ -42,6 +43,14 @@ class StorePut(Message, frozen=True, tag="store_put"):
     block: StoredBlock
 
 
+class StoreDrop(Message, frozen=True, tag="store_drop"):
+    """Forget these blocks: the worker that put them found, after the put, that their
+    KV was not what their hash says (a late remote write landed in them)."""
+
+    namespace: U64
+    hashes: Annotated[list[U64], msgspec.Meta(max_length=1 << 16)]
+
+
 class StoreFetch(Message, frozen=True, tag="store_fetch"):
     seq: Seq  # echoed: an answer to a fetch given up on is told apart and dropped
     namespace: U64
@@ -68,6 +77,8 @@ class StoreDirectory(Message, frozen=True, tag="store_directory"):
     # finds it again); removed: evicted
     added: list[U64]
     removed: list[U64]
+    capacity_bytes: U64  # the store's, every namespace together: the shared tier's usage in stats
+    used_bytes: U64
 
 
-KV_STORE_MESSAGES = Codec(StorePut, StoreFetch, StoreBlocks, StoreSync, StoreDirectory)
+KV_STORE_MESSAGES = Codec(StorePut, StoreDrop, StoreFetch, StoreBlocks, StoreSync, StoreDirectory)

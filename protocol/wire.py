@@ -22,7 +22,9 @@ import msgspec
 # 16: StatsReply.kv_events carry each block's tier; WorkerStats has kv_tiers (both roles).
 # 17: StatsReply.kv_events may carry tier 3 (the shared KV store); the store's messages
 # (protocol/kv_store.py) are typed under this version.
-PROTOCOL_VERSION = 17
+# 18: StoreDirectory has capacity_bytes and used_bytes (the store's, for the workers' stats);
+# StoreDrop.
+PROTOCOL_VERSION = 18
 
 
 class MessageError(ValueError):

@@ -53,6 +53,10 @@ class BlockPool:
         # (the offload tiers copy it out: engine/kv_cache/tiers.py). Not for blocks whose
         # contents are unknown (uncache) or dropped wholesale (reset_prefix_cache).
         self.on_evict: Callable[[KVBlock], None] | None = None
+        # Called with each block as it is cached (its KV written): with a shared KV store,
+        # the tiers write it through at once, so other workers find it before this
+        # one evicts it.
+        self.on_cache: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,6 +117,8 @@ class BlockPool:
         self._cached[block_hash] = block
         if self.events is not None:
             self.events.record(block_hash, DEVICE, True)
+        if self.on_cache is not None:
+            self.on_cache(block)
 
     def uncache(self, block: KVBlock) -> None:
         """Forget the block's hash: its contents are no longer what the hash says."""

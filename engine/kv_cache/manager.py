@@ -45,11 +45,16 @@ class KVCacheManager:
 
     def attach_tiers(self, tiers: KVTiers) -> None:
         """Offload cached blocks to `tiers` as the pool reuses them; look prefixes up there
-        after the pool (get_tier_hits)."""
+        after the pool (get_tier_hits). With a shared store attached to the tiers, every
+        block goes to them as soon as it is cached too (written through): a prefix one
+        worker computed is then in the store while it is still hot in that worker's
+        pool, which is when other workers want it; its eviction later copies nothing."""
         if not self.enable_prefix_caching:
             raise ValueError("the KV offload tiers need enable_prefix_caching: they keep blocks by prefix hash")
         self.tiers = tiers
         self.pool.on_evict = tiers.offload
+        if tiers.shared is not None:
+            self.pool.on_cache = tiers.offload
 
     @property
     def num_free_blocks(self) -> int:
@@ -277,8 +282,11 @@ class KVCacheManager:
         """These blocks' contents are unknown: they leave the prefix cache. Returns the
         requests holding any of them."""
         ids = set(block_ids)
+        hashes = [h for h in (self.pool.blocks[i].block_hash for i in ids) if h is not None]
         for block_id in ids:
             self.pool.uncache(self.pool.blocks[block_id])
+        if self.tiers is not None:  # a copy may have reached them (evicted, or written through)
+            self.tiers.revoke(hashes)
         return [rid for rid, blocks in self.req_blocks.items() if any(b.block_id in ids for b in blocks)]
 
     def usage(self) -> float:

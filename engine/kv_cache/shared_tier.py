@@ -44,12 +44,20 @@ class SharedTier(Protocol):
     def put(self, block: SharedBlock) -> None:
         """Send the block (the I/O thread); never blocks: dropped when it cannot go."""
 
+    def drop(self, hashes: Sequence[int]) -> None:
+        """These blocks' bytes were bad when put: the store forgets them (the I/O
+        thread, after any put of them; never blocks)."""
+
     def fetch(self, hashes: Sequence[int]) -> list[SharedBlock]:
         """The chain's first blocks the store holds, in order (the I/O thread);
         StoreUnavailable when it does not answer within the client's timeout."""
 
     def blocks(self) -> int:
         """Blocks in the directory now."""
+
+    def usage(self) -> tuple[int, int]:
+        """(capacity, used) bytes of the whole store, as its latest directory said (0, 0
+        before one came)."""
 
     def track_changes(self) -> None:
         """Keep the directory's changes from now on, for take_changes."""

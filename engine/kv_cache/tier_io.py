@@ -54,6 +54,15 @@ class SealJob:
 
 
 @dataclass(eq=False)
+class DropJob:
+    """Tell the shared store to forget blocks whose bytes turned out bad: queued with the
+    seals, so after any seal (and put) of them."""
+
+    hashes: list[int]
+    error: str | None = None
+
+
+@dataclass(eq=False)
 class LoadJob:
     """Copy tier blocks (host or disk, in prefix order) into KV blocks, checking each."""
 
@@ -76,22 +85,22 @@ class TierIO:
         self.caches, self.host, self.disk, self.seed = list(caches), host, disk, seed
         self.shared: SharedTier | None = None
         self._piece_bytes = [c[0].numel() * c.element_size() for c in self.caches]
-        self._jobs: queue.PriorityQueue[tuple[int, int, SealJob | LoadJob | None]] = queue.PriorityQueue()
+        self._jobs: queue.PriorityQueue[tuple[int, int, SealJob | DropJob | LoadJob | None]] = queue.PriorityQueue()
         self._order = itertools.count()
-        self.done: queue.SimpleQueue[SealJob | LoadJob] = queue.SimpleQueue()
+        self.done: queue.SimpleQueue[SealJob | DropJob | LoadJob] = queue.SimpleQueue()
         self.pending = 0  # submitted, not yet taken from done (the engine's thread counts)
         cuda = self.caches[0].device.type == "cuda"
         self._stream = torch.cuda.Stream(self.caches[0].device) if cuda else None
         self._thread = threading.Thread(target=self._run, name="kv-tier-io", daemon=True)
         self._thread.start()
 
-    def submit(self, job: SealJob | LoadJob) -> None:
+    def submit(self, job: SealJob | DropJob | LoadJob) -> None:
         self.pending += 1
         self._jobs.put((0 if isinstance(job, LoadJob) else 1, next(self._order), job))
 
-    def take_done(self, timeout: float = 0.0) -> list[SealJob | LoadJob]:
+    def take_done(self, timeout: float = 0.0) -> list[SealJob | DropJob | LoadJob]:
         """Finished jobs; waits up to `timeout` for the first when none is."""
-        out: list[SealJob | LoadJob] = []
+        out: list[SealJob | DropJob | LoadJob] = []
         try:
             out.append(self.done.get(timeout=timeout) if timeout > 0 else self.done.get_nowait())
             while True:
@@ -113,6 +122,9 @@ class TierIO:
             try:
                 if isinstance(job, SealJob):
                     self._seal(job)
+                elif isinstance(job, DropJob):
+                    if self.shared is not None:
+                        self.shared.drop(job.hashes)
                 else:
                     self._load(job)
             except CorruptBlock as exc:

@@ -29,7 +29,7 @@ import xxhash
 from engine.kv_cache import events
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.shared_tier import SharedTier
-from engine.kv_cache.tier_io import SHARED, LoadJob, SealJob, TierIO
+from engine.kv_cache.tier_io import SHARED, DropJob, LoadJob, SealJob, TierIO
 from engine.kv_cache.tier_store import DiskStore, HostStore, SlotIndex, TierEntry
 
 logger = logging.getLogger(__name__)
@@ -166,6 +166,17 @@ class KVTiers:
         self.io.submit(SealJob(key, entry, disk_entry, copied, staged))
         self._offloaded += self.block_bytes
 
+    def revoke(self, hashes: Sequence[int]) -> None:
+        """These blocks' KV was not what their hash says when copied here (a late remote
+        write had landed in them): every tier forgets them, the shared store too."""
+        for block_hash in hashes:
+            for index in self.indexes:
+                entry = index.entries.get(block_hash)
+                if entry is not None:
+                    index.drop(entry)  # a seal in flight still ends; its entry is gone
+        if self.shared is not None and hashes:
+            self.io.submit(DropJob(list(hashes)))
+
     def settle(self) -> None:
         """Wait until every block offloaded so far is copied out (CUDA: the copies run on
         the step stream): before the blocks they came from may be written by something
@@ -221,6 +232,8 @@ class KVTiers:
             if isinstance(job, SealJob):
                 self._sealed(job)
                 continue
+            if isinstance(job, DropJob):
+                continue
             self.loads_in_flight -= 1
             self.unpin(job.sources)
             if job.error is not None:
@@ -266,8 +279,9 @@ class KVTiers:
 
     def stats(self) -> OffloadStats:
         usage = [TierUsage(i.name, i.num_slots, i.num_used, i.hits) for i in self.indexes]
-        if self.shared is not None:  # its capacity is the store's: 0 here
-            usage.append(TierUsage(SHARED, 0, self.shared.blocks(), self._shared_hits))
+        if self.shared is not None:  # the store's capacity in blocks of ours; the blocks of ours it holds
+            capacity = self.shared.usage()[0] // self.block_bytes
+            usage.append(TierUsage(SHARED, capacity, self.shared.blocks(), self._shared_hits))
         return OffloadStats(tuple(usage),
                             self._offloaded, self._loaded, self._loads, self._load_seconds, self._failed,
                             self._dropped)

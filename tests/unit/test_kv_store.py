@@ -124,6 +124,56 @@ def test_a_prefix_computed_by_one_engine_is_loaded_by_another(llama_dir: Path, s
     shared = {t.name: t for t in stats.tiers}["shared"]
     assert shared.hits > 0 and sum(cached) >= shared.hits * 16, (shared, cached)
     assert stats.failed_loads == 0
+    # The store's usage, as its directory told B: its capacity in B's blocks, and at
+    # least the blocks B's copy lists (each with its record) in use.
+    capacity, used = b_client.usage()
+    block_bytes = b.kv.tiers.block_bytes
+    assert capacity == 64 << 20 and shared.capacity_blocks == capacity // block_bytes
+    assert used >= shared.used_blocks * block_bytes > 0, (used, shared)
+
+
+def test_a_prefix_is_in_the_store_while_the_engine_that_computed_it_still_holds_it(llama_dir: Path,
+                                                                                   server) -> None:
+    """Written through as it is cached: engine B loads the prefixes engine A computed
+    while A, whose pool is large enough to evict nothing, is still serving."""
+    prompts = chat_turns(num_convs=2, num_turns=1)[0]
+    a = engine(llama_dir, StoreClient(server.address, None), blocks=200)
+    b_client = StoreClient(server.address, None)
+    b = engine(llama_dir, b_client)
+    try:
+        want, _ = generate(a, prompts, "a")
+        assert a.kv.pool.num_free_blocks > 100  # nothing was evicted
+        settle(a, server)
+        wait_for(lambda: b_client.blocks() > 0, "engine B's directory stayed empty")
+        got, cached = generate(b, prompts, "b")
+        shared = {t.name: t for t in b.stats().offload.tiers}["shared"]
+    finally:
+        a.close()
+        b.close()
+    assert got == want
+    assert shared.hits > 0 and sum(cached) >= shared.hits * 16, (shared, cached)
+
+
+def test_blocks_invalidated_after_their_copy_leave_every_tier_and_the_store(llama_dir: Path, server) -> None:
+    """A late remote write landing in a cached block makes its KV unknown: the copies
+    already written through (host tier, store) go too, so nobody loads them."""
+    a = engine(llama_dir, StoreClient(server.address, None), blocks=200)
+    try:
+        generate(a, chat_turns(num_convs=1, num_turns=1)[0], "a")
+        settle(a, server)
+        cached = [blk for blk in a.kv.pool.blocks if blk.block_hash is not None]
+        hashes = [blk.block_hash for blk in cached]
+        assert hashes and all(h in a.kv.tiers.host.entries for h in hashes)
+        assert all(server.store.fetch(a.kv.tiers.io.seed, [h]) for h in hashes)
+        bad = cached[len(cached) // 2:]
+        a.invalidate_blocks([blk.block_id for blk in bad])
+        gone = [h for h in hashes if h not in {blk.block_hash for blk in cached[:len(cached) // 2]}]
+        assert not any(h in a.kv.tiers.host.entries for h in gone)
+        wait_for(lambda: not any(server.store.fetch(a.kv.tiers.io.seed, [h]) for h in gone),
+                 "the store still holds the invalidated blocks")
+        assert all(server.store.fetch(a.kv.tiers.io.seed, [h]) for h in hashes if h not in gone)
+    finally:
+        a.close()
 
 
 def test_a_store_that_is_gone_costs_only_time(llama_dir: Path, server) -> None:
