@@ -268,8 +268,8 @@ class EngineCore:
         """Finish requests that hit a stop string (detected outside the core)."""
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or self._in_flight is not None
+    def has_unfinished(self) -> bool:  # also while a tier load runs: an ended request's holds its blocks
+        return self.scheduler.has_unfinished or self._in_flight is not None or self.scheduler.loads.busy
 
     def has_runnable(self) -> bool:
         """Requests a step can advance: running, or queued (waiting for blocks, a slot,
