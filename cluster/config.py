@@ -287,8 +287,6 @@ class ClusterConfig:
             if getattr(out, role).replicas and engine.tensor_parallel_size > 1:
                 _check_shardable(out.model, engine.tensor_parallel_size, f"{role}.engine.tensor_parallel_size")
         if out.kv_store.enabled:
-            check(launcher == "local", "kv_store.enabled", "the shared KV store is started by the local launcher "
-                  "only so far; with launcher ray leave it off")
             with_tier = [r for r in ("prefill", "decode") if out.engine_config(r).kv_offload_gib > 0]
             check(bool(with_tier), "kv_store.enabled", "no pool has a host tier to reach the store through: "
                   "set <pool>.engine.kv_offload_gib > 0 on the pools that should share it")

@@ -33,11 +33,12 @@ logger = logging.getLogger(__name__)
 
 class WorkerActor:
     def __init__(self, role: str, config: ClusterConfig, index: int, host: str | None = None, *,
-                 secret: DeploymentSecret | None) -> None:
+                 secret: DeploymentSecret | None, kv_store: str | None = None) -> None:
         """`secret`: the deployment's (a constructor argument, so that the process Ray
         restarts the actor in gets the same one); `host`: where the worker's sockets
         listen; None: this node's address as Ray knows it (looked up here, because a
-        restart may land on another node)."""
+        restart may land on another node); `kv_store`: the shared KV store's address
+        (cluster/ray/kv_store.py: a restarted store listens there again)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.name = f"{role}-{index}"
@@ -47,7 +48,7 @@ class WorkerActor:
         self.control = QueueControl()
         self._serving = False  # the first peers message was taken and answered
         self.error = ""  # the worker thread's traceback, if serve() raised
-        worker = worker_config(config, role, index, host or _node_address(), secret=secret)
+        worker = worker_config(config, role, index, host or node_address(), secret=secret, kv_store=kv_store)
         self.thread = threading.Thread(target=self._run, args=(worker,), name=f"pdserve-{self.name}", daemon=True)
         self.thread.start()
 
@@ -122,7 +123,7 @@ class WorkerActor:
         return not self.thread.is_alive()
 
 
-def _node_address() -> str:
+def node_address() -> str:
     """The address Ray registered this node under (what other nodes reach it at)."""
     import ray
 

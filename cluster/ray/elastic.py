@@ -71,7 +71,8 @@ class RayPools:
         worker = RayWorker(name, role, None, group=group, bundle=bundle, own_group=own)
         try:
             started = time.monotonic()
-            worker.actor = new_actor(self.config, role, index, group, bundle, self.workers.secret)
+            worker.actor = new_actor(self.config, role, index, group, bundle, self.workers.secret,
+                                     self.workers.store_address)
             console.worker_starting(name, self.config.engine_config(role))
             self._start(worker, started)
         except BaseException:

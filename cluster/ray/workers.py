@@ -5,8 +5,10 @@ bundle per worker: a bundle is always on one node, so each worker is packed; the
 workers are packed or spread as `ray.strategy` says; a tensor-parallel worker is a group
 of its own, a bundle per rank, STRICT_PACK), one `WorkerActor` per worker
 running the same worker entry point as a local process, then the same "ready" and
-"peers" messages, carried by actor calls instead of a pipe. Ray only places and starts
-processes; requests and KV never travel through it.
+"peers" messages, carried by actor calls instead of a pipe. With kv_store.enabled the
+shared KV store starts first, as an actor of its own (cluster/ray/kv_store.py), and is
+killed after the workers. Ray only places and starts processes; requests and KV never
+travel through it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from cluster.config import ClusterConfig, RayConfig
 from cluster.launcher import RouterHooks
 from cluster.peers import peers_messages
 from cluster.ray.actor import WorkerActor
+from cluster.ray.kv_store import start_store, stop_store
 from cluster.ray.resources import (
     PlacementError,
     check_one_host_transport,
@@ -85,6 +88,10 @@ class RayWorkers:
     # The deployment's (start_ray_workers makes it): in every actor's constructor
     # arguments, so a restarted actor has it too; the router gets it from here.
     secret: DeploymentSecret | None = field(default=None, repr=False)
+    # The shared KV store's actor and address (kv_store.enabled): the address is in every
+    # worker actor's constructor arguments (a restarted store listens there again).
+    store: Any = None
+    store_address: str | None = None
     # Held while the pools change or a Peers message is made and sent: by each of the
     # supervisor's passes (which mutate RayWorker objects) and by the elastic pools'
     # adds and removals (cluster/ray/elastic.py), so that neither sees the other half done.
@@ -174,22 +181,25 @@ class RayWorkers:
                 ray.kill(w.actor, no_restart=True)
             for group in self.groups:
                 remove_placement_group(group)
+            if self.store is not None:  # after the workers, as the local launcher's
+                stop_store(self.store, timeout)
+                self.store = None
         if self.shutdown_ray and ray.is_initialized():
             self.shutdown_ray = False
             ray.shutdown()
 
 
 def new_actor(config: ClusterConfig, role: str, index: int, group: PlacementGroup, bundle: int,
-              secret: DeploymentSecret | None) -> Any:
+              secret: DeploymentSecret | None, kv_store: str | None = None) -> Any:
     """Create worker `index` of `role` as a WorkerActor in `group`'s bundle (it starts
-    loading at once; ready() says when it has)."""
+    loading at once; ready() says when it has); `kv_store`: the shared store's address."""
     pool = getattr(config.ray, role)
     return ray.remote(WorkerActor).options(
         num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, resources=pool.resources,
         max_concurrency=ACTOR_CONCURRENCY, max_restarts=config.ray.max_restarts, max_task_retries=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
         # Ray keeps an actor's arguments, for its restarts: no router secrets in them.
-    ).remote(role, without_router_secrets(config), index, secret=secret)
+    ).remote(role, without_router_secrets(config), index, secret=secret, kv_store=kv_store)
 
 
 def connect(config: RayConfig) -> bool:
@@ -294,21 +304,24 @@ def await_all_ready(workers: list[RayWorker], timeout: float, started: float) ->
 def start_ray_workers(config: ClusterConfig, timeout: float = 180.0) -> RayWorkers:
     """Connect to Ray, make the deployment's secret, place and start every worker with
     it, wait until each reports ready, then tell each its peers (as
-    cluster.local.start_workers does). Raises, after stopping whatever started and
-    releasing its resources, if any step fails."""
+    cluster.local.start_workers does). With kv_store.enabled the shared KV store's actor
+    starts first. Raises, after stopping whatever started and releasing its resources,
+    if any step fails."""
     # The initial workers' indexes are taken for good: a scale-up after the last of a
     # pool left must not name its worker "prefill-0" again.
     workers = RayWorkers(shutdown_ray=connect(config.ray), secret=DeploymentSecret.new(),
                          indexes={"decode": config.decode.replicas, "prefill": config.prefill.replicas})
     try:
         check_capacity(config)
+        if config.kv_store.enabled:
+            workers.store, workers.store_address = start_store(config, workers.secret)
         places = _place(config)
         workers.groups = list(dict.fromkeys(group for role_places in places.values() for group, _ in role_places))
         started = time.monotonic()
         for role, role_places in places.items():
             own = tp_size(config, role) > 1  # a TP worker is a group of its own (_place)
             for i, (group, bundle) in enumerate(role_places):
-                actor = new_actor(config, role, i, group, bundle, workers.secret)
+                actor = new_actor(config, role, i, group, bundle, workers.secret, workers.store_address)
                 workers.pool(role).append(RayWorker(f"{role}-{i}", role, actor, group=group, bundle=bundle,
                                                     own_group=own))
                 console.worker_starting(f"{role}-{i}", config.engine_config(role))

@@ -58,6 +58,13 @@ def test_valid_ray_fields() -> None:
     assert list(pool_bundles(cfg)) == ["decode"]
 
 
+def test_the_shared_kv_store_is_started_by_ray_too_and_asks_for_no_bundle() -> None:
+    cfg = ClusterConfig.from_dict({**BASE, "kv_store": {"enabled": True},
+                                   "decode": {"replicas": 1, "engine": {"kv_offload_gib": 0.01}}})
+    assert cfg.kv_store.enabled and cfg.launcher == "ray"
+    assert pool_bundles(cfg) == {"decode": [{"CPU": 1.0}], "prefill": [{"CPU": 1.0}]}  # num_cpus=0, no group
+
+
 def test_a_tensor_parallel_worker_asks_for_a_bundle_per_rank_on_one_node() -> None:
     cfg = ClusterConfig.from_dict({**BASE, "decode": {"replicas": 2, "engine": {"tensor_parallel_size": 2}},
                                    "ray": {"decode": {"num_cpus": 1.5}}})
