@@ -41,16 +41,25 @@ def _mean_batch(s: WorkerStats) -> str:
     return f"{hist.sum / hist.count:.1f}" if hist.count else "-"
 
 
+def _tiers(s: WorkerStats) -> str:
+    """Each KV offload tier's used/capacity blocks and hits, e.g. host:120/1456+34
+    ("-": no tiers). The shared tier's capacity is the whole store's, its used blocks
+    those of this worker's configuration."""
+    if s.kv_tiers is None:
+        return "-"
+    return ",".join(f"{t.name}:{t.used_blocks}/{t.capacity_blocks}+{t.hits}" for t in s.kv_tiers.tiers)
+
+
 DECODE_COLUMNS: tuple[tuple[str, Cell], ...] = (
     ("running", _figure("running")), ("waiting", _figure("waiting")), ("waiting_kv", _figure("waiting_for_kv")),
     ("kv_used", _kv_used), ("remote", _figure("remote")), ("local", _figure("local")),
     ("fallbacks", _figure("fallbacks")), ("fenced", _figure("quarantined_blocks")), ("step_p50", _step_p50),
-    ("batch", _mean_batch), ("preempted", _figure("preemptions")))
+    ("batch", _mean_batch), ("preempted", _figure("preemptions")), ("kv_tiers", _tiers))
 PREFILL_COLUMNS: tuple[tuple[str, Cell], ...] = (
     ("jobs", _figure("jobs")), ("kv_used", _kv_used), ("prefills", _figure("prefills")),
     ("blocks_sent", _figure("blocks_written")), ("failed", _figure("failed")),
     ("tokens", _figure("tokens_computed")), ("running", _figure("running")), ("waiting", _figure("waiting")),
-    ("step_p50", _step_p50), ("batch", _mean_batch), ("preempted", _figure("preemptions")))
+    ("step_p50", _step_p50), ("batch", _mean_batch), ("preempted", _figure("preemptions")), ("kv_tiers", _tiers))
 
 def fetch_status(url: str, timeout: float = 10.0, api_key: str | None = None) -> dict[str, Any]:
     """GET {url}/status (url: the router's base, e.g. http://127.0.0.1:8000, or the API's

@@ -35,3 +35,19 @@ def test_stats_this_pdserve_cannot_read_are_refused_naming_the_worker_and_field(
     with pytest.raises(ValueError, match=r"worker 'decode-0'.*Expected `int`, got `str` - at `\$.running`"):
         format_status({"model": "m", "in_flight": 0, "decode_workers": [
             {"name": "decode-0", "live": True, "address": "tcp://x", "stats": stats}]})
+
+
+def test_the_kv_tiers_column_shows_each_tiers_usage_and_hits() -> None:
+    from protocol.stats import KVTierStats, TierUsage
+
+    tiers = KVTierStats(tiers=[TierUsage(name="host", capacity_blocks=1456, used_blocks=120, hits=34),
+                               TierUsage(name="shared", capacity_blocks=2900, used_blocks=800, hits=10)],
+                        offloaded_bytes=0, loaded_bytes=0, loads=0, load_seconds=0.0, failed_loads=0,
+                        dropped_blocks=0)
+    with_tiers = msgspec.to_builtins(worker_stats(kv_tiers=tiers))
+    text = format_status({"model": "m", "in_flight": 0, "prefill_workers": [
+        {"name": "prefill-0", "live": True, "address": "tcp://p", "stats": with_tiers}], "decode_workers": [
+        {"name": "decode-0", "live": True, "address": "tcp://x", "stats": msgspec.to_builtins(worker_stats())}]})
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("decode-", "prefill-"))}
+    assert rows["prefill-0"][-1] == "host:120/1456+34,shared:800/2900+10"
+    assert rows["decode-0"][-1] == "-"
