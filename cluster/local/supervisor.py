@@ -22,6 +22,15 @@ For each that exited:
   the other pool learns it, and last the router, so no request reaches it before its peers know it. A start that fails
   is stopped (its shared memory removed) and tried again; past `max_restarts` the
   worker stays down (the router's /health says so once no decode worker is left).
+
+The shared KV store's process (kv_store.enabled) is watched in the same sweep, SIGTERM
+grace included. One that exited is started again, in a thread of its own (a port still
+held is waited for a few seconds), at the same address, with the same capacity and the
+deployment's secret: the workers keep that address, their clients reconnect on their
+own (ZMQ) and see the new store's id, so their directory copies start over (the old
+store's blocks are lost: time, never a request). A start that fails is tried again on
+a later sweep; past `max_restarts` starts in all the store stays down and the workers
+compute what they would have loaded, as on Ray (cluster/ray/kv_store.py).
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ from collections.abc import Callable
 
 from cluster import console
 from cluster.config import ClusterConfig
+from cluster.local.fork_server import ForkedProcess
+from cluster.local.kv_store import StoreProcess, restart_store
 from cluster.local.workers import LocalWorkers, Worker, await_ready, await_serving, spawn, stop_processes
 from engine.distributed.shm_files import sweep_orphans
 from kv_transfer.shm_segments import unlink_segment
@@ -46,6 +57,7 @@ logger = logging.getLogger(__name__)
 # the launcher, do not catch it. This long, the watch waits for the launcher's own
 # shutdown to begin before taking such a death for a crash (and restarting it).
 SIGTERM_GRACE_S = 2.0
+STORE = "kv-store"  # the store's key in `restarts`, and its name in the console's lines
 
 
 class LocalSupervisor:
@@ -70,6 +82,9 @@ class LocalSupervisor:
         self._starting: dict[str, Worker] = {}  # restarted processes not yet serving
         self._stop = threading.Event()
         self._sigterm_seen: dict[int, float] = {}  # id(process) -> when its SIGTERM death was seen
+        self._store_restart: threading.Thread | None = None  # the store's start in flight, if any
+        self._store_seen_dead: StoreProcess | None = None  # the dead store already reported
+        self._store_down = False  # past max_restarts: stays down
         self._thread = threading.Thread(target=self._run, name="local-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -77,10 +92,14 @@ class LocalSupervisor:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Before the workers are stopped: a worker that exits then is not restarted,
-        and one still starting is stopped here (the launcher does not know it yet)."""
+        and one still starting is stopped here (the launcher does not know it yet); a
+        store still starting is waited for, and stops itself (_restart_store)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        restart = self._store_restart
+        if restart is not None:
+            restart.join(timeout)
         with self._lock:
             starting = list(self._starting.values())
         stop_processes(starting)
@@ -97,7 +116,7 @@ class LocalSupervisor:
                     if w.name in hung:
                         self._kill_hung(w)
                     continue
-                if (w.process.exitcode == -signal.SIGTERM or not w.process.exit_known) and not self._grace_over(w):
+                if not self._crashed(w.process):
                     continue  # maybe the deployment is stopping: not a crash yet
                 try:
                     self._report_down(w)
@@ -106,6 +125,10 @@ class LocalSupervisor:
                 # In its own thread: loading a model takes a while, and other
                 # workers' deaths must be reported meanwhile.
                 threading.Thread(target=self._restart, args=(w,), daemon=True, name=f"restart-{w.name}").start()
+            try:
+                self._watch_store()
+            except Exception:  # supervision must outlive any one failure
+                logger.exception("supervising the KV store")
 
     def _hung(self) -> set[str]:
         """The workers the router declared dead for their silence, asked once a pass."""
@@ -128,11 +151,58 @@ class LocalSupervisor:
         with self._lock:
             return any(x is w for x in self.workers.all)
 
-    def _grace_over(self, w: Worker) -> bool:
-        """Whether SIGTERM_GRACE_S passed since this sweep first saw `w` dead (others'
-        deaths are handled meanwhile)."""
-        first = self._sigterm_seen.setdefault(id(w.process), time.monotonic())
+    def _crashed(self, process: ForkedProcess) -> bool:
+        """Whether an exited process is taken for crashed: not yet if it died of SIGTERM,
+        or after its fork server, until SIGTERM_GRACE_S passed without a shutdown."""
+        if process.exitcode != -signal.SIGTERM and process.exit_known:
+            return True
+        return self._grace_over(process)
+
+    def _grace_over(self, process: ForkedProcess) -> bool:
+        """Whether SIGTERM_GRACE_S passed since this sweep first saw `process` dead
+        (others' deaths are handled meanwhile)."""
+        first = self._sigterm_seen.setdefault(id(process), time.monotonic())
         return time.monotonic() - first >= SIGTERM_GRACE_S
+
+    def _watch_store(self) -> None:
+        """Start the store again if its process exited: one start at a time, in a thread
+        (its bind may wait for the port), at most max_restarts in all."""
+        store = self.workers.store
+        if store is None or self._store_down or self._stop.is_set() or store.process.is_alive():
+            return
+        if self._store_restart is not None and self._store_restart.is_alive():
+            return
+        if not self._crashed(store.process):
+            return
+        if store is not self._store_seen_dead:  # once per death, not once per try
+            self._store_seen_dead = store
+            logger.warning("the KV store at %s exited with %s; starting it again there", store.address,
+                           store.process.exitcode)
+        if self.restarts[STORE] >= self.max_restarts:
+            self._store_down = True
+            logger.error("the KV store stays down: started %d times; the workers compute what they would "
+                         "have loaded from it", self.restarts[STORE])
+            return
+        self.restarts[STORE] += 1
+        self._store_restart = threading.Thread(target=self._restart_store, args=(store, self.restarts[STORE]),
+                                               daemon=True, name="restart-kv-store")
+        self._store_restart.start()
+
+    def _restart_store(self, dead: StoreProcess, restart: int) -> None:
+        try:
+            new = restart_store(dead, self.config, self.workers.secret)
+        except Exception as exc:  # the next sweep tries again, up to max_restarts
+            logger.error("the KV store did not restart at %s (start %d of %d): %s", dead.address, restart,
+                         self.max_restarts, exc)
+            return
+        with self._lock:  # LocalWorkers.stop takes the store under it: this one, or the new one
+            stopping = self._stop.is_set()
+            if not stopping:
+                self.workers.store = new
+        if stopping:  # the deployment stops: the workers' stop may have taken the dead one
+            new.stop()
+            return
+        console.worker_back(STORE, new.address, time.monotonic() - new.started, restart, self.max_restarts)
 
     def _report_down(self, dead: Worker) -> None:
         logger.warning("worker %s exited with %s; telling its peers and the router", dead.name,

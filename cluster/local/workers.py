@@ -68,7 +68,9 @@ class LocalWorkers:
     # too. Once `stopped`, none is added (cluster/local/elastic.py checks under the lock).
     starting: list[Worker] = field(default_factory=list)
     stopped: bool = False
-    store: StoreProcess | None = None  # the shared KV store (kv_store.enabled), stopped after the workers
+    # The shared KV store (kv_store.enabled), stopped after the workers; the supervisor
+    # replaces one that died by a new one at the same address (under the lock).
+    store: StoreProcess | None = None
 
     @property
     def store_address(self) -> str | None:
@@ -117,8 +119,10 @@ class LocalWorkers:
             starting = list(self.starting)
         self.stop_supervising(timeout)  # first: a worker stopped now is not restarted
         stop_processes(self.all + starting, timeout)
-        if self.store is not None:
-            self.store.stop(timeout)
+        with self.lock:  # after the supervisor stopped: a store it restarted is here, or it stopped it
+            store = self.store
+        if store is not None:
+            store.stop(timeout)
 
 
 def stop_processes(workers: list[Worker], timeout: float = 10.0) -> None:

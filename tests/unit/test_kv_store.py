@@ -2,10 +2,13 @@
 and evicted is loaded by another engine from the store, with the tokens a roomy engine
 computes; a store that is gone, or bytes changed in it, cost only time (the engine
 computes); only the deployment's clients get through; and the store's LRU, capacity and
-directory log."""
+directory log. The local launcher's store process started again on the port of one that
+was killed (the supervisor's restart) serves the clients that knew the old one."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +17,8 @@ from pathlib import Path
 import pytest
 import zmq
 
+from cluster.config import ClusterConfig
+from cluster.local.kv_store import StoreProcess, start_store
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.kv_cache.events import SHARED
@@ -366,3 +371,67 @@ def test_capacity_counts_each_blocks_record() -> None:
     with pytest.raises(MessageError, match="length"):
         KV_STORE_MESSAGES.decode(encode(StorePut(namespace=1, block=StoredBlock(
             block_hash=1, parent_hash=0, token_ids=[1] * 1025, checksum=0))))
+
+
+def store_config(llama_dir: Path) -> ClusterConfig:
+    return ClusterConfig.from_dict({"model": str(llama_dir), "kv_store": {"enabled": True, "capacity_gib": gib(8)},
+                                    "decode": {"engine": {"kv_offload_gib": gib(2)}}})
+
+
+def holding(host: str, port: int) -> socket.socket:
+    """A listening socket on the port: ZMQ's bind, SO_REUSEADDR or not, fails while it is open."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the killed store's TIME_WAIT connections
+    s.bind((host, port))
+    s.listen()
+    return s
+
+
+def put_until_held(client: StoreClient, block: SharedBlock, timeout: float = 15.0) -> None:
+    """Put it until the client's directory copy has it (puts before its reconnection may be lost)."""
+    deadline = time.monotonic() + timeout
+    while not client.holds(block.block_hash):
+        assert time.monotonic() < deadline, "the client's puts do not reach the store"
+        client.put(block)
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(90)
+def test_a_store_started_on_a_killed_stores_port_serves_its_clients(llama_dir: Path) -> None:
+    """start_store on the port of a killed store process: it waits out the port held a
+    moment, and a client of the old store reconnects on its own, takes the new one's
+    directory, and puts and fetches there."""
+    config, secret = store_config(llama_dir), DeploymentSecret.new()
+    first = start_store(config, secret)
+    stores: list[StoreProcess] = [first]
+    client = StoreClient(first.address, secret, sync_interval_s=0.05, fetch_timeout_s=1.0)
+    client.open(9)
+    try:
+        client.put(SharedBlock(101, 0, (101,), 0, b"x" * 16))
+        wait_for(lambda: client.holds(101), "the first store's block was not announced")
+        first.process.kill()
+        first.process.join(10)
+        held = holding(first.host, first.port)
+        threading.Timer(0.5, held.close).start()
+        start = time.monotonic()
+        stores.append(start_store(config, secret, first.host, first.port))
+        assert stores[1].address == first.address and time.monotonic() - start >= 0.4  # it waited for the port
+        put_until_held(client, SharedBlock(102, 0, (102,), 0, b"y" * 16))
+        assert not client.holds(101)  # the copy is the new store's
+        assert bytes(client.fetch([102])[0].data) == b"y" * 16
+    finally:
+        client.close()
+        for store in stores:
+            store.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_whose_port_stays_taken_fails_to_start_after_its_bind_timeout(llama_dir: Path) -> None:
+    held = holding("127.0.0.1", 0)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="exited as it started"):
+            start_store(store_config(llama_dir), None, "127.0.0.1", held.getsockname()[1], bind_timeout_s=0.5)
+        assert 0.5 <= time.monotonic() - start < 20
+    finally:
+        held.close()
