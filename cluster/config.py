@@ -287,6 +287,11 @@ class ClusterConfig:
             if getattr(out, role).replicas and engine.tensor_parallel_size > 1:
                 _check_shardable(out.model, engine.tensor_parallel_size, f"{role}.engine.tensor_parallel_size")
         if out.kv_store.enabled:
+            # The store's port is found free on the launcher's node (cluster/ray/kv_store.py):
+            # a Ray Client driver is on no node of the cluster.
+            check(launcher != "ray" or not out.ray.address.startswith("ray://"), "kv_store.enabled",
+                  "the Ray launcher starts the store on its own node, which a Ray Client (ray.address "
+                  "ray://...) driver is not: submit the deployment as a Ray job (ray job submit) instead")
             with_tier = [r for r in ("prefill", "decode") if out.engine_config(r).kv_offload_gib > 0]
             check(bool(with_tier), "kv_store.enabled", "no pool has a host tier to reach the store through: "
                   "set <pool>.engine.kv_offload_gib > 0 on the pools that should share it")

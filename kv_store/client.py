@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import zmq
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 SEND_QUEUE = 64  # puts queued toward the store at most; beyond, a put is dropped
 MAX_CHANGES = 1 << 16  # directory changes kept untaken at most; beyond, they are dropped (take says so)
+MAX_REVOKED = 1 << 16  # revoked hashes remembered at most, oldest forgotten first
 
 
 class StoreClient:
@@ -58,6 +60,10 @@ class StoreClient:
         self._changes_lost = False
         self._seq = itertools.count(1)
         self._io_sock: zmq.Socket | None = None  # made by the I/O thread, its only user
+        # Blocks whose bytes were bad when put (revoke): never found or put again by this
+        # client, whatever a directory says; their StoreDrop waits in _drops until sent.
+        self._revoked: OrderedDict[int, None] = OrderedDict()
+        self._drops: deque[list[int]] = deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sync_loop, name=f"{name}-sync", daemon=True)
         self.puts = self.dropped_puts = self.fetches = self.failed_fetches = 0
@@ -67,7 +73,8 @@ class StoreClient:
         self._thread.start()
 
     def holds(self, block_hash: int) -> bool:
-        return not self._down and block_hash in self._held  # a set's lookup is atomic under the GIL
+        # Lookups of a set and a dict are atomic under the GIL.
+        return not self._down and block_hash in self._held and block_hash not in self._revoked
 
     def blocks(self) -> int:
         return len(self._held)
@@ -101,6 +108,9 @@ class StoreClient:
 
     def put(self, block: SharedBlock) -> None:
         assert self._namespace is not None
+        self.send_drops()
+        if block.block_hash in self._revoked:  # a seal that ran as it was revoked: its bytes are bad
+            return
         msg = StorePut(namespace=self._namespace, block=StoredBlock(
             block_hash=block.block_hash, parent_hash=block.parent_hash, token_ids=list(block.token_ids),
             checksum=block.checksum))
@@ -110,17 +120,35 @@ class StoreClient:
         except zmq.Again:  # the store is slow or gone: a tier is a cache
             self.dropped_puts += 1
 
-    def drop(self, hashes: Sequence[int]) -> None:
-        assert self._namespace is not None
-        self.forget(hashes)
-        try:  # after any put of these blocks on the same socket: the store applies it after them
-            self._socket().send(encode(StoreDrop(namespace=self._namespace, hashes=list(hashes))), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("%s: could not tell the KV store to drop %d bad blocks (it does not read)",
-                           self._name, len(hashes))
+    def revoke(self, hashes: Sequence[int]) -> None:
+        with self._lock:
+            for h in hashes:
+                self._revoked[h] = None
+                self._revoked.move_to_end(h)
+            while len(self._revoked) > MAX_REVOKED:
+                self._revoked.popitem(last=False)
+            self._update(set(self._held) - set(hashes))
+        self._drops.append(list(hashes))
+
+    def send_drops(self) -> None:
+        """Send each StoreDrop revoke() queued, on the I/O socket: after any put of its
+        blocks, so the store applies it after them. One the queue toward the store has no
+        room for waits for the next call (a put, a fetch, or the tiers' drop job)."""
+        while self._drops:
+            hashes = self._drops[0]
+            try:
+                self._socket().send(encode(StoreDrop(namespace=self._namespace or 0, hashes=hashes)), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._drops.popleft()
 
     def fetch(self, hashes: Sequence[int]) -> list[SharedBlock]:
         assert self._namespace is not None
+        self.send_drops()
+        revoked = next((i for i, h in enumerate(hashes) if h in self._revoked), None)
+        hashes = hashes[:revoked]  # a load queued before the revoke: the chain ends there
+        if not hashes:
+            return []
         self.fetches += 1
         sock, seq = self._socket(), next(self._seq)
         frames = None

@@ -46,6 +46,7 @@ LOG_LENGTH = 1 << 16  # directory changes kept per namespace, for StoreSync
 POLL_MS = 100  # how often the serving thread looks at its stop flag
 Data = bytes | memoryview  # a block's bytes: the frame a put came in, or a copy
 ZERO_COPY_BYTES = 1 << 16
+MAX_ANSWER_BYTES = 64 << 20  # block bytes one fetch's answer carries at most (workers ask for 32 MiB)
 BLOCK_OVERHEAD = 200  # bytes of a block's record besides its tokens, about (a msgspec Struct, its key)
 
 
@@ -100,13 +101,19 @@ class KVStore:
                 self._changed(namespace, block_hash, added=False)
 
     def fetch(self, namespace: int, hashes: list[int]) -> list[tuple[StoredBlock, Data]]:
-        """The chain's first blocks held here, in order."""
+        """The chain's first blocks held here, in order, up to MAX_ANSWER_BYTES (a
+        chain never names a block twice: a repeat ends it, so one small message cannot
+        ask for the same block thousands of times)."""
         self.fetches += 1
-        out = []
+        out: list[tuple[StoredBlock, Data]] = []
+        seen: set[int] = set()
+        size = 0
         for block_hash in hashes:
             found = self._blocks.get((namespace, block_hash))
-            if found is None:
+            if found is None or block_hash in seen or (out and size + len(found[1]) > MAX_ANSWER_BYTES):
                 break
+            seen.add(block_hash)
+            size += len(found[1])
             self._blocks.move_to_end((namespace, block_hash))
             out.append(found)
         self.hits += len(out)

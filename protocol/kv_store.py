@@ -27,6 +27,7 @@ from protocol.wire import Codec, Message
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # 64-bit hashes (msgpack carries uint64)
 Seq = Annotated[int, msgspec.Meta(ge=0)]
 MAX_BLOCK_TOKENS = 1024  # a block's tokens at most (EngineConfig.block_size is far smaller)
+MAX_CHAIN = 1 << 14  # blocks one fetch names at most (workers ask in batches of 32 MiB)
 
 
 class StoredBlock(Record, frozen=True):
@@ -48,13 +49,13 @@ class StoreDrop(Message, frozen=True, tag="store_drop"):
     KV was not what their hash says (a late remote write landed in them)."""
 
     namespace: U64
-    hashes: Annotated[list[U64], msgspec.Meta(max_length=1 << 16)]
+    hashes: Annotated[list[U64], msgspec.Meta(max_length=MAX_CHAIN)]
 
 
 class StoreFetch(Message, frozen=True, tag="store_fetch"):
     seq: Seq  # echoed: an answer to a fetch given up on is told apart and dropped
     namespace: U64
-    hashes: list[U64]  # a chain, in prefix order
+    hashes: Annotated[list[U64], msgspec.Meta(max_length=MAX_CHAIN)]  # a chain, in prefix order
 
 
 class StoreBlocks(Message, frozen=True, tag="store_blocks"):

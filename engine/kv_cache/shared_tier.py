@@ -44,9 +44,14 @@ class SharedTier(Protocol):
     def put(self, block: SharedBlock) -> None:
         """Send the block (the I/O thread); never blocks: dropped when it cannot go."""
 
-    def drop(self, hashes: Sequence[int]) -> None:
-        """These blocks' bytes were bad when put: the store forgets them (the I/O
-        thread, after any put of them; never blocks)."""
+    def revoke(self, hashes: Sequence[int]) -> None:
+        """These blocks' bytes were bad when copied (the engine's thread; never blocks):
+        from now on holds() is False and put() skips them, whatever the store says, and
+        the store is told to drop them by the next send_drops()."""
+
+    def send_drops(self) -> None:
+        """Tell the store to drop what revoke() named (the I/O thread, after any put of
+        those blocks; never blocks: what cannot go now goes with the next call)."""
 
     def fetch(self, hashes: Sequence[int]) -> list[SharedBlock]:
         """The chain's first blocks the store holds, in order (the I/O thread);

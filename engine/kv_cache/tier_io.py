@@ -24,6 +24,7 @@ from engine.kv_cache.shared_tier import SharedBlock, SharedTier
 from engine.kv_cache.tier_store import DiskStore, HostStore, TierEntry, bytes_of, split
 
 SHARED = "shared"  # a load source's tier name: the deployment's KV store (shared_tier.py)
+FETCH_BATCH_BYTES = 32 << 20  # blocks asked of the store per round trip, at most (one, if larger)
 
 
 def checksum(pieces: Sequence[torch.Tensor | memoryview], seed: int) -> int:
@@ -55,10 +56,9 @@ class SealJob:
 
 @dataclass(eq=False)
 class DropJob:
-    """Tell the shared store to forget blocks whose bytes turned out bad: queued with the
-    seals, so after any seal (and put) of them."""
+    """Send the StoreDrops KVTiers.revoke queued (SharedTier.send_drops): queued with the
+    seals, so after any seal (and put) of those blocks."""
 
-    hashes: list[int]
     error: str | None = None
 
 
@@ -124,7 +124,7 @@ class TierIO:
                     self._seal(job)
                 elif isinstance(job, DropJob):
                     if self.shared is not None:
-                        self.shared.drop(job.hashes)
+                        self.shared.send_drops()
                 else:
                     self._load(job)
             except CorruptBlock as exc:
@@ -192,7 +192,15 @@ class TierIO:
             return {}
         assert self.shared is not None  # a shared source is found only with a shared tier
         job.missing = wanted  # until the store answers
-        got = self.shared.fetch(wanted)
+        # In batches of bounded bytes, each a round trip of its own within the client's
+        # fetch timeout: one fetch of a long chain would outlast any timeout on a slow link.
+        per_batch = max(1, FETCH_BATCH_BYTES // sum(self._piece_bytes))
+        got: list[SharedBlock] = []
+        for at in range(0, len(wanted), per_batch):
+            batch = self.shared.fetch(wanted[at:at + per_batch])
+            got += batch
+            if len(batch) < len(wanted[at:at + per_batch]):
+                break
         job.missing = wanted[len(got):]
         if job.missing:
             raise CorruptBlock(f"the shared tier no longer holds {len(job.missing)} of {len(wanted)} blocks")

@@ -156,7 +156,7 @@ class KVTiers:
         copied = None
         if self._cuda:
             copied = self._last_copy = torch.cuda.Event()
-            copied.record()
+            copied.record(torch.cuda.current_stream(self.caches[0].device))  # the cache's device, not the current one
         self._staged += staged is not None
         entry = None
         if slot is not None:
@@ -175,7 +175,8 @@ class KVTiers:
                 if entry is not None:
                     index.drop(entry)  # a seal in flight still ends; its entry is gone
         if self.shared is not None and hashes:
-            self.io.submit(DropJob(list(hashes)))
+            self.shared.revoke(hashes)  # at once: a load queued this step must not find them
+            self.io.submit(DropJob())
 
     def settle(self) -> None:
         """Wait until every block offloaded so far is copied out (CUDA: the copies run on
@@ -220,7 +221,7 @@ class KVTiers:
         ready = None
         if self._cuda:  # the blocks' earlier users (and their offload copies) are on this stream
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.caches[0].device))
         self.loads_in_flight += 1
         self.io.submit(LoadJob(request_id, sources, block_ids, ready))
 

@@ -48,6 +48,8 @@ BASE = {"model": "m", "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
     ({"kv_store": {"enabled": True}}, "kv_store.enabled: no pool has a host tier"),
     # Under Ray too (its launcher starts the store as an actor): only the host tier is missing.
     ({"kv_store": {"enabled": True}, "launcher": "ray"}, "kv_store.enabled: no pool has a host tier"),
+    ({"kv_store": {"enabled": True}, "launcher": "ray", "ray": {"address": "ray://head:10001"}},
+     "kv_store.enabled: the Ray launcher starts the store on its own node"),
     ({"kv_store": {"capacity_gib": 0}}, "kv_store.capacity_gib: must be > 0, got 0"),
     ({"kv_store": {"fetch_timeout_s": "1s"}}, "kv_store.fetch_timeout_s: must be a number"),
     ({"kv_store": {"size": 1}}, "kv_store.size: unknown key"),

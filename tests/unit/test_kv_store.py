@@ -21,6 +21,7 @@ from cluster.config import ClusterConfig
 from cluster.local.kv_store import StoreProcess, start_store
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from engine.kv_cache import tier_io
 from engine.kv_cache.events import SHARED
 from engine.kv_cache.shared_tier import SharedBlock, StoreUnavailable
 from engine.sampling_params import SamplingParams
@@ -179,6 +180,84 @@ def test_blocks_invalidated_after_their_copy_leave_every_tier_and_the_store(llam
         assert all(server.store.fetch(a.kv.tiers.io.seed, [h]) for h in hashes if h not in gone)
     finally:
         a.close()
+
+
+def test_a_prefix_asked_for_right_after_its_invalidation_is_computed(llama_dir: Path, server) -> None:
+    """The same engine, the very next step: its copy of the store's directory must not
+    find the revoked blocks, though the store has not yet been told (a load runs ahead of
+    the I/O thread's drop; the review found it loading the bad bytes back 3 runs of 3)."""
+    client = StoreClient(server.address, None, sync_interval_s=0.02)
+    a = engine(llama_dir, client, blocks=200)
+    prompt = chat_turns(num_convs=1, num_turns=1)[0][:1]
+    try:
+        generate(a, prompt, "a")
+        settle(a, server)
+        cached = [blk for blk in a.kv.pool.blocks if blk.block_hash is not None]
+        wait_for(lambda: all(client.holds(blk.block_hash) for blk in cached), "the directory stayed behind")
+        a.invalidate_blocks([blk.block_id for blk in cached])
+        _, again = generate(a, prompt, "b")
+        shared = {t.name: t for t in a.stats().offload.tiers}["shared"]
+    finally:
+        a.close()
+    assert again == [0] and shared.hits == 0, (again, shared)
+
+
+def test_a_drop_the_send_queue_has_no_room_for_waits_for_the_next_send(server,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """StoreDrop is never lost: one the queue toward the store has no room for goes with
+    the client's next put, fetch or drop job (the review lost it 3 runs of 4)."""
+    server.store.put(9, StoredBlock(block_hash=5, parent_hash=0, token_ids=[5], checksum=0), b"x" * 16)
+    client = StoreClient(server.address, None)
+    client.open(9)
+    real = client._socket
+
+    class Full:
+        def send(self, *args, **kwargs):
+            raise zmq.Again()
+
+    try:
+        monkeypatch.setattr(client, "_socket", lambda: Full())
+        client.revoke([5])
+        client.send_drops()  # no room: it waits
+        time.sleep(0.2)
+        assert server.store.fetch(9, [5])
+        monkeypatch.setattr(client, "_socket", real)
+        client.put(SharedBlock(5, 0, (5,), 0, b"y" * 16))  # a seal that ran as it was revoked: not put
+        client.put(SharedBlock(6, 0, (6,), 0, b"y" * 16))
+        wait_for(lambda: server.store.fetch(9, [6]), "the later put did not land")
+        assert not server.store.fetch(9, [5]) and not client.holds(5)
+    finally:
+        client.close()
+
+
+def test_a_fetch_answers_each_block_once_and_at_most_its_byte_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = KVStore(1 << 20)
+    for h in (1, 2, 3):
+        store.put(9, StoredBlock(block_hash=h, parent_hash=0, token_ids=[h], checksum=0), b"z" * 1000)
+    assert [b.block_hash for b, _ in store.fetch(9, [1, 2, 1, 3])] == [1, 2]  # a repeat ends the chain
+    monkeypatch.setattr("kv_store.server.MAX_ANSWER_BYTES", 2500)
+    assert [b.block_hash for b, _ in store.fetch(9, [1, 2, 3])] == [1, 2]
+
+
+def test_a_chain_longer_than_one_fetch_batch_loads_whole(llama_dir: Path, server,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads ask the store in batches of FETCH_BATCH_BYTES, each a round trip within
+    the fetch timeout: a long prefix loads on a slow link too."""
+    prompts = chat_turns(num_convs=2, num_turns=1)[0]
+    want = computed_and_put(llama_dir, server, prompts)
+    client = StoreClient(server.address, None)
+    b = engine(llama_dir, client)
+    monkeypatch.setattr(tier_io, "FETCH_BATCH_BYTES", 2 * b.kv.tiers.block_bytes)  # 2 blocks a round trip
+    try:
+        wait_for(lambda: client.blocks() > 0, "the directory stayed empty")
+        got, cached = generate(b, prompts, "b")
+        shared = {t.name: t for t in b.stats().offload.tiers}["shared"]
+    finally:
+        b.close()
+    assert got == want[:len(prompts)]
+    # Without batches one fetch per load (2); with them, at most 2 blocks per fetch.
+    assert shared.hits > 2 and client.fetches >= -(-shared.hits // 2) > len(prompts), (shared, client.fetches)
+    assert b.stats().offload.failed_loads == 0
 
 
 def test_a_store_that_is_gone_costs_only_time(llama_dir: Path, server) -> None:
