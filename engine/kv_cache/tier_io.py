@@ -51,7 +51,8 @@ class SealJob:
     copied: torch.cuda.Event | None  # on CUDA: the device-to-host copy is done once this is
     staged: list[torch.Tensor] | None = None  # the block's pieces, when it has no host entry
     checksum: int | None = None
-    error: str | None = None
+    error: str | None = None  # the block is in no tier
+    disk_error: str | None = None  # its disk write failed: the disk entry alone goes
 
 
 @dataclass(eq=False)
@@ -141,7 +142,10 @@ class TierIO:
         job.checksum = checksum(pieces, self.seed)
         if job.disk_entry is not None:
             assert self.disk is not None  # a disk entry is made only with a disk tier
-            self.disk.write(job.disk_entry.slot, pieces)
+            try:
+                self.disk.write(job.disk_entry.slot, pieces)
+            except OSError as exc:  # a full or failing disk: the block is kept in the other tiers
+                job.disk_error = f"{type(exc).__name__}: {exc}"
         e = job.block
         if self.shared is not None and not self.shared.holds(e.block_hash):
             self.shared.put(SharedBlock(e.block_hash, e.parent_hash, e.token_ids, job.checksum,

@@ -101,6 +101,7 @@ class KVTiers:
         self.loads_in_flight = 0
         self._offloaded = self._loaded = self._loads = self._failed = self._dropped = 0
         self._load_seconds = 0.0
+        self._disk_errors = 0  # disk writes failed (a full disk): logged once per 1,000
 
     def attach_shared(self, shared: SharedTier) -> None:
         """Put every sealed block to the deployment's KV store too, and look prefixes
@@ -260,17 +261,24 @@ class KVTiers:
 
     def _sealed(self, job: SealJob) -> None:
         self._staged -= job.staged is not None
-        for index, entry in ((self.host, job.entry), (self.disk, job.disk_entry)):
+        for index, entry, error in ((self.host, job.entry, job.error), (self.disk, job.disk_entry,
+                                                                         job.error or job.disk_error)):
             if entry is None or index is None:
                 continue
-            if job.error is None:
+            if error is None:
                 assert job.checksum is not None  # a seal without an error has one
                 index.seal(entry, job.checksum)
             index.unpin(entry)
-            if job.error is not None:
+            if error is not None:
                 index.drop(entry)
         if job.error is not None:
             logger.warning("KV tier could not store block %#x: %s", job.block.block_hash, job.error)
+        if job.disk_error is not None:
+            # A full disk fails every write: one line per 1,000, not one per block.
+            self._disk_errors += 1
+            if self._disk_errors % 1000 == 1:
+                logger.warning("KV disk tier could not write a block (%d so far; the block stays in the "
+                               "other tiers): %s", self._disk_errors, job.disk_error)
 
     def _index(self, name: str) -> SlotIndex:
         if name == HOST:

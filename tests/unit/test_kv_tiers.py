@@ -175,6 +175,28 @@ def test_a_disk_that_fails_every_read_costs_only_time(llama_dir: Path, expected,
     assert stats.failed_loads <= stats.offloaded_bytes // BLOCK_BYTES, stats
 
 
+def test_a_disk_that_fails_every_write_leaves_the_host_tier_serving(llama_dir: Path, expected, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk (ENOSPC on every write) costs the disk tier only: the blocks stay in
+    the host tier and are loaded back from there (an attack over HTTP found a full disk
+    turned every tier off)."""
+    def full_disk(store: tier_store.DiskStore, slot: int, pieces: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tier_store.DiskStore, "write", full_disk)
+    llm = LLM(str(llama_dir), num_kv_blocks=12, kv_offload_gib=gib(200), kv_offload_dir=str(tmp_path),
+              kv_offload_disk_gib=gib(200))
+    try:
+        tokens, cached = run_chat(llm, chat_turns())
+        stats = llm.stats().offload
+    finally:
+        llm.core.close()
+    assert tokens == expected[0]
+    host, disk = stats.tiers
+    assert host.hits > 0 and host.used_blocks > 0 and disk.used_blocks == 0 and disk.hits == 0, stats
+    assert stats.failed_loads == 0
+
+
 def test_a_burst_of_evictions_reaches_the_disk_tier(llama_dir: Path, tmp_path: Path) -> None:
     """One admission evicts more blocks than the host tier has slots (their seals not yet
     polled): those go to the disk tier through staging memory, not dropped."""
