@@ -21,7 +21,7 @@ from engine.kv_cache import tier_io, tier_store
 from engine.kv_cache import tiers as tiers_module
 from engine.kv_cache.events import DISK, HOST, KVEvents
 from engine.kv_cache.tier_store import SlotIndex, TierEntry
-from engine.kv_cache.tiers import KVTiers
+from engine.kv_cache.tiers import KVTiers, OffloadStats
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -154,21 +154,28 @@ def test_changed_bytes_are_refused_and_computed_again(llama_dir: Path, expected,
 
 
 @pytest.mark.timeout(120)
+def chat_on_a_failing_disk(llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str,
+                           errno: int, host_blocks: float) -> tuple[list[list[int]], OffloadStats]:
+    """The chat over a disk tier whose every `method` ("read" or "write") fails with
+    OSError(errno): its tokens and the tiers' stats."""
+    def failing(*args: object) -> None:
+        raise OSError(errno, os.strerror(errno))
+
+    monkeypatch.setattr(tier_store.DiskStore, method, failing)
+    llm = LLM(str(llama_dir), num_kv_blocks=12, kv_offload_gib=gib(host_blocks), kv_offload_dir=str(tmp_path),
+              kv_offload_disk_gib=gib(200))
+    try:
+        tokens, _ = run_chat(llm, chat_turns())
+        return tokens, llm.stats().offload
+    finally:
+        llm.core.close()
+
+
 def test_a_disk_that_fails_every_read_costs_only_time(llama_dir: Path, expected, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """An I/O error (no checksum involved) drops the entry like a bad checksum does: the
     request computes that block on its retry instead of loading it again forever."""
-    def failing_read(store: tier_store.DiskStore, slot: int) -> bytes:
-        raise OSError(5, "Input/output error")
-
-    monkeypatch.setattr(tier_store.DiskStore, "read", failing_read)
-    llm = LLM(str(llama_dir), num_kv_blocks=12, kv_offload_gib=gib(2.5), kv_offload_dir=str(tmp_path),
-              kv_offload_disk_gib=gib(200))
-    try:
-        tokens, _ = run_chat(llm, chat_turns())
-        stats = llm.stats().offload
-    finally:
-        llm.core.close()
+    tokens, stats = chat_on_a_failing_disk(llama_dir, tmp_path, monkeypatch, "read", 5, host_blocks=2.5)
     assert tokens == expected[0]
     assert stats.failed_loads > 0 and stats.tiers[1].hits == 0
     # each failure drops the entry it read: at most one per block ever offloaded
@@ -180,17 +187,7 @@ def test_a_disk_that_fails_every_write_leaves_the_host_tier_serving(llama_dir: P
     """A full disk (ENOSPC on every write) costs the disk tier only: the blocks stay in
     the host tier and are loaded back from there (an attack over HTTP found a full disk
     turned every tier off)."""
-    def full_disk(store: tier_store.DiskStore, slot: int, pieces: object) -> None:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(tier_store.DiskStore, "write", full_disk)
-    llm = LLM(str(llama_dir), num_kv_blocks=12, kv_offload_gib=gib(200), kv_offload_dir=str(tmp_path),
-              kv_offload_disk_gib=gib(200))
-    try:
-        tokens, cached = run_chat(llm, chat_turns())
-        stats = llm.stats().offload
-    finally:
-        llm.core.close()
+    tokens, stats = chat_on_a_failing_disk(llama_dir, tmp_path, monkeypatch, "write", 28, host_blocks=200)
     assert tokens == expected[0]
     host, disk = stats.tiers
     assert host.hits > 0 and host.used_blocks > 0 and disk.used_blocks == 0 and disk.hits == 0, stats
