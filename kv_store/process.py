@@ -44,7 +44,6 @@ def bind_store(capacity_bytes: int, host: str, port: int, secret: DeploymentSecr
     said = False
     while True:
         try:
-            # A failed one's ZMQ context is destroyed when collected (pyzmq's __del__).
             return StoreServer(capacity_bytes, host, port, secret=secret)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EADDRINUSE or time.monotonic() >= end:

@@ -158,12 +158,20 @@ class StoreServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        if secret is not None:
-            serve_securely(self._sock, secret)
-        if port == 0:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            self._sock.bind(f"tcp://{host}:{port}")
+        try:
+            if secret is not None:
+                serve_securely(self._sock, secret)
+            if port == 0:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError:
+            # Closed here, not when collected: a context collected before its sockets
+            # waits for them forever (a store retrying a port in use hung, bind_store).
+            if self._guard is not None:
+                self._guard.close()
+            self._ctx.destroy(linger=0)
+            raise
         self.address = f"tcp://{host}:{port}"
         if self._guard is not None:
             self._guard.watch(self._sock)

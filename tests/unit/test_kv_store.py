@@ -26,6 +26,7 @@ from engine.kv_cache.events import SHARED
 from engine.kv_cache.shared_tier import SharedBlock, StoreUnavailable
 from engine.sampling_params import SamplingParams
 from kv_store import KVStore, StoreClient, StoreServer
+from kv_store.process import bind_store
 from kv_store.server import BLOCK_OVERHEAD
 from protocol import MessageError, encode
 from protocol.kv_store import KV_STORE_MESSAGES, StoredBlock, StorePut, StoreSync
@@ -512,5 +513,30 @@ def test_a_store_whose_port_stays_taken_fails_to_start_after_its_bind_timeout(ll
         with pytest.raises(RuntimeError, match="exited as it started"):
             start_store(store_config(llama_dir), None, "127.0.0.1", held.getsockname()[1], bind_timeout_s=0.5)
         assert 0.5 <= time.monotonic() - start < 20
+    finally:
+        held.close()
+
+
+@pytest.mark.timeout(60)
+def test_bind_store_on_a_port_in_use_gives_up_every_time() -> None:
+    """Each try that finds the port in use is closed before the next: a failed server's
+    context left to the collector waited for its sockets forever, and a store restarted
+    on a held port hung instead of failing (repro f5; CI: 'did not start in 30 s')."""
+    held = holding("127.0.0.1", 0)
+    failed: list[zmq.ZMQError] = []
+
+    def bind() -> None:
+        try:
+            bind_store(1 << 20, "127.0.0.1", held.getsockname()[1], DeploymentSecret.new(), 0.2)
+        except zmq.ZMQError as exc:
+            failed.append(exc)
+
+    try:
+        for attempt in range(10):
+            thread = threading.Thread(target=bind, daemon=True)
+            thread.start()
+            thread.join(10)
+            assert not thread.is_alive(), f"bind_store hung (attempt {attempt})"
+        assert len(failed) == 10 and all(e.errno == zmq.EADDRINUSE for e in failed)
     finally:
         held.close()
