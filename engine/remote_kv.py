@@ -90,7 +90,8 @@ class RemoteKVQueues:
         prompt_of_group = request.sequences is not None
         request.num_computed_tokens = request.num_tokens - (not prompt_of_group)
         request.remote = RemoteKV(request.num_computed_tokens - request.num_cached_tokens)
-        self.kv.cache_computed_blocks(request)
+        # The prefill worker wrote these blocks through to the shared store itself.
+        self.kv.cache_computed_blocks(request, copied_in=True)
         if prompt_of_group:
             self._scheduler.fork(request)
         else:

@@ -107,8 +107,9 @@ class BlockPool:
                 self._free[block.block_id] = None
 
     def cache(self, block: KVBlock, parent_hash: int, block_hash: int,
-              token_ids: Sequence[int]) -> None:
-        """Register a full, written block under its hash (first writer wins)."""
+              token_ids: Sequence[int], write_through: bool = True) -> None:
+        """Register a full, written block under its hash (first writer wins);
+        on_cache is told unless not `write_through`."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self._cached:
@@ -117,7 +118,7 @@ class BlockPool:
         self._cached[block_hash] = block
         if self.events is not None:
             self.events.record(block_hash, DEVICE, True)
-        if self.on_cache is not None:
+        if self.on_cache is not None and write_through:
             self.on_cache(block)
 
     def uncache(self, block: KVBlock) -> None:

@@ -231,8 +231,10 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         return copies
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Register every full block whose KV is now written (called after each step)."""
+    def cache_computed_blocks(self, request: Request, copied_in: bool = False) -> None:
+        """Register every full block whose KV is now written (called after each step).
+        `copied_in`: that KV came from elsewhere (a remote prefill), which keeps its own
+        copy: not written through to the tiers, only offloaded if evicted."""
         if not self.enable_prefix_caching:
             return
         start = self._num_cached_blocks.get(request.request_id, 0)
@@ -248,7 +250,7 @@ class KVCacheManager:
         for i in range(start, num_full):
             parent = request.block_hashes[i - 1] if i else NONE_HASH
             tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
-            self.pool.cache(blocks[i], parent, request.block_hashes[i], tokens)
+            self.pool.cache(blocks[i], parent, request.block_hashes[i], tokens, write_through=not copied_in)
         self._num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:

@@ -540,3 +540,32 @@ def test_bind_store_on_a_port_in_use_gives_up_every_time() -> None:
         assert len(failed) == 10 and all(e.errno == zmq.EADDRINUSE for e in failed)
     finally:
         held.close()
+
+
+def test_kv_a_remote_prefill_wrote_is_not_written_through_again_but_offloaded_when_evicted(
+        llama_dir: Path, server) -> None:
+    """A decode worker's prompt blocks came from a prefill worker, which wrote them through
+    itself: copying them to the host tier and the store again as they arrive cost every
+    remote prefill its blocks' copy (no-reuse TTFT 0.92x). The blocks it computes are
+    written through; the arrived ones still go to the host tier when evicted."""
+    b = engine(llama_dir, StoreClient(server.address, None), blocks=12)
+    prompt = list(range(1, 16 * 4 + 2))  # 4 full blocks, then one token
+    try:
+        request = b.add_remote_prefill_request("r", prompt, SamplingParams(max_tokens=20, temperature=0.0))
+        assert request is not None
+        b.remote_kv_arrived("r")
+        arrived = [blk.block_hash for blk in b.kv.pool.blocks if blk.block_hash is not None]
+        assert len(arrived) == 4
+        drain(b.kv.tiers)
+        assert not b.kv.tiers.host.entries and b.kv.tiers.shared.puts == 0
+        while b.has_unfinished():
+            b.step()
+        drain(b.kv.tiers)
+        computed = [blk.block_hash for blk in b.kv.pool.blocks if blk.block_hash not in (None, *arrived)]
+        assert computed and set(b.kv.tiers.host.entries) == set(computed)  # written through as computed
+        generate(b, [[7] * 170], "flush")  # 11 blocks of 12: the arrived ones are evicted, but the first
+        drain(b.kv.tiers)
+        evicted = set(arrived) - {blk.block_hash for blk in b.kv.pool.blocks}
+        assert len(evicted) >= 3 and evicted <= set(b.kv.tiers.host.entries)
+    finally:
+        b.close()
