@@ -34,11 +34,12 @@ import yaml
 from cluster.autoscale.config import AutoscaleConfig
 from cluster.config_fields import ConfigError, check, checked_mapping, integer, number
 from cluster.router_config import POLICIES, RouterConfig
-from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
+from engine.config import DTYPE_BYTES, DTYPES, LOAD_FORMATS, EngineConfig
 from engine.config_check import FieldTypeError
 from engine.distributed.sharding import check_shardable
 from engine.model.config import ModelConfig
 from engine.speculative.config import SpeculativeConfig
+from kv_store.server import stored_size
 from kv_transfer import CPU_ONLY, GPU_ONLY, TRANSPORTS, TransportConfig
 
 __all__ = ["ClusterConfig", "ConfigError", "LocalConfig", "PoolConfig", "POLICIES", "RayConfig", "RayPoolConfig",
@@ -295,6 +296,12 @@ class ClusterConfig:
             with_tier = [r for r in ("prefill", "decode") if out.engine_config(r).kv_offload_gib > 0]
             check(bool(with_tier), "kv_store.enabled", "no pool has a host tier to reach the store through: "
                   "set <pool>.engine.kv_offload_gib > 0 on the pools that should share it")
+            _check_store_holds_a_block(out, with_tier)
+        if out.prefill.replicas and out.decode.replicas:  # the transports' handshake refuses it later
+            sizes = {role: out.engine_config(role).block_size for role in ("prefill", "decode")}
+            check(sizes["prefill"] == sizes["decode"], "prefill.engine.block_size",
+                  f"must equal decode.engine.block_size (a prefill worker writes whole blocks of the "
+                  f"decode worker's), got {sizes['prefill']} and {sizes['decode']}")
         if load_format == "dummy" and out.prefill.replicas:  # the seed draws the weights: one model for both pools
             seeds = {role: out.engine_config(role).seed for role in ("prefill", "decode")}
             check(seeds["prefill"] == seeds["decode"], "decode.engine.seed",
@@ -310,6 +317,21 @@ class ClusterConfig:
     def transport_config(self, host: str) -> TransportConfig:
         """The KV transport's config of a worker whose control socket listens on host."""
         return TransportConfig(host=host, **dataclasses.asdict(self.transport_options))
+
+
+def _check_store_holds_a_block(config: ClusterConfig, roles: list[str]) -> None:
+    """A store smaller than one block refuses every put: said at load, not by a store that
+    stays empty. Only where the model is readable here (as _check_shardable)."""
+    if not os.path.isfile(os.path.join(config.model, "config.json")):
+        return
+    model = ModelConfig.from_model_dir(config.model)
+    capacity = int(config.kv_store.capacity_gib * 2**30)
+    for role in roles:
+        engine = config.engine_config(role)
+        need = stored_size(model.kv_bytes_per_token(DTYPE_BYTES[engine.dtype]) * engine.block_size,
+                           engine.block_size)
+        check(capacity >= need, "kv_store.capacity_gib", f"must hold one of the {role} pool's KV blocks "
+              f"({need} bytes), got {config.kv_store.capacity_gib:g} GiB ({capacity} bytes)")
 
 
 def _check_speculative(value: Any, role: str) -> None:

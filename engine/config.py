@@ -10,6 +10,7 @@ from engine.config_check import check_instance_types
 from engine.speculative.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # an element's, of each of DTYPES
 ATTENTION_BACKENDS = ("auto", "torch", "reference", "triton")  # engine/attention/backend.py
 LOAD_FORMATS = ("safetensors", "dummy")  # engine/model/dummy_weights.py
 

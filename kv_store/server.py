@@ -142,9 +142,13 @@ class KVStore:
 
 
 def _size(block: StoredBlock, data: Data) -> int:
+    return stored_size(len(data), len(block.token_ids))
+
+
+def stored_size(num_bytes: int, num_tokens: int) -> int:
     """What a block costs the store: its bytes and its record (the directory log and the
     namespaces, bounded by LOG_LENGTH and the deployment's configurations, are not counted)."""
-    return len(data) + 8 * len(block.token_ids) + BLOCK_OVERHEAD
+    return num_bytes + 8 * num_tokens + BLOCK_OVERHEAD
 
 
 class StoreServer:

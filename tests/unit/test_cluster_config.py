@@ -83,3 +83,16 @@ def test_an_unshardable_tp_size_is_refused_before_anything_starts(llama_dir) -> 
         ClusterConfig.from_dict({**base, "decode": {"replicas": 1, "engine": {"tensor_parallel_size": 3}}})
     ok = ClusterConfig.from_dict({**base, "decode": {"replicas": 1, "engine": {"tensor_parallel_size": 4}}})
     assert ok.engine_config("decode").tensor_parallel_size == 4  # 2 KV heads, replicated
+
+
+def test_a_store_too_small_for_one_block_and_pools_of_other_block_sizes_are_refused(llama_dir) -> None:
+    tiers = {"engine": {"kv_offload_gib": 0.01}}
+    base = {"model": str(llama_dir), "prefill": {"replicas": 1, **tiers}, "decode": {"replicas": 1, **tiers}}
+    with pytest.raises(ConfigError, match=r"^kv_store.capacity_gib: must hold one of the prefill pool's KV blocks "
+                                          r"\(\d+ bytes\), got 1e-06 GiB \(1073 bytes\)"):
+        ClusterConfig.from_dict({**base, "kv_store": {"enabled": True, "capacity_gib": 1e-6}})
+    ok = ClusterConfig.from_dict({**base, "kv_store": {"enabled": True, "capacity_gib": 0.001}})
+    assert ok.kv_store.enabled
+    with pytest.raises(ConfigError, match=r"^prefill.engine.block_size: must equal decode.engine.block_size .* "
+                                          r"got 32 and 16"):
+        ClusterConfig.from_dict({**base, "prefill": {"replicas": 1, "engine": {"block_size": 32}}})
