@@ -15,6 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Mapping
+from errno import errorcode
+from typing import Any
 
 import zmq
 from zmq.utils import z85
@@ -28,7 +31,10 @@ logger = logging.getLogger(__name__)
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks (RFC 27)
 ZAP_DOMAIN = b"pdserve"
 POLL_MS = 100  # how often the guard thread looks at its stop flag
-# Handshakes that failed before any ZAP request (no server key, or no CURVE at all).
+# Handshakes that failed before any ZAP request: a protocol error (no server key, or no
+# CURVE at all: a stranger), or the connection ending mid-handshake (its value an errno:
+# a client that gave up waiting, as the deployment's own do while this process is
+# stopped, or a port probe; no proof of a stranger, so not counted as one).
 _FAILED_HANDSHAKE = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
@@ -67,6 +73,7 @@ class PlaneGuard:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-plane-guard", daemon=True)
         self._refusals = RefusalLog(logger)  # handshakes failed or denied
+        self._ended = RefusalLog(logger, logging.INFO)  # connections that ended mid-handshake
 
     @property
     def refused(self) -> int:
@@ -112,9 +119,7 @@ class PlaneGuard:
                     if sock is self._zap:
                         self._answer(self._zap.recv_multipart())
                     else:
-                        event = parse_monitor_message(sock.recv_multipart())
-                        self._refused(f"a connection to {event['endpoint'].decode(errors='replace')} "
-                                      "failed its CURVE handshake (no key of this deployment)")
+                        self._failed_handshake(parse_monitor_message(sock.recv_multipart()))
         except zmq.ContextTerminated:
             pass
         except Exception:  # the guard must not die silently: every later handshake would hang
@@ -132,6 +137,16 @@ class PlaneGuard:
             self._refused(f"a peer at {address} presented a CURVE key that is not this deployment's")
         status = (b"200", b"OK") if ok else (b"400", b"not a peer of this deployment")
         self._zap.send_multipart([b"1.0", request_id, *status, b"", b""])
+
+    def _failed_handshake(self, event: Mapping[str, Any]) -> None:
+        endpoint = event["endpoint"].decode(errors="replace")
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            self._refused(f"a connection to {endpoint} failed its CURVE handshake (no key of this deployment)")
+            return
+        errno = int(event["value"])
+        self._ended.refused("%s: a connection to %s ended during its CURVE handshake (%s): a client that gave "
+                            "up waiting (was this process stopped?) or a port probe", self.name, endpoint,
+                            errorcode.get(errno, errno))
 
     def _refused(self, what: str) -> None:
         self._refusals.refused("%s refused a peer: %s", self.name, what)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -125,5 +127,32 @@ def test_without_its_guard_a_server_admits_no_one(server) -> None:
         _client(ctx, address, DeploymentSecret.new(), server_key=secret.server_public).send(b"forged")
         _client(ctx, address, secret).send(b"member")  # no guard: not even a member gets in
         assert _received(sock, 1000) == []
+    finally:
+        ctx.destroy(0)
+
+
+def test_a_connection_that_ends_mid_handshake_is_logged_but_not_counted_as_a_stranger(
+        server, caplog: pytest.LogCaptureFixture) -> None:
+    """The deployment's own clients end their handshakes this way when the server's
+    process was stopped a while (SIGSTOP; repro f6): they are no strangers. A stranger's
+    protocol failure still counts."""
+    sock, guard, address, _ = server
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    with caplog.at_level(logging.INFO, logger="security.curve"):
+        socket.create_connection((host, int(port))).close()
+        deadline = time.monotonic() + 5
+        while not any("ended during its CURVE handshake" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "the ended handshake was not logged"
+            time.sleep(0.05)
+    assert guard.refused == 0
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records)
+    ctx = zmq.Context()
+    try:
+        stranger = _client(ctx, address, DeploymentSecret.new())  # kept: a socket collected is closed
+        stranger.send(b"another deployment")
+        deadline = time.monotonic() + 5
+        while guard.refused == 0:
+            assert time.monotonic() < deadline, "a stranger was not counted"
+            time.sleep(0.05)
     finally:
         ctx.destroy(0)
