@@ -146,6 +146,12 @@ def test_a_partition_between_prefill_and_decode_hosts_idle_and_mid_push(healthy:
     for decode in DECODES:
         bed.heal(PREFILL, decode)
         bed.limit(decode, PUSH_RATE)
+    # A healed link carries a connection's stalled bytes only when its TCP retransmit
+    # timer, backed off through the cut, next fires (seconds later), and the control
+    # push's prompt would queue behind the idle one's: wait for that one to arrive (and
+    # be refused: past its deadline), so the control is not timed on the backoff.
+    deployment.wait("the idle prompt held up by the cut to reach the prefill worker", lambda w: bool(
+        w["prefill-0"]["stats"]) and w["prefill-0"]["stats"]["refused"] > before["prefill-0"]["refused"], timeout=60)
     control = complete(deployment, PUSHED)
     assert control["choices"][0]["text"] == oracle[PUSHED]
     uncut = decode_totals(deployment.stats())
