@@ -217,6 +217,8 @@ def make_pd_case(seed: int, transport: str, bounded_copies: bool = False,
             options.update(tier_options(tiers, bs))
             if tiers.random() < 0.7:  # a pool of about one request: what it evicts comes back from a tier
                 options["num_kv_blocks"] = least + tiers.choice((0, 0, 1, 2))
+    store = random.Random(f"pd-store-{transport}-{seed}")  # as tiers: a stream of its own
+    shared = any("kv_offload_gib" in options for options in (dec, pre)) and store.random() < 0.5
     if rng.random() < 0.15:  # a small context on D: some requests end exactly at it
         dec["max_model_len"] = max(2, max(len(p) + m for p, m in zip(prompts, mts)) - rng.choice((0, 0, 1)))
     short = rng.random() < 0.5
@@ -257,7 +259,7 @@ def make_pd_case(seed: int, transport: str, bounded_copies: bool = False,
                   p_skip=rng.choice((0.0, 0.0, 0.3, 0.7)),
                   jitter_s=rng.choice((0.0, 0.0, 0.002, 0.01)),
                   msg_delay_max=rng.choice((0, 1, 3, 10)), requests=specs,
-                  d_skip=rng.choice((0.0, 0.0, 0.0, 0.3, 0.8)),
+                  d_skip=rng.choice((0.0, 0.0, 0.0, 0.3, 0.8)), shared_store=shared,
                   copy_bound_s=grace_s / 4 if bounded_copies else 0.0)
 
 

@@ -217,6 +217,9 @@ class PDCase:
     # land once its blocks are released. 0: unbounded, as a stalled host can make it
     # (then D may rightly fail requests whose blocks a late write overwrote).
     copy_bound_s: float = 0.0
+    # The engines with tiers share the fuzz's KV store (tests/fuzz/shared_store.py): P
+    # writes its prompts' blocks through, D loads prefixes from it.
+    shared_store: bool = False
 
 
 def case_dict(case: OfflineCase | PDCase) -> dict[str, Any]:
