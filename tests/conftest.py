@@ -78,3 +78,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return next((i for i, prefix in enumerate(FIRST) if path.startswith(prefix)), len(FIRST))
 
     items.sort(key=rank)  # stable: each module keeps its own order
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny mixtures of experts (tests/tiny_models.py MOE_ARCHS), built only by the tests that use them."""
+    from tests.tiny_models import MOE_ARCHS
+
+    root = tmp_path_factory.mktemp("tiny_moe")
+    return {arch: build_tiny_model(arch, root / arch) for arch in MOE_ARCHS}

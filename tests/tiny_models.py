@@ -35,10 +35,37 @@ def train_tokenizer(out_dir: Path):
     return fast
 
 
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def _moe_config(arch: str, common: dict):
+    """Mixtures of 8 experts, 2 per token: Mixtral (every layer sparse), Qwen2-MoE (a
+    gated shared expert, unnormalised top-k, its first layer dense), Qwen3-MoE (q/k
+    norm, normalised top-k)."""
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    if arch == "mixtral":
+        return MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2,
+                             tie_word_embeddings=False), MixtralForCausalLM
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[0],
+                              tie_word_embeddings=False), Qwen2MoeForCausalLM
+    return Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                          norm_topk_prob=True, tie_word_embeddings=False), Qwen3MoeForCausalLM
+
+
 def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """arch: llama (GQA 4:2, llama3 RoPE, tied), mistral (sliding-window config),
     qwen2 (qkv bias), qwen3 (q/k norm, head_dim != hidden/heads, untied), llama_mqa
-    (one KV head: replicated across tensor-parallel ranks)."""
+    (one KV head: replicated across tensor-parallel ranks), or one of MOE_ARCHS."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -68,6 +95,8 @@ def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
         config, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
     elif arch == "qwen3":
         config, cls = Qwen3Config(**common, head_dim=32, tie_word_embeddings=False), Qwen3ForCausalLM
+    elif arch in MOE_ARCHS:
+        config, cls = _moe_config(arch, common)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -3,7 +3,8 @@
 - Attention: query heads split evenly; KV heads split evenly, or, when there are
   fewer KV heads than ranks, each rank holds the one KV head its query heads read
   (replicated on size // num_kv_heads ranks).
-- MLP: the intermediate dimension split evenly (gate_up column-parallel, down row-parallel).
+- MLP: the intermediate dimension split evenly (gate_up column-parallel, down row-parallel);
+  in a mixture of experts, every expert's and the shared expert's alike.
 - Embedding and lm_head: the vocabulary split into equal ranges, the last one padded
   with zero rows when the vocabulary does not divide.
 """
@@ -28,6 +29,11 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     if cfg.intermediate_size % size:
         problems.append(f"intermediate_size {cfg.intermediate_size} does not divide by "
                         f"tensor_parallel_size {size}")
+    if cfg.moe is not None:
+        for name, width in (("moe_intermediate_size", cfg.moe.intermediate_size),
+                            ("shared_expert_intermediate_size", cfg.moe.shared_intermediate_size)):
+            if width % size:
+                problems.append(f"{name} {width} does not divide by tensor_parallel_size {size}")
     if problems:
         raise ValueError(f"{cfg.architecture} cannot be sharded: " + "; ".join(problems))
 
@@ -52,6 +58,10 @@ class Shard:
     intermediate: tuple[int, int]
     vocab: tuple[int, int]  # may end past vocab_size: padding rows, zero
     vocab_size: int
+    # A mixture of experts: the range of each expert's intermediate dimension, and of
+    # the shared expert's, the rank holds ((0, 0) without).
+    expert_intermediate: tuple[int, int] = (0, 0)
+    shared_intermediate: tuple[int, int] = (0, 0)
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> Shard:
@@ -61,8 +71,12 @@ class Shard:
         q = cfg.num_heads // size
         inter = cfg.intermediate_size // size
         vocab = -(-cfg.vocab_size // size)
+        expert = shared = 0
+        if cfg.moe is not None:
+            expert, shared = cfg.moe.intermediate_size // size, cfg.moe.shared_intermediate_size // size
         return cls(rank, size, (rank * q, (rank + 1) * q), kv_head_range(cfg.num_kv_heads, size, rank),
-                   (rank * inter, (rank + 1) * inter), (rank * vocab, (rank + 1) * vocab), cfg.vocab_size)
+                   (rank * inter, (rank + 1) * inter), (rank * vocab, (rank + 1) * vocab), cfg.vocab_size,
+                   (rank * expert, (rank + 1) * expert), (rank * shared, (rank + 1) * shared))
 
     @property
     def num_q_heads(self) -> int:
@@ -75,6 +89,14 @@ class Shard:
     @property
     def intermediate_size(self) -> int:
         return self.intermediate[1] - self.intermediate[0]
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.expert_intermediate[1] - self.expert_intermediate[0]
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.shared_intermediate[1] - self.shared_intermediate[0]
 
     @property
     def vocab_rows(self) -> int:

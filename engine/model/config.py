@@ -16,7 +16,42 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {"qk_norm": False},
     "Qwen2ForCausalLM": {"qk_norm": False},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "MixtralForCausalLM": {"qk_norm": False},
+    "Qwen2MoeForCausalLM": {"qk_norm": False},
+    "Qwen3MoeForCausalLM": {"qk_norm": True},
 }
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of a mixture-of-experts model (engine/model/moe.py)."""
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool  # the top-k routing weights renormalised to sum to 1
+    shared_intermediate_size: int  # an always-on shared expert with a sigmoid gate (Qwen2-MoE); 0: none
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is sparse (the others dense)
+
+    @classmethod
+    def from_dict(cls, arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+        if arch == "MixtralForCausalLM":  # every layer sparse, its experts intermediate_size wide
+            return cls(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], True, 0,
+                       tuple(range(cfg["num_hidden_layers"])))
+        if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+            return None
+        # The Hub's configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE.
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        step = cfg.get("decoder_sparse_step", 1)
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(cfg["num_hidden_layers"])
+                       if i not in dense and experts > 0 and (i + 1) % step == 0)
+        shared = cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+        return cls(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                   bool(cfg.get("norm_topk_prob", False)), shared or 0, sparse)
+
+
+# Q/K/V biases and none on o_proj (Qwen2 hard-codes them; Qwen2-MoE's config says, qkv_bias).
+QWEN2 = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
 
 @dataclass
@@ -40,6 +75,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: MoEConfig | None = None  # a mixture of experts: its sparse MLP
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -92,11 +128,13 @@ class ModelConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 hard-codes q/k/v biases and none on o_proj; Llama and Qwen3 use
             # attention_bias for all four projections.
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            o_proj_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+            qkv_bias=(arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))
+                      or bool(cfg.get("attention_bias", False))),
+            o_proj_bias=arch not in QWEN2 and bool(cfg.get("attention_bias", False)),
             qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
             hidden_act=act,
             sliding_window=sliding,
+            moe=MoEConfig.from_dict(arch, cfg),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

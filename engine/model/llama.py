@@ -1,4 +1,5 @@
-"""The Llama family as one model: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""The Llama family as one model: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm),
+and their mixtures of experts, Mixtral, Qwen2-MoE and Qwen3-MoE (a sparse MLP: moe.py).
 
 Works on a flattened batch: input_ids and positions are [T] for all new tokens of all
 sequences in the step; attention finds its sequences through the attention context.
@@ -29,6 +30,7 @@ from engine.distributed.sharding import Shard
 from engine.kv_cache.layout import layer_view
 from engine.model.config import ModelConfig
 from engine.model.fused_ops import FusedOps, fused_ops
+from engine.model.moe import SparseMoE
 from engine.model.rope import RotaryEmbedding, RotaryTables, apply_rotary
 
 
@@ -112,12 +114,14 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, shard: Shard, group: Group) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, shard: Shard, group: Group,
+                 index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard, group)
+        sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
+        self.mlp: MLP | SparseMoE = SparseMoE(cfg, shard, group) if sparse else MLP(cfg, shard, group)
 
     def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(rotary, self.input_layernorm(x))
@@ -146,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(shard, cfg.hidden_size, group)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, group) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, group, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows, bias=False)
         if cfg.tie_word_embeddings:

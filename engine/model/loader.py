@@ -28,8 +28,15 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),
+    "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
 }
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# One expert's tensor (Mixtral's names, or Qwen-MoE's) -> a piece of the layer's stacked
+# experts (engine/model/moe.py Experts): (our parameter, piece index in it).
+_EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_PIECES = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
+                  "w2": ("w2", 0), "down_proj": ("w2", 0)}
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -49,10 +56,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def _shard_sizes(param: str, cfg: ModelConfig, shard: Shard) -> list[int]:
     """Row sizes (this rank's) of the checkpoint tensors fused into `param` ([1 row
-    block] if unfused)."""
+    block] if unfused); of one expert's, for stacked experts."""
     if ".qkv_proj." in param:
         q, kv = shard.num_q_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
         return [q, kv, kv]
+    if param.endswith(".experts.w13"):
+        return [shard.expert_intermediate_size] * 2
+    if ".shared_expert.gate_up_proj." in param:
+        return [shard.shared_intermediate_size] * 2
     if ".gate_up_proj." in param:
         return [shard.intermediate_size] * 2
     return [-1]
@@ -64,6 +75,11 @@ def _source_range(param: str, index: int, cfg: ModelConfig, shard: Shard) -> tup
     if shard.size == 1:
         return None
     d, inter = cfg.head_dim, cfg.intermediate_size
+    if cfg.moe is not None and (".experts." in param or ".shared_expert." in param):
+        expert = ".experts." in param
+        rows = shard.expert_intermediate if expert else shard.shared_intermediate
+        width = cfg.moe.intermediate_size if expert else cfg.moe.shared_intermediate_size
+        return (0 if param.endswith((".w13", "gate_up_proj.weight")) else 1), *rows, width
     if ".qkv_proj." in param:
         heads, total = (shard.q_heads, cfg.num_heads) if index == 0 else (shard.kv_heads, cfg.num_kv_heads)
         return 0, heads[0] * d, heads[1] * d, total * d
@@ -96,13 +112,41 @@ def _read(f, name: str, dest: torch.Tensor, source: tuple[int, int, int, int] | 
     return part[start:end] if dim == 0 else part[:, start:end]
 
 
-def _target(name: str, cfg: ModelConfig) -> tuple[str, int]:
-    """Map a checkpoint tensor name to (our parameter name, shard index in a fused tensor)."""
-    name = name.removeprefix("model.")
+def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int | None]:
+    """Map a checkpoint tensor name to (our parameter name, shard index in a fused
+    tensor, the expert it is of stacked experts' or None)."""
+    name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router
+    expert = _EXPERT.match(name)
+    if expert is not None and expert.group(3) in _EXPERT_PIECES:
+        ours, piece = _EXPERT_PIECES[expert.group(3)]
+        return f"{expert.group(1)}.mlp.experts.{ours}", piece, int(expert.group(2))
     for ckpt, (ours, shard) in _FUSED.items():
         if f".{ckpt}." in name:
-            return name.replace(ckpt, ours), shard
-    return name, 0
+            return name.replace(ckpt, ours), shard, None
+    return name, 0, None
+
+
+def _pieces(param: str, cfg: ModelConfig, shard: Shard) -> int:
+    """How many checkpoint tensors fill `param`."""
+    experts = cfg.moe.num_experts if cfg.moe is not None and ".experts." in param else 1
+    return experts * len(_shard_sizes(param, cfg, shard))
+
+
+def _expert_checkpoint_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Stacked experts' parameters split back into one checkpoint tensor per expert and
+    piece (Qwen-MoE's names)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        if name.endswith(".experts.w13"):
+            for e in range(shape[0]):
+                for piece in ("gate_proj", "up_proj"):
+                    out[f"{name.removesuffix('w13')}{e}.{piece}.weight"] = (shape[1] // 2, shape[2])
+        elif name.endswith(".experts.w2"):
+            for e in range(shape[0]):
+                out[f"{name.removesuffix('w2')}{e}.down_proj.weight"] = shape[1:]
+        else:
+            out[name] = shape
+    return out
 
 
 def _dummy_checkpoint(cfg: ModelConfig, backend: AttentionBackend, max_positions: int, device: str,
@@ -113,7 +157,7 @@ def _dummy_checkpoint(cfg: ModelConfig, backend: AttentionBackend, max_positions
         model = LlamaForCausalLM(cfg, backend, max_positions, device, full)
     params = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied lm_head once
     rows = {name: _shard_sizes(name, cfg, full) for name in params}
-    return DummyCheckpoint(checkpoint_shapes(params, _FUSED, rows), seed, dtype, device)
+    return DummyCheckpoint(_expert_checkpoint_shapes(checkpoint_shapes(params, _FUSED, rows)), seed, dtype, device)
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
@@ -135,7 +179,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # to_empty() unties shared parameters
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: dict[str, set[int]] = {name: set() for name in params}
+    loaded: dict[str, set[tuple[int | None, int]]] = {name: set() for name in params}  # (expert, piece)
     if load_format == "dummy":
         dummy = _dummy_checkpoint(cfg, backend, max_positions, device, torch_dtype, seed)
         _fill(dummy, "generated weights", cfg, shard, params, loaded)
@@ -145,7 +189,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
                 _fill(f, file.name, cfg, shard, params, loaded)
     if cfg.tie_word_embeddings:
         loaded["lm_head.weight"] = loaded["embed_tokens.weight"]
-    missing = sorted(n for n, shards in loaded.items() if len(shards) < len(_shard_sizes(n, cfg, shard)))
+    missing = sorted(n for n, shards in loaded.items() if len(shards) < _pieces(n, cfg, shard))
     if missing:
         raise ValueError(f"checkpoint in {str(path)!r} is missing tensors for: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
@@ -154,17 +198,17 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
 
 
 def _fill(f, source_name: str, cfg: ModelConfig, shard: Shard, params: dict[str, torch.nn.Parameter],
-          loaded: dict[str, set[int]]) -> None:
+          loaded: dict[str, set[tuple[int | None, int]]]) -> None:
     """Copy this rank's part of every tensor in checkpoint `f` (a safetensors file, or
     a DummyCheckpoint) into params, recording in `loaded` which pieces arrived."""
     for name in f.keys():
         if _IGNORED.search(name):
             continue
-        ours, index = _target(name, cfg)
-        if ours not in params:
+        ours, index, expert = _target(name, cfg)
+        if ours not in params or (expert is not None and expert >= params[ours].shape[0]):
             raise ValueError(f"unexpected tensor {name!r} in {source_name}: not part of a "
                              f"{cfg.architecture} with this config")
-        dest = params[ours].data
+        dest = params[ours].data if expert is None else params[ours].data[expert]
         sizes = _shard_sizes(ours, cfg, shard)
         if sizes != [-1]:
             start = sum(sizes[:index])
@@ -178,4 +222,4 @@ def _fill(f, source_name: str, cfg: ModelConfig, shard: Shard, params: dict[str,
                 dest.zero_()  # the vocabulary's padding rows
                 dest = dest.narrow(source[0], 0, tensor.shape[source[0]])
             dest.copy_(tensor)
-        loaded[ours].add(index)
+        loaded[ours].add((expert, index))

@@ -1,0 +1,106 @@
+"""The sparse MLP of a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+A router picks each token's top-k experts (softmax over every expert's logit, in
+float32, the k largest, renormalised where the model says); the tokens are sorted by
+expert and each expert runs once over all of its tokens (two GEMMs), its output scaled
+by the token's routing weight and added into the token's row. A token's k expert
+outputs are added in ascending expert order, as transformers adds them, so float32
+results match it. Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate.
+
+Tensor parallel (engine/distributed/sharding.py): every expert's intermediate dimension
+is split over the ranks like a dense MLP's (gate_up column-parallel, down row-parallel),
+the shared expert's too, and the router is replicated; one all-reduce sums the ranks'
+partial outputs, experts and shared expert together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed.group import Group
+from engine.distributed.sharding import Shard
+from engine.model.config import ModelConfig
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused into one matmul, without a
+    collective (its caller reduces)."""
+
+    def __init__(self, hidden_size: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor] = silu_mul) -> torch.Tensor:
+        return self.down_proj(act(self.gate_up_proj(x)))
+
+
+class Experts(nn.Module):
+    """Every expert's weights stacked: w13 [E, 2 * I, H] (gate rows, then up rows),
+    w2 [E, H, I], I the rank's part of an expert's intermediate dimension."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                act: Callable[[torch.Tensor], torch.Tensor] = silu_mul) -> torch.Tensor:
+        """x [T, H]; experts, weights [T, k]: the tokens' experts and routing weights."""
+        top_k = experts.shape[1]
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # (token, k) slots grouped by expert, ascending
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        slot_weights = weights.flatten()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            slots = order[start:start + n]
+            start += n
+            tokens = slots // top_k
+            h = F.linear(act(F.linear(x[tokens], self.w13[expert])), self.w2[expert])
+            out.index_add_(0, tokens, h * slot_weights[slots, None])
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, shard: Shard, group: Group) -> None:
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None, "a SparseMoE needs the model's MoEConfig"
+        self.top_k, self.norm_topk_prob, self.group = moe.top_k, moe.norm_topk_prob, group
+        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, shard.expert_intermediate_size)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = GatedMLP(cfg.hidden_size, shard.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k (experts [T, k] int64, weights [T, k] in x's dtype)."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        act = silu_and_mul or silu_mul
+        experts, weights = self.route(x)
+        out = self.experts(x, experts, weights, act)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, act)
+        return self.group.all_reduce_(out)
