@@ -69,13 +69,13 @@ class PoolConfig:
         return out
 
 
-def _check_shardable(model: str, size: int, path: str) -> None:
+def _check_shardable(model: str, size: int, expert_parallel: bool, path: str) -> None:
     """Before any worker starts: the model's heads must split over `size` ranks. Only
     where the model is readable here (under Ray it may live on other nodes only)."""
     if not os.path.isfile(os.path.join(model, "config.json")):
         return
     try:
-        check_shardable(ModelConfig.from_model_dir(model), size)
+        check_shardable(ModelConfig.from_model_dir(model), size, expert_parallel)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 
@@ -285,8 +285,9 @@ class ClusterConfig:
                 raise ConfigError(f"{role}.engine.{exc}") from None
             except ValueError as exc:
                 raise ConfigError(f"{role}.engine: {exc}") from None
-            if getattr(out, role).replicas and engine.tensor_parallel_size > 1:
-                _check_shardable(out.model, engine.tensor_parallel_size, f"{role}.engine.tensor_parallel_size")
+            if getattr(out, role).replicas and (engine.tensor_parallel_size > 1 or engine.enable_expert_parallel):
+                _check_shardable(out.model, engine.tensor_parallel_size, engine.enable_expert_parallel,
+                                 f"{role}.engine.tensor_parallel_size")
         if out.kv_store.enabled:
             # The store's port is found free on the launcher's node (cluster/ray/kv_store.py):
             # a Ray Client driver is on no node of the cluster.

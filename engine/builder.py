@@ -66,7 +66,8 @@ class _Builder:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_model_dir(config.model)
-        self.shard = Shard.of(self.model_config, 0, config.tensor_parallel_size)  # refuses an unshardable model
+        # refuses an unshardable model
+        self.shard = Shard.of(self.model_config, 0, config.tensor_parallel_size, config.enable_expert_parallel)
         self.resources = EngineResources()
 
     @property

@@ -59,6 +59,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch default
     prepack_cpu_weights: bool = True  # packed linears on CPU fp32: C panel kernel, else oneDNN (model/cpu_linear.py)
     tensor_parallel_size: int = 1  # processes (ranks) the model is sharded over (engine/distributed)
+    # A mixture of experts' experts divided among the ranks, each whole on one, instead
+    # of every expert sliced over all of them (engine/model/moe.py).
+    enable_expert_parallel: bool = False
     distributed_timeout_s: float = 60.0  # a tensor-parallel collective longer than this fails the engine
     # A structured-output grammar not compiled within this long fails its request (400):
     # compile time grows fast with a schema's size, and a huge one would hold it forever.

@@ -22,7 +22,7 @@ def build_rank_model(config: EngineConfig, rank: int = 0, group: Group = SINGLE
     backend = get_backend(config.attention_backend, config.device)
     model_config = ModelConfig.from_model_dir(config.model)
     model_len = max_model_len(config, model_config)
-    shard = Shard.of(model_config, rank, config.tensor_parallel_size)
+    shard = Shard.of(model_config, rank, config.tensor_parallel_size, config.enable_expert_parallel)
     model = load_model(config.model, model_config, config.dtype, config.device, backend, model_len,
                        shard, group, config.load_format, config.seed)
     if config.prepack_cpu_weights and prepack_supported(config.device, TORCH_DTYPES[config.dtype]):

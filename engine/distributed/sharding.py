@@ -4,7 +4,8 @@
   fewer KV heads than ranks, each rank holds the one KV head its query heads read
   (replicated on size // num_kv_heads ranks).
 - MLP: the intermediate dimension split evenly (gate_up column-parallel, down row-parallel);
-  in a mixture of experts, every expert's and the shared expert's alike.
+  in a mixture of experts, every expert's and the shared expert's alike, or, expert
+  parallel, each rank holding E / N whole experts (the shared expert still split).
 - Embedding and lm_head: the vocabulary split into equal ranges, the last one padded
   with zero rows when the vocabulary does not divide.
 """
@@ -16,8 +17,10 @@ from dataclasses import dataclass
 from engine.model.config import ModelConfig
 
 
-def check_shardable(cfg: ModelConfig, size: int) -> None:
+def check_shardable(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """Raise ValueError naming the dimension that does not split over `size` ranks."""
+    if expert_parallel and cfg.moe is None:
+        raise ValueError(f"enable_expert_parallel: {cfg.architecture} has no experts to divide among the ranks")
     if size == 1:
         return
     problems = []
@@ -30,8 +33,13 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
         problems.append(f"intermediate_size {cfg.intermediate_size} does not divide by "
                         f"tensor_parallel_size {size}")
     if cfg.moe is not None:
-        for name, width in (("moe_intermediate_size", cfg.moe.intermediate_size),
-                            ("shared_expert_intermediate_size", cfg.moe.shared_intermediate_size)):
+        widths = [("shared_expert_intermediate_size", cfg.moe.shared_intermediate_size)]
+        if not expert_parallel:
+            widths.append(("moe_intermediate_size", cfg.moe.intermediate_size))
+        elif cfg.moe.num_experts % size:
+            problems.append(f"enable_expert_parallel: {cfg.moe.num_experts} experts do not divide by "
+                            f"tensor_parallel_size {size}")
+        for name, width in widths:
             if width % size:
                 problems.append(f"{name} {width} does not divide by tensor_parallel_size {size}")
     if problems:
@@ -58,25 +66,32 @@ class Shard:
     intermediate: tuple[int, int]
     vocab: tuple[int, int]  # may end past vocab_size: padding rows, zero
     vocab_size: int
-    # A mixture of experts: the range of each expert's intermediate dimension, and of
-    # the shared expert's, the rank holds ((0, 0) without).
+    # A mixture of experts: the experts the rank holds (all of them, unless expert
+    # parallel), the range of each one's intermediate dimension (all of it when expert
+    # parallel), and of the shared expert's ((0, 0) without).
+    experts: tuple[int, int] = (0, 0)
     expert_intermediate: tuple[int, int] = (0, 0)
     shared_intermediate: tuple[int, int] = (0, 0)
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> Shard:
-        check_shardable(cfg, size)
+    def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1, expert_parallel: bool = False) -> Shard:
+        check_shardable(cfg, size, expert_parallel)
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a group of {size}")
         q = cfg.num_heads // size
         inter = cfg.intermediate_size // size
         vocab = -(-cfg.vocab_size // size)
-        expert = shared = 0
+        experts, expert, shared = (0, 0), (0, 0), (0, 0)
         if cfg.moe is not None:
-            expert, shared = cfg.moe.intermediate_size // size, cfg.moe.shared_intermediate_size // size
+            e, i, s = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.moe.shared_intermediate_size // size
+            if expert_parallel:
+                experts, expert = (rank * (e // size), (rank + 1) * (e // size)), (0, i)
+            else:
+                experts, expert = (0, e), (rank * (i // size), (rank + 1) * (i // size))
+            shared = (rank * s, (rank + 1) * s)
         return cls(rank, size, (rank * q, (rank + 1) * q), kv_head_range(cfg.num_kv_heads, size, rank),
                    (rank * inter, (rank + 1) * inter), (rank * vocab, (rank + 1) * vocab), cfg.vocab_size,
-                   (rank * expert, (rank + 1) * expert), (rank * shared, (rank + 1) * shared))
+                   experts, expert, shared)
 
     @property
     def num_q_heads(self) -> int:
@@ -89,6 +104,10 @@ class Shard:
     @property
     def intermediate_size(self) -> int:
         return self.intermediate[1] - self.intermediate[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts[1] - self.experts[0]
 
     @property
     def expert_intermediate_size(self) -> int:

@@ -128,7 +128,7 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int | None]:
 
 def _pieces(param: str, cfg: ModelConfig, shard: Shard) -> int:
     """How many checkpoint tensors fill `param`."""
-    experts = cfg.moe.num_experts if cfg.moe is not None and ".experts." in param else 1
+    experts = shard.num_experts if ".experts." in param else 1
     return experts * len(_shard_sizes(param, cfg, shard))
 
 
@@ -205,10 +205,14 @@ def _fill(f, source_name: str, cfg: ModelConfig, shard: Shard, params: dict[str,
         if _IGNORED.search(name):
             continue
         ours, index, expert = _target(name, cfg)
-        if ours not in params or (expert is not None and expert >= params[ours].shape[0]):
+        if ours not in params or (expert is not None and (cfg.moe is None or expert >= cfg.moe.num_experts)):
             raise ValueError(f"unexpected tensor {name!r} in {source_name}: not part of a "
                              f"{cfg.architecture} with this config")
-        dest = params[ours].data if expert is None else params[ours].data[expert]
+        dest = params[ours].data
+        if expert is not None:
+            if not shard.experts[0] <= expert < shard.experts[1]:
+                continue  # another rank's expert (expert parallel): not read here
+            dest = dest[expert - shard.experts[0]]
         sizes = _shard_sizes(ours, cfg, shard)
         if sizes != [-1]:
             start = sum(sizes[:index])
@@ -222,4 +226,4 @@ def _fill(f, source_name: str, cfg: ModelConfig, shard: Shard, params: dict[str,
                 dest.zero_()  # the vocabulary's padding rows
                 dest = dest.narrow(source[0], 0, tensor.shape[source[0]])
             dest.copy_(tensor)
-        loaded[ours].add((expert, index))
+        loaded[ours].add((expert, index))  # the expert's global index: each counted once

@@ -11,6 +11,13 @@ Tensor parallel (engine/distributed/sharding.py): every expert's intermediate di
 is split over the ranks like a dense MLP's (gate_up column-parallel, down row-parallel),
 the shared expert's too, and the router is replicated; one all-reduce sums the ranks'
 partial outputs, experts and shared expert together.
+
+Expert parallel (enable_expert_parallel): each rank holds E / N whole experts instead.
+Attention stays tensor-parallel, so after its all-reduce every rank already holds every
+token's hidden state: dispatch needs no all-to-all (each rank routes all tokens, the
+router being replicated, and runs its own experts over those routed to them), and the
+combine is the all-reduce the layer makes anyway, of the ranks' partial sums. An
+all-to-all would pay only with data-parallel attention, where ranks hold different tokens.
 """
 
 from __future__ import annotations
@@ -45,11 +52,13 @@ class GatedMLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """Every expert's weights stacked: w13 [E, 2 * I, H] (gate rows, then up rows),
-    w2 [E, H, I], I the rank's part of an expert's intermediate dimension."""
+    """The rank's experts' weights stacked, experts [first, first + E): w13 [E, 2 * I, H]
+    (gate rows, then up rows), w2 [E, H, I], I the rank's part of an expert's
+    intermediate dimension. A token routed to another rank's expert gets nothing here."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate: int, first: int = 0) -> None:
         super().__init__()
+        self.first = first
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate))
 
@@ -59,17 +68,20 @@ class Experts(nn.Module):
         top_k = experts.shape[1]
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, k) slots grouped by expert, ascending
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        end = self.first + self.w13.shape[0]
+        counts = torch.bincount(flat, minlength=end).tolist()
         slot_weights = weights.flatten()
         out = torch.zeros_like(x)
-        start = 0
-        for expert, n in enumerate(counts):
+        start = sum(counts[:self.first])  # the slots of experts before the rank's
+        for expert in range(self.first, end):
+            n = counts[expert]
             if not n:
                 continue
             slots = order[start:start + n]
             start += n
             tokens = slots // top_k
-            h = F.linear(act(F.linear(x[tokens], self.w13[expert])), self.w2[expert])
+            local = expert - self.first
+            h = F.linear(act(F.linear(x[tokens], self.w13[local])), self.w2[local])
             out.index_add_(0, tokens, h * slot_weights[slots, None])
         return out
 
@@ -81,7 +93,7 @@ class SparseMoE(nn.Module):
         assert moe is not None, "a SparseMoE needs the model's MoEConfig"
         self.top_k, self.norm_topk_prob, self.group = moe.top_k, moe.norm_topk_prob, group
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, shard.expert_intermediate_size)
+        self.experts = Experts(shard.num_experts, cfg.hidden_size, shard.expert_intermediate_size, shard.experts[0])
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_intermediate_size:

@@ -41,10 +41,15 @@ def test_prefix_hits_chunks_and_preemption_match_hf(moe_models: dict[str, Path],
     assert sum(o.num_cached_tokens for o in rest) > 0  # some of the shared prefix outlived the preemptions
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_tp2_matches_hf_with_chunks_and_prefix_hits(moe_models: dict[str, Path], arch: str) -> None:
-    llm = tp_llm(moe_models[arch], max_num_batched_tokens=32, block_size=16)
+def test_tp2_matches_hf_with_chunks_and_prefix_hits(moe_models: dict[str, Path], arch: str,
+                                                    expert_parallel: bool) -> None:
+    llm = tp_llm(moe_models[arch], max_num_batched_tokens=32, block_size=16, enable_expert_parallel=expert_parallel)
     try:
+        # Expert parallel: rank 0 holds experts 0-3 whole; else all 8, half of each one's width.
+        assert (llm.core.shard.experts, llm.core.shard.expert_intermediate) == (
+            ((0, 4), (0, 32)) if expert_parallel else ((0, 8), (0, 16)))
         steps = step_tokens(llm)
         first = llm.generate([SHARED], GREEDY, use_tqdm=False)
         rest = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -77,3 +82,16 @@ def test_an_expert_width_that_does_not_split_is_refused(moe_models: dict[str, Pa
     with pytest.raises(ValueError, match="moe_intermediate_size 33 does not divide by tensor_parallel_size 2"):
         check_shardable(model, 2)
     assert model.moe is not None and model.moe.sparse_layers == (1,)  # mlp_only_layers [0]
+
+
+def test_expert_parallel_needs_experts_that_divide(moe_models: dict[str, Path], tiny_models: dict[str, Path]) -> None:
+    import json
+
+    cfg = json.loads((moe_models["qwen3_moe"] / "config.json").read_text())
+    six = ModelConfig.from_dict({**cfg, "num_local_experts": 6})
+    with pytest.raises(ValueError, match="enable_expert_parallel: 6 experts do not divide by tensor_parallel_size 4"):
+        check_shardable(six, 4, expert_parallel=True)
+    check_shardable(six, 2, expert_parallel=True)
+    dense = ModelConfig.from_model_dir(tiny_models["llama"])
+    with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no experts"):
+        check_shardable(dense, 2, expert_parallel=True)

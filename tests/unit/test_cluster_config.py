@@ -96,3 +96,10 @@ def test_a_store_too_small_for_one_block_and_pools_of_other_block_sizes_are_refu
     with pytest.raises(ConfigError, match=r"^prefill.engine.block_size: must equal decode.engine.block_size .* "
                                           r"got 32 and 16"):
         ClusterConfig.from_dict({**base, "prefill": {"replicas": 1, "engine": {"block_size": 32}}})
+
+
+def test_expert_parallel_on_a_model_without_experts_is_refused_at_load(llama_dir) -> None:
+    base = {"model": str(llama_dir), "prefill": {"replicas": 0}}
+    with pytest.raises(ConfigError, match=r"^decode.engine.tensor_parallel_size: enable_expert_parallel: "
+                                          r"LlamaForCausalLM has no experts"):
+        ClusterConfig.from_dict({**base, "decode": {"replicas": 1, "engine": {"enable_expert_parallel": True}}})
