@@ -335,9 +335,14 @@ def test_host_tier_pages_are_faulted_in_without_changing_a_byte() -> None:
     """populate() makes a fresh buffer resident (so offload copies do not pay a page
     fault each) and leaves bytes already written there as they are: it runs while the
     engine offloads into the same buffer."""
+    import mmap
+
     import torch
 
-    fresh = torch.empty(64 << 20, dtype=torch.uint8)
+    # Fresh anonymous pages: torch.empty may reuse memory the allocator already faulted in
+    # (CI: RSS unchanged in a process that had freed that much).
+    region = mmap.mmap(-1, 64 << 20)
+    fresh = torch.frombuffer(region, dtype=torch.uint8)
     before = _rss_bytes()
     tier_store.populate([fresh])
     assert _rss_bytes() - before >= 56 << 20, "the buffer's pages were not faulted in"
