@@ -313,3 +313,22 @@ def test_speculative_fuzz_reports_a_wrongly_accepted_draft(llama_dir: Path, spec
 
     monkeypatch.setattr(Speculator, "accepted", all_accepted)
     assert any(" alone " in p for seed in range(4) for p in run_seed(llama_dir, seed, spec_oracle).problems)
+
+
+MOE_SEEDS = range(0, 30)
+
+
+@pytest.mark.timeout(180)
+def test_moe_schedules_match_the_oracle(moe_models: dict[str, Path]) -> None:
+    """Offline and P/D schedules of a mixture of experts (the tiny Mixtral: its KV is
+    the tiny Llama's size per token, so the fuzzers' tier sizes fit it) against its own
+    oracle; the long runs: benchmarks.fuzz schedules --model-dir."""
+    model = moe_models["mixtral"]
+    oracle = H.Oracle(model)
+    results = [H.run_offline(H.make_offline_case(seed), model, oracle) for seed in MOE_SEEDS]
+    results += [H.run_pd(H.make_pd_case(seed, "shm", bounded_copies=True), model, oracle) for seed in MOE_SEEDS]
+    assert report(results) == ""
+    exercised = Counter()
+    for r in results:
+        exercised.update(r.stats)
+    assert exercised["preemptions"] > 0 and exercised["remote"] > 0, exercised
