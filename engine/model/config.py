@@ -50,10 +50,6 @@ class MoEConfig:
                    bool(cfg.get("norm_topk_prob", False)), shared or 0, sparse)
 
 
-# Q/K/V biases and none on o_proj (Qwen2 hard-codes them; Qwen2-MoE's config says, qkv_bias).
-QWEN2 = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
-
-
 @dataclass
 class ModelConfig:
     architecture: str
@@ -126,11 +122,12 @@ class ModelConfig:
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # Qwen2 hard-codes q/k/v biases and none on o_proj; Llama and Qwen3 use
-            # attention_bias for all four projections.
+            # Qwen2 hard-codes q/k/v biases and none on o_proj (Qwen2-MoE: its config's
+            # qkv_bias, default on); Llama and Qwen3 use attention_bias for all four projections.
             qkv_bias=(arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))
                       or bool(cfg.get("attention_bias", False))),
-            o_proj_bias=arch not in QWEN2 and bool(cfg.get("attention_bias", False)),
+            o_proj_bias=(arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+                         and bool(cfg.get("attention_bias", False))),
             qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
             hidden_act=act,
             sliding_window=sliding,

@@ -30,7 +30,7 @@ from engine.distributed.sharding import Shard
 from engine.kv_cache.layout import layer_view
 from engine.model.config import ModelConfig
 from engine.model.fused_ops import FusedOps, fused_ops
-from engine.model.moe import SparseMoE
+from engine.model.moe import GatedMLP, SparseMoE, silu_mul
 from engine.model.rope import RotaryEmbedding, RotaryTables, apply_rotary
 
 
@@ -81,21 +81,16 @@ class Attention(nn.Module):
         return self.group.all_reduce_(self.o_proj(o.reshape(t, self.q_size)))
 
 
-class MLP(nn.Module):
+class MLP(GatedMLP):
+    """The rank's slice of the dense MLP's intermediate dimension, summed over the ranks."""
+
     def __init__(self, cfg: ModelConfig, shard: Shard, group: Group) -> None:
-        super().__init__()
-        self.intermediate = shard.intermediate_size
+        super().__init__(cfg.hidden_size, shard.intermediate_size)
         self.group = group
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor,
                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if silu_and_mul is not None:
-            return self.group.all_reduce_(self.down_proj(silu_and_mul(gate_up)))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.group.all_reduce_(self.down_proj(F.silu(gate) * up))
+        return self.group.all_reduce_(super().forward(x, silu_and_mul or silu_mul))
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -32,9 +32,10 @@ _FUSED = {
     "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
 }
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
-# One expert's tensor (Mixtral's names, or Qwen-MoE's) -> a piece of the layer's stacked
-# experts (engine/model/moe.py Experts): (our parameter, piece index in it).
-_EXPERT = re.compile(r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+# One expert's tensor (Mixtral's names, block_sparse_moe made mlp by _target, or Qwen-MoE's)
+# -> a piece of the layer's stacked experts (engine/model/moe.py Experts): (our
+# parameter, piece index in it).
+_EXPERT = re.compile(r"^(layers\.\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 _EXPERT_PIECES = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
                   "w2": ("w2", 0), "down_proj": ("w2", 0)}
 
