@@ -43,13 +43,13 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int,
     heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
     if heads < 1:
         raise ValueError(f"num_kv_heads must be >= 1, got {heads}")
-    return cache_shape(num_blocks, heads, cfg.num_layers, block_size, cfg.head_dim)
+    return cache_shape(num_blocks, heads, cfg.num_layers, block_size, cfg.head_dim, cfg.kv_planes)
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: str, allocator: KVAllocator | None = None,
                       num_kv_heads: int | None = None) -> torch.Tensor:
-    """[num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim] (kv_cache/layout.py).
+    """[num_blocks, num_kv_heads, num_layers, planes, block_size, head_dim] (kv_cache/layout.py).
 
     Block-major, so a run of consecutive blocks moves between workers as one descriptor;
     heads outside layers, so a slice of one block's heads (what a tensor-parallel rank

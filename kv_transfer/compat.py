@@ -16,6 +16,9 @@ from kv_transfer.rank_pairs import HeadRange, check_head_ranges
 # transfer between TP sizes moves one per block), and a run of blocks with all of a
 # rank's heads is one too (a transfer between equal TP sizes moves one per run).
 LAYOUT = "block_major:[blocks,kv_heads,layers,2,block_size,head_dim]"
+# Multi-head latent attention (DeepSeek): one plane, one latent "head" every rank holds
+# whole, so a destination rank always receives whole blocks from one source rank.
+LATENT_LAYOUT = "block_major:[blocks,1,layers,1,block_size,kv_lora_rank+qk_rope_head_dim]"
 
 # Must be equal on both sides; the TP size and head ranges may differ (rank_pairs.py).
 MUST_MATCH = ("model", "dtype", "layout", "block_size", "num_layers", "num_kv_heads", "head_dim")
@@ -48,15 +51,15 @@ class KVCompat:
             raise ValueError(f"{len(caches)} rank caches but {len(head_ranges)} head ranges")
         first = caches[0]
         for r, cache in enumerate(caches):
-            if not isinstance(cache, torch.Tensor) or cache.dim() != 6 or cache.shape[3] != 2:
+            if not isinstance(cache, torch.Tensor) or cache.dim() != 6 or cache.shape[3] not in (1, 2):
                 shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
-                raise ValueError(f"rank {r}: expected a {LAYOUT} cache, got shape {shape}")
+                raise ValueError(f"rank {r}: expected a {LAYOUT} or {LATENT_LAYOUT} cache, got shape {shape}")
             if not cache.is_contiguous():
                 raise ValueError(f"rank {r}: the KV cache must be contiguous to be registered for transfer")
             if cache.dtype != first.dtype or cache.device != first.device:
                 raise ValueError(f"rank {r}'s cache is {cache.dtype} on {cache.device}, rank 0's "
                                  f"{first.dtype} on {first.device}")
-            for dim, name in ((0, "num_blocks"), (2, "layers"), (4, "block_size"), (5, "head_dim")):
+            for dim, name in ((0, "num_blocks"), (2, "layers"), (3, "planes"), (4, "block_size"), (5, "head_dim")):
                 if cache.shape[dim] != first.shape[dim]:
                     raise ValueError(f"rank {r}'s cache has {name} {cache.shape[dim]}, rank 0's "
                                      f"{first.shape[dim]}: every rank must hold the same blocks")
@@ -68,15 +71,23 @@ class KVCompat:
             if cache.shape[1] != end - start:
                 raise ValueError(f"rank {r} holds heads [{start}, {end}) but its cache has {cache.shape[1]} "
                                  "KV heads")
-        _, _, layers, _, block_size, head_dim = first.shape
-        return cls(model, str(first.dtype).removeprefix("torch."), LAYOUT, block_size, layers,
+        _, _, layers, planes, block_size, head_dim = first.shape
+        if planes == 1 and num_kv_heads != 1:
+            raise ValueError(f"a latent (one-plane) cache holds one KV head, not {num_kv_heads}")
+        layout = LATENT_LAYOUT if planes == 1 else LAYOUT
+        return cls(model, str(first.dtype).removeprefix("torch."), layout, block_size, layers,
                    num_kv_heads, head_dim, len(caches), ranges)
 
     @property
     def head_bytes(self) -> int:
         """One KV head of one block, every layer: a contiguous region of a rank's cache."""
         itemsize = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_layers * 2 * self.block_size * self.head_dim * itemsize
+        return self.num_layers * self.planes * self.block_size * self.head_dim * itemsize
+
+    @property
+    def planes(self) -> int:
+        """Vectors per token, layer and head: K and V, or MLA's one latent."""
+        return 1 if self.layout == LATENT_LAYOUT else 2
 
     @property
     def block_bytes(self) -> int:
@@ -105,6 +116,12 @@ class KVCompat:
     def check_peer(self, peer: KVCompat, peer_name: str) -> None:
         """Raise IncompatiblePeerError naming the first field that differs, or why the
         peer's split of the heads over its ranks cannot be paired with ours."""
+        if (self.layout == LATENT_LAYOUT) != (peer.layout == LATENT_LAYOUT):
+            kinds = ("per-head K/V", "MLA latent")
+            raise IncompatiblePeerError(
+                f"peer {peer_name!r} is incompatible: its KV cache is {kinds[peer.layout == LATENT_LAYOUT]}, "
+                f"this worker's {kinds[self.layout == LATENT_LAYOUT]} (layout {peer.layout!r} there, "
+                f"{self.layout!r} here): an MLA model pairs only with MLA workers")
         for name in MUST_MATCH:
             ours, theirs = getattr(self, name), getattr(peer, name)
             if ours != theirs:

@@ -35,7 +35,29 @@ def train_tokenizer(out_dir: Path):
     return fast
 
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v2_qlora", "deepseek_v3")
+
+
+def _deepseek_config(arch: str, common: dict):
+    """Multi-head latent attention over a 32 + 16 wide latent (v_head_dim 16, unlike
+    qk's 16 + 16), 8 routed experts in 4 groups and one shared expert, the first of 3
+    layers dense: V2 without a q LoRA and group-limited routing; V2 with one, greedy
+    routing and yarn RoPE; V3 (sigmoid scores, correction bias, grouped top-k,
+    routed_scaling_factor 2.5)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    ds = dict(common, num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+              qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+              tie_word_embeddings=False)
+    if arch == "deepseek_v2":
+        return DeepseekV2Config(**ds, q_lora_rank=None, topk_method="group_limited_greedy"), DeepseekV2ForCausalLM
+    if arch == "deepseek_v2_qlora":
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+                "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+        return DeepseekV2Config(**ds, q_lora_rank=48, topk_method="greedy", rope_parameters=yarn), \
+            DeepseekV2ForCausalLM
+    return DeepseekV3Config(**ds, q_lora_rank=48, routed_scaling_factor=2.5), DeepseekV3ForCausalLM
 
 
 def _moe_config(arch: str, common: dict):
@@ -95,6 +117,8 @@ def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
         config, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
     elif arch == "qwen3":
         config, cls = Qwen3Config(**common, head_dim=32, tie_word_embeddings=False), Qwen3ForCausalLM
+    elif arch.startswith("deepseek"):
+        config, cls = _deepseek_config(arch, common)
     elif arch in MOE_ARCHS:
         config, cls = _moe_config(arch, common)
     else:
@@ -109,5 +133,8 @@ def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
                 p.normal_(0, 0.15)
             elif "bias" in name:
                 p.normal_(0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: zeros would not test it
+                b.normal_(0, 0.1)
     model.save_pretrained(out_dir)
     return out_dir

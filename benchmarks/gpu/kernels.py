@@ -92,7 +92,7 @@ def check_norm_rope(s: Setup) -> None:
     import torch
 
     from engine.kernels.norm_rope import add_rms_norm, rotary_
-    from engine.model.llama import RMSNorm
+    from engine.model.norm import RMSNorm
     from engine.model.rope import RotaryEmbedding, apply_rotary
 
     dtype, head_dim = getattr(torch, s.dtype), s.hidden // s.heads

@@ -19,7 +19,10 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MixtralForCausalLM": {"qk_norm": False},
     "Qwen2MoeForCausalLM": {"qk_norm": False},
     "Qwen3MoeForCausalLM": {"qk_norm": True},
+    "DeepseekV2ForCausalLM": {"qk_norm": False},
+    "DeepseekV3ForCausalLM": {"qk_norm": False},
 }
+DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -29,25 +32,91 @@ class MoEConfig:
     top_k: int  # experts per token
     intermediate_size: int  # each expert's
     norm_topk_prob: bool  # the top-k routing weights renormalised to sum to 1
-    shared_intermediate_size: int  # an always-on shared expert with a sigmoid gate (Qwen2-MoE); 0: none
+    shared_intermediate_size: int  # an always-on shared expert (0: none)
     sparse_layers: tuple[int, ...]  # the layers whose MLP is sparse (the others dense)
+    shared_gate: bool = False  # the shared expert scaled by a sigmoid gate (Qwen2-MoE)
+    # DeepSeek's routing: "softmax" or "sigmoid" scores (V3, with a learned correction
+    # bias that picks the experts but does not weigh them); "greedy" top-k, or top-k
+    # within the topk_group best of n_group expert groups (a group's score: its best
+    # expert's, or with sigmoid scoring its best two summed); the weights times
+    # routed_scaling_factor.
+    scoring: str = "softmax"
+    grouped: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_dict(cls, arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+        layers = cfg["num_hidden_layers"]
         if arch == "MixtralForCausalLM":  # every layer sparse, its experts intermediate_size wide
             return cls(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], True, 0,
-                       tuple(range(cfg["num_hidden_layers"])))
+                       tuple(range(layers)))
+        if arch in DEEPSEEK:
+            return cls._deepseek(arch, cfg)
         if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
             return None
         # The Hub's configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE.
         experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
         step = cfg.get("decoder_sparse_step", 1)
         dense = set(cfg.get("mlp_only_layers") or [])
-        sparse = tuple(i for i in range(cfg["num_hidden_layers"])
-                       if i not in dense and experts > 0 and (i + 1) % step == 0)
+        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
         shared = cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
         return cls(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-                   bool(cfg.get("norm_topk_prob", False)), shared or 0, sparse)
+                   bool(cfg.get("norm_topk_prob", False)), shared or 0, sparse, shared_gate=bool(shared))
+
+    @classmethod
+    def _deepseek(cls, arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+        experts = cfg.get("n_routed_experts") or 0
+        if not experts:
+            return None
+        v3 = arch == "DeepseekV3ForCausalLM"
+        method = "noaux_tc" if v3 else cfg.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"unsupported topk_method {method!r} (greedy, group_limited_greedy; "
+                             "DeepSeek-V3 routes noaux_tc)")
+        grouped = method != "greedy"
+        n_group, topk_group = (cfg.get("n_group") or 1, cfg.get("topk_group") or 1) if grouped else (1, 1)
+        if grouped and (experts % n_group or not 0 < topk_group <= n_group):
+            raise ValueError(f"n_group {n_group} must divide n_routed_experts {experts} and topk_group "
+                             f"{topk_group} be in [1, n_group]")
+        first_dense = cfg.get("first_k_dense_replace") or 0
+        inter = cfg["moe_intermediate_size"]
+        # transformers' DeepSeek-V2 never renormalises the top-k weights; V3 does by its config.
+        return cls(experts, cfg["num_experts_per_tok"], inter, v3 and bool(cfg.get("norm_topk_prob", True)),
+                   inter * (cfg.get("n_shared_experts") or 0), tuple(range(first_dense, cfg["num_hidden_layers"])),
+                   scoring="sigmoid" if v3 else "softmax", grouped=grouped, n_group=n_group,
+                   topk_group=topk_group, routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention (engine/model/mla.py). The KV cache holds
+    one vector per token and layer, kv_lora_rank + qk_rope_head_dim wide, shared by
+    every head (and so by every tensor-parallel rank)."""
+    q_lora_rank: int | None  # None: q projected from the hidden state directly
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rope dims' checkpoint order is pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_dict(cls, arch: str, cfg: dict[str, Any]) -> MLAConfig | None:
+        if arch not in DEEPSEEK:
+            return None
+        return cls(cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
+                   cfg["v_head_dim"],
+                   # transformers' DeepSeek-V2 always rotates interleaved pairs; V3 as its config says.
+                   arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)))
 
 
 @dataclass
@@ -72,6 +141,9 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None  # a mixture of experts: its sparse MLP
+    # Multi-head latent attention: the cache holds one latent "KV head" of
+    # mla.latent_dim per token and layer (num_kv_heads 1, head_dim latent_dim, one plane).
+    mla: MLAConfig | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -105,9 +177,12 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn)")
+        if rope_type == "yarn" and not {"factor", "original_max_position_embeddings"} <= set(rope):
+            raise ValueError("yarn rope scaling needs factor and original_max_position_embeddings")
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        mla = MLAConfig.from_dict(arch, cfg)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -115,8 +190,8 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or num_heads,
+            head_dim=mla.latent_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
@@ -132,10 +207,16 @@ class ModelConfig:
             hidden_act=act,
             sliding_window=sliding,
             moe=MoEConfig.from_dict(arch, cfg),
+            mla=mla,
         )
 
+    @property
+    def kv_planes(self) -> int:
+        """Vectors per token, layer and KV head in the cache: K and V, or MLA's one latent."""
+        return 1 if self.mla else 2
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+        return self.num_layers * self.kv_planes * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:

@@ -1,5 +1,7 @@
 """The Llama family as one model: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm),
-and their mixtures of experts, Mixtral, Qwen2-MoE and Qwen3-MoE (a sparse MLP: moe.py).
+their mixtures of experts, Mixtral, Qwen2-MoE and Qwen3-MoE (a sparse MLP: moe.py), and
+DeepSeek-V2/V3 (multi-head latent attention, mla.py, and a sparse MLP after the first
+first_k_dense_replace layers).
 
 Works on a flattened batch: input_ids and positions are [T] for all new tokens of all
 sequences in the step; attention finds its sequences through the attention context.
@@ -30,21 +32,10 @@ from engine.distributed.sharding import Shard
 from engine.kv_cache.layout import layer_view
 from engine.model.config import ModelConfig
 from engine.model.fused_ops import FusedOps, fused_ops
+from engine.model.mla import MLAttention
 from engine.model.moe import GatedMLP, SparseMoE, silu_mul
+from engine.model.norm import RMSNorm
 from engine.model.rope import RotaryEmbedding, RotaryTables, apply_rotary
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale after casting back, as transformers does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -113,7 +104,7 @@ class DecoderLayer(nn.Module):
                  index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, shard, group)
+        self.self_attn: Attention | MLAttention = (MLAttention if cfg.mla else Attention)(cfg, backend, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
         self.mlp: MLP | SparseMoE = SparseMoE(cfg, shard, group) if sparse else MLP(cfg, shard, group)
@@ -140,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.shard = shard = shard or Shard.of(cfg)
         self.group = group
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+        rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla else cfg.head_dim
+        self.rope = RotaryEmbedding(rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
         if shard.size == 1:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         else:
@@ -152,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """kv_cache: [num_blocks, Hkv, num_layers, 2, block_size, D]; each layer keeps its
+        """kv_cache: [num_blocks, Hkv, num_layers, planes, block_size, D]; each layer keeps its
         strided view [num_blocks, 2, block_size, Hkv, D] (engine/kv_cache/layout.py)."""
         for i, layer in enumerate(self._decoder_layers()):
             layer.self_attn.layer_cache = layer_view(kv_cache, i)

@@ -76,6 +76,8 @@ def _source_range(param: str, index: int, cfg: ModelConfig, shard: Shard) -> tup
     if shard.size == 1:
         return None
     d, inter = cfg.head_dim, cfg.intermediate_size
+    if cfg.mla is not None and ".self_attn." in param:
+        return _mla_source_range(param, cfg, shard)
     if cfg.moe is not None and (".experts." in param or ".shared_expert." in param):
         expert = ".experts." in param
         rows = shard.expert_intermediate if expert else shard.shared_intermediate
@@ -92,6 +94,20 @@ def _source_range(param: str, index: int, cfg: ModelConfig, shard: Shard) -> tup
         return 1, *shard.intermediate, inter
     if param in ("embed_tokens.weight", "lm_head.weight"):
         return 0, shard.vocab[0], min(shard.vocab[1], shard.vocab_size), cfg.vocab_size
+    return None
+
+
+def _mla_source_range(param: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, int, int] | None:
+    """The rank's heads of MLA's per-head projections; the latent ones are replicated."""
+    assert cfg.mla is not None
+    m, (h0, h1) = cfg.mla, shard.q_heads
+    rows = {".q_proj.weight": m.qk_head_dim, ".q_b_proj.weight": m.qk_head_dim,
+            ".kv_b_proj.weight": m.qk_nope_head_dim + m.v_head_dim}
+    for suffix, width in rows.items():
+        if param.endswith(suffix):
+            return 0, h0 * width, h1 * width, cfg.num_heads * width
+    if param.endswith(".o_proj.weight"):
+        return 1, h0 * m.v_head_dim, h1 * m.v_head_dim, cfg.num_heads * m.v_head_dim
     return None
 
 
@@ -116,13 +132,16 @@ def _read(f, name: str, dest: torch.Tensor, source: tuple[int, int, int, int] | 
 def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int | None]:
     """Map a checkpoint tensor name to (our parameter name, shard index in a fused
     tensor, the expert it is of stacked experts' or None)."""
-    name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router
+    # Mixtral's router; DeepSeek's shared experts (one MLP) and its router's correction bias.
+    name = (name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            .replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+            .replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"))
     expert = _EXPERT.match(name)
     if expert is not None and expert.group(3) in _EXPERT_PIECES:
         ours, piece = _EXPERT_PIECES[expert.group(3)]
         return f"{expert.group(1)}.mlp.experts.{ours}", piece, int(expert.group(2))
     for ckpt, (ours, shard) in _FUSED.items():
-        if f".{ckpt}." in name:
+        if f".{ckpt}." in name and not (cfg.mla is not None and ckpt.startswith("self_attn.")):  # MLA: unfused
             return name.replace(ckpt, ours), shard, None
     return name, 0, None
 

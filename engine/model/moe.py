@@ -1,11 +1,14 @@
-"""The sparse MLP of a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""The sparse MLP of a mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V2/V3).
 
 A router picks each token's top-k experts (softmax over every expert's logit, in
-float32, the k largest, renormalised where the model says); the tokens are sorted by
+float32, the k largest, renormalised where the model says; DeepSeek's variants in
+route()); the tokens are sorted by
 expert and each expert runs once over all of its tokens (two GEMMs), its output scaled
 by the token's routing weight and added into the token's row. A token's k expert
 outputs are added in ascending expert order, as transformers adds them, so float32
-results match it. Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate.
+results match it. Qwen2-MoE adds an always-on shared expert scaled by a sigmoid gate,
+DeepSeek its shared experts (one MLP n_shared_experts wide) ungated.
 
 Tensor parallel (engine/distributed/sharding.py): every expert's intermediate dimension
 is split over the ranks like a dense MLP's (gate_up column-parallel, down row-parallel),
@@ -30,7 +33,7 @@ from torch import nn
 
 from engine.distributed.group import Group
 from engine.distributed.sharding import Shard
-from engine.model.config import ModelConfig
+from engine.model.config import DEEPSEEK, ModelConfig
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -91,28 +94,50 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None, "a SparseMoE needs the model's MoEConfig"
-        self.top_k, self.norm_topk_prob, self.group = moe.top_k, moe.norm_topk_prob, group
+        self.moe, self.group = moe, group
+        self.fp32_router = cfg.architecture in DEEPSEEK  # its router's matmul in float32, the others' in x's dtype
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        # DeepSeek-V3's correction bias (a parameter so the loader fills it).
+        self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.scoring == "sigmoid" \
+            else None
         self.experts = Experts(shard.num_experts, cfg.hidden_size, shard.expert_intermediate_size, shard.experts[0])
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, shard.shared_intermediate_size)
+        if moe.shared_gate:
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k (experts [T, k] int64, weights [T, k] in x's dtype)."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.to(x.dtype)
+        moe = self.moe
+        if self.fp32_router and x.dtype != torch.float32:
+            logits = F.linear(x.float(), self.gate.weight.float())
+        else:
+            logits = self.gate(x).float()  # (on CPU in float32 the gate may be a packed linear: no .weight)
+        scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        if moe.grouped:
+            groups = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group)
+            # A group's score: its best expert's, or (sigmoid scoring) its best two summed.
+            best = groups.topk(2, dim=-1)[0].sum(-1) if moe.scoring == "sigmoid" else groups.max(dim=-1).values
+            kept = torch.zeros_like(best).scatter_(1, best.topk(moe.topk_group, dim=-1)[1], 1.0).bool()
+            masked = 0.0 if self.e_score_correction_bias is None else float("-inf")
+            choice = groups.masked_fill(~kept[..., None], masked).flatten(1)
+        experts = choice.topk(moe.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if moe.scoring == "sigmoid" else 0.0))
+        return experts, (weights * moe.routed_scaling_factor).to(x.dtype)
 
     def forward(self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> torch.Tensor:
         act = silu_and_mul or silu_mul
         experts, weights = self.route(x)
         out = self.experts(x, experts, weights, act)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, act)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x, act)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return self.group.all_reduce_(out)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear and llama3 frequency scaling.
+"""Rotary position embeddings: default, linear, llama3 and yarn frequency scaling.
 
 cos/sin are computed exactly as transformers does (fp32 outer product, then cast), so
 greedy outputs can be token-identical in float32.
@@ -21,6 +21,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         return inv_freq
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn_frequencies(inv_freq, head_dim, theta, scaling)
     # llama3: leave high frequencies, divide low ones by `factor`, blend in between.
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -30,6 +32,39 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_frequencies(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: high frequencies kept, low ones divided by `factor`, a linear ramp between
+    the dims that turn beta_fast and beta_slow times over the original context."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / ((high - low) or 0.001)).clamp(0, 1)
+    keep = 1 - ramp
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What yarn multiplies cos and sin by (1 for the other types)."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    return yarn_mscale(factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -49,8 +84,9 @@ class RotaryEmbedding:
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device)  # [max_positions, head_dim] fp32
-        self.sin = emb.sin().to(device)
+        factor = attention_factor(scaling)
+        self.cos = (emb.cos() * factor).to(device)  # [max_positions, head_dim] fp32
+        self.sin = (emb.sin() * factor).to(device)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions [T] int64, each [T, 1, D]: looked up once per step."""

@@ -50,12 +50,12 @@ class Worker:
     """A TP worker's driver as the transport sees it: one cache per rank (in its own
     /dev/shm file for shm and nixl, as the engine makes them), registered together."""
 
-    def __init__(self, transport: str, name: str, kv_heads: int, tp: int, files: list[str]) -> None:
+    def __init__(self, transport: str, name: str, kv_heads: int, tp: int, files: list[str], planes: int = 2) -> None:
         self.t = create_transport(transport, name, TransportConfig(timeout_s=5.0, cancel_grace_s=5.0))
         self.ranges = even_head_ranges(kv_heads, tp)
         self.caches, paths = [], []
         for start, end in self.ranges:
-            shape = (BLOCKS, end - start, LAYERS, 2, BLOCK_SIZE, HEAD_DIM)
+            shape = (BLOCKS, end - start, LAYERS, planes, BLOCK_SIZE, HEAD_DIM)
             if transport in FILE_BACKED:
                 cache, path = shm_cache(shape)
                 files.append(path)
@@ -84,8 +84,8 @@ def make() -> Iterator:
     made: list[Worker] = []
     files: list[str] = []
 
-    def worker(transport: str, name: str, kv_heads: int, tp: int) -> Worker:
-        made.append(Worker(transport, name, kv_heads, tp, files))
+    def worker(transport: str, name: str, kv_heads: int, tp: int, planes: int = 2) -> Worker:
+        made.append(Worker(transport, name, kv_heads, tp, files, planes))
         return made[-1]
 
     yield worker
@@ -125,16 +125,21 @@ PAIRINGS = [
     (4, 4, 2, 4 * WRITTEN),
     (4, 2, 4, 4 * WRITTEN),
 ]
+# An MLA latent cache (one plane, one "head" every rank holds whole): whole blocks, each
+# destination rank's from one source rank, between any TP sizes.
+LATENT_PAIRINGS = [(1, 1, 2, 2 * RUNS), (1, 2, 1, RUNS), (1, 2, 2, 2 * RUNS), (1, 1, 1, RUNS)]
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", MULTI_RANK)
-@pytest.mark.parametrize("kv_heads,p,d,descriptors", PAIRINGS)
+@pytest.mark.parametrize("kv_heads,p,d,descriptors,planes", [(*pairing, 2) for pairing in PAIRINGS]
+                         + [(*pairing, 1) for pairing in LATENT_PAIRINGS])
 def test_each_decode_rank_gets_exactly_its_heads(make, transport: str, kv_heads: int, p: int, d: int,
-                                                 descriptors: int) -> None:
+                                                 descriptors: int, planes: int) -> None:
     g = torch.Generator().manual_seed(kv_heads * 100 + p * 10 + d)
-    whole = torch.randn(BLOCKS, kv_heads, LAYERS, 2, BLOCK_SIZE, HEAD_DIM, generator=g)  # the "global" cache
-    decode, prefill = make(transport, "decode", kv_heads, d), make(transport, "prefill", kv_heads, p)
+    whole = torch.randn(BLOCKS, kv_heads, LAYERS, planes, BLOCK_SIZE, HEAD_DIM, generator=g)  # the "global" cache
+    decode = make(transport, "decode", kv_heads, d, planes)
+    prefill = make(transport, "prefill", kv_heads, p, planes)
     for (start, end), cache in zip(prefill.ranges, prefill.caches):
         cache.copy_(whole[:, start:end])
     assert prefill.t.add_peer(decode.t.metadata()) == "decode"
@@ -161,7 +166,7 @@ def test_each_decode_rank_gets_exactly_its_heads(make, transport: str, kv_heads:
             assert torch.equal(cache[dst], whole[src, start:end]), f"decode rank {r}'s heads [{start}, {end})"
         untouched = [b for b in range(BLOCKS) if b not in written]
         assert (cache[untouched] == SENTINEL).all(), f"decode rank {r}: a block nobody wrote to changed"
-    head_bytes = LAYERS * 2 * BLOCK_SIZE * HEAD_DIM * 4
+    head_bytes = LAYERS * planes * BLOCK_SIZE * HEAD_DIM * 4
     assert prefill.t.stats["descriptors"] == descriptors
     moved = sum(end - start for start, end in decode.ranges)  # replicated heads once per rank
     assert prefill.t.stats["bytes_written"] == WRITTEN * moved * head_bytes
@@ -184,6 +189,17 @@ def test_impossible_pairings_are_refused_with_the_reason(make, transport: str) -
         with pytest.raises(IncompatiblePeerError, match=reason):
             prefill.t.add_peer(msgpack.packb(meta, use_bin_type=True))
     assert not prefill.t.control.peers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", MULTI_RANK)
+def test_an_mla_worker_and_a_per_head_worker_are_refused_as_a_pair(make, transport: str) -> None:
+    latent, dense = make(transport, "decode", 1, 2, planes=1), make(transport, "prefill", 1, 1)
+    with pytest.raises(IncompatiblePeerError, match="its KV cache is MLA latent, this worker's per-head K/V"):
+        dense.t.add_peer(latent.t.metadata())
+    with pytest.raises(IncompatiblePeerError, match="its KV cache is per-head K/V, this worker's MLA latent"):
+        latent.t.add_peer(dense.t.metadata())
+    assert not dense.t.control.peers and not latent.t.control.peers
 
 
 @pytest.mark.timeout(30)
@@ -261,7 +277,11 @@ def rank_caches(ranges: list[tuple[int, int]], blocks: list[int] | None = None) 
     (rank_caches([(0, 2), (2, 4)]), None, None, None, "say num_kv_heads and each rank's head_ranges"),
     (rank_caches([(0, 2), (2, 4)]), 4, [(0, 2), (2, 4)], ["/dev/shm/x"], "2 rank caches need as many file paths"),
     ([torch.zeros(BLOCKS, LAYERS, 2, BLOCK_SIZE, 2, HEAD_DIM)], 2, [(0, 2)], None,
-     r"expected a block_major:\[blocks,kv_heads,layers,2,block_size,head_dim\] cache"),
+     r"expected a block_major:\[blocks,kv_heads,layers,2,block_size,head_dim\] or"),
+    ([torch.zeros(BLOCKS, 2, LAYERS, 1, BLOCK_SIZE, HEAD_DIM)], 2, [(0, 2)], None,
+     r"a latent \(one-plane\) cache holds one KV head, not 2"),
+    ([torch.zeros(BLOCKS, 1, LAYERS, 1, BLOCK_SIZE, HEAD_DIM), torch.zeros(BLOCKS, 1, LAYERS, 2, BLOCK_SIZE, HEAD_DIM)],
+     1, [(0, 1), (0, 1)], None, "rank 1's cache has planes 2, rank 0's 1"),
 ])
 def test_rank_caches_that_do_not_form_a_worker_are_refused(caches, kv, ranges, files, message) -> None:
     t = create_transport("tcp", "decode")

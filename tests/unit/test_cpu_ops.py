@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.model import cpu_ops, llama
 from engine.model.fused_ops import fused_ops
-from engine.model.llama import RMSNorm
+from engine.model.norm import RMSNorm
 from engine.model.rope import RotaryEmbedding, apply_rotary
 from engine.native import compiler, has_avx2_fma
 

@@ -96,6 +96,9 @@ def test_config_fields_for_each_family(tiny_models: dict[str, Path]) -> None:
 def test_unsupported_rope_type_is_named() -> None:
     cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-           "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+           "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}
+    with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
         ModelConfig.from_dict(cfg)
+    yarn = {**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ValueError, match="yarn rope scaling needs factor and original_max_position_embeddings"):
+        ModelConfig.from_dict(yarn)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.kernels.norm_rope import add_rms_norm, rotary_
-from engine.model.llama import RMSNorm
+from engine.model.norm import RMSNorm
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
