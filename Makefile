@@ -16,7 +16,7 @@ NVIDIA_GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || test -e /dev/nvid
 TORCH_INDEX ?= $(if $(NVIDIA_GPU),,https://download.pytorch.org/whl/cpu)
 TORCH := torch==2.13.0$(if $(TORCH_INDEX), --extra-index-url $(TORCH_INDEX))
 
-.PHONY: install model lint typecheck test test-fast test-multihost serve generate bench clean
+.PHONY: install model lint typecheck test test-fast test-multihost serve serve-moe generate bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ test-fast: lint model
 
 serve: model
 	$(VENV)/bin/pdserve serve configs/local.yaml --model $(MODEL)
+
+# The MoE + MLA demo (generated weights): 1 prefill, 1 decode at TP 2 with expert parallelism.
+serve-moe: model
+	$(VENV)/bin/pdserve model prepare deepseek-mini --models-dir $(MODELS_DIR)
+	$(VENV)/bin/pdserve serve configs/local-moe.yaml --model $(MODELS_DIR)/DeepSeek-V3-mini-dummy
 
 generate: model
 	$(VENV)/bin/pdserve generate --model $(MODEL) --chat "What is the capital of France?"

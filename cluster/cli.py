@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="manage local model directories")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     prepare = model_sub.add_parser("prepare", help="build a demo model directory offline (once)")
-    prepare.add_argument("name", nargs="?", default="smollm2")
+    prepare.add_argument("name", nargs="?", default="smollm2", help="smollm2 (the dense demo) or deepseek-mini (MoE + MLA, generated weights)")
     prepare.add_argument("--models-dir", default=None, help="default: $PDSERVE_MODELS_DIR or ./models")
     prepare.add_argument("--force", action="store_true", help="rebuild even if present")
     prepare.set_defaults(func=_cmd_model_prepare)

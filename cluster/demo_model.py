@@ -139,10 +139,14 @@ def prepare_demo_model(
     run never leaves a half-written model. Unknown name -> ValueError; pip failure ->
     RuntimeError with pip's stderr tail.
     """
-    if name not in DEMO_MODELS:
-        raise ValueError(f"unknown demo model {name!r}; known: {', '.join(sorted(DEMO_MODELS))}")
-    spec = DEMO_MODELS[name]
+    from cluster import moe_demo
+
+    if name not in DEMO_MODELS and name != moe_demo.NAME:
+        raise ValueError(f"unknown demo model {name!r}; known: {', '.join(sorted([*DEMO_MODELS, moe_demo.NAME]))}")
     models_dir = pathlib.Path(models_dir) if models_dir is not None else default_models_dir()
+    if name == moe_demo.NAME:
+        return moe_demo.prepare_moe_demo(models_dir, force)
+    spec = DEMO_MODELS[name]
     target = models_dir / spec.dir_name
     if not force and _is_complete(target):
         return target

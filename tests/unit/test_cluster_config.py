@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_local_config_loads() -> None:
     cfg = load_cluster_config(REPO / "configs" / "local.yaml")
     assert load_cluster_config(REPO / "configs" / "local-colocated.yaml").decode.replicas == 2
+    moe = load_cluster_config(REPO / "configs" / "local-moe.yaml").engine_config("decode")
+    assert (moe.tensor_parallel_size, moe.enable_expert_parallel, moe.load_format) == (2, True, "dummy")
     assert cfg.transport == "shm" and cfg.prefill.replicas == 1 and cfg.decode.replicas == 1
     decode = cfg.engine_config("decode")
     assert decode.model == "models/SmolLM2-135M-Instruct" and decode.max_num_seqs == 64
