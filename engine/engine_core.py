@@ -83,9 +83,9 @@ class EngineCore:
         self._grammars = GrammarWatch(config.grammar_compile_timeout_s)  # requests whose grammar is compiling
         self._prompt_logprobs: set[Request] = set()  # with prompt logprobs still to compute
         self._kv_events: KVEvents | None = None  # kept once collect_kv_events is called
-        logger.info("engine ready: %s, %d KV blocks of %d tokens, max_model_len %d, tensor parallel %d",
-                    self.model_config.architecture, parts.num_blocks, config.block_size, self.max_model_len,
-                    config.tensor_parallel_size)
+        logger.info("engine ready: %s, %d KV blocks of %d tokens (%d B/token a rank), max_model_len %d, tensor "
+                    "parallel %d", self.model_config.architecture, parts.num_blocks, config.block_size,
+                    self.kv_cache[0].nbytes // config.block_size, self.max_model_len, config.tensor_parallel_size)
 
     @property
     def tp(self) -> TPDriver | None:

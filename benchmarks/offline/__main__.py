@@ -11,6 +11,7 @@ BENCHMARKS = {
     "host_overhead": "benchmarks.offline.host_overhead",
     "cpu_kernels": "benchmarks.offline.cpu_kernels",
     "tp_cpu": "benchmarks.offline.tp_cpu",
+    "moe_cpu": "benchmarks.offline.moe_cpu",
     "roofline": "benchmarks.offline.roofline",
     "parallel_sampling": "benchmarks.offline.parallel_sampling",
     "speculative": "benchmarks.offline.speculative",

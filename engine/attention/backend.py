@@ -40,6 +40,14 @@ class AttentionBackend:
         """
         return reference.paged_attention(query, layer_cache, md, scale)
 
+    def latent_attention(self, query: torch.Tensor, latent: torch.Tensor, layer_cache: torch.Tensor,
+                         md: AttentionMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """Multi-head latent attention (engine/model/mla.py): query [T, Hq, D] absorbed,
+        latent [T, 1, D] this step's [c, k_r], stored, then attended as key and as value
+        (a one-plane cache's layer view reads it as both). Returns [T, Hq, kv_lora_rank]."""
+        self.store_kv(layer_cache, latent, latent, md)
+        return self.attention(query, latent, latent, layer_cache, md, scale)[..., :kv_lora_rank]
+
 
 # Most tokens a speculative verify step has per sequence (its last token and at most 16
 # drafts): attended as that many decode rows.

@@ -109,10 +109,9 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w_kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora_rank]
         query = torch.cat((q_latent, q_rope), dim=-1)  # [T, H, latent_dim]
-        key = torch.cat((latent[:, None, :], k_rope), dim=-1)  # [T, 1, latent_dim]: key and value
+        key = torch.cat((latent[:, None, :], k_rope), dim=-1)  # [T, 1, latent_dim]
         md = current_metadata()
         assert self.layer_cache is not None, "KV cache not bound to the model"
-        self.backend.store_kv(self.layer_cache, key, key, md)
-        o = self.backend.attention(query, key, key, self.layer_cache, md, self.scale)
-        o = torch.bmm(o[..., :mla.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v_head_dim]
+        o = self.backend.latent_attention(query, key, self.layer_cache, md, self.scale, mla.kv_lora_rank)
+        o = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v_head_dim]
         return self.group.all_reduce_(self.o_proj(o.transpose(0, 1).reshape(t, heads * mla.v_head_dim)))

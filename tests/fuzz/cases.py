@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from engine.kv_cache.manager import cdiv
+from engine.model.config import ModelConfig
 from tests.fuzz.common import MAX_MODEL_LEN, VOCAB, OfflineCase, PDCase, ReqSpec
 from tests.fuzz.structured import draw_constraint
 
@@ -117,6 +119,22 @@ def tier_options(rng: random.Random, block_size: int) -> dict[str, Any]:
     if rng.random() < 0.5:
         options.update(kv_offload_dir=TIER_DIR, kv_offload_disk_gib=gib(rng.choice((1, 4, 64))))
     return options
+
+
+def fit_tiers(options: dict[str, Any], model_dir: str | Path) -> dict[str, Any]:
+    """An engine's options with its tier sizes (drawn in blocks of the tiny llama, above)
+    scaled up to the model's KV bytes per token over every rank of the engine (a latent
+    every rank holds whole counts once per rank), so that every model gets the blocks
+    drawn; the tiny llama's (and any smaller model's) are left as drawn."""
+    if "kv_offload_gib" not in options:
+        return options
+    mc = ModelConfig.from_model_dir(model_dir)
+    tp = options.get("tensor_parallel_size", 1)
+    per_token = tp * max(1, mc.num_kv_heads // tp) * mc.kv_bytes_per_token(4) // mc.num_kv_heads
+    factor = per_token / TINY_KV_BYTES_PER_TOKEN
+    if factor <= 1:
+        return options
+    return {k: v * factor if k in ("kv_offload_gib", "kv_offload_disk_gib") else v for k, v in options.items()}
 
 
 def make_offline_case(seed: int, tp: int = 1) -> OfflineCase:

@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import Request
 from tests.fuzz import shared_store
-from tests.fuzz.cases import _fits
+from tests.fuzz.cases import _fits, fit_tiers
 from tests.fuzz.common import (
     Failure,
     Hang,
@@ -56,7 +56,7 @@ def _expect_fit(case: OfflineCase, spec: ReqSpec) -> bool:
 def _offline_core(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedResult,
                   wall_limit: float, stall_steps: int) -> None:
     shared = shared_store.client() if case.shared_store else None
-    core = EngineCore(EngineConfig(model=model_dir, **case.engine), shared_kv=shared)
+    core = EngineCore(EngineConfig(model=model_dir, **fit_tiers(case.engine, model_dir)), shared_kv=shared)
     try:  # a TP engine's followers are processes: stopped whatever happens
         _drive_core(case, core, oracle, res, time.monotonic(), wall_limit, stall_steps)
     finally:
@@ -182,7 +182,7 @@ def _tier_leaks(core: EngineCore) -> list[str]:
 
 def _offline_llm(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedResult,
                  wall_limit: float, stall_steps: int) -> None:
-    llm = LLM(model_dir, **case.engine)
+    llm = LLM(model_dir, **fit_tiers(case.engine, model_dir))
     try:
         _drive_llm(case, llm, oracle, res, time.monotonic(), wall_limit, stall_steps)
     finally:

@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore, StepOutput
 from engine.request import Request, RequestStatus
 from tests.fuzz import shared_store
-from tests.fuzz.cases import _fits
+from tests.fuzz.cases import _fits, fit_tiers
 from tests.fuzz.common import (
     Failure,
     Oracle,
@@ -158,7 +158,7 @@ def _engine(model_dir: str, options: dict[str, Any], transport: Any, engines: li
     `engines` at once, so that its follower processes are stopped whatever happens next."""
     from workers.start import register_caches
 
-    engine = EngineCore(EngineConfig(model=model_dir, **options), transport.allocate_kv_cache,
+    engine = EngineCore(EngineConfig(model=model_dir, **fit_tiers(options, model_dir)), transport.allocate_kv_cache,
                         keep_cache_files=transport.name == "shm",
                         shared_kv=shared_store.client() if shared and "kv_offload_gib" in options else None)
     engines.append(engine)
