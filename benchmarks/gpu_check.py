@@ -88,6 +88,7 @@ Both also run on CPU with --smoke (tiny model; nixl over DRAM), which checks the
 Layout: this file is the command line; each section is a module of benchmarks/gpu/
 (kernels.py row 1, bandwidth.py row 2, tuning.py the tile sweep, fidelity.py and
 engine_rows.py rows 3-5b with decode_step.py and model.py, speculative.py row 5c,
+mla_moe.py the MLA decode and fused MoE kernels' rows,
 transfer.py row 6, serving.py row 7, step_profile.py and ucx.py the diagnostics,
 report.py the rows and the table). --smoke runs every default section on CPU in about a minute (tests/benchmarks/
 test_gpu_check_smoke.py, in make test): the kernels under the Triton interpreter, the
@@ -119,6 +120,7 @@ from benchmarks.gpu.bitmask import check_bitmask  # noqa: E402
 from benchmarks.gpu.engine_rows import check_engine  # noqa: E402
 from benchmarks.gpu.fidelity import check_fp32_fidelity  # noqa: E402
 from benchmarks.gpu.kernels import check_kernels  # noqa: E402
+from benchmarks.gpu.mla_moe import check_moe_mla_rows  # noqa: E402
 from benchmarks.gpu.report import judge_timings, print_table, section  # noqa: E402
 from benchmarks.gpu.serving import check_serving  # noqa: E402
 from benchmarks.gpu.shapes import H200, SMOKE  # noqa: E402
@@ -149,6 +151,7 @@ def main() -> None:
         if "kernels" in only:
             section("kernels vs reference", lambda: check_kernels(s))
             section("grammar mask kernel", lambda: check_bitmask(s))
+            section("MoE and MLA kernels", lambda: check_moe_mla_rows(s))
         if "fp32" in only:
             section("float32 fidelity", lambda: check_fp32_fidelity(s, work))
         if "tune" in only:

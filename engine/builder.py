@@ -197,6 +197,9 @@ class _Builder:
         if backend.name != "triton":
             logger.info("no CUDA graphs: the %r attention backend synchronises with the host", backend.name)
             return
+        if self.model_config.mla is not None:
+            logger.info("no CUDA graphs: MLA's latent store and prompt path synchronise with the host")
+            return
         from engine.cuda_graphs import CudaGraphRunner
 
         rows, spec = None, self.config.speculative_config

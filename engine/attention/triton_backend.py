@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.attention import reference
 from engine.attention.backend import AttentionBackend, plan_decode_rows
 from engine.attention.metadata import AttentionMetadata
 from engine.kernels.decode_attention import decode_attention, num_splits_for
@@ -30,6 +31,7 @@ class TritonStepState:
     tile_seq: torch.Tensor | None  # [tiles] int32, prefill query tiles (plan_tiles)
     tile_start: torch.Tensor | None
     num_splits: int  # decode split-KV factor
+    prompt_seqs: tuple[int, ...] = ()  # the sequences that are not decode rows (MLA's torch prompt path)
 
 
 class TritonBackend(AttentionBackend):
@@ -62,7 +64,7 @@ class TritonBackend(AttentionBackend):
             tables, lens = md.block_tables[dec_index], dec_lens
         md.backend_state = TritonStepState(
             decode_rows, tables, lens, tile_seq_t if prefill else None, tile_start_t if prefill else None,
-            num_splits_for(max(plan.context_lens, default=1)))
+            num_splits_for(max(plan.context_lens, default=1)), tuple(prefill))
 
     def store_kv(self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  md: AttentionMetadata) -> None:
@@ -80,4 +82,30 @@ class TritonBackend(AttentionBackend):
             assert state.tile_start is not None  # set with tile_seq
             prefill_attention(out, query, layer_cache, md.block_tables, md.seq_lens,
                               md.query_start_loc, state.tile_seq, state.tile_start, scale)
+        return out
+
+    def latent_attention(self, query: torch.Tensor, latent: torch.Tensor, layer_cache: torch.Tensor,
+                         md: AttentionMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
+        """MLA: the latent (kv_lora_rank + rope, 576 for DeepSeek) is not the power-of-two
+        width the K/V kernels take. Stored by indexing and prompt chunks attended in torch
+        (both synchronise with the host: no CUDA graphs with MLA, engine/builder.py);
+        decode and verify rows through the MLA decode kernel, which reads each latent
+        tile once for all the heads."""
+        from engine.kernels.mla_decode import mla_decode_attention
+
+        reference.store_kv(layer_cache, latent, latent, md.slot_mapping)
+        state: TritonStepState = md.backend_state
+        out = query.new_empty(query.shape[0], query.shape[1], kv_lora_rank)
+        if state.decode_rows is not None:
+            assert state.decode_tables is not None and state.decode_seq_lens is not None  # set with decode_rows
+            rows = state.decode_rows.long()
+            decoded = query.new_empty(rows.shape[0], query.shape[1], kv_lora_rank)
+            mla_decode_attention(decoded, query[rows].contiguous(), layer_cache, state.decode_tables,
+                                 state.decode_seq_lens, scale, kv_lora_rank)
+            out[rows] = decoded
+        starts = np.cumsum([0, *md.query_lens_cpu])
+        for i in state.prompt_seqs:
+            k, v = reference.gather_kv(layer_cache, md.block_tables[i], md.seq_lens_cpu[i])
+            q = query[starts[i]:starts[i + 1]]
+            out[starts[i]:starts[i + 1]] = reference.causal_attention(q, k, v, scale)[..., :kv_lora_rank]
         return out

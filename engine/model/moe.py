@@ -15,6 +15,9 @@ is split over the ranks like a dense MLP's (gate_up column-parallel, down row-pa
 the shared expert's too, and the router is replicated; one all-reduce sums the ranks'
 partial outputs, experts and shared expert together.
 
+On CUDA the experts run as engine/kernels/fused_moe.py's two grouped GEMMs over the
+tokens sorted by expert instead (tests/unit/test_mla_moe_kernels.py compares them).
+
 Expert parallel (enable_expert_parallel): each rank holds E / N whole experts instead.
 Attention stays tensor-parallel, so after its all-reduce every rank already holds every
 token's hidden state: dispatch needs no all-to-all (each rank routes all tokens, the
@@ -68,6 +71,10 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 act: Callable[[torch.Tensor], torch.Tensor] = silu_mul) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k]: the tokens' experts and routing weights."""
+        if x.is_cuda:  # the fused Triton kernels (SiLU-and-mul their own), no host sync
+            from engine.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13, self.w2, experts, weights, self.first)
         top_k = experts.shape[1]
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # (token, k) slots grouped by expert, ascending

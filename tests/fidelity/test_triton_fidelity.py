@@ -26,3 +26,16 @@ def test_cached_prefix_and_chunks_match_hf(tiny_models: dict[str, Path]) -> None
     outs = llm.generate(prompts[:1], GREEDY, use_tqdm=False) + llm.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy(tiny_models["llama"], prompts)
     assert outs[1].num_cached_tokens == 48
+
+
+def test_latent_attention_matches_hf(moe_models: dict[str, Path]) -> None:
+    """DeepSeek-V3 (MLA) on the Triton backend: decode rows through the MLA decode kernel,
+    prompt chunks (24-token steps) over a cached prefix through torch."""
+    model = moe_models["deepseek_v3"]
+    shared = random_prompts([48], seed=2)[0]
+    prompts = [shared + t for t in random_prompts([3, 20], seed=3)]
+    llm = LLM(str(model), attention_backend="triton", block_size=16, max_num_batched_tokens=24)
+    outs = llm.generate(prompts[:1], GREEDY, use_tqdm=False) + llm.generate(prompts[1:] + MIXED, GREEDY,
+                                                                               use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_greedy(model, prompts + MIXED)
+    assert outs[1].num_cached_tokens == 48
