@@ -7,6 +7,12 @@ ranks, each rank holds num_kv_heads / t of them; with fewer, each holds one, and
 t / num_kv_heads ranks hold the same head (replication). Block ids are the same on every
 rank, so a write's block list holds for every rank pair.
 
+Multi-head latent attention (DeepSeek) caches one latent per token: one KV head every
+rank holds (num_kv_heads 1, replicated at any TP size). So each destination rank gets
+the whole latent block, every layer of it one region, from one source rank: the source
+rank of its own index when there is one (equal TP sizes, or a larger sending worker),
+else rank 0.
+
 The plan (plan()): each destination rank gets each of its heads from exactly one source
 rank that holds it, chosen in this order: the source rank with the same index; else the
 one that supplied the destination rank's previous head (one piece rather than two); else
@@ -15,8 +21,8 @@ several source ranks rather than all from one. A rank pair moves only heads the
 destination rank owns. Consecutive heads from one source rank into one destination rank
 are one Piece.
 
-Descriptors (count_descriptors()): with the cache laid out [blocks, kv_heads, layers, 2,
-block_size, head_dim], a head slice of one block is one contiguous region and a run of
+Descriptors (count_descriptors()): with the cache laid out [blocks, kv_heads, layers,
+planes, block_size, head_dim], a head slice of one block is one contiguous region and a run of
 consecutive blocks with all of a rank's heads is one too. So a piece that is every head
 of the block on both sides (`whole`) is one descriptor per run of consecutive blocks; any
 other piece is one descriptor per block.
