@@ -30,7 +30,7 @@ MODEL_DIR = default_models_dir() / DEMO_MODELS["smollm2"].dir_name
 pytestmark = pytest.mark.skipif(not (MODEL_DIR / "config.json").is_file(),
                                 reason="demo model not prepared (make model)")
 
-SAMPLES = 20  # sampled requests per constraint kind
+SAMPLES = 12  # sampled requests per constraint kind
 # At least this share of each kind's samples must end by the grammar ("stop"), not by max_tokens.
 MIN_STOPPED = 0.8
 CALL_ID = re.compile(r"^call_[0-9a-f]{24}$")
