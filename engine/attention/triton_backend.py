@@ -32,6 +32,7 @@ class TritonStepState:
     tile_start: torch.Tensor | None
     num_splits: int  # decode split-KV factor
     prompt_seqs: tuple[int, ...] = ()  # the sequences that are not decode rows (MLA's torch prompt path)
+    max_context: int = 1  # the longest decode row's context (MLA's split-KV factor)
 
 
 class TritonBackend(AttentionBackend):
@@ -64,7 +65,7 @@ class TritonBackend(AttentionBackend):
             tables, lens = md.block_tables[dec_index], dec_lens
         md.backend_state = TritonStepState(
             decode_rows, tables, lens, tile_seq_t if prefill else None, tile_start_t if prefill else None,
-            num_splits_for(max(plan.context_lens, default=1)), tuple(prefill))
+            num_splits_for(max(plan.context_lens, default=1)), tuple(prefill), max(plan.context_lens, default=1))
 
     def store_kv(self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  md: AttentionMetadata) -> None:
@@ -92,6 +93,7 @@ class TritonBackend(AttentionBackend):
         decode and verify rows through the MLA decode kernel, which reads each latent
         tile once for all the heads."""
         from engine.kernels.mla_decode import mla_decode_attention
+        from engine.kernels.mla_decode import num_splits_for as mla_splits
 
         reference.store_kv(layer_cache, latent, latent, md.slot_mapping)
         state: TritonStepState = md.backend_state
@@ -101,7 +103,7 @@ class TritonBackend(AttentionBackend):
             rows = state.decode_rows.long()
             decoded = query.new_empty(rows.shape[0], query.shape[1], kv_lora_rank)
             mla_decode_attention(decoded, query[rows].contiguous(), layer_cache, state.decode_tables,
-                                 state.decode_seq_lens, scale, kv_lora_rank)
+                                 state.decode_seq_lens, scale, kv_lora_rank, num_splits=mla_splits(state.max_context))
             out[rows] = decoded
         starts = np.cumsum([0, *md.query_lens_cpu])
         for i in state.prompt_seqs:

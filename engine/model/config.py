@@ -67,7 +67,7 @@ class MoEConfig:
 
     @classmethod
     def _deepseek(cls, arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
-        experts = cfg.get("n_routed_experts") or 0
+        experts = cfg.get("n_routed_experts", 256 if arch == "DeepseekV3ForCausalLM" else 64) or 0
         if not experts:
             return None
         v3 = arch == "DeepseekV3ForCausalLM"
@@ -76,17 +76,24 @@ class MoEConfig:
             raise ValueError(f"unsupported topk_method {method!r} (greedy, group_limited_greedy; "
                              "DeepSeek-V3 routes noaux_tc)")
         grouped = method != "greedy"
-        n_group, topk_group = (cfg.get("n_group") or 1, cfg.get("topk_group") or 1) if grouped else (1, 1)
-        if grouped and (experts % n_group or not 0 < topk_group <= n_group):
-            raise ValueError(f"n_group {n_group} must divide n_routed_experts {experts} and topk_group "
-                             f"{topk_group} be in [1, n_group]")
-        first_dense = cfg.get("first_k_dense_replace") or 0
+        # Absent keys take transformers' defaults for the architecture.
+        n_group, topk_group = (cfg.get("n_group", 8 if v3 else None), cfg.get("topk_group", 4 if v3 else None))
+        if grouped and (not n_group or not topk_group or experts % n_group or not 0 < topk_group <= n_group):
+            raise ValueError(f"{method} routing: n_group {n_group} must divide n_routed_experts {experts} "
+                             f"and topk_group {topk_group} be in [1, n_group]")
         inter = cfg["moe_intermediate_size"]
+        first_dense = cfg.get("first_k_dense_replace", 3 if v3 else 0) or 0
         # transformers' DeepSeek-V2 never renormalises the top-k weights; V3 does by its config.
-        return cls(experts, cfg["num_experts_per_tok"], inter, v3 and bool(cfg.get("norm_topk_prob", True)),
-                   inter * (cfg.get("n_shared_experts") or 0), tuple(range(first_dense, cfg["num_hidden_layers"])),
-                   scoring="sigmoid" if v3 else "softmax", grouped=grouped, n_group=n_group,
-                   topk_group=topk_group, routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)))
+        top_k = cfg.get("num_experts_per_tok", 8 if v3 else None)
+        if not top_k:
+            raise ValueError(f"num_experts_per_tok is required for {arch} with n_routed_experts {experts}")
+        return cls(experts, top_k, inter,
+                   v3 and bool(cfg.get("norm_topk_prob", True)), inter * (cfg.get("n_shared_experts", 1 if v3 else 2)
+                                                                         or 0),
+                   tuple(range(first_dense, cfg["num_hidden_layers"])), scoring="sigmoid" if v3 else "softmax",
+                   grouped=grouped, n_group=int(n_group or 1) if grouped else 1,
+                   topk_group=int(topk_group or 1) if grouped else 1,
+                   routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)))
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,7 @@ class MLAConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool  # the rope dims' checkpoint order is pairs (x0, x1), (x2, x3), ...
+    rope_fp32: bool = False  # rotated in float32 and rounded once (transformers' DeepSeek-V2), else in x's dtype
 
     @property
     def qk_head_dim(self) -> int:
@@ -113,10 +121,11 @@ class MLAConfig:
     def from_dict(cls, arch: str, cfg: dict[str, Any]) -> MLAConfig | None:
         if arch not in DEEPSEEK:
             return None
-        return cls(cfg.get("q_lora_rank"), cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
-                   cfg["v_head_dim"],
+        return cls(cfg.get("q_lora_rank", 1536), cfg.get("kv_lora_rank", 512), cfg.get("qk_nope_head_dim", 128),
+                   cfg.get("qk_rope_head_dim", 64), cfg.get("v_head_dim", 128),
                    # transformers' DeepSeek-V2 always rotates interleaved pairs; V3 as its config says.
-                   arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)))
+                   arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)),
+                   rope_fp32=arch == "DeepseekV2ForCausalLM")
 
 
 @dataclass
@@ -179,8 +188,11 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3", "yarn"):
             raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn)")
-        if rope_type == "yarn" and not {"factor", "original_max_position_embeddings"} <= set(rope):
-            raise ValueError("yarn rope scaling needs factor and original_max_position_embeddings")
+        if rope_type == "yarn":
+            if not isinstance(rope.get("factor"), (int, float)):
+                raise ValueError(f"yarn rope scaling needs a numeric factor, got {rope.get('factor')!r}")
+            # transformers' default: the config's context is the one it was trained at
+            rope.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         mla = MLAConfig.from_dict(arch, cfg)
         return cls(

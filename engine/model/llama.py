@@ -169,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
             assert residual is not None  # set by the first layer: a model has at least one
             x, _ = ops.add_rms_norm(x[logits_indices], self.norm.weight, self.norm.eps, residual[logits_indices])
             return self._logits(x)
-        rotary = self.rope.lookup(positions, x.dtype)
+        rotary = self.rope.lookup(positions, torch.float32 if self.config.mla and self.config.mla.rope_fp32
+                                  else x.dtype)
         for layer in self._decoder_layers():
             x = layer(rotary, x)
         return self._logits(self.norm(x[logits_indices]))

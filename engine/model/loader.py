@@ -18,6 +18,7 @@ from engine.distributed.sharding import Shard
 from engine.model.config import ModelConfig
 from engine.model.dummy_weights import DummyCheckpoint, checkpoint_shapes
 from engine.model.llama import LlamaForCausalLM
+from engine.model.moe import SparseMoE
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,6 +33,7 @@ _FUSED = {
     "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
 }
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
 # One expert's tensor (Mixtral's names, block_sparse_moe made mlp by _target, or Qwen-MoE's)
 # -> a piece of the layer's stacked experts (engine/model/moe.py Experts): (our
 # parameter, piece index in it).
@@ -196,6 +198,11 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
         model = LlamaForCausalLM(cfg, backend, max_positions, device, shard, group)
     model.to_empty(device=device)
     model.to(torch_dtype)
+    for module in model.modules():  # DeepSeek's router in float32 whatever the dtype, as transformers keeps it
+        if isinstance(module, SparseMoE) and module.fp32_router:
+            module.gate.float()
+            if module.e_score_correction_bias is not None:
+                module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # to_empty() unties shared parameters
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -225,6 +232,9 @@ def _fill(f, source_name: str, cfg: ModelConfig, shard: Shard, params: dict[str,
         if _IGNORED.search(name):
             continue
         ours, index, expert = _target(name, cfg)
+        layer = _LAYER.match(ours)
+        if cfg.mla is not None and layer is not None and int(layer.group(1)) >= cfg.num_layers:
+            continue  # DeepSeek-V3's multi-token prediction layers, after the model's (unused, as in transformers)
         if ours not in params or (expert is not None and (cfg.moe is None or expert >= cfg.moe.num_experts)):
             raise ValueError(f"unexpected tensor {name!r} in {source_name}: not part of a "
                              f"{cfg.architecture} with this config")

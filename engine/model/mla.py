@@ -50,6 +50,23 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+def rotate(mla: MLAConfig, q_rope: torch.Tensor, k_rope: torch.Tensor,
+           rotary: tuple[torch.Tensor, torch.Tensor] | RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_rope [T, H, r], k_rope [T, 1, r] rotated (in the rotate-half order), in their
+    dtype; computed in float32 and rounded once where transformers does (V2)."""
+    dtype = q_rope.dtype
+    if mla.rope_interleave:
+        q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+    rope_dtype = torch.float32 if mla.rope_fp32 else dtype
+    if isinstance(rotary, RotaryTables):  # the fused path's tables: looked up here
+        cos = rotary.cos[rotary.positions].to(rope_dtype)[:, None, :]
+        sin = rotary.sin[rotary.positions].to(rope_dtype)[:, None, :]
+    else:
+        cos, sin = rotary
+    q_rope, k_rope = apply_rotary(q_rope.to(rope_dtype), k_rope.to(rope_dtype), cos, sin)
+    return q_rope.to(dtype), k_rope.to(dtype)
+
+
 class LatentUpProjection(nn.Module):
     """kv_b_proj's weight, [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank]: never
     applied as a linear (absorbed), so not an nn.Linear a CPU prepack would replace."""
@@ -96,15 +113,7 @@ class MLAttention(nn.Module):
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        k_rope = k_rope[:, None, :]
-        if mla.rope_interleave:
-            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        if isinstance(rotary, RotaryTables):  # the fused path's tables: looked up here
-            cos = rotary.cos[rotary.positions].to(x.dtype)[:, None, :]
-            sin = rotary.sin[rotary.positions].to(x.dtype)[:, None, :]
-        else:
-            cos, sin = rotary
-        q_rope, k_rope = apply_rotary(q_rope, k_rope, cos, sin)
+        q_rope, k_rope = rotate(mla, q_rope, k_rope[:, None, :], rotary)
         w_kv = self.kv_b_proj.weight.view(heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         w_uk, w_uv = w_kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, kv_lora_rank]

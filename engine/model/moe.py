@@ -92,7 +92,7 @@ class Experts(nn.Module):
             tokens = slots // top_k
             local = expert - self.first
             h = F.linear(act(F.linear(x[tokens], self.w13[local])), self.w2[local])
-            out.index_add_(0, tokens, h * slot_weights[slots, None])
+            out.index_add_(0, tokens, (h * slot_weights[slots, None]).to(out.dtype))
         return out
 
 
@@ -116,7 +116,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's top-k (experts [T, k] int64, weights [T, k] in x's dtype)."""
+        """Each token's top-k (experts [T, k] int64, weights [T, k] in x's dtype, DeepSeek's float32)."""
         moe = self.moe
         if self.fp32_router and x.dtype != torch.float32:
             logits = F.linear(x.float(), self.gate.weight.float())
@@ -135,7 +135,9 @@ class SparseMoE(nn.Module):
         weights = scores.gather(1, experts)
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if moe.scoring == "sigmoid" else 0.0))
-        return experts, (weights * moe.routed_scaling_factor).to(x.dtype)
+        weights = weights * moe.routed_scaling_factor
+        # DeepSeek's weights stay float32 (each expert's output rounds once, after them), as in transformers.
+        return experts, weights if self.fp32_router else weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> torch.Tensor:

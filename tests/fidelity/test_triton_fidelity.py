@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from tests.fidelity.test_hf_fidelity import GREEDY, MIXED, hf_greedy, random_prompts
 
 
@@ -39,3 +39,24 @@ def test_latent_attention_matches_hf(moe_models: dict[str, Path]) -> None:
                                                                                use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_greedy(model, prompts + MIXED)
     assert outs[1].num_cached_tokens == 48
+
+
+def test_latent_decode_splits_a_long_context(moe_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MLA decode kernel gets its split-KV factor for the step's longest context (it
+    ran unsplit: one program per sequence and 16 heads, most of a GPU idle)."""
+    from engine.kernels import mla_decode
+
+    splits: list[int] = []
+    kernel = mla_decode.mla_decode_attention
+
+    def recording(*args, num_splits: int = 1, **kwargs) -> None:
+        splits.append(num_splits)
+        kernel(*args, num_splits=num_splits, **kwargs)
+
+    monkeypatch.setattr(mla_decode, "mla_decode_attention", recording)
+    prompt = random_prompts([mla_decode.SPLIT_TOKENS + 40], seed=9)  # past one split's tokens
+    model = moe_models["deepseek_v3"]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    outs = LLM(str(model), attention_backend="triton").generate(prompt, params, use_tqdm=False)
+    assert max(splits) > 1
+    assert outs[0].token_ids == LLM(str(model)).generate(prompt, params, use_tqdm=False)[0].token_ids

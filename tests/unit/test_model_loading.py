@@ -99,6 +99,8 @@ def test_unsupported_rope_type_is_named() -> None:
            "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}
     with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
         ModelConfig.from_dict(cfg)
-    yarn = {**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
-    with pytest.raises(ValueError, match="yarn rope scaling needs factor and original_max_position_embeddings"):
+    yarn = {**cfg, "max_position_embeddings": 4096, "rope_scaling": {"rope_type": "yarn", "factor": None}}
+    with pytest.raises(ValueError, match="yarn rope scaling needs a numeric factor, got None"):
         ModelConfig.from_dict(yarn)
+    yarn["rope_scaling"]["factor"] = 4.0  # original_max_position_embeddings: the config's context, as transformers
+    assert ModelConfig.from_dict(yarn).rope_scaling["original_max_position_embeddings"] == 4096
