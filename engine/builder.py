@@ -159,8 +159,10 @@ class _Builder:
         namespace = "|".join(str(part) for part in (
             "pdserve-kv-tier-1", os.path.realpath(config.model), config.dtype, config.load_format, config.seed,
             config.block_size, [tuple(c.shape[1:]) for c in caches], self.shard.size))
-        tiers = KVTiers(caches, int(config.kv_offload_gib * 2**30), config.kv_offload_dir,
-                        int(config.kv_offload_disk_gib * 2**30), namespace)
+        # MLA: every rank holds the same latent; the tiers keep rank 0's, loads copy it to the others.
+        mirrors = caches[1:] if self.model_config.mla is not None else []
+        tiers = KVTiers(caches[:len(caches) - len(mirrors)], int(config.kv_offload_gib * 2**30),
+                        config.kv_offload_dir, int(config.kv_offload_disk_gib * 2**30), namespace, mirrors)
         self.resources.tiers = tiers
         if shared_kv is not None:
             tiers.attach_shared(shared_kv)

@@ -82,8 +82,9 @@ class TierIO:
     """One daemon thread running jobs, loads first; finished jobs wait in `done`."""
 
     def __init__(self, caches: Sequence[torch.Tensor], host: HostStore, disk: DiskStore | None,
-                 seed: int) -> None:
+                 seed: int, mirrors: Sequence[torch.Tensor] = ()) -> None:
         self.caches, self.host, self.disk, self.seed = list(caches), host, disk, seed
+        self.mirrors = list(mirrors)  # rank caches holding caches[0]'s bytes (kv_cache/tiers.py)
         self.shared: SharedTier | None = None
         self._piece_bytes = [c[0].numel() * c.element_size() for c in self.caches]
         self._jobs: queue.PriorityQueue[tuple[int, int, SealJob | DropJob | LoadJob | None]] = queue.PriorityQueue()
@@ -187,6 +188,8 @@ class TierIO:
         for cache, piece in zip(self.caches, pieces):
             src = piece if isinstance(piece, torch.Tensor) else _tensor(piece, cache)
             cache[block_id].copy_(src, non_blocking=self._stream is not None)
+        for mirror in self.mirrors:
+            mirror[block_id].copy_(self.caches[0][block_id], non_blocking=self._stream is not None)
 
     def _fetch(self, job: LoadJob) -> dict[int, SharedBlock]:
         """The load's shared blocks, by hash, fetched in one round trip; all of them, or

@@ -69,10 +69,12 @@ class LoadResult:
 
 class KVTiers:
     def __init__(self, caches: Sequence[torch.Tensor], host_bytes: int, disk_dir: str | None,
-                 disk_bytes: int, namespace: str) -> None:
+                 disk_bytes: int, namespace: str, mirrors: Sequence[torch.Tensor] = ()) -> None:
         """caches: every rank cache this process reaches, rank 0 first; a slot holds a
-        block of each. namespace names the configuration (model, dtype, layout,
-        ranks): it seeds the checksums, so no other configuration's bytes pass."""
+        block of each. mirrors: rank caches that hold the same bytes as caches[0] (MLA's
+        latent, whole on every rank): kept once, and a loaded block copied into each.
+        namespace names the configuration (model, dtype, layout, ranks): it seeds the
+        checksums, so no other configuration's bytes pass."""
         self.caches = list(caches)
         self.block_bytes = sum(c[0].numel() * c.element_size() for c in self.caches)
         host_slots = host_bytes // self.block_bytes
@@ -93,7 +95,8 @@ class KVTiers:
             self.disk = SlotIndex(DISK, events.DISK, disk_slots)
             disk_store = DiskStore(disk_dir, shapes, self.caches[0].dtype, disk_slots)
         self._disk_store = disk_store
-        self.io = TierIO(self.caches, self._host_store, disk_store, xxhash.xxh3_64_intdigest(namespace.encode()))
+        self.io = TierIO(self.caches, self._host_store, disk_store, xxhash.xxh3_64_intdigest(namespace.encode()),
+                         mirrors)
         self.shared: SharedTier | None = None
         self._shared_hits = 0
         self._last_copy: torch.cuda.Event | None = None  # CUDA: the latest offload's copy

@@ -76,3 +76,25 @@ def test_the_moe_demo_gives_the_same_tokens_at_tp1_and_tp2_expert_parallel(tmp_p
         finally:
             llm.core.close()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.timeout(240)
+def test_tp2_tiers_keep_one_copy_of_the_latent_and_load_it_into_every_rank(moe_models: dict[str, Path]) -> None:
+    """Every rank holds the same latent: a tier slot holds rank 0's block only, and a
+    load writes it into both ranks' caches (the tokens then equal the unevicted run's)."""
+    from tests.unit.test_kv_tiers import chat_turns, run_chat
+
+    model = moe_models["deepseek_v3"]
+    expected = run_chat(LLM(str(model), num_kv_blocks=400), chat_turns())
+    block_bytes = 3 * 48 * 16 * 4  # layers x latent x block_size x float32
+    llm = LLM(str(model), tensor_parallel_size=2, num_threads=1, num_kv_blocks=12, block_size=16,
+              kv_offload_gib=200 * block_bytes / 2**30)
+    try:
+        assert llm.core.kv.tiers.block_bytes == block_bytes
+        tokens, cached = run_chat(llm, chat_turns())
+        stats = llm.stats().offload
+    finally:
+        llm.core.close()
+    assert tokens == expected[0]
+    assert stats is not None and stats.tiers[0].hits > 0 and stats.failed_loads == 0
+    assert sum(cached) > sum(expected[1])

@@ -123,13 +123,13 @@ def tier_options(rng: random.Random, block_size: int) -> dict[str, Any]:
 
 def fit_tiers(options: dict[str, Any], model_dir: str | Path) -> dict[str, Any]:
     """An engine's options with its tier sizes (drawn in blocks of the tiny llama, above)
-    scaled up to the model's KV bytes per token over every rank of the engine (a latent
-    every rank holds whole counts once per rank), so that every model gets the blocks
-    drawn; the tiny llama's (and any smaller model's) are left as drawn."""
+    scaled up to the model's KV bytes per token over every rank of the engine (an MLA
+    latent once: the tiers keep one copy), so that every model gets the blocks drawn;
+    the tiny llama's (and any smaller model's) are left as drawn."""
     if "kv_offload_gib" not in options:
         return options
     mc = ModelConfig.from_model_dir(model_dir)
-    tp = options.get("tensor_parallel_size", 1)
+    tp = 1 if mc.mla else options.get("tensor_parallel_size", 1)
     per_token = tp * max(1, mc.num_kv_heads // tp) * mc.kv_bytes_per_token(4) // mc.num_kv_heads
     factor = per_token / TINY_KV_BYTES_PER_TOKEN
     if factor <= 1:
