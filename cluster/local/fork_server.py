@@ -103,9 +103,44 @@ class ForkedProcess:
             except ProcessLookupError:
                 pass
 
+    def kill_group(self) -> None:
+        """SIGKILL it and every process it started: a tensor-parallel worker's follower
+        ranks end when they see their driver gone, but a stopped or wedged one never
+        looks (and would hold its memory, on a GPU its device memory, for good)."""
+        group = descendants(self.pid) if self.is_alive() else []
+        self.kill()
+        for pid in group:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def join(self, timeout: float | None = None) -> None:
         end = None if timeout is None else time.monotonic() + timeout
         self._process.join(timeout)  # returns at once if the server is gone
         while self.is_alive() and (end is None or time.monotonic() < end):
             time.sleep(0.05)  # not our child: no wait() to block in
 
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes `pid` started, and theirs, as /proc shows them now (none without it)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # after the name, which may hold anything
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -143,8 +143,8 @@ class LocalSupervisor:
         prefill worker keeps decode workers' blocks fenced, and a hung worker of either
         pool could wake and write KV into blocks given to others since."""
         logger.warning("worker %s has not answered the router for router.worker_timeout_s but its process "
-                       "runs: killing it (a hung worker could still write KV)", w.name)
-        w.process.kill()
+                       "runs: killing it and its follower ranks (a hung worker could still write KV)", w.name)
+        w.process.kill_group()
 
     def _member(self, w: Worker) -> bool:
         """Still in its pool (a worker scaled down is stopped, not crashed)."""

@@ -117,3 +117,35 @@ def test_a_worker_whose_fork_server_died_is_still_seen_running_and_can_be_killed
                          env={**os.environ, "PYTHONPATH": root}, start_new_session=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:4] == ["255 True None", "False True", "True", f"False {-signal.SIGKILL}"]
+
+
+def start_stopped_child(conn: Connection) -> None:
+    """A TP driver whose follower rank is stopped (SIGSTOP): it cannot notice its driver gone."""
+    child = subprocess.Popen([sys.executable, "-c", "import os, signal, time; os.kill(os.getpid(), signal.SIGSTOP); "
+                              "time.sleep(120)"])
+    conn.send_bytes(str(child.pid).encode())
+    time.sleep(120)
+
+
+@pytest.mark.timeout(60)
+def test_kill_group_takes_a_stopped_follower_with_its_worker() -> None:
+    from cluster.local.fork_server import ForkedProcess, process_id
+
+    ctx = worker_context()
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=in_environment, args=(dict(os.environ), start_stopped_child, child), daemon=True)
+    process.start()
+    worker = ForkedProcess(process)
+    assert parent.poll(30)
+    follower = int(parent.recv_bytes())
+    deadline = time.monotonic() + 10
+    while (identity := process_id(follower)) is None or open(f"/proc/{follower}/stat").read().split(")")[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the follower never stopped"
+        time.sleep(0.05)
+    worker.kill_group()  # kill() alone left the follower stopped, orphaned, for good
+    worker.join(10)
+    deadline = time.monotonic() + 10
+    while process_id(follower) is not None:
+        assert time.monotonic() < deadline, "the stopped follower outlived its worker"
+        time.sleep(0.05)
+    assert not worker.is_alive() and identity is not None
