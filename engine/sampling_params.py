@@ -185,6 +185,7 @@ class SamplingParams:
         those ids; None if all are inside."""
         for name, ids in (("logit_bias", list(self.logit_bias or ())),
                           ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("stop_token_ids", self.stop_token_ids),  # one outside would never match
                           ("bad_words", [t for s in self.bad_words_token_ids for t in s])):
             bad = [t for t in ids if t >= vocab_size]
             if bad:

@@ -83,6 +83,7 @@ def test_a_full_router_answers_429_with_retry_after(http) -> None:
     (b'{"prompt": ' + str([1] * 1029).encode() + b'}', "prompt has 1029 tokens, but the model's"),
     # Not implemented: refused by name rather than silently ignored.
     (b'{"prompt": "hi", "logit_bias": {"384": -100}}', "logit_bias token ids must be in [0, 384), got [384]"),
+    (b'{"prompt": "hi", "stop_token_ids": [2, 1000000]}', "stop_token_ids token ids must be in [0, 384), got [1000000]"),
     (b'{"prompt": "hi", "use_beam_search": true}', "use_beam_search=True is not supported by pdserve"),
     (b'{"prompt": "hi", "echo": "yes"}', "echo must be a boolean, got 'yes'"),
     (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens=0 needs echo: true"),

@@ -155,6 +155,8 @@ def test_token_controls_round_trip_the_wire_and_the_vocabulary_check() -> None:
     assert params.out_of_vocab(7) == ("logit_bias", [7])
     assert SamplingParams(allowed_token_ids=[3, 9, 10]).out_of_vocab(9) == ("allowed_token_ids", [9, 10])
     assert SamplingParams(bad_words_token_ids=[[1, 12]]).out_of_vocab(9) == ("bad_words", [12])
+    # never matched, silently (found over HTTP: [1000000] was a 200)
+    assert SamplingParams(stop_token_ids=[2, 10**6]).out_of_vocab(9) == ("stop_token_ids", [10**6])
 
 
 def test_bad_words_tokenize_as_vllm_does() -> None:
