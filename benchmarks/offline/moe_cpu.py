@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -56,8 +55,7 @@ from benchmarks.offline.tp_cpu import (  # noqa: E402
     CollectiveTimes,
     Config,
     check_tokens,
-    measure_decode,
-    measure_prefill,
+    measure_round,
     rank0_bytes,
 )
 from engine import LLM  # noqa: E402
@@ -144,16 +142,7 @@ def main() -> None:
         times = {c.label: CollectiveTimes(c.core) for c in configs}
         results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for r in range(args.rounds):
-            rng = random.Random(1000 + r)
-            print(f"round {r}: load average {os.getloadavg()}", flush=True)
-            for cfg in configs if r % 2 == 0 else configs[::-1]:
-                torch.set_num_threads(cfg.threads)
-                res = measure_decode(cfg, times[cfg.label], rng, args.decode_prompt, args.steps, args.batches)
-                res.update(measure_prefill(cfg, rng, *args.prefill))
-                for k, v in res.items():
-                    results[cfg.label][k].append(v)
-                print(f"round {r} {cfg.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()
-                                                            if k.endswith("step") or "tok/s" in k), flush=True)
+            measure_round(r, configs, times, args, results)
     finally:
         for cfg in configs:
             if cfg.llm is not None:

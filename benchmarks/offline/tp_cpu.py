@@ -192,6 +192,22 @@ def measure_prefill(cfg: Config, rng: random.Random, n: int, length: int) -> dic
     return {"prefill tok/s": n * length / (time.perf_counter() - start)}
 
 
+def measure_round(r: int, configs: list[Config], times: dict[str, CollectiveTimes], args: argparse.Namespace,
+                  results: dict[str, dict[str, list[float]]]) -> None:
+    """Round r: every config's decode steps and prefill rate, in turn (the order flipped
+    every other round), appended to results[label]."""
+    rng = random.Random(1000 + r)
+    print(f"round {r}: load average {os.getloadavg()}", flush=True)
+    for cfg in configs if r % 2 == 0 else configs[::-1]:
+        torch.set_num_threads(cfg.threads)
+        res = measure_decode(cfg, times[cfg.label], rng, args.decode_prompt, args.steps, args.batches)
+        res.update(measure_prefill(cfg, rng, *args.prefill))
+        for k, v in res.items():
+            results[cfg.label][k].append(v)
+        print(f"round {r} {cfg.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()
+                                                    if k.endswith("step") or "tok/s" in k), flush=True)
+
+
 # --- the collectives alone --------------------------------------------------------
 
 def collective_plan(size: int, codec_size: int) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -285,17 +301,7 @@ def main() -> None:
         sizes = sorted({c.tp for c in configs if c.tp > 1})
 
         for r in range(args.rounds):
-            rng = random.Random(1000 + r)
-            print(f"round {r}: load average {os.getloadavg()}", flush=True)
-            order = configs if r % 2 == 0 else configs[::-1]
-            for cfg in order:
-                torch.set_num_threads(cfg.threads)
-                res = measure_decode(cfg, times[cfg.label], rng, args.decode_prompt, args.steps, args.batches)
-                res.update(measure_prefill(cfg, rng, *args.prefill))
-                for k, v in res.items():
-                    results[cfg.label][k].append(v)
-                print(f"round {r} {cfg.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()
-                                                            if k.endswith("step") or "tok/s" in k), flush=True)
+            measure_round(r, configs, times, args, results)
             for size in sizes:
                 for k, v in measure_collectives(size, codec.size, args.collective_reps).items():
                     results[f"collectives, {size} ranks"][k].append(v)

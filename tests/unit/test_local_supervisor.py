@@ -31,6 +31,9 @@ class Process:
     def kill(self) -> None:
         self.alive = False
 
+    def kill_group(self) -> None:  # with its follower ranks (tests/unit/test_fork_server.py)
+        self.alive = False
+
     def join(self, timeout: float | None = None) -> None:
         pass
 
