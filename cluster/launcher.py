@@ -30,15 +30,17 @@ class RouterHooks:
     from the supervisor's threads (the router's own methods hop onto its event loop)."""
 
     def __init__(self, down: Callable[[str], None], moved: Callable[[str, str], None],
-                 silent: Callable[[], set[str]] = set) -> None:
+                 silent: Callable[[], set[str]] = set,
+                 stays_down: Callable[[str, str], None] = lambda name, why: None) -> None:
         self.down = down  # (name): declared dead; a decode worker's requests fail over
         self.moved = moved  # (name, new ZMQ address): restarted there
         self.silent = silent  # (): the workers the router declared dead for their silence: maybe hung
+        self.stays_down = stays_down  # (name, why): no restart will come (its 503s say why)
 
     @classmethod
     def of(cls, control: RouterControl) -> RouterHooks:
         """The hooks of a router's control (router/control.py RouterControl)."""
-        return cls(control.worker_down, control.worker_moved, control.silent)
+        return cls(control.worker_down, control.worker_moved, control.silent, control.worker_stays_down)
 
 
 class NamedWorker(Protocol):

@@ -4,7 +4,7 @@ workers' sockets and the requests' inboxes live there.
 
 Who calls what, from their own threads:
 - a supervisor (cluster/local/supervisor.py, cluster/ray/supervisor.py, through
-  cluster.launcher.RouterHooks): `worker_down`, `worker_moved`, `silent`;
+  cluster.launcher.RouterHooks): `worker_down`, `worker_moved`, `silent`, `worker_stays_down`;
 - the scaler (cluster/elastic.py): `add_worker`, `drain_worker`, `requests_on`,
   `evacuate`, `remove_worker`, `worker_stats`, `worker_live`;
 - the planner (cluster/autoscale/run.py): `snapshot`, `set_remote_prefill_min_tokens`.
@@ -65,6 +65,16 @@ class RouterControl:
             if client is not None:  # else scaled away meanwhile
                 client.declare_dead("is down (its supervisor saw it exit)")
         self._soon(down)
+
+    def worker_stays_down(self, name: str, why: str) -> None:
+        """The worker is down for good (its supervisor gave up restarting it): requests
+        refused for want of it say so, and why, instead of "retry later"."""
+        def stays_down() -> None:
+            client = self.pool.find(name)
+            if client is not None:
+                client.declare_dead(why)
+                client.down_reason = why  # also when it was already down
+        self._soon(stays_down)
 
     def worker_moved(self, name: str, address: str) -> None:
         """Restarted at `address`, with an empty cache."""

@@ -28,7 +28,8 @@ class LocalLauncher:
     def supervise(self, config: ClusterConfig, workers: LocalWorkers, router: RouterHooks) -> None:
         """Exited workers are reported, routed around, and started again (as Ray does)."""
         workers.supervisor = LocalSupervisor(config, workers, router.down, router.moved,
-                                             max_restarts=config.local.max_restarts, silent=router.silent)
+                                             max_restarts=config.local.max_restarts, silent=router.silent,
+                                             stays_down=router.stays_down)
         workers.supervisor.start()
 
     def serve(self, config: ClusterConfig, detach: bool) -> None:

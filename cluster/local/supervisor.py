@@ -63,14 +63,16 @@ STORE = "kv-store"  # the store's key in `restarts`, and its name in the console
 class LocalSupervisor:
     def __init__(self, config: ClusterConfig, workers: LocalWorkers, down: Callable[[str], None],
                  moved: Callable[[str, str], None], interval_s: float = 0.5, max_restarts: int = 3,
-                 start_timeout_s: float = 180.0, silent: Callable[[], set[str]] = set) -> None:
+                 start_timeout_s: float = 180.0, silent: Callable[[], set[str]] = set,
+                 stays_down: Callable[[str, str], None] = lambda name, why: None) -> None:
         """down(name) and moved(name, new ZMQ address): what the router is told
         (RouterControl.worker_down / worker_moved), from this supervisor's threads.
         silent(): the workers the router declared dead for their silence
-        (RouterControl.silent): such a process is killed."""
+        (RouterControl.silent): such a process is killed. stays_down(name, why): one
+        past max_restarts (RouterControl.worker_stays_down)."""
         self.config = config
         self.workers = workers
-        self.down, self.moved, self.silent = down, moved, silent
+        self.down, self.moved, self.silent, self.stays_down = down, moved, silent, stays_down
         self.interval_s = interval_s
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
@@ -222,6 +224,8 @@ class LocalSupervisor:
                 return
         if not self._stop.is_set() and self._member(dead):
             logger.error("worker %s stays down: started %d times", dead.name, self.restarts[dead.name])
+            self.stays_down(dead.name, f"stays down: it was started again {self.restarts[dead.name]} times "
+                                       "(local.max_restarts); no restart will come until the deployment restarts")
 
     def _start(self, dead: Worker) -> bool:
         role = dead.role

@@ -82,7 +82,8 @@ class Harness:
                                     secret=DeploymentSecret.new())
         self.supervisor = supervision.LocalSupervisor(
             None, self.workers, lambda name: self.events.append(("down", name)),
-            lambda name, address: self.events.append(("moved", name)), interval_s=0.02, max_restarts=2)
+            lambda name, address: self.events.append(("moved", name)), interval_s=0.02, max_restarts=2,
+            stays_down=lambda name, why: self.events.append(("stays down", name, why)))
 
     def wait(self, condition, what: str, timeout: float = 5.0) -> None:
         end = time.monotonic() + timeout
@@ -109,6 +110,10 @@ def test_deaths_are_reported_during_a_restart_and_failed_starts_are_retried_then
         assert h.secrets == [h.workers.secret] * 4  # a restart joins the same deployment
         assert sorted(h.unlinked) == [b"old-0", b"old-1", b"segment-1", b"segment-2", b"segment-3", b"segment-4"]
         assert all(not w.process.alive for w in h.spawned)
+        # the router is told no restart will come (its 503s said "retry later")
+        h.wait(lambda: sum(e[0] == "stays down" for e in h.events) == 2, "both reported down for good")
+        assert {e[1] for e in h.events if e[0] == "stays down"} == {"decode-0", "decode-1"}
+        assert all("started again 2 times (local.max_restarts)" in e[2] for e in h.events if e[0] == "stays down")
     finally:
         serving.set()
         h.supervisor.stop()
@@ -238,7 +243,7 @@ def test_the_launcher_stops_supervising_before_draining_its_http_requests(monkey
     workers = LocalWorkers()
     workers.supervisor = Supervisor()
     monkeypatch.setattr(serve_module, "build", lambda config: (workers, type("R", (), {"control": type("Control", (), {
-        "worker_down": None, "worker_moved": None, "silent": None})()})()))
+        "worker_down": None, "worker_moved": None, "silent": None, "worker_stays_down": None})()})()))
     monkeypatch.setattr(serve_module, "HTTPServer", HTTP)
     monkeypatch.setattr(serve_module, "wait_for_signal", lambda alive: None)
     monkeypatch.setattr(serve_module, "check_port_free", lambda host, port: None)

@@ -134,6 +134,25 @@ def test_health_is_503_when_the_only_live_decode_worker_is_draining(llama_dir, t
     assert answer.status_code == 503 and b"decode-1 is being drained" in answer.body
 
 
+def test_a_worker_down_for_good_says_so_in_the_503(llama_dir, two) -> None:
+    """Past its restarts a worker stays down: the 503 said "retry later" and the reason of
+    its last crash; it says no restart will come (found over HTTP)."""
+    router = router_of(llama_dir, {"decode-0": two[0].address})
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+    router.pool.decode["decode-0"].declare_dead("is down (its supervisor saw it exit)")
+    router.control.worker_stays_down("decode-0", "stays down: it was started again 3 times (local.max_restarts)")
+
+    async def health():
+        router.control.attach()  # runs what the supervisor said before the loop ran
+        try:
+            return await app_health(request)
+        finally:
+            router.control.detach()
+
+    answer = asyncio.run(health())
+    assert answer.status_code == 503 and b"decode-0 stays down: it was started again 3 times" in answer.body
+
+
 def test_a_blocking_verb_called_on_the_routers_own_loop_fails_at_once(llama_dir, two) -> None:
     """The scaler's verbs wait for the loop to run them: on the loop itself they would
     hold it (and every request) until their timeout."""
