@@ -29,6 +29,10 @@ Rows:
     half of a batch of 256 rows over the 128k vocabulary (<= 50 us)
  2. decode-attention bandwidth: bytes it must read / its time, vs 4.23 TB/s (>= 80% at
     batch 64, context 2k)
+ 2b. fp8 KV cache (fp8_kv.py): the decode kernel over an fp8 cache against the bf16-widened
+    cache (<= 1e-2), its bandwidth (>= 85% of HBM for the bytes read, bf16's time beside
+    it), fp8 GEMM TFLOP/s (torch._scaled_mm) against bf16, and offline throughput with an
+    fp8 cache against bf16's on the engine rows' model
  3. engine decode step at batch 64 and 256, context ~1k, vs the roofline floor: per kernel
     class (benchmarks/offline/roofline/analytic.py) the larger of bytes / 4.23 TB/s and FLOPs /
     760 TFLOP/s, summed over classes (<= 1.3x at batch 256)
@@ -88,7 +92,7 @@ Both also run on CPU with --smoke (tiny model; nixl over DRAM), which checks the
 Layout: this file is the command line; each section is a module of benchmarks/gpu/
 (kernels.py row 1, bandwidth.py row 2, tuning.py the tile sweep, fidelity.py and
 engine_rows.py rows 3-5b with decode_step.py and model.py, speculative.py row 5c,
-mla_moe.py the MLA decode and fused MoE kernels' rows,
+mla_moe.py the MLA decode and fused MoE kernels' rows, fp8_kv.py row 2b,
 transfer.py row 6, serving.py row 7, step_profile.py and ucx.py the diagnostics,
 report.py the rows and the table). --smoke runs every default section on CPU in about a minute (tests/benchmarks/
 test_gpu_check_smoke.py, in make test): the kernels under the Triton interpreter, the
@@ -119,6 +123,7 @@ from benchmarks.gpu.bandwidth import check_bandwidth  # noqa: E402
 from benchmarks.gpu.bitmask import check_bitmask  # noqa: E402
 from benchmarks.gpu.engine_rows import check_engine  # noqa: E402
 from benchmarks.gpu.fidelity import check_fp32_fidelity  # noqa: E402
+from benchmarks.gpu.fp8_kv import check_fp8_kv  # noqa: E402
 from benchmarks.gpu.kernels import check_kernels  # noqa: E402
 from benchmarks.gpu.mla_moe import check_moe_mla_rows  # noqa: E402
 from benchmarks.gpu.report import judge_timings, print_table, section  # noqa: E402
@@ -134,7 +139,7 @@ from benchmarks.gpu.ucx import check_ucx  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    p.add_argument("--only", default="kernels,fp32,bandwidth,engine,speculative,transfer,serve",
+    p.add_argument("--only", default="kernels,fp32,bandwidth,fp8,engine,speculative,transfer,serve",
                    help="comma-separated sections; add tune to sweep the kernels' tiles; "
                         "profile and ucx are diagnostics (see the module docstring)")
     args = p.parse_args()
@@ -158,6 +163,8 @@ def main() -> None:
             section("tile sweep", lambda: check_tuning(s))
         if "bandwidth" in only:
             section("decode bandwidth", lambda: check_bandwidth(s))
+        if "fp8" in only:
+            section("fp8 KV cache", lambda: check_fp8_kv(s, work))
         if "engine" in only:
             section("engine", lambda: check_engine(s, work))
         if "speculative" in only:

@@ -34,7 +34,7 @@ import yaml
 from cluster.autoscale.config import AutoscaleConfig
 from cluster.config_fields import ConfigError, check, checked_mapping, integer, number
 from cluster.router_config import POLICIES, RouterConfig
-from engine.config import DTYPE_BYTES, DTYPES, LOAD_FORMATS, EngineConfig
+from engine.config import DTYPE_BYTES, DTYPES, LOAD_FORMATS, EngineConfig, kv_cache_format
 from engine.config_check import FieldTypeError
 from engine.distributed.sharding import check_shardable
 from engine.model.config import ModelConfig
@@ -303,6 +303,7 @@ class ClusterConfig:
             check(sizes["prefill"] == sizes["decode"], "prefill.engine.block_size",
                   f"must equal decode.engine.block_size (a prefill worker writes whole blocks of the "
                   f"decode worker's), got {sizes['prefill']} and {sizes['decode']}")
+            _check_pools_share_kv_format(out)
         if load_format == "dummy" and out.prefill.replicas:  # the seed draws the weights: one model for both pools
             seeds = {role: out.engine_config(role).seed for role in ("prefill", "decode")}
             check(seeds["prefill"] == seeds["decode"], "decode.engine.seed",
@@ -320,6 +321,23 @@ class ClusterConfig:
         return TransportConfig(host=host, **dataclasses.asdict(self.transport_options))
 
 
+def _check_pools_share_kv_format(config: ClusterConfig) -> None:
+    """The decode worker reads the bytes a prefill worker writes: the same cache format,
+    from models quantized alike. Compared as they take effect: "fp8" is "fp8_e4m3", and
+    no quantization setting on an fp8 checkpoint is fp8 (where the model is readable)."""
+    checkpoint = None
+    if os.path.isfile(os.path.join(config.model, "config.json")):
+        checkpoint = ModelConfig.from_model_dir(config.model).quantization
+    engines = {role: config.engine_config(role) for role in ("prefill", "decode")}
+    for name, effective, why in (
+            ("kv_cache_dtype", lambda e: kv_cache_format(e.kv_cache_dtype), "the decode worker reads the bytes "
+             "a prefill worker writes"),
+            ("quantization", lambda e: e.quantization or checkpoint, "the pools' models would compute different KV")):
+        p, d = (getattr(engines[r], name) for r in ("prefill", "decode"))
+        check(effective(engines["prefill"]) == effective(engines["decode"]), f"prefill.engine.{name}",
+              f"must equal decode.engine.{name} ({why}), got {p!r} and {d!r}")
+
+
 def _check_store_holds_a_block(config: ClusterConfig, roles: list[str]) -> None:
     """A store smaller than one block refuses every put: said at load, not by a store that
     stays empty. Only where the model is readable here (as _check_shardable)."""
@@ -329,7 +347,8 @@ def _check_store_holds_a_block(config: ClusterConfig, roles: list[str]) -> None:
     capacity = int(config.kv_store.capacity_gib * 2**30)
     for role in roles:
         engine = config.engine_config(role)
-        need = stored_size(model.kv_bytes_per_token(DTYPE_BYTES[engine.dtype]) * engine.block_size,
+        element = 1 if engine.kv_cache_dtype != "auto" else DTYPE_BYTES[engine.dtype]  # fp8: a byte
+        need = stored_size(model.kv_bytes_per_token(element) * engine.block_size,
                            engine.block_size)
         check(capacity >= need, "kv_store.capacity_gib", f"must hold one of the {role} pool's KV blocks "
               f"({need} bytes), got {config.kv_store.capacity_gib:g} GiB ({capacity} bytes)")

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.config import EngineConfig
+from engine.attention.kv_quant import cache_dtype, is_fp8
+from engine.config import EngineConfig, kv_cache_format
 from engine.distributed import shared_cache
 from engine.distributed.driver import TPDriver
 from engine.distributed.group import SINGLE
@@ -47,6 +48,8 @@ class EngineParts:
     model: LlamaForCausalLM
     kv_caches: list[torch.Tensor]  # rank 0's first; every rank's on CPU at TP > 1
     num_blocks: int
+    # Per layer, (k_scale, v_scale) of an fp8 cache (engine/attention/kv_quant.py); () otherwise.
+    kv_scales: tuple[tuple[float, float], ...]
     kv: KVCacheManager
     scheduler: Scheduler
     runner: ModelRunner
@@ -69,6 +72,7 @@ class _Builder:
         # refuses an unshardable model
         self.shard = Shard.of(self.model_config, 0, config.tensor_parallel_size, config.enable_expert_parallel)
         self.resources = EngineResources()
+        self.kv_scales: tuple[tuple[float, float], ...] = ()
 
     @property
     def tp(self) -> TPDriver | None:
@@ -82,9 +86,10 @@ class _Builder:
             if config.tensor_parallel_size > 1:
                 self.resources.tp = TPDriver(config, step_codec(config, model_len))
             model, _, backend, _ = build_rank_model(config, 0, self.tp.group if self.tp else SINGLE)
+            # What an fp8 cache's bytes mean: part of the tiers' namespace and the P/D handshake.
+            self.kv_scales = model.kv_scales() if is_fp8(self.cache_dtype) else ()
             draft = self._load_draft(model_len)  # before the pool is sized: on CUDA it counts the draft
-            num_blocks = config.num_kv_blocks or self._pool_blocks(model, backend, TORCH_DTYPES[config.dtype],
-                                                                   model_len, draft)
+            num_blocks = config.num_kv_blocks or self._pool_blocks(model, backend, model_len, draft)
             kv_caches = self._allocate_caches(num_blocks, kv_allocator, keep_cache_files)
             kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
             if config.kv_offload_gib > 0:
@@ -105,8 +110,14 @@ class _Builder:
         except BaseException:
             self.resources.close()
             raise
+        cache = kv_caches[0]
+        logger.info("engine ready: %s, %d KV blocks of %d tokens (%s, %d B/token a rank%s), max_model_len %d, "
+                    "tensor parallel %d", model_config.architecture, num_blocks, config.block_size, cache.dtype,
+                    cache[0].nbytes // config.block_size,
+                    ", 2x the blocks of a 16-bit cache in the same memory" if is_fp8(cache.dtype) else "",
+                    model_len, config.tensor_parallel_size)
         return EngineParts(model_config, self.shard, model_len, self.resources, model, kv_caches, num_blocks,
-                           kv, scheduler, runner, speculator)
+                           self.kv_scales, kv, scheduler, runner, speculator)
 
     def _load_draft(self, model_len: int) -> LoadedDraft | None:
         """The draft model (speculative_config.model), checked against this one; None
@@ -131,7 +142,7 @@ class _Builder:
 
     def _allocate_caches(self, num_blocks: int, kv_allocator: KVAllocator | None,
                          keep_files: bool) -> list[torch.Tensor]:
-        config, dtype = self.config, TORCH_DTYPES[self.config.dtype]
+        config, dtype = self.config, self.cache_dtype
         if self.tp is None:
             return [allocate_kv_cache(self.model_config, num_blocks, config.block_size, dtype,
                                       config.device, kv_allocator)]
@@ -157,7 +168,8 @@ class _Builder:
                              "each rank's cache lives in its own process")
         # What makes a block's bytes mean what its hash says: the checksums are seeded with it.
         namespace = "|".join(str(part) for part in (
-            "pdserve-kv-tier-1", os.path.realpath(config.model), config.dtype, config.load_format, config.seed,
+            "pdserve-kv-tier-1", os.path.realpath(config.model), config.dtype, kv_cache_format(config.kv_cache_dtype),
+            self.kv_scales, config.quantization or self.model_config.quantization, config.load_format, config.seed,
             config.block_size, [tuple(c.shape[1:]) for c in caches], self.shard.size))
         # MLA: every rank holds the same latent; the tiers keep rank 0's, loads copy it to the others.
         mirrors = caches[1:] if self.model_config.mla is not None else []
@@ -168,8 +180,12 @@ class _Builder:
             tiers.attach_shared(shared_kv)
         return tiers
 
-    def _pool_blocks(self, model: LlamaForCausalLM, backend: AttentionBackend, dtype: torch.dtype,
-                     model_len: int, draft: LoadedDraft | None) -> int:
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return cache_dtype(self.config.kv_cache_dtype, TORCH_DTYPES[self.config.dtype])
+
+    def _pool_blocks(self, model: LlamaForCausalLM, backend: AttentionBackend, model_len: int,
+                     draft: LoadedDraft | None) -> int:
         """On CUDA, the draft model's weights, activations and KV per block are counted;
         on CPU kv_cache_memory_gib is the target's KV alone (a draft's cache is extra)."""
         config = self.config
@@ -182,11 +198,11 @@ class _Builder:
             # A speculating request samples a row per draft and one after them.
             rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
             return profile_num_kv_blocks(
-                model, self.model_config, backend, config.device, dtype, config.block_size,
+                model, self.model_config, backend, config.device, self.cache_dtype, config.block_size,
                 config.max_num_batched_tokens, model_len, rows, config.gpu_memory_utilization,
                 () if draft is None else [(draft.model, draft.config, draft.backend)])
         # A rank holds only its own KV heads.
-        block_bytes = (self.model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
+        block_bytes = (self.model_config.kv_bytes_per_token(self.cache_dtype.itemsize) * config.block_size
                        * self.shard.num_kv_heads // self.model_config.num_kv_heads)
         num_blocks = int(config.kv_cache_memory_gib * 2**30 // block_bytes)
         if num_blocks < 1:

@@ -11,6 +11,17 @@ from engine.speculative.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # an element's, of each of DTYPES
+# The KV cache's element type (vLLM's names): "auto" is the model's dtype; the fp8 ones
+# store a byte per element (engine/attention/kv_quant.py), "fp8" meaning e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+FP8_ALIASES = {"fp8": "fp8_e4m3"}  # "fp8" is e4m3, as in vLLM
+
+
+def kv_cache_format(kv_cache_dtype: str) -> str:
+    """The cache's element format for a kv_cache_dtype setting: two settings that name
+    the same bytes ("fp8" and "fp8_e4m3") give the same format."""
+    return FP8_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+QUANTIZATIONS = ("fp8",)  # engine/model/fp8_linear.py
 ATTENTION_BACKENDS = ("auto", "torch", "reference", "triton")  # engine/attention/backend.py
 LOAD_FORMATS = ("safetensors", "dummy")  # engine/model/dummy_weights.py
 
@@ -67,6 +78,14 @@ class EngineConfig:
     # compile time grows fast with a schema's size, and a huge one would hold it forever.
     grammar_compile_timeout_s: float = 10.0
     speculative_config: SpeculativeConfig | None = None
+    # "auto": the KV cache holds the model's dtype; fp8 kinds hold a byte per element,
+    # with the checkpoint's per-layer k_scale/v_scale (else 1.0): twice the blocks of a
+    # 16-bit cache in the same memory (engine/attention/kv_quant.py).
+    kv_cache_dtype: str = "auto"
+    # "fp8": the decoder's linear weights in float8 with a scale per output channel,
+    # quantized at load (an FP8 checkpoint is used as it is, with or without this);
+    # None: the checkpoint's own (engine/model/fp8_linear.py).
+    quantization: str | None = None
     # KV offload tiers (engine/kv_cache/tiers.py): blocks the pool evicts are kept in a
     # host tier of this many GiB (0 = off), and, with kv_offload_dir, written through to
     # a disk tier of kv_offload_disk_gib there; prefix hits load back from them.
@@ -100,6 +119,10 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         require(self.max_model_len is None or self.max_model_len >= 2,
                 f"max_model_len must be None or >= 2, got {self.max_model_len}")
+        require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        require(self.quantization is None or self.quantization in QUANTIZATIONS,
+                f"quantization must be null or one of {QUANTIZATIONS}, got {self.quantization!r}")
         require(self.attention_backend in ATTENTION_BACKENDS,
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         require(self.load_format in LOAD_FORMATS,

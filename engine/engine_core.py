@@ -77,15 +77,13 @@ class EngineCore:
         self._finalizer = weakref.finalize(self, parts.resources.close)
         self.model_config, self.shard, self.max_model_len = parts.model_config, parts.shard, parts.max_model_len
         self.model, self.kv_caches, self.kv_cache = parts.model, parts.kv_caches, parts.kv_caches[0]
+        self.kv_scales = parts.kv_scales  # an fp8 cache's per-layer (k_scale, v_scale), else ()
         self.kv, self.scheduler, self.runner, self.speculator = parts.kv, parts.scheduler, parts.runner, parts.speculator
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
         self._requests = RequestFactory(config, self.model_config, self.speculator is not None, self._resources)
         self._grammars = GrammarWatch(config.grammar_compile_timeout_s)  # requests whose grammar is compiling
         self._prompt_logprobs: set[Request] = set()  # with prompt logprobs still to compute
         self._kv_events: KVEvents | None = None  # kept once collect_kv_events is called
-        logger.info("engine ready: %s, %d KV blocks of %d tokens (%d B/token a rank), max_model_len %d, tensor "
-                    "parallel %d", self.model_config.architecture, parts.num_blocks, config.block_size,
-                    self.kv_cache[0].nbytes // config.block_size, self.max_model_len, config.tensor_parallel_size)
 
     @property
     def tp(self) -> TPDriver | None:

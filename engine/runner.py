@@ -330,7 +330,10 @@ class ModelRunner:
             # step in flight (async scheduling).
             src = small_tensor(self.device, inputs.block_copies[:, 0].tolist())
             dst = small_tensor(self.device, inputs.block_copies[:, 1].tolist())
-            self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
+            # Moved as raw bytes: index_copy_ has no float8 kernel on CPU, and a
+            # block copy never needs the values.
+            cache = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
     def wait_idle(self) -> None:
         """Wait until the device has run (or failed) everything queued so far."""

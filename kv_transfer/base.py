@@ -169,7 +169,8 @@ class KVTransport(ABC):
 
     def register_kv_cache(self, caches: torch.Tensor | Sequence[torch.Tensor], model: str,
                           num_kv_heads: int | None = None, head_ranges: Sequence[HeadRange] | None = None,
-                          files: Sequence[str] | None = None) -> None:
+                          files: Sequence[str] | None = None,
+                          kv_scales: Sequence[tuple[float, float]] = ()) -> None:
         """Register the worker's KV cache, once, before metadata().
 
         caches: the cache (TP 1), or one per TP rank, as this process (the worker's
@@ -177,7 +178,8 @@ class KVTransport(ABC):
         holds (rank_pairs.even_head_ranges is the engine's split); num_kv_heads: the
         model's count. Both default, at TP 1 only, to every head of the one cache.
         files: where each rank's cache lives under /dev/shm, for transports whose peers
-        map it (shm; the others ignore it)."""
+        map it (shm; the others ignore it). kv_scales: an fp8 cache's per-layer
+        (k_scale, v_scale), which a peer must share (compat.py)."""
         if self.kv_cache is not None:
             raise RuntimeError("a KV cache is already registered with this transport")
         ranks = [caches] if isinstance(caches, torch.Tensor) else list(caches)
@@ -193,7 +195,7 @@ class KVTransport(ABC):
             head_ranges = [(0, heads)] if head_ranges is None else head_ranges
         if files is not None and (len(files) != len(ranks) or not all(isinstance(f, str) for f in files)):
             raise ValueError(f"{len(ranks)} rank caches need as many file paths, got {files!r}")
-        self.compat = KVCompat.from_caches(ranks, model, num_kv_heads, head_ranges)
+        self.compat = KVCompat.from_caches(ranks, model, num_kv_heads, head_ranges, kv_scales)
         self.kv_caches = ranks
         self.kv_cache = ranks[0]
         # Each rank's cache as [blocks, bytes]: what the data planes move.

@@ -21,7 +21,13 @@ LAYOUT = "block_major:[blocks,kv_heads,layers,2,block_size,head_dim]"
 LATENT_LAYOUT = "block_major:[blocks,1,layers,1,block_size,kv_lora_rank+qk_rope_head_dim]"
 
 # Must be equal on both sides; the TP size and head ranges may differ (rank_pairs.py).
-MUST_MATCH = ("model", "dtype", "layout", "block_size", "num_layers", "num_kv_heads", "head_dim")
+# An fp8 cache's bytes mean something only under their scales (engine/attention/kv_quant.py):
+# a peer with another dtype or other scales is refused, not converted, since a
+# conversion would cost a pass over every block on the critical path of each request,
+# and two pools of one deployment that disagree are a configuration mistake to fix.
+MUST_MATCH = ("model", "dtype", "layout", "block_size", "num_layers", "num_kv_heads", "head_dim", "kv_scales")
+_HINTS = {"dtype": " (the KV cache's element type: give both pools the same dtype and kv_cache_dtype)",
+          "kv_scales": " (an fp8 cache's per-layer (k_scale, v_scale): both pools must load the same checkpoint)"}
 
 
 class IncompatiblePeerError(ValueError):
@@ -39,10 +45,13 @@ class KVCompat:
     head_dim: int
     tp_size: int = 1
     head_ranges: tuple[HeadRange, ...] = ()  # per rank: the model's heads [start, end) it holds
+    # An fp8 cache's per-layer (k_scale, v_scale), the same on every rank; () otherwise.
+    kv_scales: tuple[tuple[float, float], ...] = ()
 
     @classmethod
     def from_caches(cls, caches: Sequence[torch.Tensor], model: str, num_kv_heads: int,
-                    head_ranges: Sequence[HeadRange]) -> KVCompat:
+                    head_ranges: Sequence[HeadRange],
+                    kv_scales: Sequence[tuple[float, float]] = ()) -> KVCompat:
         """The record of a worker whose rank r holds caches[r], the heads head_ranges[r];
         ValueError, saying what is wrong, unless they form one TP worker's cache."""
         if not caches:
@@ -75,8 +84,11 @@ class KVCompat:
         if planes == 1 and num_kv_heads != 1:
             raise ValueError(f"a latent (one-plane) cache holds one KV head, not {num_kv_heads}")
         layout = LATENT_LAYOUT if planes == 1 else LAYOUT
+        scales = tuple((float(k), float(v)) for k, v in kv_scales)
+        if scales and len(scales) != layers:
+            raise ValueError(f"{len(scales)} layers of KV scales for a cache of {layers} layers")
         return cls(model, str(first.dtype).removeprefix("torch."), layout, block_size, layers,
-                   num_kv_heads, head_dim, len(caches), ranges)
+                   num_kv_heads, head_dim, len(caches), ranges, scales)
 
     @property
     def head_bytes(self) -> int:
@@ -107,11 +119,14 @@ class KVCompat:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(d, dict) or set(d) != names:
             raise IncompatiblePeerError(f"malformed compatibility record: {d!r}")
-        ranges = d["head_ranges"]
+        ranges, scales = d["head_ranges"], d["kv_scales"]
         if not isinstance(ranges, (list, tuple)):
             raise IncompatiblePeerError(f"malformed compatibility record: head_ranges {ranges!r}")
+        if not isinstance(scales, (list, tuple)) or not all(isinstance(s, (list, tuple)) for s in scales):
+            raise IncompatiblePeerError(f"malformed compatibility record: kv_scales {scales!r}")
         # msgpack hands tuples back as lists
-        return cls(**dict(d, head_ranges=tuple(tuple(r) if isinstance(r, (list, tuple)) else r for r in ranges)))
+        return cls(**dict(d, head_ranges=tuple(tuple(r) if isinstance(r, (list, tuple)) else r for r in ranges),
+                          kv_scales=tuple(tuple(s) for s in scales)))
 
     def check_peer(self, peer: KVCompat, peer_name: str) -> None:
         """Raise IncompatiblePeerError naming the first field that differs, or why the
@@ -127,7 +142,7 @@ class KVCompat:
             if ours != theirs:
                 raise IncompatiblePeerError(
                     f"peer {peer_name!r} is incompatible: {name} is {theirs!r} there, "
-                    f"{ours!r} here")
+                    f"{ours!r} here{_HINTS.get(name, '')}")
         if peer.tp_size != len(peer.head_ranges):
             raise IncompatiblePeerError(f"peer {peer_name!r} is incompatible: tp_size {peer.tp_size!r} but "
                                         f"{len(peer.head_ranges)} head ranges")

@@ -34,7 +34,7 @@ from security import DeploymentSecret, PlaneGuard, connect_securely, serve_secur
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_VERSION = 3  # 2: the blob carries the deployment secret's tag; 3: protocol_version
+HANDSHAKE_VERSION = 4  # 2: the blob carries the deployment secret's tag; 3: protocol_version; 4: kv_scales
 TAG = "tag"  # the blob's field holding it
 
 

@@ -41,13 +41,18 @@ def engine_and_transport(config: WorkerConfig) -> tuple[EngineCore, KVTransport]
 
 
 def register_caches(transport: KVTransport, engine: EngineCore, model: str) -> None:
-    """The transport reaches every rank's cache, each holding its KV heads."""
+    """The transport reaches every rank's cache, each holding its KV heads. The model's
+    name carries its weights' quantization: a pool quantizing to fp8 and one that does not
+    compute different KV, so the handshake refuses the pair as different models."""
+    weights = engine.config.quantization or engine.model_config.quantization
+    model = f"{model} [{weights} weights]" if weights else model
     size = engine.config.tensor_parallel_size
     if size == 1:
-        transport.register_kv_cache(engine.kv_cache, model)
+        transport.register_kv_cache(engine.kv_cache, model, kv_scales=engine.kv_scales)
         return
     if len(engine.kv_caches) != size:
         raise ValueError(f"a tensor_parallel_size {size} worker on {engine.config.device} cannot transfer KV "
                          "yet: its driver reaches only its own rank's cache (CPU workers can)")
     transport.register_kv_cache(engine.kv_caches, model, num_kv_heads=engine.model_config.num_kv_heads,
-                                head_ranges=engine.kv_head_ranges, files=engine.kv_cache_files or None)
+                                head_ranges=engine.kv_head_ranges, files=engine.kv_cache_files or None,
+                                kv_scales=engine.kv_scales)

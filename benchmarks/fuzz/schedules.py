@@ -8,6 +8,7 @@
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer pd --transport shm --tp random --seeds 100
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer offline --structured 0.5 --seeds 300
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer tiers --seeds 1000
+    .venv/bin/python -m benchmarks.fuzz schedules --fuzzer pd --kv-cache-dtype fp8 --tp random --seeds 100
 
 Prints one line per failure: seed, kind (mismatch / exception / hang / error_finish /
 invariant / rejection / constraint), a tag when it looks like a known bug (F1-F4; F3 on
@@ -26,6 +27,12 @@ tokens are checked against Hugging Face transformers on a few prompts first
 (--no-hf-check to skip). P/D copies are slowed without bound by default (a stalled
 host); --bounded-copies keeps a started copy within the transport's bounds, as the
 short test in tests/fuzz does.
+
+--kv-cache-dtype fp8 (or fp8_e5m2) gives every engine, the oracle's too, an fp8 KV
+cache, and --quantization fp8 fp8 weights: not comparable to HF's tokens (--no-hf-check
+is implied), but every schedule must give that configuration's colocated engine's (the
+model rounds K/V before they are stored, engine/attention/kv_quant.py; the weights are
+quantized the same at any TP size, engine/model/fp8_linear.py).
 
 --fuzzer tiers: offline schedules for the KV offload tiers (tests/fuzz/tiers.py):
 multi-turn conversations into a device pool of about one request, tiers of a few blocks,
@@ -98,6 +105,10 @@ def main() -> int:
     ap.add_argument("--seed-wall-limit", type=float, default=30.0,
                     help="a seed still running after this many seconds is a hang")
     ap.add_argument("--model-dir", default="", help="an existing tiny model directory (default: build one)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="every engine's, the oracle's too (its colocated greedy tokens are then the fp8 engine's)")
+    ap.add_argument("--quantization", default=None, choices=("fp8",),
+                    help="every engine's weights, the oracle's too (engine/model/fp8_linear.py)")
     ap.add_argument("--no-hf-check", action="store_true", help="skip the oracle-vs-transformers check")
     ap.add_argument("--dump-dir", default="", help="write each failing seed's case as JSON here")
     ap.add_argument("--progress", type=int, default=0, help="print a progress line every N seeds")
@@ -156,6 +167,12 @@ def replay(args: argparse.Namespace, model_dir: Path, oracle: H.Oracle) -> int:
 
 def run(args: argparse.Namespace, model_dir: Path) -> int:
     t_start = time.monotonic()
+    from tests.fuzz.common import ENGINE_OPTIONS
+
+    if args.kv_cache_dtype != "auto":
+        ENGINE_OPTIONS["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.quantization:
+        ENGINE_OPTIONS["quantization"] = args.quantization
     oracle = H.Oracle(model_dir)
     if args.replay:
         return replay(args, model_dir, oracle)
@@ -165,7 +182,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
     failed_seeds: list[int] = []
     seeds = requests = 0
 
-    if not args.no_hf_check:
+    if not args.no_hf_check and not ENGINE_OPTIONS:
         case = H.make_offline_case(args.start)
         sample = [s.prompt for s in case.requests][:3]
         for line in H.hf_agreement(model_dir, oracle, sample):
@@ -178,6 +195,10 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
     signal.signal(signal.SIGALRM, on_alarm)
     tp = parse_tp(args.tp, args.fuzzer)
     label = args.fuzzer if args.fuzzer != "pd" else f"pd/{args.transport}"
+    if args.kv_cache_dtype != "auto":
+        label += f"/{args.kv_cache_dtype}"
+    if args.quantization:
+        label += f"/w{args.quantization}"
     if args.tp != "1":
         label += f"/tp{args.tp}"
     if args.structured:

@@ -58,10 +58,10 @@ def engine_layer(num_blocks: int, kv_heads: int, block_size: int, head_dim: int,
 
 def decode_bandwidth(s: Setup, head_dim: int, config=None, batch: int | None = None,
                      context: int | None = None, splits: int | None = None,
-                     programs: int | None = None) -> tuple[float, float]:
+                     programs: int | None = None, cache_dtype=None) -> tuple[float, float]:
     """(seconds, bytes) of one decode_attention call (default: batch bw_batch, context
     bw_context, the splits an eager step uses for that context, the launcher's programs
-    per (sequence, KV head))."""
+    per (sequence, KV head), a cache of the setup's dtype)."""
     import torch
 
     from engine.kernels.decode_attention import decode_attention, num_splits_for
@@ -69,7 +69,7 @@ def decode_bandwidth(s: Setup, head_dim: int, config=None, batch: int | None = N
     dtype = getattr(torch, s.dtype)
     b, ctx, bs = batch or s.bw_batch, context or s.bw_context, 16
     per_seq = -(-ctx // bs)
-    cache = engine_layer(b * per_seq, s.kv_heads, bs, head_dim, dtype, s.device)
+    cache = engine_layer(b * per_seq, s.kv_heads, bs, head_dim, cache_dtype or dtype, s.device)
     tables = torch.randperm(b * per_seq, device=s.device).to(torch.int32).view(b, per_seq)
     query = torch.randn(b, s.heads, head_dim, device=s.device).to(dtype)
     out = torch.empty_like(query)

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "cpu_kernels": "benchmarks.offline.cpu_kernels",
     "tp_cpu": "benchmarks.offline.tp_cpu",
     "moe_cpu": "benchmarks.offline.moe_cpu",
+    "fp8_kv": "benchmarks.offline.fp8_kv",
     "roofline": "benchmarks.offline.roofline",
     "parallel_sampling": "benchmarks.offline.parallel_sampling",
     "speculative": "benchmarks.offline.speculative",

@@ -37,7 +37,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +48,16 @@ if str(_REPO_ROOT) not in sys.path:
 
 from benchmarks.offline.tp_cpu import (  # noqa: E402
     DEMO,
-    MAX_B,
     TOKENIZER_FILES,
     VOCAB,
-    CollectiveTimes,
     Config,
     check_tokens,
-    measure_round,
+    close_configs,
+    parse_rounds,
     rank0_bytes,
+    round_blocks,
+    round_parser,
+    run_rounds,
 )
 from engine import LLM  # noqa: E402
 
@@ -112,15 +113,7 @@ def latent_bytes(tmp: Path) -> list[tuple[str, int, int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--decode-prompt", type=int, default=64)
-    parser.add_argument("--prefill", type=int, nargs=2, default=[4, 256], metavar=("N", "LEN"))
-    args = parser.parse_args()
-    if max(args.batches) > MAX_B:
-        parser.error(f"batches up to {MAX_B}")
+    args = parse_rounds(round_parser(__doc__))
     print(f"load average before: {os.getloadavg()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="moe_cpu_"))
     configs: list[Config] = []
@@ -129,8 +122,7 @@ def main() -> None:
         model = str(model_dir(tmp / "moe", MOE))
         configs = [DummyConfig("TP1x2t", model, 1, 2), DummyConfig("TP2x1t", model, 2, 1),
                    DummyConfig("EP2x1t", model, 2, 1)]
-        per_seq = -(-(args.decode_prompt + len(args.batches) * (args.steps + 3) + 16) // 16)
-        blocks = max(MAX_B * per_seq, args.prefill[0] * -(-args.prefill[1] // 16)) + 16
+        blocks = round_blocks(args)
         memory = {}
         for cfg in configs:
             start = time.perf_counter()
@@ -139,14 +131,10 @@ def main() -> None:
             print(f"started {cfg.label} in {time.perf_counter() - start:.1f} s", flush=True)
         torch.set_num_threads(2)
         same = check_tokens(configs[0], configs[1]) & check_tokens(configs[0], configs[2])
-        times = {c.label: CollectiveTimes(c.core) for c in configs}
-        results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        for r in range(args.rounds):
-            measure_round(r, configs, times, args, results)
-    finally:
-        for cfg in configs:
-            if cfg.llm is not None:
-                cfg.core.close()
+    except BaseException:
+        close_configs(configs)
+        raise
+    results = run_rounds(configs, args)  # and closes them
     latent = latent_bytes(tmp)
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"load average after: {os.getloadavg()}")

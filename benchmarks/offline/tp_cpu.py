@@ -261,18 +261,55 @@ def measure_collectives(size: int, codec_size: int, reps: int) -> dict[str, floa
 
 # --- main ---------------------------------------------------------------------------
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def round_parser(doc: str | None, steps: int = 10, decode_prompt: int = 64, prefill: int = 4) -> argparse.ArgumentParser:
+    """The options measure_round reads (rounds, steps, batches, decode prompt, prefill), for
+    the benchmarks built on it."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=15, help="timed decode steps per batch size")
+    parser.add_argument("--steps", type=int, default=steps, help="timed decode steps per batch size")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--decode-prompt", type=int, default=64, help="prompt tokens of the decoding sequences")
-    parser.add_argument("--prefill", type=int, nargs=2, default=[8, 256], metavar=("N", "LEN"))
-    parser.add_argument("--collective-reps", type=int, default=100)
-    parser.add_argument("--no-demo", action="store_true", help="skip the demo model's TP 1 / TP 3 pair")
+    parser.add_argument("--decode-prompt", type=int, default=decode_prompt, help="prompt tokens of the decoding sequences")
+    parser.add_argument("--prefill", type=int, nargs=2, default=[prefill, 256], metavar=("N", "LEN"))
+    return parser
+
+
+def round_blocks(args: argparse.Namespace) -> int:
+    """KV blocks an engine needs for measure_round: MAX_B decoding sequences to the end
+    of their steps, or the prefill batch."""
+    per_seq = -(-(args.decode_prompt + len(args.batches) * (args.steps + 3) + 16) // 16)
+    return max(MAX_B * per_seq, args.prefill[0] * -(-args.prefill[1] // 16)) + 16
+
+
+def run_rounds(configs: list[Config], args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """args.rounds of measure_round over started configs; closes them all at the end."""
+    results: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    try:
+        times = {c.label: CollectiveTimes(c.core) for c in configs}
+        for r in range(args.rounds):
+            measure_round(r, configs, times, args, results)
+    finally:
+        close_configs(configs)
+    return results
+
+
+def close_configs(configs: list[Config]) -> None:
+    for cfg in configs:
+        if cfg.llm is not None:
+            cfg.core.close()
+
+
+def parse_rounds(parser: argparse.ArgumentParser) -> argparse.Namespace:
     args = parser.parse_args()
     if max(args.batches) > MAX_B:
         parser.error(f"batches up to {MAX_B} (max_num_seqs 64, KV blocks sized for {MAX_B})")
+    return args
+
+
+def main() -> None:
+    parser = round_parser(__doc__, steps=15, prefill=8)
+    parser.add_argument("--collective-reps", type=int, default=100)
+    parser.add_argument("--no-demo", action="store_true", help="skip the demo model's TP 1 / TP 3 pair")
+    args = parse_rounds(parser)
 
     print(f"load average before: {os.getloadavg()}", flush=True)
     tmp = tempfile.mkdtemp(prefix="tp_cpu_")
@@ -284,8 +321,7 @@ def main() -> None:
         pairs = [(Config("8q/2kv TP1x2t", model, 1, 2), Config("8q/2kv TP2x1t", model, 2, 1))]
         if not args.no_demo:
             pairs.append((Config("demo TP1x2t", str(DEMO), 1, 2), Config("demo TP3x1t", str(DEMO), 3, 1)))
-        per_seq = -(-(args.decode_prompt + len(args.batches) * (args.steps + 3) + 16) // 16)
-        blocks = max(MAX_B * per_seq, args.prefill[0] * -(-args.prefill[1] // 16)) + 16
+        blocks = round_blocks(args)
         for pair in pairs:
             for cfg in pair:
                 start = time.perf_counter()

@@ -134,7 +134,7 @@ class TorchBackend(AttentionBackend):
                 scale: float) -> torch.Tensor:
         """[B, Hq, D] for the decode rows, in their batch order."""
         d: _DecodeRows = md.backend_state.decode
-        if cpu_decode.supports(layer_cache, query.shape[1]) and cpu_decode.load() is not None:
+        if cpu_decode.supports(layer_cache, query.shape[1], query.dtype) and cpu_decode.load() is not None:
             return cpu_decode.paged_decode_attention(query, layer_cache, d.rows, d.block_tables,
                                                      d.seq_lens, scale)
         if d.plan is None:
@@ -146,8 +146,8 @@ class TorchBackend(AttentionBackend):
         state: _StepState = md.backend_state
         if state.keep.numel() != key.shape[0]:
             key, value = key[state.keep], value[state.keep]
-        layer_cache[state.blocks, 0, state.offsets] = key
-        layer_cache[state.blocks, 1, state.offsets] = value
+        layer_cache[state.blocks, 0, state.offsets] = key.to(layer_cache.dtype)  # fp8: already on its grid
+        layer_cache[state.blocks, 1, state.offsets] = value.to(layer_cache.dtype)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   layer_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -166,7 +166,7 @@ class TorchBackend(AttentionBackend):
                 out[start:end] = reference.causal_attention(query[start:end], key[start:end],
                                                             value[start:end], scale)
             else:
-                k, v = reference.gather_kv(layer_cache, md.block_tables[i], seq_len)
+                k, v = reference.gather_kv(layer_cache, md.block_tables[i], seq_len, query.dtype)
                 out[start:end] = reference.causal_attention(query[start:end], k, v, scale)
             start = end
         return out

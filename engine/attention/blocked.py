@@ -79,10 +79,14 @@ def blocked_decode_attention(query: torch.Tensor, layer_cache: torch.Tensor, pla
     groups = q.shape[2]
     if plan.kv_buffer is None:
         # Reused by every layer of the step: fresh multi-MB tensors cost page faults.
-        plan.kv_buffer = layer_cache.new_empty((2, num_blocks, block_size, num_kv_heads, head_dim))
+        plan.kv_buffer = query.new_empty((2, num_blocks, block_size, num_kv_heads, head_dim))
     k, v = plan.kv_buffer[0], plan.kv_buffer[1]
-    torch.index_select(layer_cache[:, 0], 0, plan.blocks, out=k)  # [NB, bs, H, D]
-    torch.index_select(layer_cache[:, 1], 0, plan.blocks, out=v)
+    if layer_cache.dtype == query.dtype:
+        torch.index_select(layer_cache[:, 0], 0, plan.blocks, out=k)  # [NB, bs, H, D]
+        torch.index_select(layer_cache[:, 1], 0, plan.blocks, out=v)
+    else:  # an fp8 cache (attention/kv_quant.py): gathered, then widened exactly
+        k.copy_(torch.index_select(layer_cache[:, 0], 0, plan.blocks))
+        v.copy_(torch.index_select(layer_cache[:, 1], 0, plan.blocks))
     # Slots past a row's end (only in its last block) may hold anything, even NaN, and
     # 0 * NaN would poison p @ V.
     v[plan.last_blocks] = v[plan.last_blocks].masked_fill(plan.last_invalid[:, :, None, None], 0.0)

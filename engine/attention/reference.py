@@ -1,7 +1,9 @@
 """Torch reference paged attention: runs on CPU and GPU, the oracle for kernels.
 
 Each layer works on its strided view of the cache, [num_blocks, 2, bs, H, D]
-(0 = K, 1 = V; engine/kv_cache/layout.py): index it, never .view() it.
+(0 = K, 1 = V; engine/kv_cache/layout.py): index it, never .view() it. An fp8 cache
+is written with values already on its grid and read back widened to the query's
+dtype (attention/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention.kv_quant import readable
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -20,12 +23,14 @@ def store_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if not bool(valid.all()):
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    layer_cache[blocks, 0, offsets] = key
-    layer_cache[blocks, 1, offsets] = value
+    layer_cache[blocks, 0, offsets] = key.to(layer_cache.dtype)
+    layer_cache[blocks, 1, offsets] = value.to(layer_cache.dtype)
 
 
-def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence's first seq_len tokens: each [seq_len, H, D]."""
+def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first seq_len tokens: each [seq_len, H, D], in the
+    cache's dtype (an fp8 cache's widened to `dtype`)."""
     block_size = layer_cache.shape[2]
     blocks = block_table[:-(-seq_len // block_size)].long()
     # index_select writes a contiguous [n, bs, H, D] that views flat: one copy each.
@@ -33,7 +38,7 @@ def gather_kv(layer_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
     # block, and flattening blocks with slots would copy again.)
     k = torch.index_select(layer_cache[:, 0], 0, blocks).flatten(0, 1)[:seq_len]
     v = torch.index_select(layer_cache[:, 1], 0, blocks).flatten(0, 1)[:seq_len]
-    return k, v
+    return readable(k, dtype), readable(v, dtype)
 
 
 def paged_attention(query: torch.Tensor, layer_cache: torch.Tensor, md: AttentionMetadata,
@@ -49,7 +54,7 @@ def paged_attention(query: torch.Tensor, layer_cache: torch.Tensor, md: Attentio
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
-        k, v = gather_kv(layer_cache, md.block_tables[i], seq_len)
+        k, v = gather_kv(layer_cache, md.block_tables[i], seq_len, query.dtype)
         out[start:start + q_len] = causal_attention(query[start:start + q_len], k, v, scale)
         start += q_len
     return out
@@ -79,8 +84,8 @@ def _decode(query: torch.Tensor, layer_cache: torch.Tensor, md: AttentionMetadat
     block_size = layer_cache.shape[2]
     max_len = max(md.seq_lens_cpu)
     tables = md.block_tables[:, :-(-max_len // block_size)].long()
-    k = layer_cache[:, 0][tables].flatten(1, 2)[:, :max_len]  # [B, L, H, D], a fresh copy
-    v = layer_cache[:, 1][tables].flatten(1, 2)[:, :max_len]
+    k = readable(layer_cache[:, 0][tables].flatten(1, 2)[:, :max_len], query.dtype)  # [B, L, H, D], a fresh copy
+    v = readable(layer_cache[:, 1][tables].flatten(1, 2)[:, :max_len], query.dtype)
     mask = torch.arange(max_len, device=query.device)[None, :] < md.seq_lens[:, None]
     # Slots past a sequence's end hold another request's data (or NaN/inf garbage);
     # masking scores is not enough, since 0 * inf = NaN in the weighted sum.

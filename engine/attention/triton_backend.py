@@ -107,7 +107,7 @@ class TritonBackend(AttentionBackend):
             out[rows] = decoded
         starts = np.cumsum([0, *md.query_lens_cpu])
         for i in state.prompt_seqs:
-            k, v = reference.gather_kv(layer_cache, md.block_tables[i], md.seq_lens_cpu[i])
+            k, v = reference.gather_kv(layer_cache, md.block_tables[i], md.seq_lens_cpu[i], query.dtype)
             q = query[starts[i]:starts[i + 1]]
             out[starts[i]:starts[i + 1]] = reference.causal_attention(q, k, v, scale)[..., :kv_lora_rank]
         return out

@@ -48,7 +48,9 @@ def serve(stdin) -> None:
 
 
 def _serve(stdin, config: EngineConfig, rank: int, store) -> None:
+    from engine.attention.kv_quant import cache_dtype
     from engine.distributed.rank_model import build_rank_model, step_codec
+    from engine.model.loader import TORCH_DTYPES
     from engine.runner import ModelRunner, allocate_kv_cache, kv_cache_shape
 
     group = TorchGroup(rank, config.tensor_parallel_size, 0, config.distributed_timeout_s,
@@ -57,7 +59,7 @@ def _serve(stdin, config: EngineConfig, rank: int, store) -> None:
     shard: Shard = model.shard
     cache = json.loads(stdin.readline())
     num_blocks = cache["num_blocks"]
-    dtype = next(model.parameters()).dtype
+    dtype = cache_dtype(config.kv_cache_dtype, TORCH_DTYPES[config.dtype])
     if cache["cache"] is not None:
         shape = kv_cache_shape(model_config, num_blocks, config.block_size, shard.num_kv_heads)
         kv_cache = shared_cache.attach(cache["cache"], shape, dtype)

@@ -24,7 +24,7 @@ def build_rank_model(config: EngineConfig, rank: int = 0, group: Group = SINGLE
     model_len = max_model_len(config, model_config)
     shard = Shard.of(model_config, rank, config.tensor_parallel_size, config.enable_expert_parallel)
     model = load_model(config.model, model_config, config.dtype, config.device, backend, model_len,
-                       shard, group, config.load_format, config.seed)
+                       shard, group, config.load_format, config.seed, config.quantization)
     if config.prepack_cpu_weights and prepack_supported(config.device, TORCH_DTYPES[config.dtype]):
         prepack_linears(model)
     return model, model_config, backend, model_len

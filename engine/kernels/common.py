@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# An fp8 cache (engine/attention/kv_quant.py): loaded and widened to the query's dtype.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def check_layer_cache(layer_cache: torch.Tensor) -> tuple[int, int, int]:
@@ -16,7 +18,7 @@ def check_layer_cache(layer_cache: torch.Tensor) -> tuple[int, int, int]:
     if layer_cache.dim() != 5 or layer_cache.shape[1] != 2:
         raise ValueError(f"layer cache must be [num_blocks, 2, block_size, kv_heads, head_dim], "
                          f"got {tuple(layer_cache.shape)}")
-    if layer_cache.dtype not in SUPPORTED_DTYPES:
+    if layer_cache.dtype not in SUPPORTED_DTYPES + FP8_DTYPES:
         raise ValueError(f"unsupported KV cache dtype {layer_cache.dtype}")
     if layer_cache.stride(-1) != 1:
         raise ValueError(f"layer cache head_dim must be contiguous, strides {layer_cache.stride()}")
@@ -35,7 +37,7 @@ def check_tokens(name: str, t: torch.Tensor, num_heads: int, head_dim: int, devi
         raise ValueError(f"{name} head_dim must be contiguous, strides {t.stride()}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, the KV cache on {device}")
-    if dtype is not None and t.dtype != dtype:
+    if dtype is not None and t.dtype != dtype and not (dtype in FP8_DTYPES and t.dtype in SUPPORTED_DTYPES):
         raise ValueError(f"{name} is {t.dtype}, the KV cache {dtype}")
 
 
@@ -50,6 +52,9 @@ def check_attention_io(out: torch.Tensor, query: torch.Tensor,
                          f"{num_kv_heads} KV heads")
     check_tokens("query", query, num_q_heads, head_dim, layer_cache.device)
     check_tokens("out", out, num_q_heads, head_dim, layer_cache.device)
+    if query.dtype not in SUPPORTED_DTYPES or (query.dtype != layer_cache.dtype and layer_cache.dtype not in FP8_DTYPES):
+        raise ValueError(f"query is {query.dtype}, the KV cache {layer_cache.dtype}: they must match, "
+                         "unless the cache is fp8")
     return block_size, num_kv_heads, head_dim, num_q_heads
 
 
@@ -72,12 +77,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def native_dots(cache: torch.Tensor) -> bool:
+def native_dots(cache: torch.Tensor, query: torch.Tensor) -> bool:
     """Whether the attention kernels multiply 16-bit K/V as they are (fp32 accumulate,
     as flash-attention does) rather than widening them to fp32 first. On a GPU that
     halves the registers a tile takes and runs on the 16-bit tensor cores; the Triton
-    interpreter (numpy, on CPU) has no bf16 matmul, so there they are widened."""
-    return cache.is_cuda and cache.dtype in (torch.float16, torch.bfloat16)
+    interpreter (numpy, on CPU) has no bf16 matmul, so there they are widened. An fp8
+    cache under a 16-bit query is widened to the query's dtype (exactly) as it loads."""
+    return cache.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)

@@ -225,7 +225,7 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
     cache_strides = layer_cache.stride()[:4]
     common = dict(GROUPS=groups, GROUPS_PAD=max(16, next_power_of_2(groups)), HEAD_DIM=head_dim,
                   BLOCK_SIZE=block_size, TILE=tile, TILES_PER_SPLIT=split_tokens // tile,
-                  PRECISION=dot_precision(layer_cache.dtype), NATIVE=native_dots(layer_cache),
+                  PRECISION=dot_precision(query.dtype), NATIVE=native_dots(layer_cache, query),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits == 1:
         _decode_kernel[(num_seqs, num_kv_heads, 1)](

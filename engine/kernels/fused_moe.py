@@ -227,7 +227,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, experts: tor
     sorted_slots, tile_experts = align_by_expert(experts, num_experts, first, config.block_m)
     num_tiles = tile_experts.shape[0]
     common = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                  PRECISION=dot_precision(x.dtype), NATIVE=native_dots(x), num_warps=config.num_warps,
+                  PRECISION=dot_precision(x.dtype), NATIVE=native_dots(x, x), num_warps=config.num_warps,
                   num_stages=config.num_stages)
     act = torch.empty((sorted_slots.shape[0], inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, config.block_n))](

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.common import (
+    FP8_DTYPES,
     SUPPORTED_DTYPES,
     LaunchConfig,
     check_index,
@@ -84,9 +85,8 @@ def _mla_attend(q_lora, q_rope, cache_ptr, table, seq_len, dl, dr, first, last, 
         row = cache_ptr + block * stride_c_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_c_slot
         k_lora = tl.load(row[:, None] + dl[None, :], mask=valid[:, None] & lora_mask, other=0.0)
         k_rope = tl.load(row[:, None] + LORA_DIM + dr[None, :], mask=valid[:, None] & rope_mask, other=0.0)
-        if not NATIVE:
-            k_lora = k_lora.to(tl.float32)
-            k_rope = k_rope.to(tl.float32)
+        k_lora = k_lora.to(q_lora.dtype)  # float32 unless NATIVE; an fp8 cache widened (exact)
+        k_rope = k_rope.to(q_lora.dtype)
         s = tl.dot(q_lora, tl.trans(k_lora), input_precision=PRECISION)
         s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=PRECISION) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -179,7 +179,7 @@ def check_latent_cache(layer_cache: torch.Tensor, kv_lora_rank: int) -> tuple[in
     if layer_cache.stride(1) != 0:
         raise ValueError(f"latent cache planes must alias (plane stride 0, layout.layer_view of a "
                          f"1-plane cache), strides {layer_cache.stride()}")
-    if layer_cache.dtype not in SUPPORTED_DTYPES:
+    if layer_cache.dtype not in SUPPORTED_DTYPES + FP8_DTYPES:
         raise ValueError(f"unsupported latent cache dtype {layer_cache.dtype}")
     if layer_cache.stride(-1) != 1:
         raise ValueError(f"latent cache D must be contiguous, strides {layer_cache.stride()}")
@@ -196,7 +196,7 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, int, int], cache: 
         raise ValueError(f"{name} last dimension must be contiguous, strides {t.stride()}")
     if t.device != cache.device:
         raise ValueError(f"{name} is on {t.device}, the latent cache on {cache.device}")
-    if t.dtype != cache.dtype:
+    if t.dtype != cache.dtype and not (cache.dtype in FP8_DTYPES and t.dtype in SUPPORTED_DTYPES):
         raise ValueError(f"{name} is {t.dtype}, the latent cache {cache.dtype}")
 
 
@@ -221,7 +221,7 @@ def mla_decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: to
     device = layer_cache.device
     check_index("block_tables", block_tables, 2, torch.int32, device, num_seqs)
     check_index("seq_lens", seq_lens, 1, torch.int32, device, num_seqs)
-    config = config or default_config(device, layer_cache.dtype)
+    config = config or default_config(device, query.dtype)
     tile = config.block_n
     if num_splits < 1 or split_tokens < tile or split_tokens % tile:
         raise ValueError(f"need num_splits >= 1 and split_tokens a multiple of the {tile}-token "
@@ -232,7 +232,7 @@ def mla_decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: to
     common = dict(LORA_DIM=kv_lora_rank, ROPE_DIM=dim - kv_lora_rank, LORA=lora_pad,
                   ROPE=max(16, next_power_of_2(dim - kv_lora_rank)), HEADS=HEAD_BLOCK,
                   BLOCK_SIZE=block_size, TILE=tile, TILES_PER_SPLIT=split_tokens // tile,
-                  PRECISION=dot_precision(layer_cache.dtype), NATIVE=native_dots(layer_cache),
+                  PRECISION=dot_precision(query.dtype), NATIVE=native_dots(layer_cache, query),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (num_seqs, triton.cdiv(num_heads, HEAD_BLOCK), num_splits)
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1), layer_cache.stride(0),

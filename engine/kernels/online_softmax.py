@@ -13,7 +13,8 @@ import triton.language as tl
 def load_kv_tile(cache_ptr, table, pos, valid, kv_head, d, stride_c_block, stride_c_kv,
                  stride_c_slot, stride_c_head, BLOCK_SIZE: tl.constexpr, NATIVE: tl.constexpr):
     """K and V [N, D] for positions `pos` [N] of one sequence (block ids at `table`),
-    in the cache's dtype if NATIVE, else float32; positions not `valid` read as 0.
+    in the cache's dtype if NATIVE (an fp8 cache's are widened by the dots), else
+    float32; positions not `valid` read as 0.
     Slots past the context may hold anything, even NaN: masked, never read."""
     block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     kv = (cache_ptr + block[:, None] * stride_c_block + (pos % BLOCK_SIZE)[:, None] * stride_c_slot
@@ -28,16 +29,16 @@ def load_kv_tile(cache_ptr, table, pos, valid, kv_head, d, stride_c_block, strid
 
 @triton.jit
 def online_softmax_step(q, k, v, visible, m, l, acc, scale, PRECISION: tl.constexpr):
-    """q [M, D] in k's dtype; k, v [N, D]; visible [M, N] (or broadcastable); m, l [M];
-    acc [M, D] float32.
+    """q [M, D]; k, v [N, D] in q's dtype or fp8 (widened to it here: exact); visible
+    [M, N] (or broadcastable); m, l [M]; acc [M, D] float32.
 
     Every row must see at least one key overall (its max becomes finite in the first
     tile it sees one); masked keys get probability 0."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return m_new, l, acc

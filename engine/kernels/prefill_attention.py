@@ -124,5 +124,5 @@ def prefill_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *layer_cache.stride()[:4], block_tables.stride(0), scale,
         GROUPS=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=dot_precision(layer_cache.dtype),
-        NATIVE=native_dots(layer_cache), num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, PRECISION=dot_precision(query.dtype),
+        NATIVE=native_dots(layer_cache, query), num_warps=config.num_warps, num_stages=config.num_stages)

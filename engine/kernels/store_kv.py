@@ -24,14 +24,15 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr,
     dst = cache_ptr + block * stride_c_block + (slot % BLOCK_SIZE) * stride_c_slot + h * stride_c_head + d
     k = tl.load(key_ptr + token * stride_k_tok + h * stride_k_head + d, mask=mask)
     v = tl.load(value_ptr + token * stride_v_tok + h * stride_v_head + d, mask=mask)
-    tl.store(dst, k, mask=mask)
-    tl.store(dst + stride_c_kv, v, mask=mask)
+    # An fp8 cache takes values already on its grid (attention/kv_quant.py): exact.
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """layer_cache [num_blocks, 2, block_size, H, D]; key, value [T, H, D] in the cache's
-    dtype; slot_mapping [T] int64 (block_id * block_size + offset, or -1)."""
+    dtype (a 16- or 32-bit one for an fp8 cache); slot_mapping [T] int64 (block_id * block_size + offset, or -1)."""
     block_size, num_heads, head_dim = check_layer_cache(layer_cache)
     check_tokens("key", key, num_heads, head_dim, layer_cache.device, layer_cache.dtype)
     check_tokens("value", value, num_heads, head_dim, layer_cache.device, layer_cache.dtype)

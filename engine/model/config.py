@@ -153,6 +153,9 @@ class ModelConfig:
     # Multi-head latent attention: the cache holds one latent "KV head" of
     # mla.latent_dim per token and layer (num_kv_heads 1, head_dim latent_dim, one plane).
     mla: MLAConfig | None = None
+    # "fp8": the checkpoint's decoder linears are float8 with per-tensor or per-channel
+    # weight scales (engine/model/fp8_linear.py); None: unquantized.
+    quantization: str | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -220,6 +223,7 @@ class ModelConfig:
             sliding_window=sliding,
             moe=MoEConfig.from_dict(arch, cfg),
             mla=mla,
+            quantization=checkpoint_quantization(cfg.get("quantization_config")),
         )
 
     @property
@@ -229,6 +233,35 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * self.kv_planes * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def checkpoint_quantization(qc: Any) -> str | None:
+    """"fp8" for a checkpoint of float8 weights with per-tensor or per-channel scales
+    (compressed-tensors' float8 kinds, fbgemm_fp8, AutoFP8's fp8); ValueError naming
+    any other quantization, which this engine cannot load."""
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "fbgemm_fp8":
+        return "fp8"
+    if method == "fp8":
+        if qc.get("weight_block_size"):
+            raise ValueError(f"fp8 checkpoints with block-wise weight scales (weight_block_size "
+                             f"{qc['weight_block_size']}) are not supported yet: per-tensor and per-channel only")
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
+        kinds = {(w.get("type"), w.get("num_bits"), w.get("strategy")) for w in weights}
+        if not weights and qc.get("kv_cache_scheme"):
+            return None  # an fp8 KV cache's scales only: the weights are unquantized
+        if weights and all(t == "float" and bits == 8 and strategy in ("tensor", "channel")
+                           for t, bits, strategy in kinds):
+            return "fp8"
+        raise ValueError(f"compressed-tensors checkpoint with weights {sorted(map(str, kinds))}: only float8 "
+                         "weights with per-tensor or per-channel scales are supported")
+    raise ValueError(f"unsupported checkpoint quantization {method!r}: pdserve loads fp8 "
+                     "(compressed-tensors float8, fbgemm_fp8, fp8) checkpoints")
 
 
 def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_quant import is_fp8, round_to_cache
 from engine.attention.metadata import current_metadata
 from engine.distributed.group import SINGLE, Group
 from engine.distributed.sharding import Shard
@@ -52,6 +53,9 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
         self.layer_cache: torch.Tensor | None = None  # [num_blocks, 2, bs, Hkv, D] view, bound by the runner
+        # An fp8 cache holds K / k_scale and V / v_scale (attention/kv_quant.py): the
+        # checkpoint's, else 1.0.
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def forward(self, rotary: tuple[torch.Tensor, torch.Tensor] | RotaryTables, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -67,8 +71,14 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, k, *rotary)
         md = current_metadata()
         assert self.layer_cache is not None, "KV cache not bound to the model"
-        self.backend.store_kv(self.layer_cache, k, v, md)
-        o = self.backend.attention(q, k, v, self.layer_cache, md, self.scale)
+        cache, scale = self.layer_cache, self.scale
+        if is_fp8(cache.dtype):  # computes with what the cache holds, cached or fresh
+            k, v = round_to_cache(k, self.k_scale, cache.dtype), round_to_cache(v, self.v_scale, cache.dtype)
+            scale *= self.k_scale
+        self.backend.store_kv(cache, k, v, md)
+        o = self.backend.attention(q, k, v, cache, md, scale)
+        if is_fp8(cache.dtype) and self.v_scale != 1.0:
+            o = o * self.v_scale
         return self.group.all_reduce_(self.o_proj(o.reshape(t, self.q_size)))
 
 
@@ -148,6 +158,15 @@ class LlamaForCausalLM(nn.Module):
         strided view [num_blocks, 2, block_size, Hkv, D] (engine/kv_cache/layout.py)."""
         for i, layer in enumerate(self._decoder_layers()):
             layer.self_attn.layer_cache = layer_view(kv_cache, i)
+
+    def kv_scales(self) -> tuple[tuple[float, float], ...]:
+        """Per layer, (k_scale, v_scale): what an fp8 cache's values are multiplied by
+        when read (MLA's latent: its one scale, twice)."""
+        scales = []
+        for layer in self._decoder_layers():
+            attn = layer.self_attn
+            scales.append((attn.k_scale, attn.v_scale if isinstance(attn, Attention) else attn.k_scale))
+        return tuple(scales)
 
     def _decoder_layers(self) -> list[DecoderLayer]:
         return cast("list[DecoderLayer]", self.layers)  # cast: a ModuleList is typed as holding any Module

@@ -17,6 +17,7 @@ from engine.distributed.group import SINGLE, Group
 from engine.distributed.sharding import Shard
 from engine.model.config import ModelConfig
 from engine.model.dummy_weights import DummyCheckpoint, checkpoint_shapes
+from engine.model.fp8_linear import FP8, checkpoint_linears, quantize_linears
 from engine.model.llama import LlamaForCausalLM
 from engine.model.moe import SparseMoE
 
@@ -38,6 +39,13 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 # -> a piece of the layer's stacked experts (engine/model/moe.py Experts): (our
 # parameter, piece index in it).
 _EXPERT = re.compile(r"^(layers\.\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+# An fp8 KV cache's per-layer scales (attention/kv_quant.py), under the names FP8
+# checkpoints use: k_scale / v_scale; kv_scale for both; compressed-tensors' output
+# scales of k_proj and v_proj.
+_KV_SCALE = re.compile(r"^layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|"
+                       r"v_proj\.output_scale)$")
+_KV_SCALE_SIDES = {"k_scale": "k", "v_scale": "v", "kv_scale": "kv", "k_proj.output_scale": "k",
+                   "v_proj.output_scale": "v"}
 _EXPERT_PIECES = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
                   "w2": ("w2", 0), "down_proj": ("w2", 0)}
 
@@ -184,10 +192,13 @@ def _dummy_checkpoint(cfg: ModelConfig, backend: AttentionBackend, max_positions
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
                backend: AttentionBackend, max_positions: int, shard: Shard | None = None,
-               group: Group = SINGLE, load_format: str = "safetensors", seed: int = 0) -> LlamaForCausalLM:
+               group: Group = SINGLE, load_format: str = "safetensors", seed: int = 0,
+               quantization: str | None = None) -> LlamaForCausalLM:
     """Build the model for `cfg` (this rank's part of it, for a tensor-parallel
     `shard`) and fill every parameter from the directory's safetensors, or with
-    load_format "dummy" from tensors generated from `seed` on `device`."""
+    load_format "dummy" from tensors generated from `seed` on `device`. An FP8
+    checkpoint's fp8 linears load as they are (fp8_linear.py); quantization "fp8"
+    quantizes an unquantized checkpoint's at load, every rank together."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     shard = shard or Shard.of(cfg)
@@ -205,36 +216,107 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
                 module.e_score_correction_bias.data = module.e_score_correction_bias.data.float()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # to_empty() unties shared parameters
+    fp8_weights = set()
+    if cfg.quantization == "fp8" and load_format != "dummy":
+        fp8_weights = _fp8_weights(path, cfg)
+        checkpoint_linears(model, fp8_weights)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: dict[str, set[tuple[int | None, int]]] = {name: set() for name in params}  # (expert, piece)
     if load_format == "dummy":
         dummy = _dummy_checkpoint(cfg, backend, max_positions, device, torch_dtype, seed)
-        _fill(dummy, "generated weights", cfg, shard, params, loaded)
+        _fill(dummy, "generated weights", cfg, shard, params, loaded, model)
     else:
         for file in safetensors_files(path):
             with safe_open(file, framework="pt", device="cpu") as f:
-                _fill(f, file.name, cfg, shard, params, loaded)
+                _fill(f, file.name, cfg, shard, params, loaded, model)
     if cfg.tie_word_embeddings:
         loaded["lm_head.weight"] = loaded["embed_tokens.weight"]
     missing = sorted(n for n, shards in loaded.items() if len(shards) < _pieces(n, cfg, shard))
     if missing:
         raise ValueError(f"checkpoint in {str(path)!r} is missing tensors for: {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+    if quantization == "fp8" and not fp8_weights:
+        quantize_linears(model, group)
     model.eval()
     return model
 
 
+def _fp8_weights(model_dir: Path, cfg: ModelConfig) -> set[str]:
+    """Our parameter names of the checkpoint's float8 weights (a fused parameter is fp8
+    if its pieces are; pieces of mixed types are refused)."""
+    kinds: dict[str, set[bool]] = {}
+    for file in safetensors_files(model_dir):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(".weight"):
+                    ours = _target(name, cfg)[0]
+                    kinds.setdefault(ours, set()).add(f.get_slice(name).get_dtype() == "F8_E4M3")
+    mixed = sorted(n for n, k in kinds.items() if len(k) > 1)
+    if mixed:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} mixes fp8 and other weights within {mixed[:4]}")
+    return {n for n, k in kinds.items() if True in k}
+
+
+def _fill_weight_scale(name: str, tensor: torch.Tensor, dest: torch.Tensor,
+                      source: tuple[int, int, int, int] | None) -> None:
+    """An fp8 weight's scale into its rows of the parameter's per-channel scales: one
+    number (per tensor) for every row, or one per output channel, cut like the weight's
+    rows when the rank holds a slice of them."""
+    values = tensor.float().flatten()
+    if not bool(torch.isfinite(values).all() and (values > 0).all()):
+        raise ValueError(f"weight scale {name!r} must be positive and finite: a zero, negative or non-finite "
+                         "scale would turn the weights into garbage")
+    if values.numel() == 1:
+        dest.fill_(values[0])
+        return
+    if source is not None and source[0] == 0:
+        values = values[source[1]:source[2]]
+    if values.shape != dest.shape:
+        raise ValueError(f"weight scale {name!r} has {values.numel()} values for {dest.numel()} output channels: "
+                         "per-tensor and per-channel scales only")
+    dest.copy_(values)
+
+
+def _set_kv_scale(f, name: str, match: re.Match[str], model: LlamaForCausalLM) -> None:
+    """An fp8 cache's scale from the checkpoint, on its layer's attention (floats: read
+    on the host every step, never synchronising with a device)."""
+    layer = int(match.group(1))
+    if layer >= model.config.num_layers:
+        return  # DeepSeek-V3's multi-token prediction layers
+    tensor = f.get_tensor(name)
+    value = float(tensor.float().flatten()[0]) if tensor.numel() == 1 else float("nan")
+    if not (value > 0 and value < float("inf")):
+        raise ValueError(f"KV cache scale {name!r} must be one positive finite number, got {tensor.tolist()!r}")
+    attn = model.layers[layer].self_attn
+    for side in _KV_SCALE_SIDES[match.group(2)]:
+        setattr(attn, f"{side}_scale", value)
+
+
+_NO_QUANTIZATION_CONFIG = (
+    "fp8 tensor {name!r} in {source} but the model's config.json has no quantization_config: an fp8 "
+    "checkpoint names its format there (compressed-tensors float8, fbgemm_fp8 or fp8), which pdserve reads")
+
+
 def _fill(f, source_name: str, cfg: ModelConfig, shard: Shard, params: dict[str, torch.nn.Parameter],
-          loaded: dict[str, set[tuple[int | None, int]]]) -> None:
+          loaded: dict[str, set[tuple[int | None, int]]], model: LlamaForCausalLM) -> None:
     """Copy this rank's part of every tensor in checkpoint `f` (a safetensors file, or
-    a DummyCheckpoint) into params, recording in `loaded` which pieces arrived."""
+    a DummyCheckpoint) into params, recording in `loaded` which pieces arrived; KV
+    cache scales go onto the model's attention layers."""
     for name in f.keys():
         if _IGNORED.search(name):
             continue
+        kv_scale = _KV_SCALE.match(name.removeprefix("model."))
+        if kv_scale is not None:
+            _set_kv_scale(f, name, kv_scale, model)
+            continue
+        if name.endswith(".input_scale"):
+            continue  # an FP8 checkpoint's static activation scale: activations are scaled per token instead
         ours, index, expert = _target(name, cfg)
         layer = _LAYER.match(ours)
         if cfg.mla is not None and layer is not None and int(layer.group(1)) >= cfg.num_layers:
             continue  # DeepSeek-V3's multi-token prediction layers, after the model's (unused, as in transformers)
+        if ours.endswith(".weight_scale") and cfg.quantization is None:
+            raise ValueError(_NO_QUANTIZATION_CONFIG.format(name=name, source=source_name))
         if ours not in params or (expert is not None and (cfg.moe is None or expert >= cfg.moe.num_experts)):
             raise ValueError(f"unexpected tensor {name!r} in {source_name}: not part of a "
                              f"{cfg.architecture} with this config")
@@ -249,9 +331,16 @@ def _fill(f, source_name: str, cfg: ModelConfig, shard: Shard, params: dict[str,
             dest = dest[start:start + sizes[index]]
         if ours.endswith("o_proj.bias") and shard.rank > 0:
             dest.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
+        elif ours.endswith(".weight_scale"):
+            _fill_weight_scale(name, f.get_tensor(name), dest, _source_range(ours.removesuffix("_scale"), index, cfg, shard))
         else:
             source = _source_range(ours, index, cfg, shard)
             tensor = _read(f, name, dest, source)
+            if tensor.dtype == FP8 and dest.dtype != FP8:
+                if cfg.quantization is None:
+                    raise ValueError(_NO_QUANTIZATION_CONFIG.format(name=name, source=source_name))
+                raise ValueError(f"fp8 tensor {name!r} in {source_name}: pdserve has no fp8 path for it "
+                                 "(fp8 loads the decoder's attention and dense MLP linears; not experts)")
             if source is not None and dest.shape[source[0]] != tensor.shape[source[0]]:
                 dest.zero_()  # the vocabulary's padding rows
                 dest = dest.narrow(source[0], 0, tensor.shape[source[0]])

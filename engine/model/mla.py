@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_quant import is_fp8, round_to_cache
 from engine.attention.metadata import current_metadata
 from engine.distributed.group import Group
 from engine.distributed.sharding import Shard
@@ -100,6 +101,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.scale = softmax_scale(cfg)
         self.layer_cache: torch.Tensor | None = None  # [num_blocks, 2, bs, 1, latent] view, bound by the runner
+        self.k_scale = 1.0  # an fp8 cache holds latent / k_scale (attention/kv_quant.py); it is K and V alike
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_proj is not None:
@@ -121,6 +123,11 @@ class MLAttention(nn.Module):
         key = torch.cat((latent[:, None, :], k_rope), dim=-1)  # [T, 1, latent_dim]
         md = current_metadata()
         assert self.layer_cache is not None, "KV cache not bound to the model"
-        o = self.backend.latent_attention(query, key, self.layer_cache, md, self.scale, mla.kv_lora_rank)
+        cache, scale = self.layer_cache, self.scale
+        if is_fp8(cache.dtype):  # the latent is the key and the value: its scale goes on both sides
+            key, scale = round_to_cache(key, self.k_scale, cache.dtype), scale * self.k_scale
+        o = self.backend.latent_attention(query, key, cache, md, scale, mla.kv_lora_rank)
+        if is_fp8(cache.dtype) and self.k_scale != 1.0:
+            o = o * self.k_scale
         o = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v_head_dim]
         return self.group.all_reduce_(self.o_proj(o.transpose(0, 1).reshape(t, heads * mla.v_head_dim)))

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_quant import cache_dtype
 from engine.config import EngineConfig
 from engine.distributed.rank_model import build_rank_model
 from engine.kv_cache.block_hash import hash_full_blocks
@@ -84,8 +85,8 @@ class DraftModelProposer:
         self.block_size = config.block_size
         self.max_tokens = config.max_num_batched_tokens  # per draft forward, as per target step
         # Not a transport's memory: the draft's KV never leaves this worker.
-        cache = allocate_kv_cache(draft.config, num_blocks, config.block_size, TORCH_DTYPES[config.dtype],
-                                  config.device)
+        cache = allocate_kv_cache(draft.config, num_blocks, config.block_size,
+                                  cache_dtype(config.kv_cache_dtype, TORCH_DTYPES[config.dtype]), config.device)
         self.runner = ModelRunner(draft.model, cache, config.block_size, None, draft.backend, config.device)
         # Without prefix caching no request starts on blocks another one computed.
         self.blocks = DraftBlocks(num_blocks, config.block_size) if kv.enable_prefix_caching else None

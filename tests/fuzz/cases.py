@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.kv_cache.manager import cdiv
 from engine.model.config import ModelConfig
-from tests.fuzz.common import MAX_MODEL_LEN, VOCAB, OfflineCase, PDCase, ReqSpec
+from tests.fuzz.common import ENGINE_OPTIONS, MAX_MODEL_LEN, VOCAB, OfflineCase, PDCase, ReqSpec
 from tests.fuzz.structured import draw_constraint
 
 
@@ -122,10 +122,11 @@ def tier_options(rng: random.Random, block_size: int) -> dict[str, Any]:
 
 
 def fit_tiers(options: dict[str, Any], model_dir: str | Path) -> dict[str, Any]:
-    """An engine's options with its tier sizes (drawn in blocks of the tiny llama, above)
-    scaled up to the model's KV bytes per token over every rank of the engine (an MLA
-    latent once: the tiers keep one copy), so that every model gets the blocks drawn;
-    the tiny llama's (and any smaller model's) are left as drawn."""
+    """An engine's options (with ENGINE_OPTIONS) with its tier sizes (drawn in blocks of
+    the tiny llama, above) scaled up to the model's KV bytes per token over every rank of
+    the engine (an MLA latent once: the tiers keep one copy), so that every model gets
+    the blocks drawn; the tiny llama's (and any smaller model's) are left as drawn."""
+    options = {**ENGINE_OPTIONS, **options}
     if "kv_offload_gib" not in options:
         return options
     mc = ModelConfig.from_model_dir(model_dir)

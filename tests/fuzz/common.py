@@ -37,6 +37,11 @@ def spec_params(spec: ReqSpec, max_tokens: int | None = None) -> SamplingParams:
 
 # ----------------------------------------------------------------------------- oracle
 
+# Options every fuzzed engine and the oracle take on top of their own (benchmarks/fuzz/
+# schedules.py --kv-cache-dtype): the oracle is then that configuration's colocated engine.
+ENGINE_OPTIONS: dict[str, Any] = {}
+
+
 class Oracle:
     """What a request gets alone in a roomy colocated engine (no prefix caching, so every
     prompt is computed from scratch), cached per (prompt, sampling params but
@@ -47,7 +52,7 @@ class Oracle:
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = str(model_dir)
         self.llm = LLM(self.model_dir, num_kv_blocks=256, block_size=16, max_num_batched_tokens=2048,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, **ENGINE_OPTIONS)
         self._cache: dict[tuple, tuple[list[int], bool, int]] = {}  # -> tokens, stopped, max_tokens asked
         self.seconds = 0.0
 

@@ -333,3 +333,27 @@ def test_moe_schedules_match_the_oracle(moe_models: dict[str, Path]) -> None:
     for r in results:
         exercised.update(r.stats)
     assert exercised["preemptions"] > 0 and exercised["remote"] > 0, exercised
+
+
+@pytest.mark.timeout(180)
+def test_fp8_schedules_match_the_fp8_oracle(llama_dir: Path) -> None:
+    """An fp8 KV cache and fp8 weights on every engine, the oracle's too: each schedule
+    (chunks, prefix hits, preemption, P/D with fallbacks) gives the colocated fp8
+    engine's tokens, since the model rounds K/V before any store. More seeds:
+    benchmarks/fuzz/schedules.py --kv-cache-dtype fp8 --quantization fp8."""
+    from tests.fuzz.common import ENGINE_OPTIONS
+
+    ENGINE_OPTIONS.update(kv_cache_dtype="fp8", quantization="fp8")
+    try:
+        fp8_oracle = H.Oracle(llama_dir)
+        assert fp8_oracle.llm.core.kv_cache.dtype == torch.float8_e4m3fn
+        results = [H.run_offline(H.make_offline_case(seed), llama_dir, fp8_oracle) for seed in range(30)]
+        results += [H.run_pd(H.make_pd_case(seed, "shm", bounded_copies=True), llama_dir, fp8_oracle)
+                    for seed in range(15)]
+    finally:
+        ENGINE_OPTIONS.clear()
+    assert report(results) == ""
+    exercised = Counter()
+    for r in results:
+        exercised.update(r.stats)
+    assert exercised["preemptions"] > 0 and exercised["cache_hits"] > 0 and exercised["remote"] > 0, exercised

@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from kv_transfer import IncompatiblePeerError
+from kv_transfer.control import HANDSHAKE_VERSION
 from protocol import PROTOCOL_VERSION, MessageError, encode
 from protocol.kv_control import KV_CONTROL_MESSAGES, Written
 from tests.kv_transfer.agent import cpu_agent
@@ -112,6 +113,21 @@ def test_a_peer_speaking_another_protocol_version_is_refused_at_the_handshake_na
         meta["protocol_version"] = PROTOCOL_VERSION - 1
         with pytest.raises(IncompatiblePeerError, match=f"it speaks protocol version {PROTOCOL_VERSION - 1}, "
                                                         f"this side {PROTOCOL_VERSION}"):
+            sender.add_peer(msgpack.packb(meta, use_bin_type=True))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_peer_from_before_kv_scales_is_refused_by_its_handshake_version() -> None:
+    """A version-3 peer's compatibility record has no kv_scales: the version check names
+    it, before the record could be called malformed."""
+    receiver, sender = cpu_agent("shm", "decode"), cpu_agent("shm", "prefill")
+    try:
+        meta = msgpack.unpackb(receiver.metadata(), raw=False)
+        meta["v"] = 3
+        meta["compat"].pop("kv_scales")
+        with pytest.raises(IncompatiblePeerError, match=f"handshake version 3, this agent speaks {HANDSHAKE_VERSION}"):
             sender.add_peer(msgpack.packb(meta, use_bin_type=True))
     finally:
         sender.close()

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from cluster.config import ClusterConfig, ConfigError, load_cluster_config
+from tests.unit.test_fp8_weights import fp8_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,6 +99,34 @@ def test_a_store_too_small_for_one_block_and_pools_of_other_block_sizes_are_refu
     with pytest.raises(ConfigError, match=r"^prefill.engine.block_size: must equal decode.engine.block_size .* "
                                           r"got 32 and 16"):
         ClusterConfig.from_dict({**base, "prefill": {"replicas": 1, "engine": {"block_size": 32}}})
+
+
+def test_pools_of_other_kv_cache_dtypes_or_weight_quantization_are_refused(llama_dir) -> None:
+    fp8 = {"replicas": 1, "engine": {"kv_cache_dtype": "fp8", "quantization": "fp8"}}
+    base = {"model": str(llama_dir), "prefill": fp8, "decode": fp8}
+    ok = ClusterConfig.from_dict(base)
+    assert ok.engine_config("decode").kv_cache_dtype == "fp8"
+    with pytest.raises(ConfigError, match=r"^prefill.engine.kv_cache_dtype: must equal decode.engine.kv_cache_dtype "
+                                          r".* got 'fp8' and 'auto'"):
+        ClusterConfig.from_dict({**base, "decode": {"replicas": 1, "engine": {"quantization": "fp8"}}})
+    with pytest.raises(ConfigError, match=r"^prefill.engine.quantization: must equal decode.engine.quantization "
+                                          r".* got 'fp8' and None"):
+        ClusterConfig.from_dict({**base, "decode": {"replicas": 1, "engine": {"kv_cache_dtype": "fp8"}}})
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
+        ClusterConfig.from_dict({**base, "decode": {"replicas": 1, "engine": {"kv_cache_dtype": "fp4"}}})
+    # Compared as they take effect: "fp8" is e4m3; e5m2 is other bytes.
+    ClusterConfig.from_dict({**base, "decode": {"replicas": 1, "engine": {"kv_cache_dtype": "fp8_e4m3",
+                                                                         "quantization": "fp8"}}})
+    with pytest.raises(ConfigError, match=r"got 'fp8' and 'fp8_e5m2'"):
+        ClusterConfig.from_dict({**base, "decode": {"replicas": 1, "engine": {"kv_cache_dtype": "fp8_e5m2",
+                                                                             "quantization": "fp8"}}})
+
+
+def test_an_fp8_checkpoint_is_fp8_weights_whether_or_not_a_pool_says_so(llama_dir, tmp_path) -> None:
+    ckpt = fp8_checkpoint(llama_dir, tmp_path / "fp8", per_tensor=False)
+    base = {"model": str(ckpt), "prefill": {"replicas": 1, "engine": {"quantization": "fp8"}},
+            "decode": {"replicas": 1}}
+    assert ClusterConfig.from_dict(base).engine_config("decode").quantization is None
 
 
 def test_expert_parallel_on_a_model_without_experts_is_refused_at_load(llama_dir) -> None:

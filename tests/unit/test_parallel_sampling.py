@@ -177,3 +177,19 @@ def test_a_stuck_sequence_is_unshared_by_itself_while_a_grammar_compiles_in_fron
     assert sorted(queued) == ["g-0", "g-1"], queued  # each once: none lost, none twice
     assert scheduler.waiting[0][1].request_id == "g-1"  # unshared: it recomputes its prompt alone
     assert kv.num_held_blocks("g-1") == 0 and kv.num_held_blocks("g-0") == 2
+
+
+@pytest.mark.timeout(120)
+def test_forked_block_copies_work_on_an_fp8_cache(llama_dir: Path) -> None:
+    """The copy-on-write of the forked partial block moves fp8 bytes (CPU torch has no
+    float8 index_copy_: this step raised, failing every request in it)."""
+    params = SamplingParams(**{**SAMPLED.__dict__, "n": 3})
+    core = engine(llama_dir, kv_cache_dtype="fp8")
+    core.add_request("g", PROMPT_PARTIAL, params)
+    done = drain(core)
+    got = [done[child_request_id("g", i)] for i in range(3)]
+    alone = engine(llama_dir, kv_cache_dtype="fp8")
+    for i in range(3):
+        alone.add_request(f"s{i}", PROMPT_PARTIAL, params.child(i))
+    want = drain(alone)
+    assert got == [want[f"s{i}"] for i in range(3)]

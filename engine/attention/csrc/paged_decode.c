@@ -1,5 +1,6 @@
-/* Paged decode attention for float32 on CPU: one query token per sequence, read
- * straight from the block-major KV cache in a single pass (online softmax).
+/* Paged decode attention on CPU: one query token per sequence, read straight from
+ * the block-major KV cache (float32, or fp8 widened through a 256-entry table) in a
+ * single pass (online softmax).
  *
  * Plain torch has to gather a sequence's blocks into new memory before it can
  * multiply, which moves the KV bytes three times; decode on CPU is bound by exactly
@@ -38,6 +39,16 @@ static inline void axpy(float *y, float a, const float *x, int n) {
     for (int i = 0; i < n; i += 8) *(v8 *)(y + i) += a * *(const v8 *)(x + i);
 }
 
+/* One head's head_dim values: a float32 cache's own, or an fp8 cache's bytes widened
+ * through `lut` (every byte's value) into buf. Widening once per token and head
+ * serves all the query heads that share the KV head. */
+static inline const float *load_row(const char *p, const float *lut, float *buf, int n) {
+    if (!lut) return (const float *)p;
+    const uint8_t *b = (const uint8_t *)p;
+    for (int i = 0; i < n; i++) buf[i] = lut[b[i]];
+    return buf;
+}
+
 static inline void scale_vec(float *y, float a, int n) {
     for (int i = 0; i < n; i += 8) *(v8 *)(y + i) *= a;
 }
@@ -45,8 +56,9 @@ static inline void scale_vec(float *y, float a, int n) {
 /* One sequence, KV heads [h0, h1): each with `groups` query vectors, against
  * `seq_len` cached tokens. Heads go inside the block loop, so one block's K (then V)
  * of all these heads is read together; in the engine's layout each head's is one
- * contiguous run of n * head_dim floats. q, out: [h1 - h0, groups, head_dim]. */
-static void attend(float *out, const float *q, const float *cache, int h0, int h1,
+ * contiguous run of n * head_dim elements. q, out: [h1 - h0, groups, head_dim].
+ * Strides are in bytes here; lut is NULL for a float32 cache. */
+static void attend(float *out, const float *q, const char *cache, const float *lut, int h0, int h1,
                    const int32_t *block_table, int32_t seq_len, int64_t s_block, int64_t s_kv,
                    int64_t s_slot, int64_t s_head, int groups, int head_dim, int block_size,
                    float scale) {
@@ -54,23 +66,25 @@ static void attend(float *out, const float *q, const float *cache, int h0, int h
     float acc[MAX_QUERY_HEADS * MAX_HEAD_DIM];
     float p[MAX_QUERY_HEADS * MAX_BLOCK_SIZE];
     float m[MAX_QUERY_HEADS], l[MAX_QUERY_HEADS];
+    float buf[MAX_HEAD_DIM];
     memset(acc, 0, sizeof(float) * heads * head_dim);
     for (int j = 0; j < heads; j++) { m[j] = -INFINITY; l[j] = 0.0f; }
 
     int num_blocks = (seq_len + block_size - 1) / block_size;
     for (int b = 0; b < num_blocks; b++) {
-        const float *k = cache + (int64_t)block_table[b] * s_block;
-        const float *v = k + s_kv;
+        const char *k = cache + (int64_t)block_table[b] * s_block;
+        const char *v = k + s_kv;
         /* Slots past the end of the last block may hold anything, even NaN: never read. */
         int n = seq_len - b * block_size;
         if (n > block_size) n = block_size;
         for (int t = 0; t < n; t++)
-            for (int h = h0; h < h1; h++)
+            for (int h = h0; h < h1; h++) {
+                const float *kr = load_row(k + t * s_slot + h * s_head, lut, buf, head_dim);
                 for (int g = 0; g < groups; g++) {
                     int j = (h - h0) * groups + g;
-                    p[j * block_size + t] =
-                        dot(q + j * head_dim, k + t * s_slot + h * s_head, head_dim) * scale;
+                    p[j * block_size + t] = dot(q + j * head_dim, kr, head_dim) * scale;
                 }
+            }
         for (int j = 0; j < heads; j++) {
             float *pj = p + j * block_size;
             float block_max = pj[0];
@@ -87,12 +101,13 @@ static void attend(float *out, const float *q, const float *cache, int h0, int h
             }
         }
         for (int t = 0; t < n; t++)
-            for (int h = h0; h < h1; h++)
+            for (int h = h0; h < h1; h++) {
+                const float *vr = load_row(v + t * s_slot + h * s_head, lut, buf, head_dim);
                 for (int g = 0; g < groups; g++) {
                     int j = (h - h0) * groups + g;
-                    axpy(acc + j * head_dim, p[j * block_size + t], v + t * s_slot + h * s_head,
-                         head_dim);
+                    axpy(acc + j * head_dim, p[j * block_size + t], vr, head_dim);
                 }
+            }
     }
     for (int j = 0; j < heads; j++)
         for (int d = 0; d < head_dim; d++) out[j * head_dim + d] = acc[j * head_dim + d] / l[j];
@@ -101,19 +116,21 @@ static void attend(float *out, const float *q, const float *cache, int h0, int h
 /* out[r] = attention of query[rows[r]] over the cache blocks in block_tables[r]
  * (seq_lens[r] tokens), for r in [0, num_rows). Query and out rows are
  * [num_kv_heads * groups, head_dim], contiguous. `cache` is one layer's view:
- * cache + block*s_block + kv*s_kv + slot*s_slot + head*s_head, dims contiguous;
+ * cache + block*s_block + kv*s_kv + slot*s_slot + head*s_head (in elements of
+ * elem_size bytes: 4, float32; or 1, fp8 with lut giving each byte's value), dims contiguous;
  * any strides (the engine's head stride spans all layers of a block's head).
  * Work is split into `head_splits` parts per row (1 unless rows are too few to keep
  * every thread busy); the caller keeps (num_kv_heads / head_splits) * groups within
  * MAX_QUERY_HEADS. `threads` is the caller's (torch's) count: OpenMP's default is per
  * calling thread and, in a thread torch has not set up, every core. */
-void paged_decode_attention_f32(float *out, const float *query, const int64_t *rows,
-                                int64_t q_row_stride, const float *cache, int64_t s_block,
-                                int64_t s_kv, int64_t s_slot, int64_t s_head,
-                                const int32_t *block_tables, int64_t bt_stride,
-                                const int32_t *seq_lens, int num_rows, int num_kv_heads,
-                                int groups, int head_dim, int block_size, float scale,
-                                int head_splits, int threads) {
+void paged_decode_attention(float *out, const float *query, const int64_t *rows,
+                            int64_t q_row_stride, const char *cache, int elem_size, const float *lut,
+                            int64_t s_block, int64_t s_kv, int64_t s_slot, int64_t s_head,
+                            const int32_t *block_tables, int64_t bt_stride,
+                            const int32_t *seq_lens, int num_rows, int num_kv_heads,
+                            int groups, int head_dim, int block_size, float scale,
+                            int head_splits, int threads) {
+    s_block *= elem_size; s_kv *= elem_size; s_slot *= elem_size; s_head *= elem_size;
     int64_t items = (int64_t)num_rows * head_splits;
     int64_t head_span = (int64_t)groups * head_dim;
     int per_split = (num_kv_heads + head_splits - 1) / head_splits;
@@ -124,7 +141,7 @@ void paged_decode_attention_f32(float *out, const float *query, const int64_t *r
         int h1 = h0 + per_split < num_kv_heads ? h0 + per_split : num_kv_heads;
         if (h0 >= h1) continue;
         attend(out + r * num_kv_heads * head_span + h0 * head_span,
-               query + rows[r] * q_row_stride + h0 * head_span, cache, h0, h1,
+               query + rows[r] * q_row_stride + h0 * head_span, cache, lut, h0, h1,
                block_tables + r * bt_stride, seq_lens[r], s_block, s_kv, s_slot, s_head,
                groups, head_dim, block_size, scale);
     }
