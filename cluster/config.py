@@ -33,14 +33,15 @@ import yaml
 
 from cluster.autoscale.config import AutoscaleConfig
 from cluster.config_fields import ConfigError, check, checked_mapping, integer, number
+from cluster.model_checks import check_pools_share_kv_format, check_store_holds_a_block
 from cluster.router_config import POLICIES, RouterConfig
-from engine.config import DTYPE_BYTES, DTYPES, LOAD_FORMATS, EngineConfig, kv_cache_format
+from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
 from engine.config_check import FieldTypeError
 from engine.distributed.sharding import check_shardable
 from engine.model.config import ModelConfig
 from engine.speculative.config import SpeculativeConfig
-from kv_store.server import stored_size
 from kv_transfer import CPU_ONLY, GPU_ONLY, TRANSPORTS, TransportConfig
+from kv_transfer.config import STREAM_MODES
 
 __all__ = ["ClusterConfig", "ConfigError", "LocalConfig", "PoolConfig", "POLICIES", "RayConfig", "RayPoolConfig",
            "RouterConfig", "TransportOptions", "check_ray_model_dir", "load_cluster_config"]
@@ -184,13 +185,19 @@ class TransportOptions:
     timeout_s: float = TransportConfig.timeout_s
     cancel_grace_s: float = TransportConfig.cancel_grace_s
     progress_thread: bool = TransportConfig.progress_thread
+    stream: str = TransportConfig.stream
+    stream_min_tokens: int = TransportConfig.stream_min_tokens
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "transport_options") -> TransportOptions:
+        if isinstance(data, dict) and data.get("stream") is False:
+            data = {**data, "stream": "off"}  # YAML 1.1 reads an unquoted `stream: off` as false
         data = checked_mapping(cls, data, path)
         out = cls(**data)
+        check(out.stream in STREAM_MODES, f"{path}.stream", f"must be one of {STREAM_MODES}, got {out.stream!r}")
         return cls(number(out.timeout_s, f"{path}.timeout_s", 0, strict=True),
-                   number(out.cancel_grace_s, f"{path}.cancel_grace_s", 0, strict=True), out.progress_thread)
+                   number(out.cancel_grace_s, f"{path}.cancel_grace_s", 0, strict=True), out.progress_thread,
+                   out.stream, integer(out.stream_min_tokens, f"{path}.stream_min_tokens", 0))
 
 
 @dataclass(frozen=True)
@@ -297,13 +304,13 @@ class ClusterConfig:
             with_tier = [r for r in ("prefill", "decode") if out.engine_config(r).kv_offload_gib > 0]
             check(bool(with_tier), "kv_store.enabled", "no pool has a host tier to reach the store through: "
                   "set <pool>.engine.kv_offload_gib > 0 on the pools that should share it")
-            _check_store_holds_a_block(out, with_tier)
+            check_store_holds_a_block(out, with_tier)
         if out.prefill.replicas and out.decode.replicas:  # the transports' handshake refuses it later
             sizes = {role: out.engine_config(role).block_size for role in ("prefill", "decode")}
             check(sizes["prefill"] == sizes["decode"], "prefill.engine.block_size",
                   f"must equal decode.engine.block_size (a prefill worker writes whole blocks of the "
                   f"decode worker's), got {sizes['prefill']} and {sizes['decode']}")
-            _check_pools_share_kv_format(out)
+            check_pools_share_kv_format(out)
         if load_format == "dummy" and out.prefill.replicas:  # the seed draws the weights: one model for both pools
             seeds = {role: out.engine_config(role).seed for role in ("prefill", "decode")}
             check(seeds["prefill"] == seeds["decode"], "decode.engine.seed",
@@ -319,39 +326,6 @@ class ClusterConfig:
     def transport_config(self, host: str) -> TransportConfig:
         """The KV transport's config of a worker whose control socket listens on host."""
         return TransportConfig(host=host, **dataclasses.asdict(self.transport_options))
-
-
-def _check_pools_share_kv_format(config: ClusterConfig) -> None:
-    """The decode worker reads the bytes a prefill worker writes: the same cache format,
-    from models quantized alike. Compared as they take effect: "fp8" is "fp8_e4m3", and
-    no quantization setting on an fp8 checkpoint is fp8 (where the model is readable)."""
-    checkpoint = None
-    if os.path.isfile(os.path.join(config.model, "config.json")):
-        checkpoint = ModelConfig.from_model_dir(config.model).quantization
-    engines = {role: config.engine_config(role) for role in ("prefill", "decode")}
-    for name, effective, why in (
-            ("kv_cache_dtype", lambda e: kv_cache_format(e.kv_cache_dtype), "the decode worker reads the bytes "
-             "a prefill worker writes"),
-            ("quantization", lambda e: e.quantization or checkpoint, "the pools' models would compute different KV")):
-        p, d = (getattr(engines[r], name) for r in ("prefill", "decode"))
-        check(effective(engines["prefill"]) == effective(engines["decode"]), f"prefill.engine.{name}",
-              f"must equal decode.engine.{name} ({why}), got {p!r} and {d!r}")
-
-
-def _check_store_holds_a_block(config: ClusterConfig, roles: list[str]) -> None:
-    """A store smaller than one block refuses every put: said at load, not by a store that
-    stays empty. Only where the model is readable here (as _check_shardable)."""
-    if not os.path.isfile(os.path.join(config.model, "config.json")):
-        return
-    model = ModelConfig.from_model_dir(config.model)
-    capacity = int(config.kv_store.capacity_gib * 2**30)
-    for role in roles:
-        engine = config.engine_config(role)
-        element = 1 if engine.kv_cache_dtype != "auto" else DTYPE_BYTES[engine.dtype]  # fp8: a byte
-        need = stored_size(model.kv_bytes_per_token(element) * engine.block_size,
-                           engine.block_size)
-        check(capacity >= need, "kv_store.capacity_gib", f"must hold one of the {role} pool's KV blocks "
-              f"({need} bytes), got {config.kv_store.capacity_gib:g} GiB ({capacity} bytes)")
 
 
 def _check_speculative(value: Any, role: str) -> None:

@@ -55,6 +55,8 @@ class KVTransport(ABC):
     one_sided = False  # True: bytes land without the receiver's involvement
     multi_rank = False  # True: registers a TP>1 worker's rank caches and moves heads between TP sizes
     fabric = "host"  # the wire its KV crosses between hosts (kv_transfer/fabric.py)
+    # The most bytes one descriptor may carry (None: a whole run of consecutive blocks).
+    max_run_bytes: int | None = None
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         self.agent_name = agent_name

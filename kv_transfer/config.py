@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from security import DeploymentSecret
 
+STREAM_MODES = ("off", "chunk")
+
 
 @dataclass(frozen=True)
 class TransportConfig:
@@ -22,6 +24,12 @@ class TransportConfig:
     # thread takes a whole core, which small CPU hosts cannot spare
     # (docs/benchmarks/2026-11-29-kv-transfer.md).
     progress_thread: bool = False
+    # When a prefill worker writes a prompt's KV (prefill_worker/remote_prefill.py):
+    # "chunk" writes each block as soon as a step has computed it, so a chunked prefill's
+    # earlier chunks move while the later ones compute; "off" writes every block once the
+    # whole prompt is computed. Prompts under stream_min_tokens are written whole.
+    stream: str = "chunk"
+    stream_min_tokens: int = 0
     # The deployment's secret (security/): the control plane's sockets are CURVE, the
     # handshake carries a tag proving it, and peers without it are refused. None only
     # for transports made in tests and benchmarks of this package alone; every launched
@@ -33,3 +41,8 @@ class TransportConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not self.cancel_grace_s > 0:
             raise ValueError(f"cancel_grace_s must be > 0, got {self.cancel_grace_s}")
+        if self.stream not in STREAM_MODES:
+            raise ValueError(f"stream must be one of {STREAM_MODES}, got {self.stream!r}")
+        if isinstance(self.stream_min_tokens, bool) or not (isinstance(self.stream_min_tokens, int)
+                                                             and self.stream_min_tokens >= 0):
+            raise ValueError(f"stream_min_tokens must be an integer >= 0, got {self.stream_min_tokens!r}")

@@ -80,6 +80,7 @@ class SenderPlane(Protocol):
     """What the sender needs of its transport: the data-plane hooks base.py declares."""
 
     one_sided: bool
+    max_run_bytes: int | None
 
     @property
     def registered_cache(self) -> torch.Tensor: ...
@@ -129,8 +130,10 @@ class SenderState:
         if not src_blocks:
             raise ValueError("a write needs at least one block")
         xfer = next(self._xfer_ids)
-        w = Write(xfer, peer, req, epoch, list(dst_blocks), coalesce(src_blocks, dst_blocks), target.pieces,
-                  time.monotonic(), deadline)
+        limit = self._plane.max_run_bytes
+        max_count = None if limit is None else max(1, limit // self._plane.registered_compat.block_bytes)
+        w = Write(xfer, peer, req, epoch, list(dst_blocks), coalesce(src_blocks, dst_blocks, max_count),
+                  target.pieces, time.monotonic(), deadline)
         self.writes[xfer] = w
         self._stats["writes"] += 1
         if (req, epoch) in self.cancelled:

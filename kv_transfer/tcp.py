@@ -31,6 +31,12 @@ class TcpTransport(KVTransport):
     one_sided = False
     multi_rank = True
     fabric = "tcp"
+    # One ZMQ frame per descriptor, and CURVE encrypts and decrypts a frame whole: frames
+    # of about 1 MiB keep encryption, the wire and decryption moving at once. Whole runs
+    # (47 MB for a 1k-token prompt of the demo) exposed 1.5-2.7x the push time across
+    # loopback with CURVE (docs/benchmarks/2026-12-06-kv-streaming.md); plain tcp moved
+    # 1 MiB descriptors as fast as 4 MiB ones (2026-11-29-kv-transfer.md).
+    max_run_bytes = 1 << 20
 
     def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         return {}

@@ -31,6 +31,7 @@ class _Job:
     end_block: int  # one past the last block index to write
     submitted: float = field(default_factory=time.monotonic)
     computed: float | None = None  # when the engine reported the prompt's KV complete
+    stream: bool = True  # write blocks as they are computed, not all at the end
     outstanding: set[int] = field(default_factory=set)  # xfer ids in flight
     failed: str | None = None
 
@@ -60,7 +61,9 @@ class PrefillWorkerCore:
             self.stats["refused"] += 1
             raise ValueError(f"{rp.request_id}: {refusal}")
         self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1])
-        self.jobs[rp.request_id] = _Job(rp, rp.first_block, end)
+        config = self.transport.config
+        stream = config.stream == "chunk" and len(rp.prompt_token_ids) - 1 >= config.stream_min_tokens
+        self.jobs[rp.request_id] = _Job(rp, rp.first_block, end, stream=stream)
 
     def _refusal(self, rp: RemotePrefill, end: int) -> str | None:
         if not (0 <= rp.first_block < end <= len(rp.block_ids)):
@@ -132,7 +135,12 @@ class PrefillWorkerCore:
         if computed is None:
             return
         # Full blocks are final as soon as computed; the partial last one once prefilled.
-        ready = job.end_block if prefilled else min(computed // self.block_size, job.end_block)
+        if prefilled:
+            ready = job.end_block
+        elif job.stream:
+            ready = min(computed // self.block_size, job.end_block)
+        else:
+            return
         if ready <= job.next_block:
             return
         rp = job.rp

@@ -9,6 +9,7 @@
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer offline --structured 0.5 --seeds 300
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer tiers --seeds 1000
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer pd --kv-cache-dtype fp8 --tp random --seeds 100
+    .venv/bin/python -m benchmarks.fuzz schedules --fuzzer pd --transport tcp --stream off --seeds 1000
 
 Prints one line per failure: seed, kind (mismatch / exception / hang / error_finish /
 invariant / rejection / constraint), a tag when it looks like a known bug (F1-F4; F3 on
@@ -27,6 +28,10 @@ tokens are checked against Hugging Face transformers on a few prompts first
 (--no-hf-check to skip). P/D copies are slowed without bound by default (a stalled
 host); --bounded-copies keeps a started copy within the transport's bounds, as the
 short test in tests/fuzz does.
+
+--stream off|chunk sets transport_options.stream for every pd seed; by default each seed
+draws it (chunk twice as often as off), and a stream_min_tokens of 0, 16 or 48, from a
+random stream of its own, so the rest of a seed's schedule is the same in every mode.
 
 --kv-cache-dtype fp8 (or fp8_e5m2) gives every engine, the oracle's too, an fp8 KV
 cache, and --quantization fp8 fp8 weights: not comparable to HF's tokens (--no-hf-check
@@ -89,6 +94,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fuzzer", choices=("offline", "pd", "tiers"), default="offline")
     ap.add_argument("--transport", choices=("shm", "tcp"), default="shm", help="pd only")
+    ap.add_argument("--stream", choices=("drawn", "off", "chunk"), default="drawn",
+                    help="pd only: transport_options.stream for every seed (drawn: per seed, chunk or off)")
     ap.add_argument("--tp", default="1",
                     help="tensor_parallel_size of the fuzzed engines: offline P; pd P,D (prefill, decode), "
                          "P (both), or random (a pair from {1,2}x{1,2} per seed)")
@@ -201,6 +208,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
         label += f"/w{args.quantization}"
     if args.tp != "1":
         label += f"/tp{args.tp}"
+    if args.fuzzer == "pd" and args.stream != "drawn":
+        label += f"/stream-{args.stream}"
     if args.structured:
         label += f"/structured{args.structured:g}"
     for seed in range(args.start, args.start + args.seeds):
@@ -215,6 +224,9 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
             where = f"tp={pair[0]},{pair[1]} " if tp == "random" else ""
             if tp == "random":
                 stats[f"seeds_tp{pair[0]},{pair[1]}"] += 1
+            if args.stream != "drawn":
+                case.stream = args.stream
+            stats[f"seeds_stream_{case.stream}"] += 1
         H.add_structured(case, args.structured)
         # the wall limit runs from when the engines are up: TP groups take long to start
         signal.alarm(int(args.seed_wall_limit + 30 + (60 if args.tp != "1" else 0)))

@@ -11,6 +11,7 @@ BENCHMARKS = {
     "tp_transfer": "benchmarks.kv.tp_transfer",
     "nccl_rendezvous": "benchmarks.kv.nccl_rendezvous",
     "link": "benchmarks.kv.link",
+    "stream": "benchmarks.kv.stream",
 }
 
 if __name__ == "__main__":  # not when a spawned child imports this module as its main

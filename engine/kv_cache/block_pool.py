@@ -77,6 +77,11 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        # Ascending ids: a request's blocks come back tail-first (free), so the next
+        # request would get them descending, and a KV push between workers moves a run of
+        # consecutive ids on both sides as one descriptor (kv_transfer/runs.py), but a
+        # descending one block by block. Which blocks are evicted does not change.
+        out.sort(key=lambda block: block.block_id)
         return out
 
     def lookup(self, parent_hash: int, block_hash: int, token_ids: Sequence[int]) -> KVBlock | None:

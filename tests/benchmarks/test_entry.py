@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Test beds with verbs of their own (`up`, `down`), not groups of benchmarks.
 TOOLS = {"netns_cluster"}
 GROUPS = sorted(p.parent.name for p in (ROOT / "benchmarks").glob("*/__main__.py") if p.parent.name not in TOOLS)
-QUOTED = re.compile(r"-m benchmarks\.([a-z_]+) ([a-z_]+)")  # GROUP NAME in prose is a placeholder
+QUOTED = re.compile(r"-m benchmarks\.([a-z0-9_]+) ([a-z0-9_]+)")  # GROUP NAME in prose is a placeholder
 
 
 def group_benchmarks(group: str) -> dict[str, str]:

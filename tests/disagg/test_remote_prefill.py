@@ -30,8 +30,9 @@ PROMPTS = random_prompts([2, 17, 33, 64, 90], seed=8) + [SHARED + [5, 6, 7], SHA
 
 def worker_pair(model_dir: Path, transport: str, deadline_s: float = 30.0, grace_s: float = 5.0,
                 async_scheduling: bool = False, prefill_blocks: int = 80, prefix_caching: bool = True,
-                decode_blocks: int = 80, speculative_config: dict | None = None):
-    config = TransportConfig(timeout_s=5.0, cancel_grace_s=grace_s)
+                decode_blocks: int = 80, speculative_config: dict | None = None, stream: str = "chunk",
+                stream_min_tokens: int = 0):
+    config = TransportConfig(timeout_s=5.0, cancel_grace_s=grace_s, stream=stream, stream_min_tokens=stream_min_tokens)
     t_dec, t_pre = create_transport(transport, "decode", config), create_transport(transport, "prefill", config)
     dec = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=decode_blocks, async_scheduling=async_scheduling,
                                   speculative_config=speculative_config), t_dec.allocate_kv_cache)

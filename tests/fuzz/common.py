@@ -225,6 +225,10 @@ class PDCase:
     # The engines with tiers share the fuzz's KV store (tests/fuzz/shared_store.py): P
     # writes its prompts' blocks through, D loads prefixes from it.
     shared_store: bool = False
+    # transport_options.stream and stream_min_tokens of both transports: when P posts a
+    # prompt's blocks (each as computed, or all once prefilled).
+    stream: str = "chunk"
+    stream_min_tokens: int = 0
 
 
 def case_dict(case: OfflineCase | PDCase) -> dict[str, Any]:

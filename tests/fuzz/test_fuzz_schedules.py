@@ -84,7 +84,9 @@ def test_offline_schedules_match_the_oracle(llama_dir: Path, oracle: H.Oracle) -
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_pd_schedules_match_the_oracle(llama_dir: Path, oracle: H.Oracle, transport: str) -> None:
-    results = [H.run_pd(H.make_pd_case(seed, transport, bounded_copies=True), llama_dir, oracle) for seed in PD_SEEDS]
+    cases = [H.make_pd_case(seed, transport, bounded_copies=True) for seed in PD_SEEDS]
+    assert {case.stream for case in cases} == {"chunk", "off"}  # both ways of posting a prompt's blocks
+    results = [H.run_pd(case, llama_dir, oracle) for case in cases]
     assert report(results) == ""
     exercised = Counter()
     for r in results:

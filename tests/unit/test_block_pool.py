@@ -44,6 +44,19 @@ def test_free_queue_is_lru_and_eviction_drops_hash() -> None:
     assert pool.lookup(NONE_HASH, h, [1, 2]) is None
 
 
+def test_a_requests_blocks_freed_tail_first_come_back_ascending() -> None:
+    """A request's blocks are freed tail-first; the next one must still get consecutive
+    ids in ascending order, which a KV push moves as one descriptor (kv_transfer/runs.py)."""
+    pool = BlockPool(6)
+    first = pool.allocate(6)
+    pool.free(reversed(first))
+    again = pool.allocate(6)
+    assert [b.block_id for b in again] == [0, 1, 2, 3, 4, 5]
+    pool.free(reversed(again))
+    # Which blocks go is still the queue's order: the first three freed (5, 4, 3).
+    assert [b.block_id for b in pool.allocate(3)] == [3, 4, 5]
+
+
 def test_lookup_verifies_tokens_not_just_hash() -> None:
     pool = BlockPool(2)
     block = pool.allocate(1)[0]

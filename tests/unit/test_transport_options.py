@@ -31,6 +31,10 @@ def test_absent_means_the_transports_own_defaults() -> None:
     ({"cancel_grace_s": -1}, "transport_options.cancel_grace_s: must be > 0, got -1"),
     ({"timeout_s": "10"}, "transport_options.timeout_s: must be a number, got '10'"),
     ({"progress_thread": "no"}, "transport_options.progress_thread: must be true or false, got 'no'"),
+    ({"stream": "layers"}, "transport_options.stream: must be one of ('off', 'chunk'), got 'layers'"),
+    ({"stream": True}, "transport_options.stream: must be a string, got True"),
+    ({"stream_min_tokens": -1}, "transport_options.stream_min_tokens: must be"),
+    ({"stream_min_tokens": 2.5}, "transport_options.stream_min_tokens: must be"),
     ({"host": "0.0.0.0"}, "transport_options.host: unknown key"),  # each worker's own node address
     ({"grace_s": 1}, "transport_options.grace_s: unknown key"),
 ])
@@ -45,7 +49,8 @@ def test_a_yaml_value_reaches_each_workers_transport(tmp_path: Path, llama_dir: 
     transport with, for both pools."""
     path = tmp_path / "cluster.yaml"
     path.write_text(f"model: {llama_dir}\ntransport: tcp\n"
-                    "transport_options: {timeout_s: 3.5, cancel_grace_s: 7, progress_thread: true}\n"
+                    "transport_options: {timeout_s: 3.5, cancel_grace_s: 7, progress_thread: true, stream: off, "
+                    "stream_min_tokens: 512}\n"
                     "prefill: {engine: {num_kv_blocks: 8}}\ndecode: {engine: {num_kv_blocks: 8}}\n")
     config = load_cluster_config(path)
     for role in ("prefill", "decode"):
@@ -55,7 +60,7 @@ def test_a_yaml_value_reaches_each_workers_transport(tmp_path: Path, llama_dir: 
         try:
             assert worker.name == f"{role}-0"
             assert transport.config == TransportConfig(timeout_s=3.5, cancel_grace_s=7.0, host="127.0.0.1",
-                                                       progress_thread=True)
+                                                       progress_thread=True, stream="off", stream_min_tokens=512)
             assert worker.secret is transport.config.secret is secret
         finally:
             transport.close()
