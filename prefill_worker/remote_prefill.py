@@ -62,7 +62,7 @@ class PrefillWorkerCore:
             raise ValueError(f"{rp.request_id}: {refusal}")
         self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1])
         config = self.transport.config
-        stream = config.stream == "chunk" and len(rp.prompt_token_ids) - 1 >= config.stream_min_tokens
+        stream = config.stream == "chunk" and len(rp.prompt_token_ids) >= config.stream_min_tokens
         self.jobs[rp.request_id] = _Job(rp, rp.first_block, end, stream=stream)
 
     def _refusal(self, rp: RemotePrefill, end: int) -> str | None:

@@ -50,7 +50,8 @@ def run_counting(decode: DecodeWorkerCore, prefill: PrefillWorkerCore,
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("stream,min_tokens", [("chunk", 0), ("off", 0), ("chunk", 1000)])
+@pytest.mark.parametrize("stream,min_tokens", [("chunk", 0), ("off", 0), ("chunk", 1000), ("chunk", LONG),
+                                               ("chunk", LONG + 1)])
 def test_each_mode_gives_colocated_tokens_and_posts_when_it_says(llama_dir: Path, reference, transport: str,
                                                                   stream: str, min_tokens: int) -> None:
     decode, prefill = worker_pair(llama_dir, transport, stream=stream, stream_min_tokens=min_tokens,
@@ -59,11 +60,13 @@ def test_each_mode_gives_colocated_tokens_and_posts_when_it_says(llama_dir: Path
         got, writes, done = run_counting(decode, prefill)
         assert got == reference
         long_id = f"r{PROMPTS.index(next(p for p in PROMPTS if len(p) == LONG))}"
-        if stream == "chunk" and min_tokens == 0:
+        if stream == "chunk" and min_tokens <= LONG:  # "shorter than stream_min_tokens": whole
             # 63 tokens to push in chunks of 24: blocks 0 after the first, 1-2 after the
             # second, 3 (partial) at the end; written while the next chunk computed.
             assert writes[long_id] == 3
         else:
+            assert writes[long_id] == 1
+        if stream == "off" or min_tokens > max(len(p) for p in PROMPTS):
             assert all(n == 1 for n in writes.values()), writes
         assert all(d.error is None and d.bytes_written > 0 for d in done.values())
         for core in (decode.engine, prefill.engine):
