@@ -50,6 +50,9 @@ Rows:
     model is random; about a minute)
  6. KV transfer between two processes on the GPU, 256 MiB in 2 MiB descriptors:
     cuda_ipc, and nixl if its wheel came along (>= 150 GB/s)
+ 6b. KV streaming modes (streaming.py): a remote prefill's TTFT over its own compute with
+    transport_options.stream off, chunk and layer, 1024- and 3072-token prompts, 1P1D on
+    the GPU over cuda_ipc and nixl; the modes' first tokens identical (about a minute)
  7. serve: configs/gpu-1p1d.yaml (a prefill and a decode worker sharing the GPU, KV over
     cuda_ipc) against its colocated twin configs/gpu-colocated.yaml, behind the router,
     on a Llama-3.2-1B-shaped model with weights generated on the device (load_format
@@ -93,7 +96,7 @@ Layout: this file is the command line; each section is a module of benchmarks/gp
 (kernels.py row 1, bandwidth.py row 2, tuning.py the tile sweep, fidelity.py and
 engine_rows.py rows 3-5b with decode_step.py and model.py, speculative.py row 5c,
 mla_moe.py the MLA decode and fused MoE kernels' rows, fp8_kv.py row 2b,
-transfer.py row 6, serving.py row 7, step_profile.py and ucx.py the diagnostics,
+transfer.py row 6, streaming.py row 6b, serving.py row 7, step_profile.py and ucx.py the diagnostics,
 report.py the rows and the table). --smoke runs every default section on CPU in about a minute (tests/benchmarks/
 test_gpu_check_smoke.py, in make test): the kernels under the Triton interpreter, the
 engines on the torch attention backend, the served model tiny over shm; timing targets
@@ -131,6 +134,7 @@ from benchmarks.gpu.serving import check_serving  # noqa: E402
 from benchmarks.gpu.shapes import H200, SMOKE  # noqa: E402
 from benchmarks.gpu.speculative import check_speculative  # noqa: E402
 from benchmarks.gpu.step_profile import check_profile  # noqa: E402
+from benchmarks.gpu.streaming import check_streaming  # noqa: E402
 from benchmarks.gpu.transfer import check_copy_kernels, check_transfer  # noqa: E402
 from benchmarks.gpu.tuning import check_tuning  # noqa: E402
 from benchmarks.gpu.ucx import check_ucx  # noqa: E402
@@ -139,7 +143,7 @@ from benchmarks.gpu.ucx import check_ucx  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    p.add_argument("--only", default="kernels,fp32,bandwidth,fp8,engine,speculative,transfer,serve",
+    p.add_argument("--only", default="kernels,fp32,bandwidth,fp8,engine,speculative,transfer,stream,serve",
                    help="comma-separated sections; add tune to sweep the kernels' tiles; "
                         "profile and ucx are diagnostics (see the module docstring)")
     args = p.parse_args()
@@ -174,6 +178,8 @@ def main() -> None:
         if "transfer" in only and s.device != "cpu":
             section("copy kernels", lambda: check_copy_kernels(s))
             section("KV transfer", lambda: check_transfer(s))
+        if "stream" in only:
+            section("KV streaming modes", lambda: check_streaming(s, work))
         if "serve" in only:
             section("serve", lambda: check_serving(s, work))
         if "ucx" in only:  # on CPU too: nixl moves DRAM there

@@ -187,6 +187,7 @@ class TransportOptions:
     progress_thread: bool = TransportConfig.progress_thread
     stream: str = TransportConfig.stream
     stream_min_tokens: int = TransportConfig.stream_min_tokens
+    stream_layers: int = TransportConfig.stream_layers
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "transport_options") -> TransportOptions:
@@ -197,7 +198,8 @@ class TransportOptions:
         check(out.stream in STREAM_MODES, f"{path}.stream", f"must be one of {STREAM_MODES}, got {out.stream!r}")
         return cls(number(out.timeout_s, f"{path}.timeout_s", 0, strict=True),
                    number(out.cancel_grace_s, f"{path}.cancel_grace_s", 0, strict=True), out.progress_thread,
-                   out.stream, integer(out.stream_min_tokens, f"{path}.stream_min_tokens", 0))
+                   out.stream, integer(out.stream_min_tokens, f"{path}.stream_min_tokens", 0),
+                   integer(out.stream_layers, f"{path}.stream_layers", 1))
 
 
 @dataclass(frozen=True)
@@ -311,6 +313,10 @@ class ClusterConfig:
                   f"must equal decode.engine.block_size (a prefill worker writes whole blocks of the "
                   f"decode worker's), got {sizes['prefill']} and {sizes['decode']}")
             check_pools_share_kv_format(out)
+            check(out.transport_options.stream != "layer" or out.engine_config("prefill").tensor_parallel_size == 1,
+                  "transport_options.stream", "layer needs prefill.engine.tensor_parallel_size 1 (each rank of a "
+                  "TP prefill worker computes its layers in its own process, where the writer cannot see them): "
+                  "use chunk")
         if load_format == "dummy" and out.prefill.replicas:  # the seed draws the weights: one model for both pools
             seeds = {role: out.engine_config(role).seed for role in ("prefill", "decode")}
             check(seeds["prefill"] == seeds["decode"], "decode.engine.seed",

@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,8 @@ from engine.scheduler_output import SchedulerOutput
 from engine.speculative.speculator import SpecStats
 
 logger = logging.getLogger(__name__)
+# hook(layer, computed tokens by request) inside a step's forward: EngineCore.set_layer_hook
+LayerHook = Callable[[int, Mapping[str, int]], None]
 
 
 @dataclass
@@ -84,6 +87,7 @@ class EngineCore:
         self._grammars = GrammarWatch(config.grammar_compile_timeout_s)  # requests whose grammar is compiling
         self._prompt_logprobs: set[Request] = set()  # with prompt logprobs still to compute
         self._kv_events: KVEvents | None = None  # kept once collect_kv_events is called
+        self._layer_hook: LayerHook | None = None
 
     @property
     def tp(self) -> TPDriver | None:
@@ -196,6 +200,19 @@ class EngineCore:
         self.scheduler.add_request(request)
         return request
 
+    def set_layer_hook(self, hook: LayerHook | None) -> None:
+        """Call hook(layer, computed) after each decoder layer of every step's forward has
+        written its KV, from inside the step (None: no more). computed[request_id] is each
+        of the step's requests' computed tokens once the step ends: the KV of layers
+        0..layer of its tokens below that is in the cache. On CPU the layer has run when
+        the hook is called; on CUDA it is queued (a reader waits for the compute stream).
+        A streaming prefill worker posts each layer's KV from here (transport_options.stream:
+        layer). TP 1 only: the other ranks compute their layers in their own processes."""
+        if hook is not None and self.tp is not None:
+            raise ValueError(f"a layer hook needs tensor_parallel_size 1 (this engine runs "
+                             f"{self.shard.size} ranks, each computing its layers in its own process)")
+        self._layer_hook = hook
+
     def release_prefilled(self, request_id: str) -> None:
         self.scheduler.remote.release_prefilled(request_id)
 
@@ -306,8 +323,15 @@ class EngineCore:
                 rows = self._prompt_rows(out)
                 launch = self.runner.launch if rows is None else functools.partial(self.runner.launch,
                                                                                    prompt_rows=rows)
-                launched = self._run(launch, queued, out.scheduled, self._block_tables(out),
-                                     in_flight[1] if in_flight else None, out.block_copies)
+                hook = self._layer_hook
+                if hook is not None:
+                    computed = {s.request.request_id: s.start + s.num_new_tokens for s in out.scheduled}
+                    self.model.layer_hook = lambda layer: hook(layer, computed)
+                try:
+                    launched = self._run(launch, queued, out.scheduled, self._block_tables(out),
+                                         in_flight[1] if in_flight else None, out.block_copies)
+                finally:
+                    self.model.layer_hook = None
                 if not self.config.async_scheduling or self.speculator is not None:
                     return self._finish_step((out, launched), queued)
                 self._in_flight = (out, launched)

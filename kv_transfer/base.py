@@ -10,8 +10,10 @@ Who calls what, and when (P = prefill worker, the sender; D = decode worker, the
             blob = t.metadata()      # bytes: handed to peers over the caller's own channel
     D       t.expect(req, epoch, blocks, deadline)  # before telling P those blocks
     P       peer = t.add_peer(blob_of_D)            # refused, naming the field, if incompatible
-            xfer = t.write(peer, req, epoch, src_blocks, dst_blocks, deadline)
+            xfer = t.write(peer, req, epoch, src_blocks, dst_blocks, deadline, layers=None)
                      # every rank pair's heads (rank_pairs.py); block ids hold on every rank
+                     # layers (start, end): only those layers of the blocks (stream: layer);
+                     # D counts a block in once every layer of it has come
                      # the source blocks must stay unchanged until the write is done or failed
             t.cancel(req)                           # stop writing it (e.g. the request died)
     both    events = t.poll()                       # never blocks; call every step
@@ -44,7 +46,7 @@ from kv_transfer.rank_pairs import HeadRange, plan
 from kv_transfer.receiver import ReceiverState
 from kv_transfer.sender import SenderState, Write, written_message
 from protocol import Message, encode
-from protocol.kv_control import Ack, Cancel, CancelAck, Hello, Join, Piece, Run, Written
+from protocol.kv_control import Ack, Cancel, CancelAck, Hello, Join, Layers, Piece, Run, Written
 
 
 class KVTransport(ABC):
@@ -57,6 +59,14 @@ class KVTransport(ABC):
     fabric = "host"  # the wire its KV crosses between hosts (kv_transfer/fabric.py)
     # The most bytes one descriptor may carry (None: a whole run of consecutive blocks).
     max_run_bytes: int | None = None
+    layer_writes = True  # write() takes a layer range (stream: layer)
+    # True: a layer range of a run is gathered into one buffer (a frame, a send), so it
+    # moves as one descriptor, like the whole run; False: one per block and head.
+    gathers_layers = False
+    # A CUDA cache: True when the data plane reads it only after the work queued on the
+    # caller's current stream (a copy on a stream that waits for it, a staging copy, a
+    # collective), so a layer's write may be posted as soon as the layer is queued.
+    stream_ordered = True
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         self.agent_name = agent_name
@@ -70,7 +80,7 @@ class KVTransport(ABC):
         self._events: list[Event] = []  # appended to by both parts, handed out by poll()
         self.stats: dict[str, int] = dict(writes=0, writes_done=0, writes_failed=0, bytes_written=0,
                                           descriptors=0, late_writes_dropped=0, expired=0, overwritten=0,
-                                          overwritten_in_use=0)
+                                          overwritten_in_use=0, regions=0)
         self.sending = SenderState(self, self.control, self.config.timeout_s, self._events, self.stats)
         self.receiving = ReceiverState(self, self.control, self.config.timeout_s, self.config.cancel_grace_s,
                                        self._events, self.stats)
@@ -129,13 +139,14 @@ class KVTransport(ABC):
         """Free the data plane's resources of a write that failed or timed out."""
 
     def _apply(self, sender: str, xfer: int, runs: Sequence[Run], pieces: Sequence[Piece],
-               frames: list[Any]) -> None:
+               frames: list[Any], layers: Layers | None) -> None:
         """Two-sided, on D: put write `xfer`'s data into the local caches (runs: dst_start,
-        count; pieces: rank_pairs.wire, checked to fill every local head); `frames` are
-        whatever came with the notification."""
+        count; pieces: rank_pairs.wire, checked to fill every local head; layers: the
+        layer range, checked, None for every layer); `frames` are whatever came with the
+        notification."""
         raise NotImplementedError
 
-    def _discard(self, sender: str, xfer: int, runs: Sequence[Run]) -> None:
+    def _discard(self, sender: str, xfer: int, runs: Sequence[Run], layers: Layers | None) -> None:
         """Two-sided, on D: consume and drop the data of a refused write, if it comes
         separately from the notification."""
 
@@ -203,6 +214,9 @@ class KVTransport(ABC):
         # Each rank's cache as [blocks, bytes]: what the data planes move.
         self._rank_bytes = [c.view(torch.uint8).view(c.shape[0], -1) for c in ranks]
         self._blocks_bytes = self._rank_bytes[0]
+        # ... and as [blocks, heads, layers, bytes]: what a write of a layer range moves.
+        self._rank_layers = [b.view(b.shape[0], heads, self.compat.num_layers, -1)
+                             for b, heads in zip(self._rank_bytes, self.compat.local_heads)]
         self._files = list(files) if files is not None else None
         try:
             self._data_meta = self._register(self.kv_cache)
@@ -279,12 +293,13 @@ class KVTransport(ABC):
     # ------------------------------------------------------------------ sender (P)
 
     def write(self, peer: str, req: str, epoch: int, src_blocks: Sequence[int],
-              dst_blocks: Sequence[int], deadline: float) -> int:
+              dst_blocks: Sequence[int], deadline: float, layers: Layers | None = None) -> int:
         """Start writing local src_blocks into the peer's dst_blocks; returns the xfer id.
+        layers (start, end): only those layers of the blocks (None: every layer).
 
         The outcome arrives as WriteDone or WriteFailed from poll(). Refused at once
         (as WriteFailed) after the deadline or a cancel for (req, epoch)."""
-        return self.sending.write(peer, req, epoch, src_blocks, dst_blocks, deadline)
+        return self.sending.write(peer, req, epoch, src_blocks, dst_blocks, deadline, layers)
 
     def cancel(self, req: str) -> None:
         """Stop writing `req`: writes whose notification has not gone out fail (once

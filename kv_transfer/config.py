@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from security import DeploymentSecret
 
-STREAM_MODES = ("off", "chunk")
+STREAM_MODES = ("off", "chunk", "layer")
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,12 @@ class TransportConfig:
     # When a prefill worker writes a prompt's KV (prefill_worker/remote_prefill.py):
     # "chunk" writes each block as soon as a step has computed it, so a chunked prefill's
     # earlier chunks move while the later ones compute; "off" writes every block once the
-    # whole prompt is computed. Prompts under stream_min_tokens are written whole.
+    # whole prompt is computed; "layer" writes each step's newly full blocks from inside
+    # the step, stream_layers layers at a time as the forward computes them (the prefill
+    # pool at TP 1). Prompts under stream_min_tokens are written whole.
     stream: str = "chunk"
     stream_min_tokens: int = 0
+    stream_layers: int = 1
     # The deployment's secret (security/): the control plane's sockets are CURVE, the
     # handshake carries a tag proving it, and peers without it are refused. None only
     # for transports made in tests and benchmarks of this package alone; every launched
@@ -46,3 +49,6 @@ class TransportConfig:
         if isinstance(self.stream_min_tokens, bool) or not (isinstance(self.stream_min_tokens, int)
                                                              and self.stream_min_tokens >= 0):
             raise ValueError(f"stream_min_tokens must be an integer >= 0, got {self.stream_min_tokens!r}")
+        if isinstance(self.stream_layers, bool) or not (isinstance(self.stream_layers, int)
+                                                         and self.stream_layers >= 1):
+            raise ValueError(f"stream_layers must be an integer >= 1, got {self.stream_layers!r}")

@@ -34,7 +34,8 @@ from security import DeploymentSecret, PlaneGuard, connect_securely, serve_secur
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_VERSION = 4  # 2: the blob carries the deployment secret's tag; 3: protocol_version; 4: kv_scales
+HANDSHAKE_VERSION = 5  # 2: the blob carries the deployment secret's tag; 3: protocol_version; 4: kv_scales;
+# 5: writes may carry a layer range (a peer before it would count a layer's write as the whole block)
 TAG = "tag"  # the blob's field holding it
 
 

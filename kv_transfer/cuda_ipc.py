@@ -25,6 +25,7 @@ class CudaIpcTransport(KVTransport):
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)
         self._peer_words: dict[str, torch.Tensor] = {}
+        self._peer_layers: dict[str, torch.Tensor] = {}  # the peer's cache as [blocks, heads, layers, bytes]
         self._words: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -47,12 +48,15 @@ class CudaIpcTransport(KVTransport):
     def _connect(self, peer: Peer) -> None:
         storage = torch.UntypedStorage._new_shared_cuda(*peer.data["handle"])
         raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{peer.data['device']}").set_(storage)
-        self._peer_words[peer.name] = as_words(raw[:peer.data["bytes"]].view(peer.data["num_blocks"], -1))
+        rows = raw[:peer.data["bytes"]].view(peer.data["num_blocks"], -1)
+        self._peer_words[peer.name] = as_words(rows)
+        self._peer_layers[peer.name] = rows.view(rows.shape[0], peer.compat.local_heads[0], peer.compat.num_layers, -1)
 
     def _disconnect(self, name: str) -> None:
         assert self._stream is not None  # made by _register, before any peer was added
         self._stream.synchronize()  # no queued copy may still target the mapping
         self._peer_words.pop(name, None)
+        self._peer_layers.pop(name, None)
 
     def _start(self, peer: Peer, write: Write) -> None:
         dst, src = self._peer_words[peer.name], self._words
@@ -60,9 +64,15 @@ class CudaIpcTransport(KVTransport):
         # The source blocks were written by the compute stream: order after it.
         self._stream.wait_stream(torch.cuda.current_stream(self.registered_cache.device))
         with torch.cuda.stream(self._stream):
-            ids = torch.from_numpy(np.stack(block_pairs(write.runs)))
-            ids = ids.pin_memory().to(self.registered_cache.device, non_blocking=True)
-            copy_blocks(src, dst, ids[0], ids[1])
+            if write.layers is not None:  # a layer range: a strided copy per run (heads apart in each block)
+                l0, l1 = write.layers
+                to, frm = self._peer_layers[peer.name], self._rank_layers[0]
+                for s, d, n in write.runs:
+                    to[d:d + n, :, l0:l1].copy_(frm[s:s + n, :, l0:l1], non_blocking=True)
+            else:
+                ids = torch.from_numpy(np.stack(block_pairs(write.runs)))
+                ids = ids.pin_memory().to(self.registered_cache.device, non_blocking=True)
+                copy_blocks(src, dst, ids[0], ids[1])
             event = torch.cuda.Event()
             event.record(self._stream)
         write.handle = event
@@ -72,4 +82,5 @@ class CudaIpcTransport(KVTransport):
 
     def _close(self) -> None:
         self._peer_words.clear()
+        self._peer_layers.clear()
 

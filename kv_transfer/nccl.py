@@ -34,7 +34,7 @@ from kv_transfer.compat import IncompatiblePeerError
 from kv_transfer.control import Peer
 from kv_transfer.sender import Write
 from protocol import encode
-from protocol.kv_control import Join, Piece, Run
+from protocol.kv_control import Join, Layers, Piece, Run
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class NcclTransport(KVTransport):
     name = "nccl"
     one_sided = False
     fabric = "nccl"
+    gathers_layers = True  # a layer range of a run: gathered into one send
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
         super().__init__(agent_name, config)
@@ -166,8 +167,14 @@ class NcclTransport(KVTransport):
     def _start(self, peer: Peer, write: Write) -> None:
         group = self._sender_group(peer.name)
         peer.socket.send(self._header(write))  # the receiver posts its receives on this
-        write.handle = [group.send([self._blocks_bytes[s:s + n]], RECEIVER, write.xfer)
+        # A layer range of a run is gathered first: a send takes one contiguous tensor.
+        write.handle = [group.send([self._run_region(s, n, write.layers).contiguous()], RECEIVER, write.xfer)
                         for s, _, n in write.runs]
+
+    def _run_region(self, start: int, count: int, layers: Layers | None) -> torch.Tensor:
+        """Blocks [start, start + count) of the cache, every layer or `layers`."""
+        l0, l1 = layers or (0, self.registered_compat.num_layers)
+        return self._rank_layers[0][start:start + count, :, l0:l1]
 
     def _progress(self, write: Write) -> bool:
         for work in write.handle or []:
@@ -180,20 +187,29 @@ class NcclTransport(KVTransport):
     def _send_notification(self, peer: Peer, write: Write) -> None:
         pass  # sent ahead of the data by _start
 
-    def _receive(self, sender: str, xfer: int, runs: Sequence[Run], into_cache: bool) -> None:
+    def _receive(self, sender: str, xfer: int, runs: Sequence[Run], layers: Layers | None,
+                 into_cache: bool) -> None:
         group = self._groups.get(sender)
         if group is None:
             raise RuntimeError(f"no transfer group with {sender!r}")
         for d, n in runs:
-            target = self._blocks_bytes[d:d + n] if into_cache else torch.empty_like(self._blocks_bytes[:n])
+            # A recv fills one contiguous tensor: a layer range lands in a buffer first; a
+            # refused write's data, in one of the size its sender sent (whatever its ids).
+            cache = self._rank_layers[0]
+            l0, l1 = layers or (0, cache.shape[2])
+            region = self._run_region(d, n, layers) if into_cache else None
+            target = region if region is not None and region.is_contiguous() else torch.empty(
+                (n, cache.shape[1], max(0, l1 - l0), cache.shape[3]), dtype=cache.dtype, device=cache.device)
             group.recv([target], SENDER, xfer).wait(self._timeout())
+            if region is not None and target is not region:
+                region.copy_(target)
 
     def _apply(self, sender: str, xfer: int, runs: Sequence[Run], pieces: Sequence[Piece],
-               frames: list[Any]) -> None:  # TP 1 only: one whole piece
-        self._receive(sender, xfer, runs, into_cache=True)
+               frames: list[Any], layers: Layers | None) -> None:  # TP 1 only: one whole piece
+        self._receive(sender, xfer, runs, layers, into_cache=True)
 
-    def _discard(self, sender: str, xfer: int, runs: Sequence[Run]) -> None:
-        self._receive(sender, xfer, runs, into_cache=False)
+    def _discard(self, sender: str, xfer: int, runs: Sequence[Run], layers: Layers | None) -> None:
+        self._receive(sender, xfer, runs, layers, into_cache=False)
 
     def _close(self) -> None:
         for group in self._groups.values():

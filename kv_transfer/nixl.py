@@ -24,6 +24,7 @@ its own GPU, which this one agent cannot reach: refused (CPU caches only).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -59,6 +60,7 @@ def _import_nixl():
 class NixlTransport(KVTransport):
     name = "nixl"
     one_sided = True
+    stream_ordered = False  # UCX reads VRAM when it posts, whatever the compute stream has queued
     multi_rank = True  # CPU caches only (_register)
 
     def __init__(self, agent_name: str, config: TransportConfig | None = None) -> None:
@@ -75,6 +77,11 @@ class NixlTransport(KVTransport):
         # Prepared lists of our caches, one per plan (peers with the same plan share it).
         self._local: dict[LocalKey, Any] = {}
         self._remote: dict[str, tuple[Any, Any]] = {}  # peer name -> (its prepared list, ours for its plan)
+        # A layer range's lists, prepared on a peer's first layer write: a descriptor per
+        # (piece, block, head, layer) on each side, peer name -> (its, ours).
+        self._layer_lists: dict[str, tuple[Any, Any]] = {}
+        self._local_layers: dict[LocalKey, Any] = {}  # ours, per plan, as _local
+        self._sides: dict[str, _Side] = {}  # peer name -> where its caches are
         self.stats["notifications_refused"] = 0
         self._refusals = RefusalLog(logger)
 
@@ -123,6 +130,14 @@ class NixlTransport(KVTransport):
             self._agent.remove_remote_agent(name)
             raise
         self._remote[peer.name] = (remote, local)
+        self._sides[peer.name] = _Side(list(bases), [n * hb for n in peer.compat.local_heads], data["num_blocks"],
+                                       data["device_id"], data["mem"])
+        if self.config.stream == "layer":  # now, not inside the first prompt's forward
+            try:
+                self._layer_lists_for(peer)
+            except BaseException:
+                self._disconnect(peer.name)
+                raise
 
     def _local_list(self, pieces: list[Piece]) -> Any:
         key = tuple((p.src_rank, p.src_head, p.num_heads) for p in pieces)
@@ -133,21 +148,47 @@ class NixlTransport(KVTransport):
             self._local[key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type())
         return self._local[key]
 
+    def _layer_lists_for(self, peer: Peer) -> tuple[Any, Any]:
+        """(the peer's, ours) lists of a descriptor per (piece, block, head, layer): a
+        layer range of a block's head is a run of them, which NIXL merges into one."""
+        if peer.name not in self._layer_lists:
+            side, compat = self._sides[peer.name], self.registered_compat
+            key = tuple((p.src_rank, p.src_head, p.num_heads) for p in peer.pieces)
+            if key not in self._local_layers:
+                rows = _layer_descs(peer.pieces, "src", [c.data_ptr() for c in self.kv_caches],
+                                    [b.shape[1] for b in self._rank_bytes], self.registered_cache.shape[0],
+                                    self._device_id(), compat.head_bytes, compat.num_layers)
+                self._local_layers[key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type())
+            rows = _layer_descs(peer.pieces, "dst", side.bases, side.block_bytes, side.num_blocks, side.device_id,
+                                compat.head_bytes, compat.num_layers)
+            remote = self._agent.prep_xfer_dlist(peer.name, rows, side.mem)
+            self._layer_lists[peer.name] = (remote, self._local_layers[key])
+        return self._layer_lists[peer.name]
+
     def _warm(self, peer: Peer) -> None:
         self._agent.make_connection(peer.name)  # UCX endpoints, else made by the first write
 
     def _disconnect(self, name: str) -> None:
+        self._sides.pop(name, None)
+        layer_lists = self._layer_lists.pop(name, None)
+        if layer_lists is not None:
+            self._agent.release_dlist_handle(layer_lists[0])
         lists = self._remote.pop(name, None)
         if lists is not None:
             self._agent.release_dlist_handle(lists[0])
             self._agent.remove_remote_agent(name)
 
     def _start(self, peer: Peer, write: Write) -> None:
-        remote, local = self._remote[peer.name]
-        src, dst = block_pairs(write.runs)
-        if len(write.pieces) > 1:  # piece i's descriptors follow i * blocks earlier ones, on each side
-            src = np.concatenate([src + i * self.registered_cache.shape[0] for i in range(len(write.pieces))])
-            dst = np.concatenate([dst + i * peer.data["num_blocks"] for i in range(len(write.pieces))])
+        if write.layers is not None:
+            remote, local = self._layer_lists_for(peer)
+            src, dst = _layer_indices(write, self.registered_cache.shape[0], peer.data["num_blocks"],
+                                      self.registered_compat.num_layers)
+        else:
+            remote, local = self._remote[peer.name]
+            src, dst = block_pairs(write.runs)
+            if len(write.pieces) > 1:  # piece i's descriptors follow i * blocks earlier ones, on each side
+                src = np.concatenate([src + i * self.registered_cache.shape[0] for i in range(len(write.pieces))])
+                dst = np.concatenate([dst + i * peer.data["num_blocks"] for i in range(len(write.pieces))])
         notification = self._header(write)
         if self.config.secret is not None:
             notification = sign_notification(self.config.secret, self.agent_name, peer.name, notification)
@@ -195,9 +236,10 @@ class NixlTransport(KVTransport):
     def _close(self) -> None:
         for name in list(self._remote):
             self._disconnect(name)
-        for dlist in self._local.values():
+        for dlist in [*self._local.values(), *self._local_layers.values()]:
             self._agent.release_dlist_handle(dlist)
         self._local.clear()
+        self._local_layers.clear()
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
             self._registered = None
@@ -235,3 +277,51 @@ def _piece_descs(pieces: list[Piece], side: str, bases: list[int], block_bytes: 
         part[:, 1] = p.num_heads * head_bytes
         part[:, 2] = device_id
     return rows
+
+
+@dataclass(frozen=True)
+class _Side:
+    """Where a peer's rank caches are, as its handshake announced them."""
+
+    bases: list[int]
+    block_bytes: list[int]  # per rank
+    num_blocks: int
+    device_id: int
+    mem: str
+
+
+def _layer_descs(pieces: list[Piece], side: str, bases: list[int], block_bytes: list[int], num_blocks: int,
+                 device_id: int, head_bytes: int, num_layers: int) -> np.ndarray:
+    """(address, length, device id) rows: for each piece in turn, for each block of the
+    ranks' caches on `side`, for each of the piece's heads, one per layer of that head."""
+    layer_bytes = head_bytes // num_layers
+    parts = []
+    blocks = np.arange(num_blocks, dtype=np.int64)[:, None, None]
+    layers = np.arange(num_layers, dtype=np.int64)[None, None, :]
+    for p in pieces:
+        rank, head = (p.src_rank, p.src_head) if side == "src" else (p.dst_rank, p.dst_head)
+        heads = np.arange(head, head + p.num_heads, dtype=np.int64)[None, :, None]
+        addresses = bases[rank] + blocks * block_bytes[rank] + heads * head_bytes + layers * layer_bytes
+        part = np.empty((addresses.size, 3), dtype=np.int64)
+        part[:, 0], part[:, 1], part[:, 2] = addresses.ravel(), layer_bytes, device_id
+        parts.append(part)
+    return np.concatenate(parts)
+
+
+def _layer_indices(write: Write, src_blocks: int, dst_blocks: int, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """A layer write's descriptor indices into the lists of _layer_descs, each side's:
+    per piece, block, head, then layer, so that each head's layers are consecutive."""
+    assert write.layers is not None
+    src, dst = block_pairs(write.runs)
+    layers = np.arange(*write.layers, dtype=np.int64)[None, None, :]
+    src_parts: list[np.ndarray] = []
+    dst_parts: list[np.ndarray] = []
+    src_off = dst_off = 0
+    for p in write.pieces:
+        heads = np.arange(p.num_heads, dtype=np.int64)[None, :, None]
+        for blocks, off, parts in ((src, src_off, src_parts), (dst, dst_off, dst_parts)):
+            b = blocks.astype(np.int64)[:, None, None]
+            parts.append((off + (b * p.num_heads + heads) * num_layers + layers).ravel())
+        src_off += src_blocks * p.num_heads * num_layers
+        dst_off += dst_blocks * p.num_heads * num_layers
+    return np.concatenate(src_parts), np.concatenate(dst_parts)

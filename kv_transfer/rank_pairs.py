@@ -121,10 +121,16 @@ def plan(src: Sequence[HeadRange], dst: Sequence[HeadRange]) -> list[Piece]:
             for p in pieces]
 
 
-def count_descriptors(pieces: Sequence[Piece], runs: Sequence[tuple[int, int, int]]) -> int:
+def count_descriptors(pieces: Sequence[Piece], runs: Sequence[tuple[int, int, int]],
+                      layers: tuple[int, int] | None = None) -> int:
     """Contiguous regions a write of `runs` (src_start, dst_start, count; runs.coalesce)
-    moves: one per run for a whole piece, one per block for any other."""
+    moves: one per run for a whole piece, one per block for any other; with a layer
+    range short of every layer, one per head of each block (the layers of one head of
+    a block are contiguous, its heads are not), unless the data plane gathers each
+    run's range into one buffer first (tcp, nccl: then pass layers None)."""
     num_blocks = sum(n for *_, n in runs)
+    if layers is not None:
+        return num_blocks * heads_moved(pieces)
     return sum(len(runs) if p.whole else num_blocks for p in pieces)
 
 

@@ -78,7 +78,7 @@ from kv_transfer.events import Completed, Event, Expired, Overwritten, Received,
 from kv_transfer.liveness import ProcessId, is_gone
 from kv_transfer.rank_pairs import check_wire
 from protocol import encode
-from protocol.kv_control import Ack, Cancel, Piece, Run, Written
+from protocol.kv_control import Ack, Cancel, Layers, Piece, Run, Written
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,9 @@ class Reservation:
     blocks: set[int]
     deadline: float  # time.time()
     sender: str | None  # agent name of the writer: named at expect(), else its first write
-    pending: set[int] = field(default_factory=set)  # reserved blocks not written yet
+    # Reserved blocks not wholly written yet -> a bit per layer still missing (a
+    # layer-wise stream writes each block layer group by layer group).
+    missing: dict[int, int] = field(default_factory=dict)
     # Quarantined (one-sided): the senders whose word (cancel_ack) or exit lifts the
     # fence, each with its hello's (session, process) when it died (None: no hello
     # yet), which of them were declared gone, and when the cancels go out again.
@@ -114,6 +116,17 @@ class Reservation:
     unnamed: bool = False
     killed_at: float = 0.0  # time.monotonic()
     cancel_at: float = 0.0  # time.monotonic()
+
+
+def _check_layers(layers: Any, num_layers: int) -> str:
+    """Why a notification's layer range cannot be of a cache of num_layers: "" if fine
+    (None: every layer)."""
+    if layers is None:
+        return ""
+    start, end = layers  # msgspec checked: two ints
+    if not 0 <= start < end <= num_layers:
+        return f"layers [{start}, {end}) are not a layer range of the cache's {num_layers} layers"
+    return ""
 
 
 def _covered(runs: Any) -> set[int] | None:
@@ -136,8 +149,8 @@ class ReceiverPlane(Protocol):
     def registered_compat(self) -> KVCompat: ...
 
     def _apply(self, sender: str, xfer: int, runs: Sequence[Run], pieces: Sequence[Piece],
-               frames: list[Any]) -> None: ...
-    def _discard(self, sender: str, xfer: int, runs: Sequence[Run]) -> None: ...
+               frames: list[Any], layers: Layers | None) -> None: ...
+    def _discard(self, sender: str, xfer: int, runs: Sequence[Run], layers: Layers | None) -> None: ...
 
 
 class ReceiverState:
@@ -157,6 +170,10 @@ class ReceiverState:
         # One-sided: released (req, epoch) -> (its blocks, its deadline, until when a
         # write landing for it is reported as Overwritten), oldest first, MAX_RELEASED at most.
         self._released: OrderedDict[tuple[str, int], tuple[tuple[int, ...], float, float, bool]] = OrderedDict()
+        # (req, epoch) whose dropped writes were logged: one warning each (a layer-wise
+        # stream has a write per layer group in flight when its reservation dies), the
+        # rest at debug; the most recent MAX_RELEASED.
+        self._drops_logged: OrderedDict[tuple[str, int], None] = OrderedDict()
 
     def expect(self, req: str, epoch: int, blocks: Sequence[int], deadline: float, sender: str | None) -> None:
         """KVTransport.expect."""
@@ -166,7 +183,8 @@ class ReceiverState:
         bad = [b for b in blocks if not (isinstance(b, int) and 0 <= b < num_blocks)]
         if bad or not blocks:
             raise ValueError(f"reserved block ids must be in [0, {num_blocks}), got {list(blocks)[:5]}")
-        self.reservations[req] = Reservation(epoch, set(blocks), deadline, sender, set(blocks))
+        every_layer = (1 << self._plane.registered_compat.num_layers) - 1
+        self.reservations[req] = Reservation(epoch, set(blocks), deadline, sender, dict.fromkeys(blocks, every_layer))
 
     def holds(self) -> bool:
         return bool(self.reservations or self.quarantine)
@@ -316,8 +334,9 @@ class ReceiverState:
             del self._released[key]
 
     def on_written(self, sender: bytes, msg: Written, frames: list[Any]) -> None:
-        """A write's notification: accept it (Received, then Completed once every block
-        is in) or refuse it, naming why, to the sender."""
+        """A write's notification: accept it (Received for the blocks it completes, then
+        Completed once every layer of every block is in) or refuse it, naming why, to
+        the sender."""
         req, epoch, blocks = msg.req, msg.epoch, msg.blocks
         r = self.reservations.get(req)
         reason = ""
@@ -360,29 +379,49 @@ class ReceiverState:
             reason = "the reservation's deadline passed"
         elif _covered(msg.runs) != set(blocks):
             reason = "its runs do not cover exactly its blocks"
+        elif bad_layers := _check_layers(msg.layers, self._plane.registered_compat.num_layers):
+            reason = bad_layers
         elif bad_pieces := check_wire(msg.pieces, self._plane.registered_compat.local_heads):
             reason = f"its pieces do not fill every head of the blocks: {bad_pieces}"
         if not reason and not self._plane.one_sided:
             try:
-                self._plane._apply(sender.decode(), msg.xfer, msg.runs, msg.pieces, frames)
+                self._plane._apply(sender.decode(), msg.xfer, msg.runs, msg.pieces, frames, msg.layers)
             except (ValueError, RuntimeError) as exc:
                 reason = f"unusable data: {exc}"
         elif reason and not self._plane.one_sided and _covered(msg.runs) is not None:
             try:
-                self._plane._discard(sender.decode(), msg.xfer, msg.runs)
+                self._plane._discard(sender.decode(), msg.xfer, msg.runs, msg.layers)
             except (ValueError, RuntimeError) as exc:
                 logger.warning("could not drain a refused write's data: %s", exc)
         if reason:
             self._stats["late_writes_dropped"] += 1
-            logger.warning("dropped a write from %s for %s/%d: %s", sender.decode(), req, epoch, reason)
+            first = (req, epoch) not in self._drops_logged
+            self._drops_logged[(req, epoch)] = None
+            while len(self._drops_logged) > MAX_RELEASED:
+                self._drops_logged.popitem(last=False)
+            logger.log(logging.WARNING if first else logging.DEBUG, "dropped a write from %s for %s/%d: %s%s",
+                       sender.decode(), req, epoch, reason, "" if first else " (not its first)")
             self._control.send(sender, encode(Ack(xfer=msg.xfer, ok=False, reason=reason)))
             return
         assert r is not None  # else a reason was given above
         if r.sender is None:
             r.sender = sender.decode()
-        r.pending -= set(blocks)
-        self._events.append(Received(req, epoch, tuple(blocks)))
+        # Only a block every layer of which has come is Received: a partial one is never runnable.
+        layers = (1 << self._plane.registered_compat.num_layers) - 1 if msg.layers is None else \
+            ((1 << msg.layers[1]) - 1) ^ ((1 << msg.layers[0]) - 1)
+        whole = []
+        for b in blocks:
+            left = r.missing.get(b)
+            if left is not None:
+                left &= ~layers
+                if left:
+                    r.missing[b] = left
+                else:
+                    del r.missing[b]
+                    whole.append(b)
+        if whole:
+            self._events.append(Received(req, epoch, tuple(whole)))
         self._control.send(sender, encode(Ack(xfer=msg.xfer, ok=True, reason="")))
-        if not r.pending:
+        if not r.missing:
             del self.reservations[req]
             self._events.append(Completed(req, epoch))

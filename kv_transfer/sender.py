@@ -45,7 +45,7 @@ from kv_transfer.events import Event, WriteDone, WriteFailed
 from kv_transfer.rank_pairs import Piece, count_descriptors, heads_moved, wire
 from kv_transfer.runs import coalesce
 from protocol import encode
-from protocol.kv_control import CancelAck, Written
+from protocol.kv_control import CancelAck, Layers, Written
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class Write:
     pieces: list[Piece]  # which heads go from which rank to which (the peer's plan)
     started: float  # time.monotonic() at write()
     deadline: float  # the reservation's (time.time())
+    layers: Layers | None = None  # [start, end) of the model's layers (stream: layer); None: every layer
     handle: Any = None  # the data plane's handle while it moves bytes (tcp: its frames' ZMQ tracker)
     notified: bool = False  # the "written" message went out; waiting for the ack
     # Cancelled or timed out while its bytes were moving: it fails (with this reason)
@@ -73,13 +74,16 @@ class Write:
 def written_message(w: Write) -> bytes:
     """The write's notification: after its bytes (one-sided), or ahead of them."""
     return encode(Written(xfer=w.xfer, req=w.req, epoch=w.epoch, blocks=w.dst, runs=[(d, n) for _, d, n in w.runs],
-                          pieces=wire(w.pieces)))
+                          pieces=wire(w.pieces), layers=w.layers))
 
 
 class SenderPlane(Protocol):
     """What the sender needs of its transport: the data-plane hooks base.py declares."""
 
+    name: str
     one_sided: bool
+    layer_writes: bool
+    gathers_layers: bool
     max_run_bytes: int | None
 
     @property
@@ -116,7 +120,7 @@ class SenderState:
         self._xfer_ids = itertools.count(1)
 
     def write(self, peer: str, req: str, epoch: int, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-              deadline: float) -> int:
+              deadline: float, layers: Layers | None = None) -> int:
         """KVTransport.write: start one write, or fail it at once; returns its xfer id."""
         target = self._control.peers.get(peer)
         if target is None:
@@ -129,11 +133,20 @@ class SenderState:
                 raise ValueError(f"{name} block ids out of range [0, {limit}): {bad[:5]}")
         if not src_blocks:
             raise ValueError("a write needs at least one block")
+        compat = self._plane.registered_compat
+        if layers is not None:
+            if not self._plane.layer_writes:
+                raise ValueError(f"the {self._plane.name} transport writes whole blocks only (no layer ranges)")
+            if not (len(layers) == 2 and 0 <= layers[0] < layers[1] <= compat.num_layers):
+                raise ValueError(f"layers {list(layers)} are not a range of the cache's {compat.num_layers} layers")
+            layers = None if tuple(layers) == (0, compat.num_layers) else (layers[0], layers[1])
         xfer = next(self._xfer_ids)
         limit = self._plane.max_run_bytes
-        max_count = None if limit is None else max(1, limit // self._plane.registered_compat.block_bytes)
+        block_bytes = compat.block_bytes * (compat.num_layers if layers is None else layers[1] - layers[0]) \
+            // compat.num_layers
+        max_count = None if limit is None else max(1, limit // block_bytes)
         w = Write(xfer, peer, req, epoch, list(dst_blocks), coalesce(src_blocks, dst_blocks, max_count),
-                  target.pieces, time.monotonic(), deadline)
+                  target.pieces, time.monotonic(), deadline, layers)
         self.writes[xfer] = w
         self._stats["writes"] += 1
         if (req, epoch) in self.cancelled:
@@ -146,7 +159,10 @@ class SenderState:
             except Exception as exc:
                 self.fail(w, f"data plane error: {exc}")
                 return xfer
-            self._stats["descriptors"] += count_descriptors(w.pieces, w.runs)
+            self._stats["descriptors"] += count_descriptors(w.pieces, w.runs,
+                                                            None if self._plane.gathers_layers else w.layers)
+            self._stats["regions"] += len(src_blocks) * heads_moved(w.pieces) * (
+                compat.num_layers if w.layers is None else w.layers[1] - w.layers[0])
             try:
                 self.notify_when_landed(w)
             except Exception as exc:  # e.g. a copy that already failed (shm: started too late)
@@ -225,8 +241,10 @@ class SenderState:
         self._ending.pop(w.xfer, None)
         if isinstance(event, WriteDone):
             self._stats["writes_done"] += 1
+            compat = self._plane.registered_compat
+            layers = compat.num_layers if w.layers is None else w.layers[1] - w.layers[0]
             self._stats["bytes_written"] += (sum(n for *_, n in w.runs) * heads_moved(w.pieces)
-                                             * self._plane.registered_compat.head_bytes)
+                                             * compat.head_bytes * layers // compat.num_layers)
         else:
             try:
                 self._plane._abandon(w)

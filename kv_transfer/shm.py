@@ -84,25 +84,23 @@ def _open_peer_segment(path: object, size: int) -> tuple[mmap.mmap, torch.Tensor
 
 
 def _regions(write: Write, dst: list[torch.Tensor], src: list[torch.Tensor],
-             head_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The write as (destination, source) [blocks, bytes] views of the ranks' caches (as
-    [blocks, bytes]), one pair per run of each piece: a whole piece's run is one
-    contiguous region; another piece's is a strided view of its heads in each block of
-    the run (one region per block, moved by the same copy call)."""
+             num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The write as (destination, source) views of the ranks' caches (as [blocks,
+    heads, layers, bytes]), one pair per run of each piece: a whole piece's run of
+    every layer is one contiguous region; another piece's heads, or a layer range, a
+    strided view (one region per block or head, moved by the same copy call)."""
+    l0, l1 = write.layers or (0, num_layers)
     regions = []
     for p in write.pieces:
         to, frm = dst[p.dst_rank], src[p.src_rank]
-        if p.whole:
-            regions += [(to[d:d + n], frm[s:s + n]) for s, d, n in write.runs]
-        else:
-            so, do, size = p.src_head * head_bytes, p.dst_head * head_bytes, p.num_heads * head_bytes
-            regions += [(to[d:d + n, do:do + size], frm[s:s + n, so:so + size]) for s, d, n in write.runs]
+        so, do, k = p.src_head, p.dst_head, p.num_heads
+        regions += [(to[d:d + n, do:do + k, l0:l1], frm[s:s + n, so:so + k, l0:l1]) for s, d, n in write.runs]
     return regions
 
 
 def _chunks(regions: list[tuple[torch.Tensor, torch.Tensor]],
             limit: int) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """The (destination, source) [blocks, bytes] views grouped into chunks of at most
+    """The (destination, source) [blocks, ...] views grouped into chunks of at most
     `limit` bytes (at least one block each); a view larger than that is split between
     blocks. One loop step per view or chunk."""
     chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
@@ -110,7 +108,7 @@ def _chunks(regions: list[tuple[torch.Tensor, torch.Tensor]],
     frm: list[torch.Tensor] = []
     room = limit
     for dst, src in regions:
-        n, row, i = dst.shape[0], dst.shape[1], 0
+        n, row, i = dst.shape[0], dst[0].numel(), 0
         while i < n:
             k = min(n - i, room // max(1, row))
             if k <= 0:
@@ -155,7 +153,7 @@ class ShmTransport(KVTransport):
         self._path: str | None = None  # our segment, if we allocated one
         self._maps: list[mmap.mmap] = []  # ours, and peers' still viewed when they went
         self._peer_maps: dict[str, list[mmap.mmap]] = {}
-        self._peer_bytes: dict[str, list[torch.Tensor]] = {}  # each rank's cache, [blocks, bytes]
+        self._peer_bytes: dict[str, list[torch.Tensor]] = {}  # each rank's cache, [blocks, heads, layers, bytes]
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"shm-{agent_name}")
 
     def allocate_kv_cache(self, shape: Sequence[int], dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -195,7 +193,8 @@ class ShmTransport(KVTransport):
         try:
             for path, size in zip(paths, sizes):
                 mapped.append(_open_peer_segment(path, size))
-            views = [raw.view(peer.data["num_blocks"], -1) for _, raw in mapped]
+            views = [raw.view(peer.data["num_blocks"], heads, peer.compat.num_layers, -1)
+                     for (_, raw), heads in zip(mapped, peer.compat.local_heads)]
         except BaseException:
             self._maps += [m for m, _ in mapped]  # unmapped at close()
             raise
@@ -216,7 +215,7 @@ class ShmTransport(KVTransport):
     def _start(self, peer: Peer, write: Write) -> None:
         # One call per chunk of every run: a Python loop of copies per run would retake
         # the GIL between runs and stall behind the polling thread (docs/benchmarks/2026-11-29-kv-transfer.md).
-        regions = _regions(write, self._peer_bytes[peer.name], self._rank_bytes, self.registered_compat.head_bytes)
+        regions = _regions(write, self._peer_bytes[peer.name], self._rank_layers, self.registered_compat.num_layers)
         chunks = _chunks(regions, CHUNK_BYTES)
         write.handle = self._pool.submit(_copy, chunks, write.deadline,
                                          write.deadline + self.config.cancel_grace_s / 2)
@@ -238,7 +237,8 @@ class ShmTransport(KVTransport):
         self._pool.shutdown(wait=True)
         self._peer_bytes.clear()
         self.kv_cache = None
-        self._blocks_bytes = None  # type: ignore[assignment]  # its view of the mapping, dropped so the maps close
+        self._blocks_bytes = None  # type: ignore[assignment]  # its views of the mapping, dropped so the maps close
+        self._rank_bytes, self._rank_layers = [], []
         for m in self._maps + [m for maps in self._peer_maps.values() for m in maps]:
             try:
                 m.close()

@@ -23,7 +23,7 @@ import zmq
 from kv_transfer.base import KVTransport
 from kv_transfer.control import Peer
 from kv_transfer.sender import Write
-from protocol.kv_control import Piece, Run
+from protocol.kv_control import Layers, Piece, Run
 
 
 class TcpTransport(KVTransport):
@@ -37,6 +37,7 @@ class TcpTransport(KVTransport):
     # loopback with CURVE (docs/benchmarks/2026-12-06-kv-streaming.md); plain tcp moved
     # 1 MiB descriptors as fast as 4 MiB ones (2026-11-29-kv-transfer.md).
     max_run_bytes = 1 << 20
+    gathers_layers = True  # a layer range of a run: gathered into one frame
 
     def _register(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         return {}
@@ -48,20 +49,21 @@ class TcpTransport(KVTransport):
         pass  # the data goes with the notification (_data_frames)
 
     def _data_frames(self, write: Write) -> list[Any]:
-        # One frame per descriptor (rank_pairs.count_descriptors), in the order of the
-        # write's pieces: a whole piece's run is one contiguous region, any other
-        # piece's heads are one region per block.
+        # One frame per descriptor (rank_pairs.count_descriptors, but a layer range's
+        # heads of a run, gathered into one frame), in the order of the write's pieces:
+        # a whole piece's run is one region, any other piece's heads are one per block.
         frames = []
-        hb = self.registered_compat.head_bytes
+        l0, l1 = write.layers or (0, self.registered_compat.num_layers)
         for p in write.pieces:
-            src = self._rank_bytes[p.src_rank]
+            src = self._rank_layers[p.src_rank]
+            heads = slice(p.src_head, p.src_head + p.num_heads)
             if p.whole:
-                regions = [src[s:s + n] for s, _, n in write.runs]
+                regions = [src[s:s + n, :, l0:l1] for s, _, n in write.runs]
             else:
-                lo, hi = p.src_head * hb, (p.src_head + p.num_heads) * hb
-                regions = [src[b, lo:hi] for s, _, n in write.runs for b in range(s, s + n)]
-            # zmq reads host memory; a GPU cache is staged through a host copy.
-            frames += [(r.cpu().numpy() if r.is_cuda else r.numpy()).data.cast("B") for r in regions]
+                regions = [src[b, heads, l0:l1] for s, _, n in write.runs for b in range(s, s + n)]
+            # Every layer of a region is contiguous: sent zero-copy. A layer range is
+            # gathered into a new buffer; zmq reads host memory, so a GPU cache is staged.
+            frames += [(r.cpu() if r.is_cuda else r.contiguous()).numpy().data.cast("B") for r in regions]
         return frames
 
     def _send_notification(self, peer: Peer, write: Write) -> None:
@@ -76,34 +78,36 @@ class TcpTransport(KVTransport):
         return write.handle is not None and not write.handle.done
 
     def _apply(self, sender: str, xfer: int, runs: Sequence[Run], pieces: Sequence[Piece],
-               frames: list[Any]) -> None:
+               frames: list[Any], layers: Layers | None) -> None:
         # The frames in _data_frames' order; `pieces` fill every local head (receiver.py).
         blocks = sum(n for _, n in runs)
         expected = sum(len(runs) if whole else blocks for *_, whole in pieces)
         if len(frames) != expected:
             raise ValueError(f"{len(runs)} runs of {blocks} blocks in pieces {pieces} need {expected} data "
                              f"frames, got {len(frames)}")
+        l0, l1 = layers or (0, self.registered_compat.num_layers)
         data = iter(frames)
         for rank, head, num_heads, whole in pieces:
-            dst = self._rank_bytes[rank]
+            dst = self._rank_layers[rank]
             if whole:
                 for d, n in runs:
+                    region = dst[d:d + n, :, l0:l1]
                     run = torch.frombuffer(next(data).buffer, dtype=torch.uint8)
-                    if run.numel() != n * dst.shape[1]:
+                    if run.numel() != region.numel():
                         raise ValueError(f"a run of {n} blocks came with {run.numel()} bytes")
-                    dst[d:d + n].copy_(run.view(n, -1))
+                    region.copy_(run.view(region.shape))
                 continue
-            lo, hi = head * self.registered_compat.head_bytes, (head + num_heads) * self.registered_compat.head_bytes
             # One small copy per block: numpy's, on this thread (a CPU cache). torch's
             # would wake its intra-op threads for each, which stalls when the cores are busy.
-            rows: Any  # the cache (GPU) or a numpy view of it (CPU): both written by [block, bytes] slices
+            rows: Any  # the cache (GPU) or a numpy view of it (CPU): both written by [block, heads, layers] slices
             rows, as_rows = (dst, _torch_bytes) if dst.is_cuda else (dst.numpy(), _numpy_bytes)
+            shape = (num_heads, l1 - l0, dst.shape[3])
             for d, n in runs:
                 for b in range(d, d + n):
                     frame = next(data).buffer
-                    if len(frame) != hi - lo:
+                    if len(frame) != shape[0] * shape[1] * shape[2]:
                         raise ValueError(f"{num_heads} heads of a block came with {len(frame)} bytes")
-                    rows[b, lo:hi] = as_rows(frame)
+                    rows[b, head:head + num_heads, l0:l1] = as_rows(frame).reshape(shape)
 
 
 def _numpy_bytes(buffer: Any) -> np.ndarray:

@@ -5,13 +5,23 @@ prompt and sends a RemotePrefill; the prefill worker P computes the KV of every 
 the last (D computes that one, and samples), writing each block to D as soon as it is
 full, and the last, partial one at the end. P never samples and frees its blocks
 once every write is acknowledged (or failed).
+
+What a write carries (transport_options.stream): `off`, every block once the prompt is
+computed; `chunk`, each step's newly full blocks after that step; `layer`, each step's
+newly full blocks a group of `stream_layers` layers at a time, from inside the step, as
+soon as the forward has written those layers (EngineCore.set_layer_hook), so that the
+transfer of a step's first layers overlaps the compute of its last. D counts a block in
+only once every layer of it has come (kv_transfer/receiver.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import torch
 
 from engine.engine_core import EngineCore, StepOutput
 from engine.kv_cache.block_pool import KVBlock
@@ -31,7 +41,8 @@ class _Job:
     end_block: int  # one past the last block index to write
     submitted: float = field(default_factory=time.monotonic)
     computed: float | None = None  # when the engine reported the prompt's KV complete
-    stream: bool = True  # write blocks as they are computed, not all at the end
+    stream: str = "chunk"  # off: every block at the end; chunk: after each step; layer: within it
+    layers_sent: int = 0  # layer mode: layers [0, layers_sent) of this step's blocks are written
     outstanding: set[int] = field(default_factory=set)  # xfer ids in flight
     failed: str | None = None
 
@@ -50,6 +61,11 @@ class PrefillWorkerCore:
         self._held: dict[int, list[KVBlock]] = {}
         self.stats = dict(prefills=0, blocks_written=0, failed=0, refused=0, tokens_computed=0)
         self.steps = StepMetrics()  # its engine steps' time and batch (stats replies)
+        config = transport.config
+        self.num_layers = engine.model_config.num_layers
+        self.layer_group = min(config.stream_layers, self.num_layers)
+        if config.stream == "layer":
+            engine.set_layer_hook(self._layer_written)
 
     def submit(self, rp: RemotePrefill) -> None:
         """Start computing rp's prompt. Refused (stats["refused"], and ValueError naming
@@ -62,7 +78,7 @@ class PrefillWorkerCore:
             raise ValueError(f"{rp.request_id}: {refusal}")
         self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1])
         config = self.transport.config
-        stream = config.stream == "chunk" and len(rp.prompt_token_ids) >= config.stream_min_tokens
+        stream = config.stream if len(rp.prompt_token_ids) >= config.stream_min_tokens else "off"
         self.jobs[rp.request_id] = _Job(rp, rp.first_block, end, stream=stream)
 
     def _refusal(self, rp: RemotePrefill, end: int) -> str | None:
@@ -106,6 +122,8 @@ class PrefillWorkerCore:
     def step(self) -> list[PrefillDone]:
         """One engine step plus transfer progress. Returns every job that ended: its KV
         written (error None), or failed."""
+        for job in self.jobs.values():  # a step that failed part-way left its layers to write again
+            job.layers_sent = 0
         out = self.steps.step(self.engine) if self.engine.has_unfinished() else StepOutput()
         self.stats["tokens_computed"] += out.num_tokens
         prefilled = {r.request_id for r in out.finished if r.status == RequestStatus.PREFILLED}
@@ -135,29 +153,58 @@ class PrefillWorkerCore:
         if computed is None:
             return
         # Full blocks are final as soon as computed; the partial last one once prefilled.
+        # (Layer mode wrote each step's blocks from inside it: what is left here is what
+        # no step computed, a prompt P's prefix cache held whole.)
         if prefilled:
             ready = job.end_block
-        elif job.stream:
+        elif job.stream == "chunk":
             ready = min(computed // self.block_size, job.end_block)
         else:
             return
-        if ready <= job.next_block:
-            return
+        if ready > job.next_block and self._write(request_id, job, ready, None):
+            self.stats["blocks_written"] += ready - job.next_block
+            job.next_block = ready
+
+    def _layer_written(self, layer: int, computed: Mapping[str, int]) -> None:
+        """The engine's layer hook: layer `layer` of the step's tokens is in the cache.
+        Each streaming job writes the blocks the step completes, every layer_group
+        layers, and counts them written after the last layer."""
+        last = layer == self.num_layers - 1
+        for request_id, tokens in computed.items():
+            job = self.jobs.get(request_id)
+            if job is None or job.failed is not None or job.stream != "layer":
+                continue
+            done = tokens >= len(job.rp.prompt_token_ids) - 1
+            ready = job.end_block if done else min(tokens // self.block_size, job.end_block)
+            if ready <= job.next_block or not (last or layer + 1 - job.layers_sent >= self.layer_group):
+                continue
+            cache = self.transport.registered_cache
+            if cache.is_cuda and not self.transport.stream_ordered:  # queued, not run: post it once run
+                torch.cuda.current_stream(cache.device).synchronize()
+            if not self._write(request_id, job, ready, (job.layers_sent, layer + 1)):
+                continue
+            job.layers_sent = layer + 1
+            if last:
+                self.stats["blocks_written"] += ready - job.next_block
+                job.next_block, job.layers_sent = ready, 0
+
+    def _write(self, request_id: str, job: _Job, ready: int, layers: tuple[int, int] | None) -> bool:
+        """Write the job's blocks [next_block, ready) (`layers` of them, None: every
+        layer), holding them until the write ends. False: its decode worker is gone."""
         rp = job.rp
         if self.transport.peer_session(rp.peer) != rp.session:  # gone, or restarted: not its blocks
             self.fail_jobs_for(rp.peer)
-            return
+            return False
         held = self.engine.hold_blocks(request_id, job.next_block, ready)
         try:
             xfer = self.transport.write(rp.peer, request_id, rp.epoch, [b.block_id for b in held],
-                                        rp.block_ids[job.next_block:ready], rp.deadline)
+                                        rp.block_ids[job.next_block:ready], rp.deadline, layers)
         except BaseException:
             self.engine.release_blocks(held)
             raise
         self._held[xfer] = held
         job.outstanding.add(xfer)
-        self.stats["blocks_written"] += ready - job.next_block
-        job.next_block = ready
+        return True
 
     def _finish_jobs(self) -> list[PrefillDone]:
         ended, now = [], time.monotonic()

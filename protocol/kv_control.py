@@ -19,6 +19,7 @@ Run = tuple[int, int]  # [dst_start, count]: consecutive blocks of the receiver
 # [dst_rank, dst_head, num_heads, whole]: the heads of one receiving rank a write's data
 # carries (kv_transfer/rank_pairs.py wire()), whole 1 when that is every head of the rank.
 Piece = tuple[int, int, int, int]
+Layers = tuple[int, int]  # [start, end) of the model's layers
 
 
 class Written(Message, frozen=True, tag="written"):
@@ -31,6 +32,9 @@ class Written(Message, frozen=True, tag="written"):
     blocks: list[int]  # the receiver's blocks written
     runs: list[Run]
     pieces: list[Piece]  # in the order of the data frames
+    # Layers [start, end) of those blocks (stream: layer); None: every layer. The
+    # receiver counts a block in only once every layer of it has come.
+    layers: Layers | None = None
 
 
 class Ack(Message, frozen=True, tag="ack"):

@@ -29,9 +29,11 @@ tokens are checked against Hugging Face transformers on a few prompts first
 host); --bounded-copies keeps a started copy within the transport's bounds, as the
 short test in tests/fuzz does.
 
---stream off|chunk sets transport_options.stream for every pd seed; by default each seed
-draws it (chunk twice as often as off), and a stream_min_tokens of 0, 16 or 48, from a
-random stream of its own, so the rest of a seed's schedule is the same in every mode.
+--stream off|chunk|layer sets transport_options.stream for every pd seed (layer: chunk
+where the prefill engine is at TP > 1); by default each seed draws it (chunk and layer
+twice as often as off), a stream_min_tokens of 0, 16 or 48 and a stream_layers of 1 or
+2, from a random stream of its own, so the rest of a seed's schedule is the same in
+every mode.
 
 --kv-cache-dtype fp8 (or fp8_e5m2) gives every engine, the oracle's too, an fp8 KV
 cache, and --quantization fp8 fp8 weights: not comparable to HF's tokens (--no-hf-check
@@ -94,8 +96,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fuzzer", choices=("offline", "pd", "tiers"), default="offline")
     ap.add_argument("--transport", choices=("shm", "tcp"), default="shm", help="pd only")
-    ap.add_argument("--stream", choices=("drawn", "off", "chunk"), default="drawn",
-                    help="pd only: transport_options.stream for every seed (drawn: per seed, chunk or off)")
+    ap.add_argument("--stream", choices=("drawn", "off", "chunk", "layer"), default="drawn",
+                    help="pd only: transport_options.stream for every seed (drawn: per seed, chunk, layer or off)")
     ap.add_argument("--tp", default="1",
                     help="tensor_parallel_size of the fuzzed engines: offline P; pd P,D (prefill, decode), "
                          "P (both), or random (a pair from {1,2}x{1,2} per seed)")
@@ -225,7 +227,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
             if tp == "random":
                 stats[f"seeds_tp{pair[0]},{pair[1]}"] += 1
             if args.stream != "drawn":
-                case.stream = args.stream
+                case.stream = "chunk" if args.stream == "layer" and pair[0] > 1 else args.stream
             stats[f"seeds_stream_{case.stream}"] += 1
         H.add_structured(case, args.structured)
         # the wall limit runs from when the engines are up: TP groups take long to start

@@ -40,6 +40,9 @@ class Setup:
     serve_check_prompts: int = 8
     serve_check_len: int = 300
     serve_check_tokens: int = 32
+    # The stream section (streaming.py): prompt lengths and timed repeats per mode.
+    stream_tokens: tuple[int, ...] = (1024, 3072)
+    stream_repeats: int = 3
 
 
 # The serve section's load on the H200 is sized to about 3 minutes with its three service
@@ -49,4 +52,4 @@ H200 = Setup("cuda", "bfloat16", 2048, 8192, 16, 32, 8, 128256, 64, 2048, (64, 2
              1024, 512, 128, 128, serve_rates=(2.0, 12.0, 36.0), serve_requests=(30, 90, 180))
 SMOKE = Setup("cpu", "float32", 64, 128, 2, 4, 2, 512, 2, 64, (2,), 40, 4, 24, 4, 4, bw_prefill=(2, 32),
               serve_rates=(6.0,), serve_requests=(5,), serve_prompt=(70, 120), serve_output=4,
-              serve_check_prompts=3, serve_check_len=80, serve_check_tokens=6)
+              serve_check_prompts=3, serve_check_len=80, serve_check_tokens=6, stream_tokens=(40,), stream_repeats=1)

@@ -3,11 +3,14 @@ own compute time, measured in the same run.
 
     .venv/bin/python -m benchmarks.kv stream                         # shm and tcp+curve here
     .venv/bin/python -m benchmarks.kv stream --link 1gbit --transports tcp+curve
-    .venv/bin/python -m benchmarks.kv stream --tokens 256,1024 --modes off,chunk --repeats 3
+    .venv/bin/python -m benchmarks.kv stream --tokens 256,1024 --modes off,chunk,layer --repeats 3
+    .venv/bin/python -m benchmarks.kv stream --modes off,layer --stream-layers 5
 
 A decode worker (DecodeWorkerCore: its own process) and a prefill worker
-(PrefillWorkerCore: this process) serve the demo model in float32, 1P1D. Each sample is
-one request with a fresh random prompt (no prefix hits on either side) and max_tokens 1:
+(PrefillWorkerCore: this process) serve the demo model in float32, 1P1D (the GPU check's
+stream section: its model on the GPU, benchmarks/gpu/streaming.py). Each sample is one
+request with a fresh random prompt, the same in every mode (prefix caching off on both
+sides), and max_tokens 1; the modes' first tokens must agree (`mismatches`):
 
 - compute: the prefill engine alone computing the prompt (no transport), in this process;
 - remote TTFT: the decode worker reserving blocks, the prefill worker computing and
@@ -16,8 +19,9 @@ one request with a fresh random prompt (no prefix hits on either side) and max_t
 - where it went: reserve (the decode worker's reply), P compute (PrefillDone.compute_s:
   submit to computed, on the prefill worker), exposed (PrefillDone.transfer_s: computed
   to the last write acknowledged), and D's last step (the KV complete on the decode
-  worker to its first token: the last prompt token's step and sampling), and the data
-  plane's descriptors for the request (transport stats);
+  worker to its first token: the last prompt token's step and sampling), the data
+  plane's descriptors for the request (transport stats), and the regions they coalesce
+  (one per block, head and layer);
 - overlap: the share of `off`'s exposed transfer that a mode hid behind compute,
   1 - exposed(mode) / exposed(off), in the same run. (P polls its writes between steps
   only, so it cannot time a write that lands mid-step itself.)
@@ -44,6 +48,7 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -74,16 +79,27 @@ TIMEOUT_S = 300.0
 ALL_CPUS = os.sched_getaffinity(0)  # at import: before pin()
 
 
-def engine_config(max_tokens: int) -> EngineConfig:
+@dataclass(frozen=True)
+class Setup:
+    """The engines' model and where they run."""
+
+    model: str = str(DEMO)
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def engine_config(max_tokens: int, setup: Setup = Setup()) -> EngineConfig:
     blocks = 2 * (max_tokens // BLOCK + 2)
-    return EngineConfig(model=str(DEMO), dtype="float32", block_size=BLOCK, num_kv_blocks=blocks,
-                        max_model_len=max_tokens + 8)
+    return EngineConfig(model=setup.model, dtype=setup.dtype, device=setup.device, block_size=BLOCK,
+                        num_kv_blocks=blocks, max_model_len=max_tokens + 8, enable_prefix_caching=False)
 
 
-def make_worker(transport: str, name: str, config: TransportConfig, max_tokens: int) -> tuple[EngineCore, KVTransport]:
+def make_worker(transport: str, name: str, config: TransportConfig, max_tokens: int,
+                setup: Setup) -> tuple[EngineCore, KVTransport]:
     t = create_transport(transport, name, config)
     try:
-        engine = EngineCore(engine_config(max_tokens), t.allocate_kv_cache, keep_cache_files=transport == "shm")
+        engine = EngineCore(engine_config(max_tokens, setup), t.allocate_kv_cache,
+                            keep_cache_files=transport == "shm")
         t.register_kv_cache(engine.kv_cache, "demo", kv_scales=engine.kv_scales)
     except BaseException:
         t.close()
@@ -109,11 +125,11 @@ def free_helpers() -> None:
 
 
 def decode_side(conn: Connection, transport: str, secret: DeploymentSecret | None, host: str,
-                max_tokens: int, cpu: int | None) -> None:
-    """The decode worker: reserves on request, steps, and reports each first token's time."""
+                max_tokens: int, cpu: int | None, setup: Setup) -> None:
+    """The decode worker: reserves on request, steps, and reports each first token and its time."""
     pin(cpu)
     engine, t = make_worker(transport, "decode", TransportConfig(timeout_s=TIMEOUT_S, cancel_grace_s=5.0,
-                                                                  secret=secret, host=host), max_tokens)
+                                                                  secret=secret, host=host), max_tokens, setup)
     core = DecodeWorkerCore(engine, t, TIMEOUT_S)
     conn.send_bytes(t.metadata())
     try:
@@ -121,7 +137,7 @@ def decode_side(conn: Connection, transport: str, secret: DeploymentSecret | Non
             for r in core.step().finished:
                 conn.send_bytes(msgpack.packb({"id": r.request_id, "t": time.monotonic(),
                                                "ready": core.kv_ready_at(r.request_id),
-                                               "n": len(r.output_token_ids)}))
+                                               "n": len(r.output_token_ids), "token": r.output_token_ids[0]}))
             # Waits as the served decode worker's loop does (workers/loop.py: poll_ms): a
             # wait for pushed KV spinning here would take a core from the prefill worker.
             if engine.has_runnable():
@@ -166,7 +182,7 @@ def remote_ttft(conn: Connection, prefill: PrefillWorkerCore, request_id: str,
     if not reply:
         raise RuntimeError(f"{request_id}: the decode worker did not reserve blocks for a remote prefill")
     submitted = time.monotonic()
-    descriptors = prefill.transport.stats["descriptors"]
+    descriptors, regions = prefill.transport.stats["descriptors"], prefill.transport.stats["regions"]
     prefill.submit(WORKER_MESSAGES.decode(reply))
     done: PrefillDone | None = None
     end = start + TIMEOUT_S
@@ -182,23 +198,26 @@ def remote_ttft(conn: Connection, prefill: PrefillWorkerCore, request_id: str,
     first = msgpack.unpackb(conn.recv_bytes(), raw=False)
     assert first["id"] == request_id and first["n"] == 1, first
     last = first["t"] - first["ready"] if first["ready"] is not None else float("nan")
-    return dict(ttft=first["t"] - start, reserve=submitted - start, last=last,
-                descriptors=prefill.transport.stats["descriptors"] - descriptors), done
+    return dict(token=first["token"], ttft=first["t"] - start, reserve=submitted - start, last=last,
+                descriptors=prefill.transport.stats["descriptors"] - descriptors,
+                regions=prefill.transport.stats["regions"] - regions), done
 
 
-def run_transport(label: str, tokens: list[int], modes: list[str], min_tokens: int, repeats: int,
-                  placement: Placement, rng: random.Random,
-                  cpus: tuple[int, int] | None) -> dict[tuple[int, str], dict[str, float]]:
+def run_transport(label: str, tokens: list[int], modes: list[str], min_tokens: int, stream_layers: int,
+                  repeats: int, placement: Placement, rng: random.Random, cpus: tuple[int, int] | None,
+                  setup: Setup = Setup()) -> tuple[dict[tuple[int, str], dict[str, float]], int]:
+    """Medians by (tokens, mode), and how many prompts' first tokens differed between modes."""
     name, _, curve = label.partition("+")
     secret = DeploymentSecret.new() if curve else None
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=decode_side, args=(child, name, secret, placement.receiver_host, max(tokens),
-                                                 cpus[1] if cpus else None), daemon=True)
+                                                 cpus[1] if cpus else None, setup), daemon=True)
     with placement.receiver():
         proc.start()
     prefills: dict[str, PrefillWorkerCore] = {}
     samples: dict[tuple[int, str], list[dict[str, float]]] = {}
+    mismatches = 0
     try:
         if not conn.poll(TIMEOUT_S):
             raise TimeoutError("the decode worker did not start")
@@ -206,8 +225,9 @@ def run_transport(label: str, tokens: list[int], modes: list[str], min_tokens: i
         with placement.sender():
             for mode in modes:
                 config = TransportConfig(timeout_s=TIMEOUT_S, cancel_grace_s=5.0, secret=secret,
-                                         host=placement.sender_host, stream=mode, stream_min_tokens=min_tokens)
-                engine, t = make_worker(name, f"prefill-{mode}", config, max(tokens))
+                                         host=placement.sender_host, stream=mode, stream_min_tokens=min_tokens,
+                                         stream_layers=stream_layers)
+                engine, t = make_worker(name, f"prefill-{mode}", config, max(tokens), setup)
                 prefills[mode] = PrefillWorkerCore(engine, t)
                 t.add_peer(metadata)
             # Only the computing thread: the transports' threads (ZMQ's I/O, shm's copies),
@@ -219,17 +239,21 @@ def run_transport(label: str, tokens: list[int], modes: list[str], min_tokens: i
                 for n in tokens if rep >= 0 else tokens[:1]:
                     prompt = [rng.randrange(vocab) for _ in range(n)]
                     compute = local_compute(prefills[modes[0]].engine, f"local-{n}-{rep}", prompt)
+                    first_tokens = set()
                     for mode in modes:
-                        prompt = [rng.randrange(vocab) for _ in range(n)]
                         if cpus:
                             free_helpers()
                         times, done = remote_ttft(conn, prefills[mode], f"{mode}-{n}-{rep}", prompt)
+                        first_tokens.add(times.pop("token"))
                         sample = dict(compute=compute, **times, ratio=times["ttft"] / compute,
                                       remote_compute=done.compute_s, exposed=done.transfer_s)
                         print(f"  {label} {mode:5s} {n:5d} tokens: "
                               + "  ".join(f"{k} {v:.3f}" for k, v in sample.items()), flush=True)
                         if rep >= 0:
                             samples.setdefault((n, mode), []).append(sample)
+                    if len(first_tokens) > 1:
+                        mismatches += 1
+                        print(f"  MISMATCH: the modes' first tokens for one {n}-token prompt: {first_tokens}")
         conn.send_bytes(msgpack.packb({"op": "exit"}))
         proc.join(30)
     finally:
@@ -239,15 +263,16 @@ def run_transport(label: str, tokens: list[int], modes: list[str], min_tokens: i
         if proc.is_alive():
             proc.kill()
     return {key: {field: statistics.median(s[field] for s in rows) for field in rows[0]}
-            for key, rows in samples.items()}
+            for key, rows in samples.items()}, mismatches
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--transports", default="shm,tcp+curve")
     p.add_argument("--tokens", default="256,1024,4096")
-    p.add_argument("--modes", default="off,chunk")
+    p.add_argument("--modes", default="off,chunk,layer")
     p.add_argument("--min-tokens", type=int, default=0, help="transport_options.stream_min_tokens")
+    p.add_argument("--stream-layers", type=int, default=1, help="transport_options.stream_layers (layer mode)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--link", default=None, help="a rate (e.g. 1gbit): run across the bed's limited link")
     p.add_argument("--name", default="pdnetst", help="the bed's name (a bed of that name is replaced)")
@@ -276,7 +301,10 @@ def main() -> None:
     try:
         for label in args.transports.split(","):
             print(f"[{label}{' across ' + args.link if args.link else ''}]", flush=True)
-            results[label] = run_transport(label, tokens, modes, args.min_tokens, args.repeats, placement, rng, cpus)
+            results[label], mismatches = run_transport(label, tokens, modes, args.min_tokens, args.stream_layers,
+                                                       args.repeats, placement, rng, cpus)
+            if mismatches:
+                print(f"{label}: {mismatches} prompts' first tokens differed between modes", flush=True)
     finally:
         if bed is not None:
             bed.down()
@@ -284,16 +312,17 @@ def main() -> None:
     link += ", each worker on its own core" if cpus else ", both workers on every core"
     print(f"\nseconds, median of {args.repeats}{link}; ratio: remote TTFT / the prefill's own compute\n")
     print("| transport | tokens | mode | compute | remote TTFT | ratio | reserve | P compute | exposed | overlap "
-          "| D's last step | descriptors |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| D's last step | descriptors | regions |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, rows in results.items():
         for (n, mode), m in sorted(rows.items()):
             off = rows.get((n, "off"))
-            streams = n - 1 > engine_config(n).max_num_batched_tokens  # else one write in every mode
+            # One chunk: chunk mode writes once, as off does; layer mode still streams.
+            streams = mode == "layer" or n - 1 > engine_config(n).max_num_batched_tokens
             overlap = f"{1 - m['exposed'] / off['exposed']:.0%}" if off and mode != "off" and streams else "-"
             print(f"| {label} | {n} | {mode} | {m['compute']:.3f} | {m['ttft']:.3f} | {m['ratio']:.2f}x | "
                   f"{m['reserve']:.3f} | {m['remote_compute']:.3f} | {m['exposed']:.3f} | {overlap} | "
-                  f"{m['last']:.3f} | {m['descriptors']:.0f} |")
+                  f"{m['last']:.3f} | {m['descriptors']:.0f} | {m['regions']:.0f} |")
 
 
 if __name__ == "__main__":

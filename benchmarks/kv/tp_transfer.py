@@ -184,7 +184,7 @@ def tcp_data_path(kv_heads: int, pairs: list[tuple[int, int]], blocks: int, repe
             a.send_multipart(frames, copy=False)
             got = b.recv_multipart(copy=False)
             t2 = time.perf_counter()
-            receiver_t._apply("sender", 1, [[d_, n] for _, d_, n in runs], wire(pieces), got)
+            receiver_t._apply("sender", 1, [[d_, n] for _, d_, n in runs], wire(pieces), got, None)
             best = [min(x, y) for x, y in zip(best, (t1 - t0, t2 - t1, time.perf_counter() - t2))]
         print(f"| {p} -> {d} | {len(frames)} | " + " | ".join(f"{x * 1e3:.1f}" for x in best) + " |", flush=True)
         sender.close()

@@ -152,6 +152,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Called with a layer's index once its forward (its KV written) is queued: the
+        # engine's layer hook (EngineCore.set_layer_hook), for a step at a time.
+        self.layer_hook: Callable[[int], None] | None = None
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache: [num_blocks, Hkv, num_layers, planes, block_size, D]; each layer keeps its
@@ -183,15 +186,19 @@ class LlamaForCausalLM(nn.Module):
         if ops is not None:
             tables = RotaryTables(self.rope.cos, self.rope.sin, positions, ops.rotary_)
             residual: torch.Tensor | None = None
-            for layer in self._decoder_layers():
+            for i, layer in enumerate(self._decoder_layers()):
                 x, residual = layer.forward_fused(ops, tables, x, residual)
+                if self.layer_hook is not None:
+                    self.layer_hook(i)
             assert residual is not None  # set by the first layer: a model has at least one
             x, _ = ops.add_rms_norm(x[logits_indices], self.norm.weight, self.norm.eps, residual[logits_indices])
             return self._logits(x)
         rotary = self.rope.lookup(positions, torch.float32 if self.config.mla and self.config.mla.rope_fp32
                                   else x.dtype)
-        for layer in self._decoder_layers():
+        for i, layer in enumerate(self._decoder_layers()):
             x = layer(rotary, x)
+            if self.layer_hook is not None:
+                self.layer_hook(i)
         return self._logits(self.norm(x[logits_indices]))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import Request
-from kv_transfer import TransportConfig, create_transport
+from kv_transfer import TransportConfig, create_transport, shm
 from kv_transfer.shm import ShmTransport
 from prefill_worker.remote_prefill import PrefillWorkerCore
 from tests.fidelity.test_hf_fidelity import random_prompts
@@ -31,8 +31,9 @@ PROMPTS = random_prompts([2, 17, 33, 64, 90], seed=8) + [SHARED + [5, 6, 7], SHA
 def worker_pair(model_dir: Path, transport: str, deadline_s: float = 30.0, grace_s: float = 5.0,
                 async_scheduling: bool = False, prefill_blocks: int = 80, prefix_caching: bool = True,
                 decode_blocks: int = 80, speculative_config: dict | None = None, stream: str = "chunk",
-                stream_min_tokens: int = 0):
-    config = TransportConfig(timeout_s=5.0, cancel_grace_s=grace_s, stream=stream, stream_min_tokens=stream_min_tokens)
+                stream_min_tokens: int = 0, stream_layers: int = 1):
+    config = TransportConfig(timeout_s=5.0, cancel_grace_s=grace_s, stream=stream, stream_min_tokens=stream_min_tokens,
+                             stream_layers=stream_layers)
     t_dec, t_pre = create_transport(transport, "decode", config), create_transport(transport, "prefill", config)
     dec = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=decode_blocks, async_scheduling=async_scheduling,
                                   speculative_config=speculative_config), t_dec.allocate_kv_cache)
@@ -178,8 +179,9 @@ def slow_copies(transport: ShmTransport, delay_s: float) -> ThreadPoolExecutor:
     copy = torch._foreach_copy_
 
     def start(peer, write) -> None:
-        dst = transport._peer_bytes[peer.name][0]  # rank 0: these are TP 1 workers
-        runs = ([dst[d:d + n] for _, d, n in write.runs], [transport._blocks_bytes[s:s + n] for s, _, n in write.runs])
+        regions = shm._regions(write, transport._peer_bytes[peer.name], transport._rank_layers,
+                               transport.registered_compat.num_layers)
+        runs = ([to for to, _ in regions], [frm for _, frm in regions])
         write.handle = pool.submit(lambda: (time.sleep(delay_s), copy(*runs)))
 
     transport._start = start

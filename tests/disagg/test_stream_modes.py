@@ -1,7 +1,8 @@
 """transport_options.stream: when a prefill worker writes a prompt's KV. "chunk" posts
 each block as soon as a step has computed it (a chunked prompt moves while its later
-chunks compute); "off", and any prompt under stream_min_tokens, posts every block in one
-write once the whole prompt is computed. Either way the decode worker's tokens are the
+chunks compute); "layer" posts a step's blocks stream_layers layers at a time from inside
+the step; "off", and any prompt under stream_min_tokens, posts every block in one write
+once the whole prompt is computed. Either way the decode worker's tokens are the
 colocated engine's."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from decode_worker.remote_kv import DecodeWorkerCore
+from engine.errors import RequestsFailed
 from kv_transfer import TransportConfig
 from prefill_worker.remote_prefill import PrefillWorkerCore
 from protocol import PrefillDone
@@ -50,20 +52,24 @@ def run_counting(decode: DecodeWorkerCore, prefill: PrefillWorkerCore,
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("stream,min_tokens", [("chunk", 0), ("off", 0), ("chunk", 1000), ("chunk", LONG),
-                                               ("chunk", LONG + 1)])
+@pytest.mark.parametrize("stream,min_tokens,layers", [
+    ("chunk", 0, 1), ("off", 0, 1), ("chunk", 1000, 1), ("chunk", LONG, 1), ("chunk", LONG + 1, 1),
+    ("layer", 0, 1), ("layer", 0, 2), ("layer", LONG, 1), ("layer", LONG + 1, 1)])
 def test_each_mode_gives_colocated_tokens_and_posts_when_it_says(llama_dir: Path, reference, transport: str,
-                                                                  stream: str, min_tokens: int) -> None:
+                                                                  stream: str, min_tokens: int, layers: int) -> None:
     decode, prefill = worker_pair(llama_dir, transport, stream=stream, stream_min_tokens=min_tokens,
-                                  prefix_caching=False)
+                                  prefix_caching=False, stream_layers=layers)
     try:
         got, writes, done = run_counting(decode, prefill)
         assert got == reference
         long_id = f"r{PROMPTS.index(next(p for p in PROMPTS if len(p) == LONG))}"
+        # 63 tokens to push in chunks of 24: blocks 0 after the first, 1-2 after the
+        # second, 3 (partial) at the end; written while the next chunk computed, or (layer)
+        # each of the tiny model's 2 layers as soon as computed, `layers` at a time.
         if stream == "chunk" and min_tokens <= LONG:  # "shorter than stream_min_tokens": whole
-            # 63 tokens to push in chunks of 24: blocks 0 after the first, 1-2 after the
-            # second, 3 (partial) at the end; written while the next chunk computed.
             assert writes[long_id] == 3
+        elif stream == "layer" and min_tokens <= LONG:
+            assert writes[long_id] == 3 * 2 // layers
         else:
             assert writes[long_id] == 1
         if stream == "off" or min_tokens > max(len(p) for p in PROMPTS):
@@ -77,7 +83,8 @@ def test_each_mode_gives_colocated_tokens_and_posts_when_it_says(llama_dir: Path
 
 
 @pytest.mark.parametrize("options,error", [
-    (dict(stream="layer"), r"stream must be one of \('off', 'chunk'\), got 'layer'"),
+    (dict(stream="layers"), r"stream must be one of \('off', 'chunk', 'layer'\), got 'layers'"),
+    (dict(stream_layers=0), "stream_layers must be an integer >= 1, got 0"),
     (dict(stream_min_tokens=-1), "stream_min_tokens must be an integer >= 0, got -1"),
     (dict(stream_min_tokens=True), "stream_min_tokens must be an integer >= 0, got True"),
 ])
@@ -133,11 +140,13 @@ def finish(decode: DecodeWorkerCore, prefill: PrefillWorkerCore | None, request_
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("stream", ["chunk", "layer"])
 def test_a_prefill_worker_gone_silent_mid_stream_is_prefilled_locally(llama_dir: Path, reference,
-                                                                       transport: str) -> None:
+                                                                       transport: str, stream: str) -> None:
     """Its first chunk landed, then it stops (a hung or killed host): the reservation
     expires, the decode worker prefills the prompt itself, and every block comes back."""
-    decode, prefill = worker_pair(llama_dir, transport, deadline_s=1.0, grace_s=0.2, prefix_caching=False)
+    decode, prefill = worker_pair(llama_dir, transport, deadline_s=1.0, grace_s=0.2, prefix_caching=False,
+                                  stream=stream)
     try:
         request_id = start_mid_stream(decode, prefill)
         assert finish(decode, None, request_id) == reference[request_id]
@@ -150,9 +159,51 @@ def test_a_prefill_worker_gone_silent_mid_stream_is_prefilled_locally(llama_dir:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
+@pytest.mark.parametrize("after_layers", [1, 3])
+def test_a_prefill_worker_dead_after_some_layers_leaves_no_block_runnable(llama_dir: Path, reference,
+                                                                          transport: str, after_layers: int) -> None:
+    """Layer mode: P dies inside a step, some layers of its blocks written (1: the first
+    step's first layer only; 3: the first step's blocks whole, then one layer of the
+    second step's). D never counts a block with a layer missing: the reservation
+    expires, D prefills the prompt itself, the colocated engine's tokens, no leak."""
+    decode, prefill = worker_pair(llama_dir, transport, deadline_s=1.0, grace_s=0.2, prefix_caching=False,
+                                  stream="layer")
+    hooked: list[int] = []
+
+    def dies(layer: int, computed) -> None:
+        prefill._layer_written(layer, computed)
+        hooked.append(layer)
+        if len(hooked) == after_layers:
+            raise RuntimeError("killed")
+
+    prefill.engine.set_layer_hook(dies)
+    try:
+        index = next(i for i, p in enumerate(PROMPTS) if len(p) == LONGEST)
+        request_id = f"r{index}"
+        rp = decode.add_request(request_id, PROMPTS[index], GREEDY, remote=True, sender="prefill")
+        assert rp is not None
+        prefill.submit(rp)
+        with pytest.raises(RequestsFailed, match="killed"):
+            for _ in range(10):
+                prefill.step()
+                decode.step()
+        assert prefill.transport.stats["writes"] == after_layers  # one per layer written before it died
+        assert finish(decode, None, request_id) == reference[request_id]
+        assert decode.stats["fallbacks"] == 1 and decode.stats["remote"] == 1
+        settle_fences(decode, prefill)
+        assert decode.engine.kv.num_free_blocks == decode.engine.kv.pool.num_blocks, "blocks leaked"
+    finally:
+        decode.transport.close()
+        prefill.transport.close()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_an_abort_mid_stream_ends_both_sides_and_leaks_nothing(llama_dir: Path, reference, transport: str) -> None:
-    decode, prefill = worker_pair(llama_dir, transport, prefix_caching=False)
+@pytest.mark.parametrize("stream", ["chunk", "layer"])
+def test_an_abort_mid_stream_ends_both_sides_and_leaks_nothing(llama_dir: Path, reference, transport: str,
+                                                               stream: str) -> None:
+    decode, prefill = worker_pair(llama_dir, transport, prefix_caching=False, stream=stream)
     try:
         request_id = start_mid_stream(decode, prefill)
         decode.abort(request_id)

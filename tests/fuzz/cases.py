@@ -273,8 +273,11 @@ def make_pd_case(seed: int, transport: str, bounded_copies: bool = False,
     pre.update(_tp_options(tp[0]))
     dec.update(_tp_options(tp[1]))
     streams = random.Random(f"pd-stream-{transport}-{seed}")  # as tiers: a stream of its own
-    stream = streams.choice(("chunk", "chunk", "off"))
+    stream = streams.choice(("chunk", "chunk", "off", "layer", "layer"))
     stream_min_tokens = streams.choice((0, 0, 16, 48))
+    stream_layers = streams.choice((1, 1, 2))
+    if stream == "layer" and tp[0] > 1:  # layer streaming needs a TP 1 prefill worker
+        stream = "chunk"
     return PDCase(seed, transport, dec, pre, deadline_s, grace_s, timeout_s,
                   slow_copy_p=rng.choice((0.3, 0.7, 1.0)) if slow else 0.0,
                   slow_copy_max_s=rng.choice((0.01, 0.05, 0.2, 0.6)) if slow else 0.0,
@@ -283,7 +286,7 @@ def make_pd_case(seed: int, transport: str, bounded_copies: bool = False,
                   msg_delay_max=rng.choice((0, 1, 3, 10)), requests=specs,
                   d_skip=rng.choice((0.0, 0.0, 0.0, 0.3, 0.8)), shared_store=shared,
                   copy_bound_s=grace_s / 4 if bounded_copies else 0.0, stream=stream,
-                  stream_min_tokens=stream_min_tokens)
+                  stream_min_tokens=stream_min_tokens, stream_layers=stream_layers)
 
 
 def add_structured(case: OfflineCase | PDCase, fraction: float) -> OfflineCase | PDCase:

@@ -226,9 +226,11 @@ class PDCase:
     # writes its prompts' blocks through, D loads prefixes from it.
     shared_store: bool = False
     # transport_options.stream and stream_min_tokens of both transports: when P posts a
-    # prompt's blocks (each as computed, or all once prefilled).
+    # prompt's blocks (each as computed, each layer group as computed, or all once
+    # prefilled), and stream_layers, layers per write in layer mode.
     stream: str = "chunk"
     stream_min_tokens: int = 0
+    stream_layers: int = 1
 
 
 def case_dict(case: OfflineCase | PDCase) -> dict[str, Any]:

@@ -51,9 +51,11 @@ class TextOracle:
 
 
 def write_config(path: Path) -> Path:
-    """configs/ray-multinode-cpu.yaml with two decode workers and short timeouts."""
+    """configs/ray-multinode-cpu.yaml with two decode workers, short timeouts, and KV
+    streamed layer by layer (the mode with the most writes in flight when a link is cut
+    mid-push; chunk, the default, is what every other deployment test runs)."""
     config = yaml.safe_load((REPO / "configs" / "ray-multinode-cpu.yaml").read_text())
-    config.update(prefill_deadline_s=DEADLINE_S, transport_options={"timeout_s": TRANSPORT_TIMEOUT_S})
+    config.update(prefill_deadline_s=DEADLINE_S, transport_options={"timeout_s": TRANSPORT_TIMEOUT_S, "stream": "layer"})
     config["router"]["worker_timeout_s"] = WORKER_TIMEOUT_S
     config["decode"]["replicas"] = len(DECODES)
     # A router-decode cut longer than ray.probe_timeout_s costs that worker one of its

@@ -128,7 +128,7 @@ def run_pd(case: PDCase, model_dir: str | Path, oracle: Oracle, wall_limit: floa
         oracle.prefetch(case.requests)
         t0 = time.monotonic()
         config = TransportConfig(timeout_s=case.timeout_s, cancel_grace_s=case.grace_s, stream=case.stream,
-                                 stream_min_tokens=case.stream_min_tokens)
+                                 stream_min_tokens=case.stream_min_tokens, stream_layers=case.stream_layers)
         t_dec = create_transport(case.transport, "decode", config)
         transports.append(t_dec)
         t_pre = create_transport(case.transport, "prefill", config)

@@ -3,7 +3,7 @@
 The test process plays the other side. Commands and replies are msgpack maps sent as
 bytes (never pickled objects):
     {"op": "add_peer", "meta": bytes, "warm": bool} -> {"peer": name} | {"error": str}
-    {"op": "write", "peer", "req", "epoch", "src", "dst", "deadline"} -> {"xfer": id}
+    {"op": "write", "peer", "req", "epoch", "src", "dst", "deadline"[, "layers"]} -> {"xfer": id}
     {"op": "expect", "req", "epoch", "blocks", "deadline"}            -> {}
     {"op": "poll", "seconds": s}   poll for s seconds -> {"events": [...], "stats": {...}}
     {"op": "blocks", "ids": [...]} -> {"data": bytes} of those blocks
@@ -112,7 +112,7 @@ def run_agent(conn: Connection, transport: str, name: str, seed: int, timeout_s:
                     t.warm_up(reply["peer"])
             elif op == "write":
                 reply["xfer"] = t.write(cmd["peer"], cmd["req"], cmd["epoch"], cmd["src"], cmd["dst"],
-                                        cmd["deadline"])
+                                        cmd["deadline"], cmd.get("layers"))
             elif op == "expect":
                 t.expect(**{"sender": "prefill", **cmd})
             elif op == "abort":

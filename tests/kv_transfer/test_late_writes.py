@@ -63,8 +63,9 @@ def gated_start(sender: KVTransport, gate: threading.Event, pool: ThreadPoolExec
     """A late landing that bypasses the sender's own checks (like ../shared/repro's
     f3): each write's copy waits for `gate`, then copies everything."""
     def start(peer, write) -> None:
-        dst = sender._peer_bytes[peer.name][0]  # rank 0: TP 1
-        runs = ([dst[d:d + n] for _, d, n in write.runs], [sender._blocks_bytes[s:s + n] for s, _, n in write.runs])
+        regions = shm._regions(write, sender._peer_bytes[peer.name], sender._rank_layers,
+                               sender.registered_compat.num_layers)
+        runs = ([to for to, _ in regions], [frm for _, frm in regions])
         write.handle = pool.submit(lambda: (gate.wait(30), torch._foreach_copy_(*runs)))
 
     sender._start = start

@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import torch
 
+import kv_transfer.shm as shm
 from kv_transfer import KVTransport, Released, TransportConfig, WriteFailed, create_transport
 from tests.kv_transfer.agent import cache_shape, poll_both
 
@@ -30,8 +31,9 @@ def gated_copies(sender: KVTransport, gate: threading.Event, pool: ThreadPoolExe
     started: list[Future] = []
 
     def start(peer, write) -> None:
-        dst = sender._peer_bytes[peer.name][0]  # rank 0: TP 1
-        runs = ([dst[d:d + n] for _, d, n in write.runs], [sender._blocks_bytes[s:s + n] for s, _, n in write.runs])
+        regions = shm._regions(write, sender._peer_bytes[peer.name], sender._rank_layers,
+                               sender.registered_compat.num_layers)
+        runs = ([to for to, _ in regions], [frm for _, frm in regions])
         write.handle = pool.submit(lambda: (gate.wait(30), torch._foreach_copy_(*runs)))
         started.append(write.handle)
 

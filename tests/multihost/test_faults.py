@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.error
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -121,6 +121,14 @@ def decode_totals(stats: dict[str, dict]) -> dict[str, int]:
     """The decode pool's counters (Deployment.stats()), summed over its workers."""
     keys = ("remote", "local", "fallbacks", "kv_bytes_received")
     return {k: sum(stats[n][k] for n in ("decode-0", "decode-1")) for k in keys}
+
+
+def decode_totals_once(deployment: Deployment, what: str, done: Callable[[dict[str, int]], bool]) -> dict[str, int]:
+    """The decode pool's counters once done(totals) holds. /status shows each worker's
+    reply to the router's last health ping (every health_interval_s), so a counter that
+    moved during a request a second long may not show yet when its stream ends."""
+    workers = deployment.wait(what, lambda w: done(decode_totals({n: r["stats"] for n, r in w.items()})), timeout=30)
+    return decode_totals({n: r["stats"] for n, r in workers.items()})
 
 
 def host_running_one_request(deployment: Deployment) -> int:
@@ -266,23 +274,23 @@ def test_a_slow_link_between_the_pools_keeps_remote_prefill_and_bounds_ttft(heal
     deployment, bed = healthy, healthy.bed
     for decode in DECODES:
         bed.limit(decode, "100mbit")
-    before = decode_totals(deployment.stats())
+    settled_rows = deployment.wait("every block free", settled, timeout=30)  # earlier requests all counted
+    before = decode_totals({name: row["stats"] for name, row in settled_rows.items()})
     text, _, ttft = deployment.stream({"prompt": SLOW, "max_tokens": 8, **GREEDY})
-    middle = decode_totals(deployment.stats())
     assert text == oracle[SLOW] and ttft < DEADLINE_S
-    assert middle["remote"] == before["remote"] + 1 and middle["fallbacks"] == before["fallbacks"]  # pushed
+    middle = decode_totals_once(deployment, "the push counted", lambda t: t["remote"] == before["remote"] + 1)
+    assert middle["fallbacks"] == before["fallbacks"]  # pushed
     # Below router.remote_prefill_min_tokens: prefilled where it decodes, no push to wait for.
     text, _, ttft = deployment.stream({"prompt": SHORT, "max_tokens": 8, **GREEDY})
-    after = decode_totals(deployment.stats())
     assert text == oracle[SHORT] and ttft < DEADLINE_S
-    assert after["local"] == middle["local"] + 1 and after["remote"] == middle["remote"]
+    after = decode_totals_once(deployment, "the local prefill counted", lambda t: t["local"] == middle["local"] + 1)
+    assert after["remote"] == middle["remote"]
     # Slower than the deadline allows (9 MB at 5 Mbit/s): prefilled here after it.
     for decode in DECODES:
         bed.limit(decode, "5mbit")
     text, _, ttft = deployment.stream({"prompt": CRAWLING, "max_tokens": 8, **GREEDY})
-    last = decode_totals(deployment.stats())
     assert text == oracle[CRAWLING] and DEADLINE_S <= ttft < DEADLINE_S + 30
-    assert last["fallbacks"] == after["fallbacks"] + 1
+    decode_totals_once(deployment, "the fallback counted", lambda t: t["fallbacks"] == after["fallbacks"] + 1)
 
 
 @pytest.mark.timeout(400)

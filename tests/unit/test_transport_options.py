@@ -31,7 +31,9 @@ def test_absent_means_the_transports_own_defaults() -> None:
     ({"cancel_grace_s": -1}, "transport_options.cancel_grace_s: must be > 0, got -1"),
     ({"timeout_s": "10"}, "transport_options.timeout_s: must be a number, got '10'"),
     ({"progress_thread": "no"}, "transport_options.progress_thread: must be true or false, got 'no'"),
-    ({"stream": "layers"}, "transport_options.stream: must be one of ('off', 'chunk'), got 'layers'"),
+    ({"stream": "layers"}, "transport_options.stream: must be one of ('off', 'chunk', 'layer'), got 'layers'"),
+    ({"stream_layers": 0}, "transport_options.stream_layers: must be"),
+    ({"stream_layers": 1.5}, "transport_options.stream_layers: must be"),
     ({"stream": True}, "transport_options.stream: must be a string, got True"),
     ({"stream_min_tokens": -1}, "transport_options.stream_min_tokens: must be"),
     ({"stream_min_tokens": 2.5}, "transport_options.stream_min_tokens: must be"),
@@ -50,7 +52,7 @@ def test_a_yaml_value_reaches_each_workers_transport(tmp_path: Path, llama_dir: 
     path = tmp_path / "cluster.yaml"
     path.write_text(f"model: {llama_dir}\ntransport: tcp\n"
                     "transport_options: {timeout_s: 3.5, cancel_grace_s: 7, progress_thread: true, stream: off, "
-                    "stream_min_tokens: 512}\n"
+                    "stream_min_tokens: 512, stream_layers: 3}\n"
                     "prefill: {engine: {num_kv_blocks: 8}}\ndecode: {engine: {num_kv_blocks: 8}}\n")
     config = load_cluster_config(path)
     for role in ("prefill", "decode"):
@@ -60,7 +62,20 @@ def test_a_yaml_value_reaches_each_workers_transport(tmp_path: Path, llama_dir: 
         try:
             assert worker.name == f"{role}-0"
             assert transport.config == TransportConfig(timeout_s=3.5, cancel_grace_s=7.0, host="127.0.0.1",
-                                                       progress_thread=True, stream="off", stream_min_tokens=512)
+                                                       progress_thread=True, stream="off", stream_min_tokens=512,
+                                                       stream_layers=3)
             assert worker.secret is transport.config.secret is secret
         finally:
             transport.close()
+
+
+def test_layer_streaming_needs_a_tp1_prefill_pool(llama_dir: Path) -> None:
+    """Each rank of a TP prefill worker computes its layers in its own process, where the
+    writer cannot see them: refused, naming the way out. The decode pool's TP is free."""
+    pools = {"prefill": {"replicas": 1, "engine": {"tensor_parallel_size": 2}}, "decode": {"replicas": 1}}
+    with pytest.raises(ConfigError, match=r"transport_options.stream: layer needs "
+                                          r"prefill.engine.tensor_parallel_size 1 .* use chunk"):
+        ClusterConfig.from_dict({"model": str(llama_dir), **pools, "transport_options": {"stream": "layer"}})
+    ClusterConfig.from_dict({"model": str(llama_dir), **pools, "transport_options": {"stream": "chunk"}})
+    swapped = {"prefill": pools["decode"], "decode": pools["prefill"]}
+    ClusterConfig.from_dict({"model": str(llama_dir), **swapped, "transport_options": {"stream": "layer"}})
