@@ -11,20 +11,18 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
+from engine.core_types import EngineStats, LayerHook, StepOutput
 from engine.distributed.driver import TPDriver
 from engine.distributed.sharding import kv_head_range
 from engine.errors import EngineStateError, RequestsFailed
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.events import Event, KVEvents
 from engine.kv_cache.shared_tier import SharedTier
-from engine.kv_cache.tiers import OffloadStats
 from engine.prompt_logprobs import PromptRows, plan_rows
 from engine.request import Request, RequestStatus
 from engine.request_factory import GrammarWatch, RequestFactory
@@ -32,36 +30,8 @@ from engine.runner import KVAllocator, LaunchedStep
 from engine.sampling import SamplerOutput, UnusableLogitsError
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerOutput
-from engine.speculative.speculator import SpecStats
 
 logger = logging.getLogger(__name__)
-# hook(layer, computed tokens by request) inside a step's forward: EngineCore.set_layer_hook
-LayerHook = Callable[[int, Mapping[str, int]], None]
-
-
-@dataclass
-class StepOutput:
-    advanced: list[Request] = field(default_factory=list)  # got a new token this step
-    finished: list[Request] = field(default_factory=list)  # finished this step (blocks freed, or once no queued step writes them)
-    num_tokens: int = 0  # tokens computed this step
-    num_requests: int = 0  # requests scheduled in this step (its batch)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What a worker reports of its engine (its stats replies, /status)."""
-
-    num_blocks: int
-    free_blocks: int
-    running: int  # requests scheduled in the last step or about to be
-    waiting: int  # queued: waiting for blocks or a slot, or ready to resume
-    compiling: int = 0  # of those, waiting for their grammar (bounded by grammar_compile_timeout_s)
-    ranks: tuple[int, ...] = ()  # the process id of each tensor-parallel rank, rank 0 first
-    preemptions: int = 0  # running requests preempted so far (their blocks freed; they recompute)
-    spec: SpecStats | None = None  # speculative decoding's counters so far (a copy); None: not speculating
-    offload: OffloadStats | None = None  # the KV offload tiers' figures so far; None: no tiers
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None,
                  keep_cache_files: bool = False, shared_kv: SharedTier | None = None) -> None:

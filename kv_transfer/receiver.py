@@ -67,7 +67,6 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -77,6 +76,7 @@ from kv_transfer.control import ControlPlane
 from kv_transfer.events import Completed, Event, Expired, Overwritten, Received, Released
 from kv_transfer.liveness import ProcessId, is_gone
 from kv_transfer.rank_pairs import check_wire
+from kv_transfer.reservation import Reservation, check_layers, covered
 from protocol import encode
 from protocol.kv_control import Ack, Cancel, Layers, Piece, Run, Written
 
@@ -88,54 +88,6 @@ MAX_RELEASED = 4096
 # How often a quarantined reservation's cancel is sent again (a lost message, a sender
 # that was stopped), and its sender's process checked.
 CANCEL_RESEND_S = 0.5
-
-
-@dataclass
-class Reservation:
-    epoch: int
-    blocks: set[int]
-    deadline: float  # time.time()
-    sender: str | None  # agent name of the writer: named at expect(), else its first write
-    # Reserved blocks not wholly written yet -> a bit per layer still missing (a
-    # layer-wise stream writes each block layer group by layer group).
-    missing: dict[int, int] = field(default_factory=dict)
-    # Quarantined (one-sided): the senders whose word (cancel_ack) or exit lifts the
-    # fence, each with its hello's (session, process) when it died (None: no hello
-    # yet), which of them were declared gone, and when the cancels go out again.
-    # Unnamed (no sender known): every sender known, and any that says hello before
-    # the fence lifts.
-    # Keyed (agent name, session): each process of that name that might write it (a
-    # sender that says hello again under its name, restarted, is added: it may have
-    # been sent the request); session None: no hello had come when it died.
-    waiting_on: dict[tuple[str, str | None], ProcessId | None] = field(default_factory=dict)
-    declared_gone: set[str] = field(default_factory=set)
-    # A sender let go on its supervisor's word alone (not confirmed, not seen gone
-    # here): a notification after the release may then mean bytes landed late.
-    unproven: bool = False
-    landing_seen: bool = False  # a write for it landed after it died (counted once)
-    unnamed: bool = False
-    killed_at: float = 0.0  # time.monotonic()
-    cancel_at: float = 0.0  # time.monotonic()
-
-
-def _check_layers(layers: Any, num_layers: int) -> str:
-    """Why a notification's layer range cannot be of a cache of num_layers: "" if fine
-    (None: every layer)."""
-    if layers is None:
-        return ""
-    start, end = layers  # msgspec checked: two ints
-    if not 0 <= start < end <= num_layers:
-        return f"layers [{start}, {end}) are not a layer range of the cache's {num_layers} layers"
-    return ""
-
-
-def _covered(runs: Any) -> set[int] | None:
-    """Blocks covered by [[dst_start, count], ...], or None if malformed."""
-    try:
-        return {d + i for d, n in runs for i in range(n)
-                if isinstance(d, int) and isinstance(n, int) and 0 < n}
-    except (TypeError, ValueError):
-        return None
 
 
 class ReceiverPlane(Protocol):
@@ -183,8 +135,7 @@ class ReceiverState:
         bad = [b for b in blocks if not (isinstance(b, int) and 0 <= b < num_blocks)]
         if bad or not blocks:
             raise ValueError(f"reserved block ids must be in [0, {num_blocks}), got {list(blocks)[:5]}")
-        every_layer = (1 << self._plane.registered_compat.num_layers) - 1
-        self.reservations[req] = Reservation(epoch, set(blocks), deadline, sender, dict.fromkeys(blocks, every_layer))
+        self.reservations[req] = Reservation.of(epoch, blocks, deadline, sender, self._plane.registered_compat.num_layers)
 
     def holds(self) -> bool:
         return bool(self.reservations or self.quarantine)
@@ -343,7 +294,7 @@ class ReceiverState:
         if (req, epoch) in self.quarantine:
             fenced = self.quarantine[(req, epoch)]
             reason = "the request was aborted or expired"
-            landed = fenced.blocks & (set(blocks) | (_covered(msg.runs) or set())) if self._plane.one_sided else set()
+            landed = fenced.blocks & (set(blocks) | (covered(msg.runs) or set())) if self._plane.one_sided else set()
             if landed and not fenced.landing_seen:  # into blocks the fence keeps out of use: harmless, said once
                 fenced.landing_seen = True
                 self._stats["overwritten"] += 1
@@ -355,7 +306,7 @@ class ReceiverState:
             self._control.send(sender, encode(Cancel(req=req, epoch=epoch, deadline=fenced.deadline)))
         elif self._plane.one_sided and (req, epoch) in self._released:
             released, deadline, _, proven = self._released[(req, epoch)]
-            landed = set(released) & (set(blocks) | (_covered(msg.runs) or set()))
+            landed = set(released) & (set(blocks) | (covered(msg.runs) or set()))
             reason = "the request's blocks were already released"
             if landed and proven:
                 # Its sender confirmed (or was seen gone) before the release: the bytes
@@ -377,9 +328,9 @@ class ReceiverState:
             reason = f"blocks {sorted(set(blocks) - r.blocks)[:5]} were not reserved for it"
         elif time.time() > r.deadline:
             reason = "the reservation's deadline passed"
-        elif _covered(msg.runs) != set(blocks):
+        elif covered(msg.runs) != set(blocks):
             reason = "its runs do not cover exactly its blocks"
-        elif bad_layers := _check_layers(msg.layers, self._plane.registered_compat.num_layers):
+        elif bad_layers := check_layers(msg.layers, self._plane.registered_compat.num_layers):
             reason = bad_layers
         elif bad_pieces := check_wire(msg.pieces, self._plane.registered_compat.local_heads):
             reason = f"its pieces do not fill every head of the blocks: {bad_pieces}"
@@ -388,7 +339,7 @@ class ReceiverState:
                 self._plane._apply(sender.decode(), msg.xfer, msg.runs, msg.pieces, frames, msg.layers)
             except (ValueError, RuntimeError) as exc:
                 reason = f"unusable data: {exc}"
-        elif reason and not self._plane.one_sided and _covered(msg.runs) is not None:
+        elif reason and not self._plane.one_sided and covered(msg.runs) is not None:
             try:
                 self._plane._discard(sender.decode(), msg.xfer, msg.runs, msg.layers)
             except (ValueError, RuntimeError) as exc:
@@ -407,18 +358,7 @@ class ReceiverState:
         if r.sender is None:
             r.sender = sender.decode()
         # Only a block every layer of which has come is Received: a partial one is never runnable.
-        layers = (1 << self._plane.registered_compat.num_layers) - 1 if msg.layers is None else \
-            ((1 << msg.layers[1]) - 1) ^ ((1 << msg.layers[0]) - 1)
-        whole = []
-        for b in blocks:
-            left = r.missing.get(b)
-            if left is not None:
-                left &= ~layers
-                if left:
-                    r.missing[b] = left
-                else:
-                    del r.missing[b]
-                    whole.append(b)
+        whole = r.take(blocks, msg.layers, self._plane.registered_compat.num_layers)
         if whole:
             self._events.append(Received(req, epoch, tuple(whole)))
         self._control.send(sender, encode(Ack(xfer=msg.xfer, ok=True, reason="")))

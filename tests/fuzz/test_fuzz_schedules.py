@@ -85,7 +85,7 @@ def test_offline_schedules_match_the_oracle(llama_dir: Path, oracle: H.Oracle) -
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_pd_schedules_match_the_oracle(llama_dir: Path, oracle: H.Oracle, transport: str) -> None:
     cases = [H.make_pd_case(seed, transport, bounded_copies=True) for seed in PD_SEEDS]
-    assert {case.stream for case in cases} == {"chunk", "off"}  # both ways of posting a prompt's blocks
+    assert {case.stream for case in cases} == {"chunk", "layer", "off"}  # every way of posting a prompt's blocks
     results = [H.run_pd(case, llama_dir, oracle) for case in cases]
     assert report(results) == ""
     exercised = Counter()
