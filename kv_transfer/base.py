@@ -59,7 +59,6 @@ class KVTransport(ABC):
     fabric = "host"  # the wire its KV crosses between hosts (kv_transfer/fabric.py)
     # The most bytes one descriptor may carry (None: a whole run of consecutive blocks).
     max_run_bytes: int | None = None
-    layer_writes = True  # write() takes a layer range (stream: layer)
     # True: a layer range of a run is gathered into one buffer (a frame, a send), so it
     # moves as one descriptor, like the whole run; False: one per block and head.
     gathers_layers = False

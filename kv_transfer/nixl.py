@@ -24,7 +24,6 @@ its own GPU, which this one agent cannot reach: refused (CPU caches only).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -77,11 +76,11 @@ class NixlTransport(KVTransport):
         # Prepared lists of our caches, one per plan (peers with the same plan share it).
         self._local: dict[LocalKey, Any] = {}
         self._remote: dict[str, tuple[Any, Any]] = {}  # peer name -> (its prepared list, ours for its plan)
-        # A layer range's lists, prepared on a peer's first layer write: a descriptor per
-        # (piece, block, head, layer) on each side, peer name -> (its, ours).
+        # A layer range's lists, prepared at connect with stream: layer (else on a peer's
+        # first layer write): a descriptor per (piece, block, head, layer) on each side,
+        # peer name -> (its, ours).
         self._layer_lists: dict[str, tuple[Any, Any]] = {}
         self._local_layers: dict[LocalKey, Any] = {}  # ours, per plan, as _local
-        self._sides: dict[str, _Side] = {}  # peer name -> where its caches are
         self.stats["notifications_refused"] = 0
         self._refusals = RefusalLog(logger)
 
@@ -130,8 +129,6 @@ class NixlTransport(KVTransport):
             self._agent.remove_remote_agent(name)
             raise
         self._remote[peer.name] = (remote, local)
-        self._sides[peer.name] = _Side(list(bases), [n * hb for n in peer.compat.local_heads], data["num_blocks"],
-                                       data["device_id"], data["mem"])
         if self.config.stream == "layer":  # now, not inside the first prompt's forward
             try:
                 self._layer_lists_for(peer)
@@ -152,16 +149,16 @@ class NixlTransport(KVTransport):
         """(the peer's, ours) lists of a descriptor per (piece, block, head, layer): a
         layer range of a block's head is a run of them, which NIXL merges into one."""
         if peer.name not in self._layer_lists:
-            side, compat = self._sides[peer.name], self.registered_compat
+            data, compat = peer.data, self.registered_compat
             key = tuple((p.src_rank, p.src_head, p.num_heads) for p in peer.pieces)
             if key not in self._local_layers:
                 rows = _layer_descs(peer.pieces, "src", [c.data_ptr() for c in self.kv_caches],
                                     [b.shape[1] for b in self._rank_bytes], self.registered_cache.shape[0],
                                     self._device_id(), compat.head_bytes, compat.num_layers)
                 self._local_layers[key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, self._mem_type())
-            rows = _layer_descs(peer.pieces, "dst", side.bases, side.block_bytes, side.num_blocks, side.device_id,
-                                compat.head_bytes, compat.num_layers)
-            remote = self._agent.prep_xfer_dlist(peer.name, rows, side.mem)
+            rows = _layer_descs(peer.pieces, "dst", data["bases"], [n * compat.head_bytes for n in peer.compat.local_heads],
+                                data["num_blocks"], data["device_id"], compat.head_bytes, compat.num_layers)
+            remote = self._agent.prep_xfer_dlist(peer.name, rows, data["mem"])
             self._layer_lists[peer.name] = (remote, self._local_layers[key])
         return self._layer_lists[peer.name]
 
@@ -169,7 +166,6 @@ class NixlTransport(KVTransport):
         self._agent.make_connection(peer.name)  # UCX endpoints, else made by the first write
 
     def _disconnect(self, name: str) -> None:
-        self._sides.pop(name, None)
         layer_lists = self._layer_lists.pop(name, None)
         if layer_lists is not None:
             self._agent.release_dlist_handle(layer_lists[0])
@@ -277,17 +273,6 @@ def _piece_descs(pieces: list[Piece], side: str, bases: list[int], block_bytes: 
         part[:, 1] = p.num_heads * head_bytes
         part[:, 2] = device_id
     return rows
-
-
-@dataclass(frozen=True)
-class _Side:
-    """Where a peer's rank caches are, as its handshake announced them."""
-
-    bases: list[int]
-    block_bytes: list[int]  # per rank
-    num_blocks: int
-    device_id: int
-    mem: str
 
 
 def _layer_descs(pieces: list[Piece], side: str, bases: list[int], block_bytes: list[int], num_blocks: int,

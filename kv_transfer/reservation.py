@@ -64,13 +64,15 @@ class Reservation:
 
 
 def check_layers(layers: Any, num_layers: int) -> str:
-    """Why a notification's layer range cannot be of a cache of num_layers: "" if fine
-    (None: every layer)."""
+    """Why a layer range (a write's, or a notification's) cannot be of a cache of
+    num_layers: "" if fine (None: every layer)."""
     if layers is None:
         return ""
-    start, end = layers  # msgspec checked: two ints
+    if len(layers) != 2:
+        return f"layers {list(layers)} must be a [start, end) pair"
+    start, end = layers
     if not 0 <= start < end <= num_layers:
-        return f"layers [{start}, {end}) are not a layer range of the cache's {num_layers} layers"
+        return f"layers [{start}, {end}) are not a range of the cache's {num_layers} layers"
     return ""
 
 

@@ -43,6 +43,7 @@ from kv_transfer.compat import KVCompat
 from kv_transfer.control import ControlPlane, Peer
 from kv_transfer.events import Event, WriteDone, WriteFailed
 from kv_transfer.rank_pairs import Piece, count_descriptors, heads_moved, wire
+from kv_transfer.reservation import check_layers
 from kv_transfer.runs import coalesce
 from protocol import encode
 from protocol.kv_control import CancelAck, Layers, Written
@@ -80,9 +81,7 @@ def written_message(w: Write) -> bytes:
 class SenderPlane(Protocol):
     """What the sender needs of its transport: the data-plane hooks base.py declares."""
 
-    name: str
     one_sided: bool
-    layer_writes: bool
     gathers_layers: bool
     max_run_bytes: int | None
 
@@ -134,11 +133,9 @@ class SenderState:
         if not src_blocks:
             raise ValueError("a write needs at least one block")
         compat = self._plane.registered_compat
+        if problem := check_layers(layers, compat.num_layers):
+            raise ValueError(problem)
         if layers is not None:
-            if not self._plane.layer_writes:
-                raise ValueError(f"the {self._plane.name} transport writes whole blocks only (no layer ranges)")
-            if not (len(layers) == 2 and 0 <= layers[0] < layers[1] <= compat.num_layers):
-                raise ValueError(f"layers {list(layers)} are not a range of the cache's {compat.num_layers} layers")
             layers = None if tuple(layers) == (0, compat.num_layers) else (layers[0], layers[1])
         xfer = next(self._xfer_ids)
         limit = self._plane.max_run_bytes

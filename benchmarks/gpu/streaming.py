@@ -8,12 +8,12 @@ benchmarks/kv/stream.py runs it (its docstring says what each figure is)."""
 from __future__ import annotations
 
 import random
-from importlib import import_module
 from pathlib import Path
 
 from benchmarks.gpu.model import build_model, free_memory
 from benchmarks.gpu.report import row
 from benchmarks.gpu.shapes import Setup
+from benchmarks.gpu.transfer import with_nixl
 
 MODES = ["off", "chunk", "layer"]
 
@@ -25,13 +25,7 @@ def check_streaming(s: Setup, work: Path) -> None:
 
     model_dir = build_model(s, work / "stream_model", s.dtype)
     free_memory(s)
-    names = ["cuda_ipc" if s.device != "cpu" else "shm"]
-    try:
-        import_module("nixl")  # carried as a wheel; the image lacks it
-        names.append("nixl")
-    except ImportError:
-        row("stream over nixl", "nixl not installed here", "(skipped)")
-    for name in names:
+    for name in with_nixl("cuda_ipc" if s.device != "cpu" else "shm", "stream over nixl"):
         rows, mismatches = run_transport(name, list(s.stream_tokens), MODES, 0, 1, s.stream_repeats, Placement(),
                                          random.Random(0), None, Engines(str(model_dir), s.dtype, s.device))
         prompts = len(s.stream_tokens) * s.stream_repeats + 1  # and the warm-up's, of the shortest

@@ -25,16 +25,20 @@ def check_copy_kernels(s: Setup) -> None:
         row(f"fused copy of 128 runs as {name}", f"{src.numel() / seconds / 1e9:.0f} GB/s", "(info)")
 
 
+def with_nixl(first: str, check: str) -> list[str]:
+    """[first], and nixl if it imports here (a row `check` says it was skipped if not)."""
+    try:
+        import_module("nixl")  # carried as a wheel; the image lacks it
+    except ImportError:
+        row(check, "nixl not installed here", "(skipped)")
+        return [first]
+    return [first, "nixl"]
+
+
 def check_transfer(s: Setup) -> None:
     from benchmarks.kv.transfer import run_transport
 
-    names = ["cuda_ipc"]
-    try:
-        import_module("nixl")  # carried as a wheel; the image lacks it
-        names.append("nixl")
-    except ImportError:
-        row("nixl transfer", "nixl not installed here", "(skipped)")
-    for name in names:
+    for name in with_nixl("cuda_ipc", "nixl transfer"):
         sizes, desc = ([256 << 20, 1 << 30], 2 << 20) if s.device != "cpu" else ([4 << 20], 1 << 20)
         # 512 KiB blocks: one block of the Llama-3.2-1B-shaped model in bf16 (16 layers).
         gib = run_transport(name, sizes, [desc], repeats=3, device=s.device,

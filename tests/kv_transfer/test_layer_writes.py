@@ -16,15 +16,13 @@ from protocol.kv_control import Written
 from tests.kv_transfer.agent import cpu_agent, poll_both
 from tests.kv_transfer.conftest import RemoteAgent
 from tests.kv_transfer.test_tp_transfers import (
-    BLOCK_SIZE,
-    BLOCKS,
-    HEAD_DIM,
     LAYERS,
     MULTI_RANK,
     SENTINEL,
     WRITES,
     make,  # noqa: F401  (the fixture)
     poll_until_done,
+    reserved_pair,
 )
 from tests.kv_transfer.test_transports import SECURED, UNDER_TEST, drain, local_agent, source_cache, wait_for
 
@@ -71,15 +69,7 @@ def test_a_block_completes_only_once_its_last_layer_lands(transport: str, agents
                                                  (4, 2, 4, 2), (1, 1, 2, 1), (1, 2, 1, 1)])
 def test_layer_by_layer_between_tp_sizes_each_rank_gets_its_heads_of_every_layer(
         make, transport: str, kv_heads: int, p: int, d: int, planes: int) -> None:  # noqa: F811
-    g = torch.Generator().manual_seed(kv_heads * 100 + p * 10 + d)
-    whole = torch.randn(BLOCKS, kv_heads, LAYERS, planes, BLOCK_SIZE, HEAD_DIM, generator=g)
-    decode = make(transport, "decode", kv_heads, d, planes)
-    prefill = make(transport, "prefill", kv_heads, p, planes)
-    for (start, end), cache in zip(prefill.ranges, prefill.caches):
-        cache.copy_(whole[:, start:end])
-    assert prefill.t.add_peer(decode.t.metadata()) == "decode"
-    for i, (_, dst) in enumerate(WRITES):
-        decode.t.expect(f"r{i}", 1, dst, deadline=time.time() + 60, sender="prefill")
+    whole, decode, prefill = reserved_pair(make, transport, kv_heads, p, d, planes)
     received: list[str] = []
     for layer in range(LAYERS):
         for i, (src, dst) in enumerate(WRITES):

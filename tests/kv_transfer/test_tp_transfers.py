@@ -130,14 +130,12 @@ PAIRINGS = [
 LATENT_PAIRINGS = [(1, 1, 2, 2 * RUNS), (1, 2, 1, RUNS), (1, 2, 2, 2 * RUNS), (1, 1, 1, RUNS)]
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", MULTI_RANK)
-@pytest.mark.parametrize("kv_heads,p,d,descriptors,planes", [(*pairing, 2) for pairing in PAIRINGS]
-                         + [(*pairing, 1) for pairing in LATENT_PAIRINGS])
-def test_each_decode_rank_gets_exactly_its_heads(make, transport: str, kv_heads: int, p: int, d: int,
-                                                 descriptors: int, planes: int) -> None:
+def reserved_pair(make, transport: str, kv_heads: int, p: int, d: int,
+                  planes: int) -> tuple[torch.Tensor, Worker, Worker]:
+    """(the "global" cache, decode worker at TP d, prefill worker at TP p holding its
+    ranks' heads of it), joined, with a reservation r{i} for each of WRITES."""
     g = torch.Generator().manual_seed(kv_heads * 100 + p * 10 + d)
-    whole = torch.randn(BLOCKS, kv_heads, LAYERS, planes, BLOCK_SIZE, HEAD_DIM, generator=g)  # the "global" cache
+    whole = torch.randn(BLOCKS, kv_heads, LAYERS, planes, BLOCK_SIZE, HEAD_DIM, generator=g)
     decode = make(transport, "decode", kv_heads, d, planes)
     prefill = make(transport, "prefill", kv_heads, p, planes)
     for (start, end), cache in zip(prefill.ranges, prefill.caches):
@@ -145,6 +143,16 @@ def test_each_decode_rank_gets_exactly_its_heads(make, transport: str, kv_heads:
     assert prefill.t.add_peer(decode.t.metadata()) == "decode"
     for i, (_, dst) in enumerate(WRITES):
         decode.t.expect(f"r{i}", 1, dst, deadline=time.time() + 60, sender="prefill")
+    return whole, decode, prefill
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", MULTI_RANK)
+@pytest.mark.parametrize("kv_heads,p,d,descriptors,planes", [(*pairing, 2) for pairing in PAIRINGS]
+                         + [(*pairing, 1) for pairing in LATENT_PAIRINGS])
+def test_each_decode_rank_gets_exactly_its_heads(make, transport: str, kv_heads: int, p: int, d: int,
+                                                 descriptors: int, planes: int) -> None:
+    whole, decode, prefill = reserved_pair(make, transport, kv_heads, p, d, planes)
     for i, (src, dst) in enumerate(WRITES):
         prefill.t.write("decode", f"r{i}", 1, src, dst, deadline=time.time() + 60)
     received: list[str] = []
