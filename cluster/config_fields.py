@@ -49,6 +49,8 @@ def integer(value: Any, path: str, minimum: int, maximum: int | None = None) -> 
 
 def number(value: Any, path: str, minimum: float, *, strict: bool = False) -> float:
     check(isinstance(value, (int, float)) and not isinstance(value, bool), path, f"must be a number, got {value!r}")
+    # An integer too large for a float (YAML reads 1e400 as a string, but 10**400 as an int).
+    check(not isinstance(value, int) or abs(value) < 2**1023, path, f"must be finite, got {value}")
     check(math.isfinite(value), path, f"must be finite, got {value}")
     check(value > minimum if strict else value >= minimum, path,
           f"must be {'>' if strict else '>='} {minimum}, got {value}")

@@ -10,9 +10,11 @@ from typing import Any
 
 from cluster.api_keys import is_loopback, resolve_api_keys
 from cluster.config_fields import ConfigError, check, checked_mapping, integer, number
+from cluster.slo_config import SLOConfig
 from router.tool_parsers import TOOL_PARSERS
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
+MAX_WEIGHT_RATIO = 1e6  # router.key_weights: the largest over the smallest
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,12 @@ class RouterConfig:
     key_requests_per_s: float | None = None
     key_burst: int | None = None
     key_tokens_in_flight: int | None = None
+    # Weighted fair queuing across API keys (router/fair_queue.py): one weight per key of
+    # api_keys, in order; a key's share of the queues is its weight over the sum. null:
+    # arrival order (FCFS) for everyone.
+    key_weights: Any = None
+    # SLO-aware admission (cluster/slo_config.py: policy, default and per-key targets).
+    slo: SLOConfig = field(default_factory=SLOConfig)
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "router") -> RouterConfig:
@@ -124,9 +132,27 @@ class RouterConfig:
         rate = None if rate is None else number(rate, f"{path}.key_requests_per_s", 0, strict=True)
         check(rate is not None or out.key_burst is None, f"{path}.key_burst",
               "needs key_requests_per_s (the rate its bucket refills at)")
-        return dataclasses.replace(out, health_interval_s=interval, worker_timeout_s=timeout,
+        keys = len(out.api_keys or ())
+        slo = SLOConfig.from_dict(data.get("slo") or {}, f"{path}.slo", keys)
+        return dataclasses.replace(out, key_weights=_key_weights(out.key_weights, f"{path}.key_weights", keys), slo=slo,
+                                   health_interval_s=interval, worker_timeout_s=timeout,
                                    stall_timeout_s=stall or None, key_requests_per_s=rate, served_model_name=served,
                                    body_timeout_s=number(out.body_timeout_s, f"{path}.body_timeout_s", 0, strict=True))
+
+
+def _key_weights(value: Any, path: str, keys: int) -> tuple[float, ...] | None:
+    """One positive weight per API key, as a tuple (None: not set)."""
+    if value is None:
+        return None
+    check(isinstance(value, list), path, f"must be a list of weights, one per key of api_keys in order, got {value!r}")
+    check(keys > 0, path, "needs router.api_keys (fair queuing shares the queues among API keys)")
+    check(len(value) == keys, path, f"must be a list of {keys} weight(s), one per key of api_keys in order, "
+          f"got {len(value)}")
+    weights = tuple(number(w, f"{path}[{i}]", 0, strict=True) for i, w in enumerate(value))
+    # A weight far below the others would send its key's tags (cost / weight) past any float.
+    check(max(weights) / min(weights) <= MAX_WEIGHT_RATIO, path,
+          f"the largest weight must be at most {MAX_WEIGHT_RATIO:g} times the smallest, got {value!r}")
+    return weights
 
 
 def _served_model_names(value: Any, path: str) -> tuple[str, ...] | None:

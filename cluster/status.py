@@ -116,4 +116,18 @@ def format_status(status: dict[str, Any]) -> str:
     lines += _table("decode pool", status["decode_workers"], DECODE_COLUMNS)
     prefill = status.get("prefill_workers", [])
     lines += [""] + (_table("prefill pool", prefill, PREFILL_COLUMNS) if prefill else ["prefill pool: none"])
+    if "slo" in status:  # a router of an earlier version has none
+        lines += ["", _slo_line(status["slo"])]
     return "\n".join(lines)
+
+
+def _slo_line(slo: dict[str, Any]) -> str:
+    """The SLO policy and the latency predictor's recent absolute error, p50/p90 per
+    target (router/predictor.py), e.g. `ttft error p50 12.0ms p90 40.1ms (n=230)`."""
+    parts = [f"slo policy {slo.get('policy', '?')}"]
+    for target, q in sorted((slo.get("prediction_error") or {}).items()):
+        if not q.get("n"):
+            parts.append(f"{target} error: no prediction yet")
+            continue
+        parts.append(f"{target} error p50 {q['p50_s'] * 1e3:.1f}ms p90 {q['p90_s'] * 1e3:.1f}ms (n={int(q['n'])})")
+    return "; ".join(parts)

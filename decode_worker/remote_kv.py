@@ -130,27 +130,28 @@ class DecodeWorkerCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     remote: bool, priority: int = 0, sender: str | None = None,
-                    resumed: int = 0) -> RemotePrefill | None:
+                    resumed: int = 0, queue_tag: float = 0.0) -> RemotePrefill | None:
         """Queue a request. With remote=True and blocks to spare, returns what the prefill
-        worker must do; None means it prefills here. `sender`: the prefill worker's
-        agent name (one-sided transports need it: they fence on it). `resumed`:
+        worker must do (with the request's priority and queue_tag, which order its queue
+        there); None means it prefills here. `sender`: the prefill worker's agent name
+        (one-sided transports need it: they fence on it). `resumed`, `queue_tag`:
         EngineCore.add_request's."""
         if remote and sender is not None and not self.accepts_prompts_from(sender):
             self.stats["fenced_refusals"] += 1
             remote = False
         if remote and len(prompt_token_ids) >= 2:
             request = self.engine.add_remote_prefill_request(request_id, prompt_token_ids, params, priority,
-                                                             resumed)
+                                                             resumed, queue_tag=queue_tag)
             if request is not None:
-                return self._expect(request_id, prompt_token_ids, request.num_cached_tokens, sender)
-        self.engine.add_request(request_id, prompt_token_ids, params, priority, resumed)
+                return self._expect(request, prompt_token_ids, sender)
+        self.engine.add_request(request_id, prompt_token_ids, params, priority, resumed, queue_tag=queue_tag)
         self.stats["local"] += 1
         return None
 
-    def _expect(self, request_id: str, prompt: list[int], num_cached: int,
-                sender: str | None) -> RemotePrefill | None:
+    def _expect(self, request: Request, prompt: list[int], sender: str | None) -> RemotePrefill | None:
+        request_id = request.request_id
         blocks = self.engine.block_ids(request_id)
-        first, end = num_cached // self.block_size, cdiv(len(prompt) - 1, self.block_size)
+        first, end = request.num_cached_tokens // self.block_size, cdiv(len(prompt) - 1, self.block_size)
         if first >= end:  # the local prefix cache already holds it all
             self.engine.remote_kv_arrived(request_id)
             self.stats["local"] += 1
@@ -163,7 +164,7 @@ class DecodeWorkerCore:
         self.stats["remote"] += 1
         return RemotePrefill(request_id=request_id, prompt_token_ids=list(prompt), peer=self.transport.agent_name,
                              block_ids=blocks, first_block=first, epoch=epoch, deadline=deadline,
-                             session=self.transport.session)
+                             session=self.transport.session, priority=request.priority, queue_tag=request.queue_tag)
 
     def _give_up(self, request_id: str, abort: bool) -> list[Request]:
         """Stop waiting for the request's pushed KV: its reserved blocks stay held and

@@ -80,8 +80,10 @@ class EngineCore:
         self._finalizer()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, resumed: int = 0) -> Request:
+                    priority: int = 0, resumed: int = 0, *, queue_tag: float = 0.0) -> Request:
         """Queue a request; raises ValueError (and changes nothing) if it can never run.
+        It is admitted in (priority, queue_tag, arrival) order, lowest first; `queue_tag`
+        (finite, >= 0): the router's fair-queuing tag.
 
         `resumed`: the last this many prompt tokens are the request's own output from an
         earlier worker (a failover): its grammar, if it has one, has accepted them. A
@@ -93,46 +95,46 @@ class EngineCore:
         i named child_request_id(request_id, i) with params.child(i)
         (engine/fork_groups.py)."""
         if params.n > 1:
-            prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed)
+            prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed, queue_tag)
             self.scheduler.add_group(prompt, sequences)
             for sequence in sequences:
                 self._grammars.track(sequence)
             return prompt
-        request = self._requests.single(request_id, prompt_token_ids, params, priority, resumed)
+        request = self._requests.single(request_id, prompt_token_ids, params, priority, resumed, queue_tag)
         self.scheduler.add_request(request)
         if request.needs_prompt_logprobs:
             self._prompt_logprobs.add(request)
         return self._grammars.track(request)
 
     def _new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                   priority: int, resumed: int) -> tuple[Request, list[Request]]:
-        prompt, sequences = self._requests.group(request_id, prompt_token_ids, params, priority, resumed)
+                   priority: int, resumed: int, queue_tag: float) -> tuple[Request, list[Request]]:
+        prompt, sequences = self._requests.group(request_id, prompt_token_ids, params, priority, resumed, queue_tag)
         self.scheduler.check_group(prompt, sequences)
         return prompt, sequences
 
     # --- disaggregation: decode worker side ------------------------------------------
 
     def add_remote_prefill_request(self, request_id: str, prompt_token_ids: list[int],
-                                   params: SamplingParams, priority: int = 0,
-                                   resumed: int = 0) -> Request | None:
+                                   params: SamplingParams, priority: int = 0, resumed: int = 0, *,
+                                   queue_tag: float = 0.0) -> Request | None:
         """Reserve blocks for the whole prompt and wait for a prefill worker to write
         its KV. Returns the request (its blocks: kv.block_ids(request_id); tokens
         already cached here: request.num_cached_tokens), or None when the blocks do not
         fit now (prefill locally with add_request instead). Raises ValueError for a
-        request that could never run. `resumed`: as for add_request."""
+        request that could never run. `resumed`, `queue_tag`: as for add_request."""
         if len(prompt_token_ids) < 2:
             raise ValueError("a remote prefill needs a prompt of at least 2 tokens")
         if params.prompt_logprobs is not None:  # a prefill worker sends KV, not logits
             raise ValueError("prompt_logprobs needs the prompt prefilled locally, not remotely")
         if params.n > 1:  # the group's prompt request takes the KV; its sequences fork on arrival
-            prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed)
+            prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed, queue_tag)
             if not self.scheduler.remote.reserve(prompt):
                 return None
             self.scheduler.join_group(prompt, sequences)
             for sequence in sequences:
                 self._grammars.track(sequence)
             return prompt
-        request = self._requests.single(request_id, prompt_token_ids, params, priority, resumed)
+        request = self._requests.single(request_id, prompt_token_ids, params, priority, resumed, queue_tag)
         return self._grammars.track(request) if self.scheduler.remote.reserve(request) else None
 
     def remote_kv_arrived(self, request_id: str) -> None:
@@ -162,10 +164,13 @@ class EngineCore:
 
     # --- disaggregation: prefill worker side ------------------------------------------
 
-    def add_prefill_request(self, request_id: str, prompt_token_ids: list[int]) -> Request:
+    def add_prefill_request(self, request_id: str, prompt_token_ids: list[int], priority: int = 0, *,
+                            queue_tag: float = 0.0) -> Request:
         """Compute the KV of these tokens and keep it (status PREFILLED, reported in
-        StepOutput.finished) until release_prefilled(). Never samples."""
-        request = self._requests.single(request_id, prompt_token_ids, SamplingParams(max_tokens=1))
+        StepOutput.finished) until release_prefilled(). Never samples. Queued in
+        (priority, queue_tag, arrival) order, as add_request's."""
+        request = self._requests.single(request_id, prompt_token_ids, SamplingParams(max_tokens=1), priority,
+                                        queue_tag=queue_tag)
         request.prefill_only = True
         self.scheduler.add_request(request)
         return request

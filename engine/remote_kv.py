@@ -39,7 +39,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
-from engine.request import RemoteKV, Request, RequestStatus
+from engine.request import RemoteKV, Request, RequestStatus, SortKey
 
 if TYPE_CHECKING:
     from engine.scheduler import Scheduler
@@ -53,7 +53,7 @@ class RemoteKVQueues:
         self.kv = scheduler.kv
         # Queued requests that hold their prompt's blocks (decode worker: the remote KV
         # arrived, or the prompt is prefilled locally in them; a forked sequence).
-        self.ready: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
+        self.ready: list[tuple[SortKey, Request]] = []  # heap by sort_key
         # Prefill worker: requests whose prompt KV is computed; their blocks stay held
         # until the KV is written to the decode worker (release_prefilled).
         self.prefilled: dict[str, Request] = {}
@@ -132,7 +132,7 @@ class RemoteKVQueues:
     def head(self) -> Request:
         return self.ready[0][1]
 
-    def pop(self) -> tuple[tuple[int, int], Request]:
+    def pop(self) -> tuple[SortKey, Request]:
         return heapq.heappop(self.ready)
 
     def discard(self, request: Request) -> bool:

@@ -40,6 +40,8 @@ class RequestStatus(enum.Enum):
 
 _arrival_counter = itertools.count()
 
+SortKey = tuple[int, float, int]  # Request.sort_key: (priority, queue_tag, arrival_index), lowest first
+
 
 @dataclass(eq=False)
 class Speculation:
@@ -103,7 +105,9 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    priority: int = 0  # lower runs first; ties by arrival
+    priority: int = 0  # lower runs first; ties by queue_tag, then arrival
+    # The router's fair-queuing tag: within a priority, lower first; 0 for everyone gives arrival order.
+    queue_tag: float = 0.0
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # time.monotonic() of its first step (queue time)
     status: RequestStatus = RequestStatus.WAITING
@@ -206,5 +210,5 @@ class Request:
                            self.generator, self.grammar, self.spec is not None)
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival_index)
+    def sort_key(self) -> SortKey:
+        return (self.priority, self.queue_tag, self.arrival_index)

@@ -29,10 +29,11 @@ class RequestFactory:
         self.resources = resources  # holds the grammar compiler, made at the first grammar
 
     def single(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               priority: int = 0, resumed: int = 0) -> Request:
+               priority: int = 0, resumed: int = 0, queue_tag: float = 0.0) -> Request:
         """A request with its feature records; raises ValueError (SamplingParamsError
-        naming the parameter) for token ids outside the vocabulary, a bad `resumed`, or
-        a grammar refused at once. `resumed`: as EngineCore.add_request's."""
+        naming the parameter) for token ids outside the vocabulary, a bad `resumed` or
+        `queue_tag`, or a grammar refused at once. `resumed`, `queue_tag`: as
+        EngineCore.add_request's."""
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
@@ -42,7 +43,10 @@ class RequestFactory:
             raise SamplingParamsError(outside[0], f"token ids must be in [0, {vocab}), got {outside[1]}")
         if not (isinstance(resumed, int) and 0 <= resumed < len(prompt_token_ids)):
             raise ValueError(f"resumed must be in [0, {len(prompt_token_ids)}), got {resumed!r}")
-        request = Request(request_id, list(prompt_token_ids), params, priority=priority)
+        # A nan would break the queue heaps' order for every request.
+        if not (isinstance(queue_tag, (int, float)) and math.isfinite(queue_tag) and queue_tag >= 0):
+            raise ValueError(f"queue_tag must be a finite number >= 0, got {queue_tag!r}")
+        request = Request(request_id, list(prompt_token_ids), params, priority=priority, queue_tag=queue_tag)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.config.device)
         if self.speculating:
@@ -70,15 +74,16 @@ class RequestFactory:
         return GrammarState(self.resources.grammars.compile(params.structured_outputs), resumed)
 
     def group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-              priority: int, resumed: int) -> tuple[Request, list[Request]]:
+              priority: int, resumed: int, queue_tag: float = 0.0) -> tuple[Request, list[Request]]:
         """A group's prompt request (every prompt token but the last, prefill only) and
         its sequences, each checked as single() checks one request (the scheduler's
         check_group checks that they fit)."""
         if params.prompt_logprobs is not None:  # each sequence computes only the last prompt token
             raise SamplingParamsError("prompt_logprobs", "is not supported with n > 1 (ask with n=1)")
         sequences = [self.single(child_request_id(request_id, i), prompt_token_ids, params.child(i),
-                                 priority, resumed) for i in range(params.n)]
-        prompt = Request(request_id, list(prompt_token_ids[:-1]), SamplingParams(max_tokens=1), priority=priority)
+                                 priority, resumed, queue_tag) for i in range(params.n)]
+        prompt = Request(request_id, list(prompt_token_ids[:-1]), SamplingParams(max_tokens=1), priority=priority,
+                         queue_tag=queue_tag)
         prompt.prefill_only = True
         return prompt, sequences
 

@@ -4,10 +4,11 @@ There is no prefill phase and no decode phase. Each step hands every scheduled r
 a number of new tokens to compute (`num_computed_tokens` -> `num_tokens`) within
 `max_num_batched_tokens`: a whole prompt, a chunk of one, or one decode token all fall
 out of the same arithmetic. Running requests go first (decodes stay steady), then
-waiting ones in (priority, arrival) order. With speculative decoding, running requests
-about to sample then take their drafts from what is left (_add_drafts). When blocks
-run out, the lowest-priority, latest-arriving running request is preempted: its blocks are freed and it recomputes
-later (its tokens so far are kept, and its freed blocks are usually prefix-cache hits).
+waiting ones in (priority, router's fair-queuing tag, arrival) order (Request.sort_key).
+With speculative decoding, running requests about to sample then take their drafts from
+what is left (_add_drafts). When blocks run out, the running request last in that order
+is preempted: its blocks are freed and it recomputes later (its tokens so far are kept,
+and its freed blocks are usually prefix-cache hits).
 
 Progress. Every block is held by one of: a running request (preemptible), a request
 whose KV a prefill worker is writing (given up at its deadline at the latest), a
@@ -37,7 +38,7 @@ from engine.fork_groups import ForkGroups
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager, cdiv
 from engine.remote_kv import RemoteKVQueues
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, SortKey
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.scheduler_update import SchedulerUpdates
 from engine.tier_loads import TierLoads
@@ -59,7 +60,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key; hold no blocks
+        self.waiting: list[tuple[SortKey, Request]] = []  # heap by sort_key; hold no blocks
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -383,9 +384,9 @@ class _SteppedAside:
     (put back at its end), so that they hold up nobody behind them."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[list, tuple[tuple[int, int], Request]]] = []
+        self.items: list[tuple[list, tuple[SortKey, Request]]] = []
 
-    def take(self, queue: list[tuple[tuple[int, int], Request]]) -> None:
+    def take(self, queue: list[tuple[SortKey, Request]]) -> None:
         self.items.append((queue, heapq.heappop(queue)))
 
     def put_back(self) -> None:

@@ -76,7 +76,9 @@ class PrefillWorkerCore:
         if refusal is not None:
             self.stats["refused"] += 1
             raise ValueError(f"{rp.request_id}: {refusal}")
-        self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1])
+        # Its engine's queue orders jobs as D's orders requests: (priority, queue_tag, arrival).
+        self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1], priority=rp.priority,
+                                        queue_tag=rp.queue_tag)
         config = self.transport.config
         stream = config.stream if len(rp.prompt_token_ids) >= config.stream_min_tokens else "off"
         self.jobs[rp.request_id] = _Job(rp, rp.first_block, end, stream=stream)

@@ -10,7 +10,7 @@ from engine.sampling_params import child_request_id
 from protocol.control import CONTROL_MESSAGES, Peers, Ready, Serving, Stop
 from protocol.kv_control import KV_CONTROL_MESSAGES
 from protocol.sampling import WireSamplingParams, from_wire, to_wire
-from protocol.stats import Histogram, KVTierStats, SpecDecodeStats, TierUsage, WorkerStats
+from protocol.stats import Histogram, KVTierStats, SpecDecodeStats, StepTimes, TierUsage, WorkerStats, mean_points
 from protocol.wire import PROTOCOL_VERSION, Codec, Message, MessageError, encode
 from protocol.worker import (
                              WORKER_MESSAGES,
@@ -26,6 +26,6 @@ from protocol.worker import (
 )
 
 __all__ = ["CONTROL_MESSAGES", "KV_CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Histogram", "KVTierStats", "Message",
-           "MessageError", "Peers", "PrefillDone", "Ready", "Rejected", "RemotePrefill", "Serving", "SpecDecodeStats", "TierUsage",
+           "MessageError", "Peers", "PrefillDone", "Ready", "Rejected", "RemotePrefill", "Serving", "SpecDecodeStats", "StepTimes", "TierUsage",
            "Stats", "StatsReply", "Stop", "TokenLogprobs", "Tokens", "WireSamplingParams", "WorkerStats", "child_request_id",
-           "encode", "from_wire", "to_wire"]
+           "encode", "from_wire", "mean_points", "to_wire"]

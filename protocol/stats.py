@@ -45,6 +45,38 @@ class Histogram(Record, frozen=True):
             raise ValueError(f"sum must be finite, got {self.sum!r}")
 
 
+class StepTimes(Record, frozen=True):
+    """Engine steps by their size (requests, or tokens, per step): per bucket of that size,
+    how many steps, the sizes' sum and the seconds' sum; a mean step time per size, which
+    one histogram of each cannot give (workers/step_metrics.py keeps them; mean_points
+    reads them). Bucket i holds sizes in (bounds[i-1], bounds[i]]."""
+
+    bounds: list[float]  # increasing, finite upper bounds of the size
+    counts: list[Count]  # len(bounds) + 1: steps per bucket, the last above every bound
+    sizes: list[float]  # len(bounds) + 1: the sum of the sizes of those steps
+    seconds: list[float]  # len(bounds) + 1: the sum of their wall times
+
+    def __post_init__(self) -> None:
+        # A ValueError here is a ValidationError naming the field when decoded.
+        if not self.bounds or not all(map(math.isfinite, self.bounds)) \
+                or any(a >= b for a, b in zip(self.bounds, self.bounds[1:])):
+            raise ValueError(f"bounds must be a non-empty increasing list of finite numbers, got {self.bounds!r}")
+        for name in ("counts", "sizes", "seconds"):
+            values = getattr(self, name)
+            if len(values) != len(self.bounds) + 1:
+                raise ValueError(f"{name} must be {len(self.bounds) + 1} (one per bound, then +Inf), "
+                                 f"got {len(values)}")
+        for name in ("sizes", "seconds"):
+            if not all(math.isfinite(v) and v >= 0 for v in getattr(self, name)):
+                raise ValueError(f"{name} must be finite sums >= 0, got {getattr(self, name)!r}")
+
+
+def mean_points(t: StepTimes) -> list[tuple[float, float]]:
+    """(mean size, mean seconds) of each bucket that holds a step, in size order: the
+    points a latency predictor fits step time against batch size or step tokens."""
+    return [(size / n, seconds / n) for n, size, seconds in zip(t.counts, t.sizes, t.seconds) if n]
+
+
 class SpecDecodeStats(Record, frozen=True):
     """A speculating decode worker's counters since it started (the engine's SpecStats
     fields); a worker that does not speculate sends none."""
@@ -106,6 +138,10 @@ class WorkerStats(Record, frozen=True, omit_defaults=True):
     step_seconds: Histogram  # wall time of its engine steps that computed tokens
     step_requests: Histogram  # requests per such step
     step_tokens: Histogram  # tokens per such step
+    # Step time by requests, and by tokens, per step: a latency predictor's input
+    # (mean_points). None: not reported.
+    step_seconds_by_requests: StepTimes | None = None
+    step_seconds_by_tokens: StepTimes | None = None
     kv_transport: str | None = None  # its KV transport's name (tcp, nixl, ...)
     kv_fabric: str | None = None  # the wire that KV crosses between hosts: tcp, rdma, host, nccl (kv_transfer/fabric.py)
     kv_tiers: KVTierStats | None = None  # only with KV offload tiers

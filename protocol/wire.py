@@ -24,7 +24,9 @@ import msgspec
 # (protocol/kv_store.py) are typed under this version.
 # 18: StoreDirectory has capacity_bytes and used_bytes (the store's, for the workers' stats);
 # StoreDrop.
-PROTOCOL_VERSION = 18
+# 19: Generate has queue_tag, RemotePrefill priority and queue_tag; WorkerStats has
+# step_seconds_by_requests and step_seconds_by_tokens (StepTimes, both roles).
+PROTOCOL_VERSION = 19
 
 
 class MessageError(ValueError):

@@ -17,6 +17,7 @@ what each one means.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import msgspec
@@ -29,6 +30,16 @@ from protocol.wire import Codec, Message
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 # A prompt token's (params.prompt_logprobs): its logprob, its rank (1 = most likely), the top ones.
 PromptTokenLogprobs = tuple[float, int, list[tuple[int, float]]]
+# The router's fair-queuing tag (start-time fair queuing across API keys): a worker's
+# queues order by it within a priority, lower first. msgspec's ge=0 refuses nan and
+# negatives; inf, which msgpack can carry, _check_tag refuses.
+QueueTag = Annotated[float, msgspec.Meta(ge=0)]
+
+
+def _check_tag(queue_tag: float) -> None:
+    # A ValueError in __post_init__ is a ValidationError naming the field when decoded.
+    if not math.isfinite(queue_tag):
+        raise ValueError(f"queue_tag must be finite, got {queue_tag!r}")
 
 
 class Generate(Message, frozen=True, tag="generate"):
@@ -38,9 +49,14 @@ class Generate(Message, frozen=True, tag="generate"):
     params: WireSamplingParams  # type: ignore[valid-type]  # a Struct made at import from SamplingParams' fields
     remote: bool  # the router asks for a remote prefill (the prompt is long enough)
     priority: int = 0  # lower runs first (scheduling_policy: priority)
+    queue_tag: QueueTag = 0.0  # within a priority, lower runs first; 0 for all: arrival order
     # The last this many prompt tokens are the request's own output on an earlier worker
     # (a failover): its grammar, if any, goes on after them.
     resumed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_tag(self.queue_tag)
 
 
 class Abort(Message, frozen=True, tag="abort"):
@@ -106,6 +122,13 @@ class RemotePrefill(Message, frozen=True, tag="prefill"):
     epoch: int  # unique per reservation: a late write for an earlier one is never taken for it
     deadline: float  # time.time() after which D no longer accepts writes
     session: str = ""  # D's KVTransport.session: the blocks belong to that process only
+    # The request's Generate.priority and queue_tag: P's queue orders its jobs by them.
+    priority: int = 0
+    queue_tag: QueueTag = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_tag(self.queue_tag)
 
 
 class PrefillDone(Message, frozen=True, tag="prefill_done"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from router import admin, structured, tokenize_api
+from router import admin, slo, structured, tokenize_api
 from router.access_log import AccessLog, refused, track
 from router.auth import KeyRing
 from router.core import Chunk, Router
@@ -136,6 +137,8 @@ async def status(request: Request) -> dict[str, Any]:
               "stats": msgspec.to_builtins(s)}, role)
             for (w, role), s in zip(pools, replies)]
     return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.pool.prefill),
+            "slo": {"policy": router.placement.policy,
+                    "prediction_error": router.placement.predictor.error_quantiles()},
             "decode_workers": [r for r, role in rows if role == "decode"],
             "prefill_workers": [r for r, role in rows if role == "prefill"]}
 
@@ -189,13 +192,15 @@ async def detokenize(request: Request) -> dict[str, Any]:
 
 
 async def completions(request: Request) -> Any:
+    received = time.monotonic()
     parsed = await _parsed(request, _router(request).parser.completion(await request.body()))
-    return await _respond(request, parsed)
+    return await _respond(request, parsed, received)
 
 
 async def chat_completions(request: Request) -> Any:
+    received = time.monotonic()
     parsed = await _parsed(request, _router(request).parser.chat(await request.body()))
-    return await _respond(request, parsed)
+    return await _respond(request, parsed, received)
 
 
 async def _parsed(request: Request, parsing: Awaitable[T]) -> T:
@@ -211,11 +216,17 @@ async def _parsed(request: Request, parsing: Awaitable[T]) -> T:
         raise
 
 
-async def _respond(request: Request, parsed: GenerateRequest) -> Response:
+async def _respond(request: Request, parsed: GenerateRequest, received: float) -> Response:
     router = _router(request)
     prompts = parsed.prompts
-    stream = _named_errors(_within_limits(request, parsed, router.run_batch(prompts, parsed.params, parsed.priority)),
-                           parsed.constraint_source, parsed.chat)
+    client = client_of(request.scope)
+    try:
+        targets = slo.resolve(parsed.targets, slo.header_targets(request.headers), client, router.config.slo)
+    except APIError:
+        refused(request.scope, sum(map(len, prompts)))
+        raise
+    run = router.run_batch(prompts, parsed.params, parsed.priority, targets, client, received)
+    stream = _named_errors(_within_limits(request, parsed, run), parsed.constraint_source, parsed.chat)
     asked = parsed.params.logprobs is not None and not parsed.rank_only_logprobs
     formatter = functools.partial(LogprobFormatter, router.tokenizer, parsed.chat) if asked else None
     shaper = ResponseShaper(parsed.chat, router.model_name, list(map(len, prompts)), formatter,

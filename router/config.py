@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.model.config import ModelConfig, max_model_len
 from router.bounds import BoundSettings
 from router.limits import LimitSettings
+from router.slo import SLOSettings
 
 
 class GuardSettings(Protocol):
@@ -67,6 +68,14 @@ class RouterSettings(GuardSettings, BoundSettings, LimitSettings, Protocol):
     # The admin keys (router/admin.py); none: the admin endpoints are off.
     @property
     def admin_keys(self) -> tuple[str, ...] | None: ...
+
+    # Fair queuing's weight per API key (router/fair_queue.py); None: FCFS.
+    @property
+    def key_weights(self) -> tuple[float, ...] | None: ...
+
+    # SLO-aware admission (router/slo.py, router/admission.py); None: off, no default targets.
+    @property
+    def slo(self) -> SLOSettings | None: ...
 
 
 @dataclass(frozen=True)

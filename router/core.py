@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -23,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from protocol import Generate, to_wire
 from router.admin import Scaling
+from router.auth import KeyRing
 from router.bounds import InputBounds
 from router.config import ModelLimits, RouterSettings
 from router.control import RouterControl
@@ -30,9 +32,12 @@ from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.model_names import ServedModels
 from router.parsing import RequestParser
+from router.placement import Placement, RequestPlan
 from router.pool import WorkerPool
+from router.predictor import Ticket
 from router.routing import RoutingPolicy
 from router.sequences import MAX_RETRIES, Chunk, SequenceGroup, _rejection, admission
+from router.slo import NO_TARGETS, Targets
 from router.worker_client import WorkerClient
 from security import DeploymentSecret
 
@@ -66,6 +71,10 @@ class Router:
         self.remote_prefill_min_tokens = config.remote_prefill_min_tokens
         self.metrics.remote_prefill_min_tokens.set(self.remote_prefill_min_tokens)
         self.in_flight = 0
+        # SLO admission, fair queuing across keys and the latency predictor.
+        self.placement = Placement(self.pool, self.metrics, config.slo, config.key_weights)
+        ring = KeyRing(config.api_keys or ())
+        self.key_labels = [ring.fingerprint(i) for i in range(len(ring))]  # the metrics' key label
         self._tasks: list[asyncio.Task] = []
         # Who grows and shrinks the pools (cluster/elastic.py sets it): the admin
         # endpoint's scale requests go to it; None: the pools are fixed.
@@ -109,12 +118,17 @@ class Router:
         async for chunk in self.run_batch([prompt], params, priority):
             yield chunk
 
-    async def run_batch(self, prompts: list[list[int]], params: SamplingParams,
-                        priority: int = 0) -> AsyncGenerator[Chunk, None]:
+    async def run_batch(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0,
+                        targets: Targets = NO_TARGETS, client: int | None = None,
+                        received: float | None = None) -> AsyncGenerator[Chunk, None]:
         """The request's new text (and tokens, logprobs) after each worker step, for each
         of its params.n sequences per prompt (router/sequences.py), interleaved as they
         come. The first chunk is its admission (no text): it is checked and submitted.
-        `priority`: its place in the decode workers' queues (lower first, then by arrival).
+        `priority`: its place in the decode workers' queues (lower first, then by its
+        key's fair-queuing tag, then by arrival). `targets`: its SLOs (router/slo.py),
+        against which it is admitted and placed (router/admission.py); `client`: its
+        API key's position (fair queuing, per-key metrics); `received`: when the router
+        took it (time.monotonic(); its TTFT target counts from there; None: now).
 
         Failover: when a sequence's decode worker is declared dead (router/health.py),
         the sequence is resubmitted alone to a live one as prompt + the tokens generated
@@ -135,8 +149,14 @@ class Router:
         m = self.metrics
         self.in_flight += 1
         m.in_flight.set(self.in_flight)
-        group = SequenceGroup(prompts, params, self.tokenizer, functools.partial(self._submit, priority=priority), m)
+        plan = RequestPlan(priority, targets, client, time.monotonic() if received is None else received)
+        group = SequenceGroup(prompts, params, self.tokenizer, functools.partial(self._submit, plan=plan), m,
+                              self.placement)
+        group.start = plan.received
         try:
+            # Every prompt placed (admitted) before any is sent: a refusal sends nothing.
+            self.placement.admit(prompts, params.n, plan, self.remote_prefill_min_tokens,
+                                 params.prompt_logprobs is not None)
             group.submit()
             m.requests.labels(prefill="remote" if group.seqs[0].remote else "local").inc()
             m.prompt_tokens.inc(sum(map(len, prompts)))
@@ -145,6 +165,8 @@ class Router:
             yield admission(group)
             async for chunk in group.chunks():
                 yield chunk
+            key = self.key_labels[client] if client is not None and client < len(self.key_labels) else "none"
+            self.placement.outcome(key, targets, *group.latencies())
         except Exception:
             # Before its first token, an error is the answer's status (the rejected
             # count); after, it ends an answer already under way.
@@ -155,35 +177,42 @@ class Router:
         finally:
             self.in_flight -= 1
             m.in_flight.set(self.in_flight)
+            self.placement.cancel(plan)  # prompts admitted but never sent (an earlier one's send failed)
             group.close()
 
     def _submit(self, prompt: list[int], generated: list[int], params: SamplingParams,
-                failover: bool, priority: int = 0) -> tuple[WorkerClient, str, bool]:
-        """Send prompt + generated to a live decode worker, asking for what remains of
-        params.max_tokens (for params.n sequences); the worker, the request's id there,
-        and whether it was asked to prefill on a prefill worker. The caller listens for
-        its answers (no message is read before it returns: one event loop)."""
+                failover: bool, plan: RequestPlan) -> tuple[WorkerClient, str, bool, Ticket]:
+        """Send prompt + generated to the decode worker the placement picks
+        (router/placement.py), asking for what remains of params.max_tokens (for
+        params.n sequences); the worker, the request's id there, whether it was asked
+        to prefill on a prefill worker, and its ticket. The caller listens for its
+        answers (no message is read before it returns: one event loop). Prompt
+        logprobs need the prompt's logits, which a prefill worker does not send: such a
+        prompt is prefilled on the decode worker (docs/architecture.md)."""
         tokens = prompt + generated
-        worker, cached = self.pool.choose(tokens)
         if generated:
             n = len(generated)
             # Its prompt logprobs came with its first tokens already.
             params = dataclasses.replace(params, max_tokens=params.max_tokens - n,
                                          min_tokens=max(0, params.min_tokens - n), prompt_logprobs=None)
-        request_id = uuid.uuid4().hex
-        # Conditional disaggregation: only the part the worker must compute counts.
-        # Prompt logprobs need the prompt's logits, which a prefill worker does not
-        # send: such a prompt is prefilled on the decode worker (docs/architecture.md).
-        # This is that rule's one owner; the decode worker only guards it.
-        remote = (len(tokens) - cached >= self.remote_prefill_min_tokens and self.pool.prefill_serving()
-                  and params.prompt_logprobs is None)
         if failover:
+            placed = self.placement.place(tokens, params.n, plan, self.remote_prefill_min_tokens,
+                                          params.prompt_logprobs is not None)
             self.metrics.failovers.inc()
         else:
-            self.metrics.cached_tokens.inc(cached)
-        if not worker.send(Generate(request_id=request_id, prompt=tokens, params=to_wire(params), remote=remote,
-                                    priority=priority, resumed=len(generated))):
+            placed = plan.placed.pop(0)  # admitted (Placement.admit)
+            self.metrics.cached_tokens.inc(placed.cached)
+        request_id = uuid.uuid4().hex
+        worker, sent = placed.worker, False
+        try:
+            sent = worker.send(Generate(request_id=request_id, prompt=tokens, params=to_wire(params),
+                                        remote=placed.remote, priority=placed.priority, queue_tag=placed.tag,
+                                        resumed=len(generated)))
+        finally:
+            if not sent:  # nothing will answer for it: its ticket ends here
+                for _ in range(params.n):
+                    self.placement.ended(placed.ticket, None, None)
+        if not sent:
             raise APIError(503, f"decode worker {worker.name} cannot be reached; retry later",
                            kind="service_unavailable")
-        return worker, request_id, remote
-
+        return worker, request_id, placed.remote, placed.ticket

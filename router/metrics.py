@@ -155,6 +155,14 @@ class RouterMetrics:
         self.remote_prefill_min_tokens = Gauge("pdserve_remote_prefill_min_tokens",
                                                "uncached prompt tokens from which a prompt is prefilled remotely",
                                                registry=r)
+        # SLO-aware admission (router/admission.py) and its predictor (router/predictor.py).
+        self.admissions = Counter("pdserve_slo_admissions", "requests by SLO admission decision (admitted, "
+                                  "rejected, degraded) and reason", ["decision", "reason"], registry=r)
+        self.slo_requests = Counter("pdserve_slo_requests", "finished requests by API key and SLO outcome (met, "
+                                    "missed, no_slo); goodput is the rate of met", ["key", "outcome"], registry=r)
+        self.prediction_error = Histogram("pdserve_slo_prediction_error_seconds",
+                                          "|actual - predicted| latency of each request, by target and placement",
+                                          ["target", "prefill"], registry=r, buckets=LATENCY_BUCKETS)
         self.steps = WorkerHistograms()
         r.register(self.steps)
         self.spec_decode = WorkerSpecDecode()
@@ -171,6 +179,9 @@ class RouterMetrics:
         for name in PHASES:
             if name in phases:
                 self.phase.labels(phase=name, prefill="remote" if remote else "local").observe(phases[name])
+
+    def observe_prediction_error(self, target: str, remote: bool, error_s: float) -> None:
+        self.prediction_error.labels(target=target, prefill="remote" if remote else "local").observe(error_s)
 
     def observe_tpot(self, e2e: float, ttft: float, num_tokens: int) -> None:
         """A finished request's time per output token; none for a single token."""

@@ -30,6 +30,7 @@ from router.errors import APIError, TokenizerBusy
 from router.limits import retry_after
 from router.logprobs import PromptScoring, prompt_scoring
 from router.model_names import ServedModels
+from router.slo import NO_TARGETS, Targets, body_targets
 
 T = TypeVar("T")
 
@@ -58,6 +59,7 @@ class GenerateRequest:
     def prompts(self) -> list[list[int]]:
         return self.batch if self.batch is not None else [self.prompt_ids]
     priority: int = field(default=0, kw_only=True)  # lower is scheduled first (request_body.priority)
+    targets: Targets = field(default=NO_TARGETS, kw_only=True)  # slo_ttft_ms / slo_tpot_ms as the body sets them
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class RequestParser:
         return CompletionRequest(batch[0], params, stream, include_usage, prompts[0] if len(prompts) == 1 else prompts,
                                  constraint_source=constraint.source if constraint else None, n=n, rank_only_logprobs=rank_only,
                                  batch=batch if len(batch) > 1 else None,
-                                 priority=request_body.priority(body), scoring=scoring)
+                                 priority=request_body.priority(body), targets=body_targets(body), scoring=scoring)
 
     async def chat(self, raw: bytes) -> ChatRequest:
         body, stream, include_usage = self._body(raw, chat=True)
@@ -159,7 +161,7 @@ class RequestParser:
             params = await self._params(options, names, constraint, len(ids))
         return ChatRequest(ids, params, stream, include_usage, messages, add_generation_prompt,
                            constraint_source=constraint.source if constraint else None, tools=tools, n=n,
-                           priority=request_body.priority(body))
+                           priority=request_body.priority(body), targets=body_targets(body))
 
     def _body(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], bool, bool]:
         """The JSON body, with every check that needs no tokenizer done; stream and

@@ -4,7 +4,7 @@ the decode pool's routing policy (router/routing.py), whose prefix indexes are k
 the same names.
 
 Who calls what: the Router builds the pool, starts and stops it with the app, and
-asks it for a decode worker per submitted sequence (`choose`); the router's control
+asks it for the decode workers that may take each prompt (`ranked`, then `picked`); the router's control
 (router/control.py) adds, drains, moves and removes workers. Everything here runs on
 the router's event loop (or before it runs), so there is no locking.
 """
@@ -12,6 +12,7 @@ the router's event loop (or before it runs), so there is no locking.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import zmq.asyncio
 
@@ -37,6 +38,10 @@ class WorkerPool:
         self.prefill: dict[str, WorkerClient] = {}
         self._readers: dict[str, asyncio.Task] = {}  # name -> its read_forever task, while the app runs
         self._running = False
+        # Every stats reply of every worker, as it comes, and every worker that left (role,
+        # name): the router's latency predictor.
+        self.on_stats: Callable[[str, str, WorkerStats], None] = lambda role, name, stats: None
+        self.on_removed: Callable[[str, str], None] = lambda role, name: None
 
     # --- who is there -------------------------------------------------------------------
 
@@ -71,14 +76,22 @@ class WorkerPool:
         """Whether some prefill worker is live and takes new prompts."""
         return any(w.alive and not w.draining for w in self.prefill.values())
 
-    def choose(self, tokens: list[int]) -> tuple[WorkerClient, int]:
-        """The decode worker for a prompt (the routing policy's pick among the live ones
-        not draining), and its tokens that worker probably has cached; 503 if none."""
+    def ranked(self, tokens: list[int]) -> list[tuple[WorkerClient, int]]:
+        """Every decode worker that may take the prompt (live, not draining), the routing
+        policy's choice first, with its tokens that worker probably has cached; 503 if
+        none. Nothing is recorded until picked()."""
         loads = {w.name: w.load for w in self.decode.values() if w.alive and not w.draining}
         if not loads:
             raise self.no_live_worker()
-        name, cached = self.routing.choose(tokens, loads)
-        return self.decode[name], cached
+        return [(self.decode[name], cached) for name, cached in self.routing.rank(tokens, loads)]
+
+    def picked(self, worker: WorkerClient, tokens: list[int]) -> None:
+        """The prompt goes to `worker` (one of ranked()'s): the routing policy records it."""
+        self.routing.picked(worker.name, tokens)
+
+    def live_prefill(self) -> list[str]:
+        """The prefill workers that take new prompts."""
+        return [w.name for w in self.prefill.values() if w.alive and not w.draining]
 
     def no_live_worker(self) -> APIError:
         why = "; ".join(f"{w.name} {'is being drained (scaled down)' if w.alive else w.down_reason}"
@@ -94,6 +107,7 @@ class WorkerPool:
         if self.find(name) is not None:
             raise ValueError(f"the router already has a worker named {name}")
         client = WorkerClient(self.ctx, name, address, self.timeout_s, self.secret)
+        client.on_stats = lambda stats: self.on_stats(role, name, stats)
         if role == "decode":
             self.decode[name] = client
             self.routing.add(name)
@@ -119,6 +133,7 @@ class WorkerPool:
             reader.cancel()
         client.close()
         self.metrics.forget_worker(name, role)
+        self.on_removed(role, name)
         self.publish_sizes()
         return role
 

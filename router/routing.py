@@ -100,16 +100,23 @@ class RoutingPolicy:
         """(worker, prompt tokens it probably has cached) for this prompt; `loads`: each
         worker that may take it (alive, not draining; at least one) -> its requests in
         flight. Records the choice in kv_aware's history."""
+        name, cached = self.rank(prompt, loads)[0]
+        self.picked(name, prompt)
+        return name, cached
+
+    def rank(self, prompt: Sequence[int], loads: Mapping[str, int]) -> list[tuple[str, int]]:
+        """Every worker that may take the prompt, the policy's choice first, each with
+        the prompt tokens it probably has cached (0 unless kv_aware); records nothing
+        (picked() does, for the one taken). SLO-aware admission (router/admission.py)
+        weighs them in this order."""
         names = list(self.indexes)
         candidates = [i for i, name in enumerate(names) if name in loads]
         if not candidates:
             raise ValueError("no live worker to choose from")
-        if self.policy == "round_robin":
-            pick = min(candidates, key=lambda i: (i - self._next) % len(names))  # the next one round
-            self._next = pick + 1
-            return names[pick], 0
+        if self.policy == "round_robin":  # the next one round first
+            return [(names[i], 0) for i in sorted(candidates, key=lambda i: (i - self._next) % len(names))]
         if self.policy == "least_loaded":
-            return names[min(candidates, key=lambda i: loads[names[i]])], 0
+            return [(names[i], 0) for i in sorted(candidates, key=lambda i: (loads[names[i]], i))]
         # At most len - 1 tokens can be cached: the last one is always computed.
         hashes = hash_full_blocks(prompt[:-1], self.block_size)
         tiers = {i: self.indexes[names[i]].cached_tiers(hashes) for i in candidates}
@@ -118,9 +125,14 @@ class RoutingPolicy:
             saved = sum(1 - TIER_COST[t] for t in tiers[i]) * self.block_size
             return len(prompt) - saved + LOAD_TOKENS * loads[names[i]], i
 
-        best = min(candidates, key=cost)
-        self.indexes[names[best]].add(hashes)
-        return names[best], len(tiers[best]) * self.block_size
+        return [(names[i], len(tiers[i]) * self.block_size) for i in sorted(candidates, key=cost)]
+
+    def picked(self, name: str, prompt: Sequence[int]) -> None:
+        """The prompt went to `name`: round_robin moves past it, kv_aware remembers its blocks there."""
+        if self.policy == "round_robin":
+            self._next = list(self.indexes).index(name) + 1
+        elif self.policy == "kv_aware":
+            self.indexes[name].add(hash_full_blocks(prompt[:-1], self.block_size))
 
     def add(self, name: str) -> None:
         """A worker joined the pool, after the others."""

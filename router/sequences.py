@@ -20,13 +20,14 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from engine.detokenizer import Detokenizer
 from engine.sampling_params import SamplingParams
 from protocol import Abort, Rejected, Tokens, child_request_id
 from router.errors import APIError
 from router.metrics import RouterMetrics
+from router.predictor import Ticket
 from router.worker_client import WORKER_LOST, WorkerClient
 
 # Resubmissions a sequence's decode workers may ask for (Rejected.retry) before it fails.
@@ -59,8 +60,26 @@ class Chunk:
     vllm_prompt_logprobs: list | None = None  # the choice's `prompt_logprobs`, when asked (router/logprobs.py)
 
 
-# (worker, request id, whether it was asked to prefill remotely): Router._submit's answer.
-Submit = Callable[[list[int], list[int], SamplingParams, bool], tuple[WorkerClient, str, bool]]
+# (worker, request id, whether it was asked to prefill remotely, its ticket): Router._submit's answer.
+Submit = Callable[[list[int], list[int], SamplingParams, bool], tuple[WorkerClient, str, bool, Ticket]]
+
+
+class Tracker(Protocol):
+    """Who hears of each submission's progress (router/placement.py Placement)."""
+
+    def first_token(self, ticket: Ticket) -> None: ...
+
+    def ended(self, ticket: Ticket, tpot_s: float | None, transfer_s: float | None) -> None: ...
+
+
+class _Untracked:
+    """A group nobody tracks (tests building one alone)."""
+
+    def first_token(self, ticket: Ticket) -> None:
+        pass
+
+    def ended(self, ticket: Ticket, tpot_s: float | None, transfer_s: float | None) -> None:
+        pass
 
 
 class _Inbox:
@@ -85,6 +104,9 @@ class _Sequence:
         self.retries = 0
         self.first = self.last = 0.0
         self.cached = 0
+        self.ticket: Ticket | None = None  # what it was last submitted under
+        self.ticket_tokens = 0  # its output tokens before that submission
+        self.ticket_first = 0.0  # when that submission's first token came
 
     @property
     def worker_name(self) -> str:
@@ -98,8 +120,9 @@ class SequenceGroup:
     (close() always, however it ended)."""
 
     def __init__(self, prompts: list[list[int]], params: SamplingParams, tokenizer: Any, submit: Submit,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, tracker: Tracker | None = None) -> None:
         self.params, self._submit, self.metrics = params, submit, metrics
+        self.tracker = tracker or _Untracked()
         self.n = params.n
         # n == 1: the request's own params (built once, router/parsing.py); a group's
         # sequences each their own (seed + index).
@@ -116,21 +139,27 @@ class SequenceGroup:
         """Each prompt's Generate for all its sequences."""
         for p in range(len(self.seqs) // self.n):
             seqs = self.seqs[p * self.n:(p + 1) * self.n]
-            worker, rid, remote = self._submit(seqs[0].prompt, [], self.params, False)
+            worker, rid, remote, ticket = self._submit(seqs[0].prompt, [], self.params, False)
             if self.n == 1:
-                self._attach(seqs[0], worker, rid, remote)
+                self._attach(seqs[0], worker, rid, remote, ticket)
                 continue
             worker.subscribe(rid, _Inbox(self.inbox, None, rid), group=True)  # a rejection of the whole group
             self.groups.append((worker, rid))
             for i, seq in enumerate(seqs):
-                self._attach(seq, worker, child_request_id(rid, i), remote)
+                self._attach(seq, worker, child_request_id(rid, i), remote, ticket)
 
-    def _attach(self, seq: _Sequence, worker: WorkerClient, request_id: str, remote: bool) -> None:
+    def _attach(self, seq: _Sequence, worker: WorkerClient, request_id: str, remote: bool, ticket: Ticket) -> None:
         seq.worker, seq.request_id, seq.remote = worker, request_id, remote
+        seq.ticket, seq.ticket_tokens, seq.ticket_first = ticket, seq.detok.num_tokens, 0.0
         worker.subscribe(request_id, _Inbox(self.inbox, seq, request_id))
 
-    def _leave(self, seq: _Sequence, abort: bool) -> None:
-        """Stop listening to the sequence's current id; abort it there (it runs on)."""
+    def _leave(self, seq: _Sequence, abort: bool, tpot_s: float | None = None,
+               transfer_s: float | None = None) -> None:
+        """Stop listening to the sequence's current id; abort it there (it runs on).
+        Its ticket ends (tpot_s, transfer_s: what it measured, when it finished)."""
+        if seq.ticket is not None:
+            self.tracker.ended(seq.ticket, tpot_s, transfer_s)
+            seq.ticket = None
         if seq.worker is None:
             return
         seq.worker.unsubscribe(seq.request_id)
@@ -179,6 +208,10 @@ class SequenceGroup:
     def _step(self, seq: _Sequence, msg: Tokens) -> Chunk:
         m, detok = self.metrics, seq.detok
         now, new = time.monotonic(), len(msg.tokens)
+        if new and seq.ticket is not None and seq.ticket.first_at is None:
+            self.tracker.first_token(seq.ticket)
+        if new and seq.ticket_first == 0.0:
+            seq.ticket_first = now
         if new and detok.num_tokens == 0:
             m.ttft.observe(now - self.start)
             seq.first = now
@@ -199,7 +232,10 @@ class SequenceGroup:
         reason = "stop" if stopped else (msg.reason if msg.finished else None)
         if finished:
             seq.finished = True
-            self._leave(seq, abort=stopped)  # a stop string ends it here: the worker would go on
+            on_ticket = detok.num_tokens - seq.ticket_tokens
+            tpot = (now - seq.ticket_first) / (on_ticket - 1) if on_ticket > 1 else None
+            transfer = msg.phases.get("transfer") if msg.remote else None
+            self._leave(seq, abort=stopped, tpot_s=tpot, transfer_s=transfer)  # a stop string ends it here
             delta += detok.flush()
             e2e = now - self.start
             m.e2e.observe(e2e)
@@ -224,6 +260,15 @@ class SequenceGroup:
             worker.unsubscribe(rid)
         if unfinished and self.seqs[0].worker is not None and not self.error:
             self.metrics.finished.labels(reason="abort").inc()
+
+    def latencies(self) -> tuple[float | None, float | None]:
+        """The request's TTFT (its first token of any sequence) and its worst sequence's
+        TPOT (None: no sequence had two tokens), seconds; (None, None) before a token."""
+        firsts = [s.first for s in self.seqs if s.first]
+        if not firsts:
+            return None, None
+        tpots = [(s.last - s.first) / (s.detok.num_tokens - 1) for s in self.seqs if s.detok.num_tokens > 1]
+        return min(firsts) - self.start, max(tpots, default=None)
 
 
 def admission(group: SequenceGroup) -> Chunk:

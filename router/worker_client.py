@@ -62,6 +62,7 @@ class WorkerClient:
         # (events, reset): the worker's prefix-cache events, from every stats reply
         self.on_kv_events: Callable[[list, bool], None] | None = None
         self.num_kv_blocks: int | None = None  # its KV pool, once a stats reply said
+        self.on_stats: Callable[[WorkerStats], None] | None = None  # each stats reply's figures
         self._seq = 0
         self.down_reason = "not answering yet"  # why it was last declared dead (the 503's message)
         # Being scaled down (cluster/elastic.py): it gets no new request, but stays alive
@@ -89,6 +90,8 @@ class WorkerClient:
                 logger.warning("worker %s answers again: in service again", self.name)
             if isinstance(msg, StatsReply):
                 self.num_kv_blocks = msg.stats.num_blocks
+                if self.on_stats is not None:
+                    self.on_stats(msg.stats)
                 if (msg.kv_events or msg.kv_reset) and self.on_kv_events is not None:
                     self.on_kv_events(msg.kv_events, msg.kv_reset)
                 waiter = self._stats_waiters.pop(msg.seq, None)

@@ -235,7 +235,7 @@ class WorkerLoop:
     def worker_stats(self, engine: EngineStats, steps: StepMetrics, transport: KVTransport,
                      **role: Any) -> WorkerStats:
         """A stats reply's figures: those both roles have, from the engine, the step
-        histograms, this loop's watchdog (stalled: for good, it exits soon) and the
+        metrics, this loop's watchdog (stalled: for good, it exits soon) and the
         peers refused by its socket and its transport's; `role`: the role's own fields."""
         return WorkerStats(
             name=self.name, num_blocks=engine.num_blocks, free_blocks=engine.free_blocks, running=engine.running,
@@ -243,7 +243,8 @@ class WorkerLoop:
             refused_peers=(self.guard.refused if self.guard is not None else 0) + transport.refused_peers(),
             stalled=self.watchdog.stalled, no_progress_s=round(self.watchdog.no_progress_s(self.clock()), 3),
             step_seconds=steps.seconds.snapshot(), step_requests=steps.requests.snapshot(),
-            step_tokens=steps.tokens.snapshot(), kv_transport=transport.name, kv_fabric=transport.fabric,
+            step_tokens=steps.tokens.snapshot(), step_seconds_by_requests=steps.by_requests.snapshot(),
+            step_seconds_by_tokens=steps.by_tokens.snapshot(), kv_transport=transport.name, kv_fabric=transport.fabric,
             kv_tiers=KVTierStats.of(engine.offload), **role)
 
     def run(self, control: ControlChannel) -> None:

@@ -1,10 +1,11 @@
 """Histograms of a worker's engine steps (time, requests, tokens), kept cumulatively
-with fixed buckets and sent in its stats replies for the router's /metrics.
+with fixed buckets and sent in its stats replies for the router's /metrics; and step
+time by step size (requests, tokens), for the router's latency predictor.
 
 Bookkeeping is O(1) per step (one perf_counter pair and a bisect over a dozen
 bounds per histogram), never per token. A histogram goes on the wire as a
 protocol.Histogram (bounds, per-bucket counts, sum, count; router/worker_metrics.py
-reads it).
+reads it), step times by size as a protocol.StepTimes (protocol.stats.mean_points reads it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from bisect import bisect_left
 from typing import TYPE_CHECKING
 
-from protocol.stats import Histogram
+from protocol.stats import Histogram, StepTimes
 
 if TYPE_CHECKING:  # `pdserve status` reads histograms with this module: no torch for it
     from engine.engine_core import EngineCore, StepOutput
@@ -46,14 +47,43 @@ class FixedHistogram:
                          count=self.count)
 
 
+class FixedStepTimes:
+    """Steps per bucket of their size (requests or tokens per step; fixed upper bounds,
+    a size equal to a bound in that bound's bucket), with the sums of their sizes and of
+    their seconds: the mean step time of each size range, which the size histogram and
+    the time histogram apart cannot give."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        if not bounds or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"step size bounds must be non-empty and increasing, got {bounds}")
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.sizes = [0.0] * (len(bounds) + 1)
+        self.seconds = [0.0] * (len(bounds) + 1)
+
+    def observe(self, size: float, seconds: float) -> None:
+        i = bisect_left(self.bounds, size)
+        self.counts[i] += 1
+        self.sizes[i] += size
+        self.seconds[i] += seconds
+
+    def snapshot(self) -> StepTimes:
+        """The wire form; copies, so a later observe() changes nothing."""
+        return StepTimes(bounds=[float(b) for b in self.bounds], counts=list(self.counts), sizes=list(self.sizes),
+                         seconds=list(self.seconds))
+
+
 class StepMetrics:
     """One worker's step histograms (its stats replies' step_seconds, step_requests and
-    step_tokens). Its core calls step() in place of engine.step()."""
+    step_tokens) and step times by size (step_seconds_by_requests, _by_tokens). Its
+    core calls step() in place of engine.step()."""
 
     def __init__(self) -> None:
         self.seconds = FixedHistogram(STEP_SECONDS_BUCKETS)
         self.requests = FixedHistogram(STEP_REQUESTS_BUCKETS)
         self.tokens = FixedHistogram(STEP_TOKENS_BUCKETS)
+        self.by_requests = FixedStepTimes(STEP_REQUESTS_BUCKETS)
+        self.by_tokens = FixedStepTimes(STEP_TOKENS_BUCKETS)
 
     def step(self, engine: EngineCore) -> StepOutput:
         """engine.step(), timed. Only steps that computed tokens count: an idle call, or
@@ -70,6 +100,8 @@ class StepMetrics:
         self.seconds.observe(seconds)
         self.requests.observe(requests)
         self.tokens.observe(tokens)
+        self.by_requests.observe(requests, seconds)
+        self.by_tokens.observe(tokens, seconds)
 
 
 def histogram_quantile(hist: Histogram, q: float) -> float | None:

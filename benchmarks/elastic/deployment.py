@@ -38,13 +38,19 @@ class Deployment:
     """`with Deployment(config_dict) as d:` serves at d.url until the block ends.
 
     config: a cluster config as a dict (its router's port, host and admin key are set
-    here); log_dir: where its YAML and its output go."""
+    here); log_dir: where its YAML and its output go; keep_api_keys: serve the config's
+    router.api_keys (a list) instead of dropping them, for a load generator that sends
+    keys (per-key fair queuing); the readiness probe then uses the first one."""
 
-    def __init__(self, config: dict[str, Any], log_dir: Path, start_timeout_s: float = 300.0) -> None:
+    def __init__(self, config: dict[str, Any], log_dir: Path, start_timeout_s: float = 300.0,
+                 keep_api_keys: bool = False) -> None:
         self.admin_key = secrets.token_hex(16)
         self.port = free_port()
         router = dict(config.get("router") or {})
-        router.pop("api_keys", None)  # the load generator sends no key
+        keys = router.get("api_keys") if keep_api_keys else None
+        if not keep_api_keys:
+            router.pop("api_keys", None)  # the load generator sends no key
+        self.probe_headers = {"Authorization": f"Bearer {keys[0]}"} if isinstance(keys, list) and keys else {}
         router.update(host="127.0.0.1", port=self.port, admin_keys=[self.admin_key])
         self.config = {**config, "router": router}
         self.root = f"http://127.0.0.1:{self.port}"
@@ -81,7 +87,7 @@ class Deployment:
                 raise DeploymentError(f"pdserve serve exited with {self.process.returncode} before serving\n"
                                       f"{self.log_tail()}")
             try:
-                if httpx.get(f"{self.url}/models", timeout=5.0).status_code == 200:
+                if httpx.get(f"{self.url}/models", timeout=5.0, headers=self.probe_headers).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "protocol_codec": "benchmarks.serving.protocol_codec",
     "across_hosts": "benchmarks.serving.across_hosts",
     "multi_turn": "benchmarks.serving.multi_turn",
+    "slo": "benchmarks.serving.slo",
 }
 
 if __name__ == "__main__":  # not when a spawned child imports this module as its main

@@ -1,6 +1,8 @@
 """`priority` end to end: the router over real HTTP in front of a real decode worker (its
 loop in a thread of this process, a tiny model, one sequence at a time). While the
-worker is busy, a later request of better (lower) priority runs before an earlier one."""
+worker is busy, a later request of better (lower) priority runs before an earlier one.
+And the router's fair-queuing tag (Generate.queue_tag): it reaches the decode worker's
+engine, and, with the priority, the prefill worker's queue (RemotePrefill)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,14 @@ from decode_worker.server import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from kv_transfer import TransportConfig, create_transport
-from protocol import encode
+from protocol import Generate, encode
 from protocol.control import Stop
+from tests.disagg.test_remote_prefill import GREEDY, worker_pair
+from tests.fidelity.test_hf_fidelity import random_prompts
 from tests.http_server import free_port, serving
 from tests.unit.test_router_http import open_request, request, wait_for
+from tests.unit.test_stall_watchdog import GREEDY as GREEDY_WIRE
+from tests.unit.test_stall_watchdog import Rig
 from workers.control import QueueControl
 
 
@@ -77,3 +83,45 @@ def test_a_later_request_of_better_priority_runs_first(one_seq_worker) -> None:
         thread.join(20)
     assert finished == ["later, priority -1", "first, default priority"], json.dumps(finished)
     assert time.monotonic() - start < 20
+
+
+@pytest.mark.timeout(60)
+def test_a_generates_priority_and_queue_tag_reach_the_decode_engine(llama_dir: Path) -> None:
+    rig = Rig(llama_dir, stall_timeout_s=None)
+    try:
+        rig.send(Generate(request_id="r", prompt=[5, 6, 7], params=GREEDY_WIRE, remote=False, priority=-2,
+                          queue_tag=3.5))
+        request = rig.engine.scheduler.requests["r"]
+        assert (request.priority, request.queue_tag) == (-2, 3.5)
+    finally:
+        rig.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_prefill_worker_computes_jobs_in_priority_then_tag_order_not_arrival(llama_dir: Path) -> None:
+    """Three remote prefills reach one prefill worker together: the one of best priority
+    (sent last, with the highest tag) is computed first, then, within a priority, the
+    lower tag, though it came later. Its token budget (24) is less than a prompt (58
+    tokens to compute), so each step shows who was admitted."""
+    decode, prefill = worker_pair(llama_dir, "tcp")
+    try:
+        sent = (("tag-5", 0, 5.0), ("tag-1", 0, 1.0), ("urgent-tag-9", -1, 9.0))
+        prompts = random_prompts([59] * len(sent), seed=31)
+        for (rid, priority, tag), prompt in zip(sent, prompts):
+            rp = decode.add_request(rid, prompt, GREEDY, remote=True, priority=priority, sender="prefill",
+                                    queue_tag=tag)
+            assert rp is not None and (rp.priority, rp.queue_tag) == (priority, tag)  # D passes them on
+            prefill.submit(rp)
+        started: list[str] = []
+        end = time.monotonic() + 60
+        while decode.engine.has_unfinished() or prefill.engine.has_unfinished():
+            assert time.monotonic() < end, "the remote prefills did not finish"
+            for result in prefill.step():
+                assert result.error is None, result
+            started += [rid for rid, _, _ in sent if rid not in started and prefill.engine.computed_tokens(rid)]
+            decode.step()
+        assert started == ["urgent-tag-9", "tag-1", "tag-5"]
+        assert prefill.stats["prefills"] == 3 and decode.stats["fallbacks"] == 0
+    finally:
+        decode.transport.close()
+        prefill.transport.close()

@@ -194,9 +194,24 @@ def make_offline_case(seed: int, tp: int = 1) -> OfflineCase:
                 p = rng.choice(prompts)
                 m = _max_tokens(rng)
                 specs.append(ReqSpec(spec.rid, list(p), m, 0, spec.abort, params=_sampling(rng, m)))
+    if mode == "core":
+        _fair_tags(specs, random.Random(f"offline-tags-{seed}"))
     specs.sort(key=lambda s: s.arrive)  # stable: order of creation within a step
     engine.update(_tp_options(tp))
     return OfflineCase(seed, engine, mode, specs)
+
+
+def _fair_tags(specs: list[ReqSpec], rng: random.Random) -> None:
+    """Fair-queuing tags as the router gives them, in a stream of their own (every other
+    choice stays as it was): in some cases, each request a tag from a few flows (API keys)
+    whose tags rise at their own pace, so that the queues' order is not arrival order."""
+    if rng.random() < 0.5:
+        return
+    finish = [0.0] * rng.randint(1, 3)
+    for spec in specs:
+        flow = rng.randrange(len(finish))
+        spec.queue_tag = finish[flow]
+        finish[flow] += rng.choice((1.0, 10.0, 100.0))
 
 
 def make_pd_case(seed: int, transport: str, bounded_copies: bool = False,
@@ -272,6 +287,7 @@ def make_pd_case(seed: int, transport: str, bounded_copies: bool = False,
                                  remote=rng.random() < 0.8, sender=rng.random() < 0.8, params=_sampling(rng, m)))
     pre.update(_tp_options(tp[0]))
     dec.update(_tp_options(tp[1]))
+    _fair_tags(specs, random.Random(f"pd-tags-{transport}-{seed}"))
     streams = random.Random(f"pd-stream-{transport}-{seed}")  # as tiers: a stream of its own
     stream = streams.choice(("chunk", "chunk", "off", "layer", "layer"))
     stream_min_tokens = streams.choice((0, 0, 16, 48))

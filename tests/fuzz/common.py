@@ -180,6 +180,7 @@ class ReqSpec:
     max_tokens: int
     priority: int = 0
     arrive: int = 0  # step (offline) or tick (pd) at which it is added
+    queue_tag: float = 0.0  # the router's fair-queuing tag (router/fair_queue.py): within a priority, lower first
     abort: int | None = None  # step/tick at which the client aborts it (None: never)
     # --- pd only
     remote: bool = True

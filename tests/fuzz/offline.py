@@ -98,7 +98,8 @@ def _drive_core(case: OfflineCase, core: EngineCore, oracle: Oracle, res: SeedRe
             if prev is not None and id(prev[0]) not in done:  # still running: its reuse waits (not the test's point)
                 continue
             try:
-                request = core.add_request(spec.rid, spec.prompt, spec_params(spec), spec.priority)
+                request = core.add_request(spec.rid, spec.prompt, spec_params(spec), spec.priority,
+                                           queue_tag=spec.queue_tag)
             except ValueError as exc:
                 if expect:
                     res.failures.append(Failure(case.seed, "rejection", f"{spec.rid} refused though it fits "

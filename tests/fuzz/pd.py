@@ -260,7 +260,7 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, wall_limi
                 expect = False
             try:
                 rp = dec.add_request(spec.rid, spec.prompt, spec_params(spec), spec.remote,
-                                     spec.priority, sender=p_name if spec.sender else None)
+                                     spec.priority, sender=p_name if spec.sender else None, queue_tag=spec.queue_tag)
             except ValueError as exc:
                 if expect:
                     res.failures.append(Failure(case.seed, "rejection", f"D refused {spec.rid} though it fits: {exc}"))

@@ -24,6 +24,7 @@ from cluster.config import (
     load_cluster_config,
 )
 from cluster.ray.resources import pool_bundles
+from cluster.slo_config import SLOConfig
 from engine.config import EngineConfig
 from engine.speculative.config import SpeculativeConfig
 
@@ -35,7 +36,7 @@ SECTIONS: list[tuple[type, str]] = [
     (EngineConfig, "<pool>.engine."), (RayConfig, "ray."), (RayPoolConfig, "ray.<pool>."),
     (TransportOptions, "transport_options."), (LocalConfig, "local."), (KVStoreConfig, "kv_store."),
     (SpeculativeConfig, "<pool>.engine.speculative_config."), (AutoscaleConfig, "autoscale."),
-    (PrefillBounds, "autoscale.prefill."), (DecodeBounds, "autoscale.decode."),
+    (PrefillBounds, "autoscale.prefill."), (DecodeBounds, "autoscale.decode."), (SLOConfig, "router.slo."),
 ]
 
 

@@ -127,6 +127,22 @@ def test_a_bad_group_is_refused_before_anything_is_queued(llama_dir: Path) -> No
     assert {k: len(v) for k, v in drain(core).items()} == {"g-1": 2, "one-0": 3, "one-1": 3}
 
 
+@pytest.mark.timeout(60)
+def test_a_groups_prompt_and_sequences_queue_by_its_priority_and_tag(llama_dir: Path) -> None:
+    """Every request of the group (its prompt request too, which is admitted first)
+    takes the group's queue order; a tag that would break the queue's order is refused."""
+    core = engine(llama_dir)
+    params = SamplingParams(**{**SAMPLED.__dict__, "n": 2})
+    prompt = core.add_request("g", PROMPT_PARTIAL, params, priority=3, queue_tag=2.5)
+    assert prompt.sequences is not None
+    assert {(r.priority, r.queue_tag) for r in [prompt, *prompt.sequences]} == {(3, 2.5)}
+    for tag in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="queue_tag must be a finite number >= 0"):
+            core.add_request("bad", [5, 6], SamplingParams(max_tokens=2), queue_tag=tag)
+    assert "bad" not in core.scheduler.requests
+    drain(core)
+
+
 @pytest.mark.timeout(120)
 def test_one_remote_prefill_serves_the_whole_group(llama_dir: Path) -> None:
     decode, prefill = worker_pair(llama_dir, "shm")

@@ -22,6 +22,7 @@ from protocol import (
     SpecDecodeStats,
     Stats,
     StatsReply,
+    StepTimes,
     Stop,
     Tokens,
     encode,
@@ -32,18 +33,19 @@ from tests.worker_stats import worker_stats
 
 WORKER = [
     Generate(request_id="a", prompt=[1, 2, 3], params=to_wire(SamplingParams(max_tokens=4, stop=["x"], seed=2**64 - 1)),
-             remote=True, priority=2),
+             remote=True, priority=2, queue_tag=1.5),
     Abort(request_id="a"),
     Stats(seq=7),
     StatsReply(seq=7, stats=worker_stats(name="decode-0", remote=3, kv_transfer_seconds=0.5, spec_decode=SpecDecodeStats(
         num_drafts=1, num_draft_tokens=2, num_accepted_tokens=1, accepted_per_position=[1, 0], num_disabled=0)),
                kv_events=[(2**64 - 1, 0, True), (3, 2, False), (4, 3, True)], kv_reset=True),
-    StatsReply(seq=8, stats=worker_stats(name="prefill-0", jobs=2, tokens_computed=512)),
+    StatsReply(seq=8, stats=worker_stats(name="prefill-0", jobs=2, tokens_computed=512, step_seconds_by_tokens=StepTimes(
+        bounds=[16.0, 256.0], counts=[0, 3, 1], sizes=[0.0, 120.0, 300.0], seconds=[0.0, 0.03, 0.05]))),
     Tokens(request_id="a", tokens=[5], finished=True, reason="length", cached=16,
            logprobs=[(-0.5, [(5, -0.5), (6, -1.25)])], phases={"queue": 0.25}),
     Rejected(request_id="a", error="bad", status=400),
     RemotePrefill(request_id="a", prompt_token_ids=[1, 2], peer="decode-0", block_ids=[4, 5], first_block=1,
-                  epoch=3, deadline=1.5e9, session="s"),
+                  epoch=3, deadline=1.5e9, session="s", priority=-1, queue_tag=2.25),
     PrefillDone(request_id="a", error=None, compute_s=0.5, transfer_s=0.25, bytes_written=4096),
 ]
 CONTROL = [Ready(name="decode-0", address="tcp://127.0.0.1:1", metadata=b"\x00\x01"),
@@ -123,6 +125,28 @@ def test_a_sampling_parameter_of_the_wrong_type_is_refused_on_arrival_and_the_re
     params = SamplingParams(structured_outputs={"regex": "[ab]+"})
     sent = WORKER_MESSAGES.decode(encode(Generate(request_id="r", prompt=[1], params=to_wire(params), remote=False)))
     assert sent.params.structured_outputs == {"regex": "[ab]+"} and from_wire(sent.params) == params
+
+
+@pytest.mark.parametrize("tag", [-1.0, float("nan"), float("inf")])
+def test_a_queue_tag_that_is_negative_or_not_finite_is_refused_by_name(tag: float) -> None:
+    """A nan or inf tag would break every worker queue's order: refused on arrival."""
+    generate = msgpack.unpackb(encode(WORKER[0]))
+    prefill = msgpack.unpackb(encode(next(m for m in WORKER if isinstance(m, RemotePrefill))))
+    for message in (generate, prefill):
+        error = refusal(msgpack.packb({**message, "queue_tag": tag}))
+        assert "queue_tag" in str(error) and error.kind == message["kind"] and error.request_id == "a"
+    with pytest.raises(ValueError, match="queue_tag"):
+        Generate(request_id="a", prompt=[1], params=to_wire(SamplingParams()), remote=False, queue_tag=float("inf"))
+
+
+def test_the_fair_queuing_fields_default_for_a_sender_that_leaves_them_out() -> None:
+    generate = msgpack.unpackb(encode(WORKER[0]))
+    del generate["queue_tag"]
+    assert WORKER_MESSAGES.decode(msgpack.packb(generate)).queue_tag == 0.0
+    prefill = msgpack.unpackb(encode(next(m for m in WORKER if isinstance(m, RemotePrefill))))
+    del prefill["priority"], prefill["queue_tag"]
+    decoded = WORKER_MESSAGES.decode(msgpack.packb(prefill))
+    assert (decoded.priority, decoded.queue_tag) == (0, 0.0)
 
 
 def test_a_control_message_is_not_a_worker_message() -> None:

@@ -54,6 +54,7 @@ class FanoutWorker:
         self.reject_child: int | None = None
         self.hold = threading.Event()
         self.silent = threading.Event()
+        self.stats: dict[str, Any] = {}  # WorkerStats fields its stats replies carry (else zeros)
         self._generates = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -84,7 +85,7 @@ class FanoutWorker:
                 if self.silent.is_set():
                     continue
                 if msg.kind == "stats":
-                    self.sock.send_multipart([sender, encode(StatsReply(seq=msg.seq, stats=worker_stats()))])
+                    self.sock.send_multipart([sender, encode(StatsReply(seq=msg.seq, stats=worker_stats(**self.stats)))])
                 elif msg.kind == "generate":
                     g, n = self._generates, msg.params.n
                     self._generates += 1

@@ -21,9 +21,9 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, budget: int = 32, 
 
 
 def add(sched: Scheduler, rid: str, n_prompt: int, max_tokens: int = 4, priority: int = 0,
-        first_token: int = 1) -> Request:
+        first_token: int = 1, queue_tag: float = 0.0) -> Request:
     req = Request(rid, list(range(first_token, first_token + n_prompt)),
-                  SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority)
+                  SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority, queue_tag=queue_tag)
     sched.add_request(req)
     return req
 
@@ -84,6 +84,20 @@ def test_priority_orders_admission() -> None:
     add(sched, "low", 3, priority=5)
     add(sched, "high", 3, priority=-1)
     assert step(sched).scheduled[0].request.request_id == "high"
+
+
+def test_queue_tag_orders_admission_within_a_priority_and_priority_comes_first() -> None:
+    """The router's fair-queuing tag: a later request of a lower tag runs first, ties go
+    by arrival, and a better priority beats any tag."""
+    sched = make_scheduler(max_seqs=1)
+    add(sched, "tag-2", 3, queue_tag=2.0, first_token=1)
+    add(sched, "tag-1", 3, queue_tag=1.0, first_token=10)
+    add(sched, "tag-1-later", 3, queue_tag=1.0, first_token=20)
+    add(sched, "urgent-tag-9", 3, priority=-1, queue_tag=9.0, first_token=30)
+    order: list[str] = []
+    for out in run_to_completion(sched):
+        order += [s.request.request_id for s in out.scheduled if s.request.request_id not in order]
+    assert order == ["urgent-tag-9", "tag-1", "tag-1-later", "tag-2"]
 
 
 def test_preemption_recomputes_and_everything_finishes() -> None:

@@ -29,6 +29,7 @@ from protocol import (
     Tokens,
     WorkerStats,
     encode,
+    mean_points,
 )
 from router.core import _rejection
 from router.worker_client import WORKER_LOST, WorkerClient
@@ -282,6 +283,26 @@ def test_without_a_timeout_the_stats_say_not_stalled(llama_dir: Path) -> None:
             rig.worker._watch()
         stats = rig.stats()
         assert stats.stalled is False and stats.no_progress_s == pytest.approx(3000.0)
+    finally:
+        rig.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_stats_reply_carries_step_times_by_batch_size_and_by_step_tokens(llama_dir: Path) -> None:
+    """What the router's latency predictor fits: one point per size bucket that saw a step."""
+    rig = Rig(llama_dir, stall_timeout_s=None)
+    try:
+        before = rig.stats().step_seconds_by_requests
+        assert before is not None and mean_points(before) == []
+        rig.send(Generate(request_id="r", prompt=[5, 6, 7], params=GREEDY, remote=False, priority=0))
+        rig.worker.step()  # the prompt: 1 request, 3 tokens
+        assert rig.messages()[0].tokens  # read before the stats reply
+        stats = rig.stats()
+        by_requests, by_tokens = stats.step_seconds_by_requests, stats.step_seconds_by_tokens
+        assert by_requests is not None and by_tokens is not None
+        [(requests, seconds)] = mean_points(by_requests)
+        assert requests == 1.0 and 0 < seconds == pytest.approx(stats.step_seconds.sum)
+        assert [size for size, _ in mean_points(by_tokens)] == [3.0]
     finally:
         rig.close()
 

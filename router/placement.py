@@ -1,0 +1,145 @@
+"""Where each prompt of a request goes, and in what order it is served there: the
+router's admission (router/admission.py: SLO targets against predicted latency), its
+fair queuing across API keys (router/fair_queue.py) and the latency predictor's
+bookkeeping (router/predictor.py: what is queued where, and what it learns from each
+request's first token and end).
+
+Who calls what: Router.run_batch asks admit() to place every prompt of a request
+before any is sent, and Router._submit sends each (a failover is placed again with
+place(), not admitted again: it was); a request's sequences report
+first_token() and ended() for the Ticket they were submitted under; the router counts
+each finished request's SLO outcome (outcome()).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from router.admission import LOWEST_PRIORITY, Candidate, Decision, decide
+from router.fair_queue import Charge, FairQueue
+from router.metrics import RouterMetrics
+from router.pool import WorkerPool
+from router.predictor import LatencyPredictor, Ticket
+from router.slo import SLOSettings, Targets
+from router.worker_client import WorkerClient
+
+
+@dataclass
+class RequestPlan:
+    """What one request's placement needs across its prompts and failovers."""
+
+    priority: int  # the client's; LOWEST_PRIORITY once degraded (best_effort: the whole request)
+    targets: Targets
+    client: int | None  # its API key's position in router.api_keys; None: no keys
+    received: float  # time.monotonic() when the router took it (its TTFT runs from there)
+    placed: list[Placed] = field(default_factory=list)  # admitted, not submitted yet: its prompts', in order
+
+
+@dataclass(frozen=True)
+class Placed:
+    worker: WorkerClient
+    remote: bool
+    cached: int
+    priority: int
+    tag: float  # fair queuing's start tag (Generate.queue_tag)
+    ticket: Ticket
+    charge: Charge
+
+
+class Placement:
+    def __init__(self, pool: WorkerPool, metrics: RouterMetrics, slo: SLOSettings | None,
+                 key_weights: tuple[float, ...] | None) -> None:
+        self.pool, self.metrics = pool, metrics
+        self.policy = slo.policy if slo is not None else "off"
+        self.fair = FairQueue(key_weights)
+        self.predictor = LatencyPredictor(metrics.observe_prediction_error)
+        pool.on_stats = self.predictor.update
+        pool.on_removed = self.predictor.forget
+
+    def admit(self, prompts: list[list[int]], n: int, plan: RequestPlan, remote_min_tokens: int,
+              prompt_logits: bool) -> None:
+        """Place every prompt of a request before any is sent (plan.placed), or none: a
+        429 for one refuses them all, and what the others were charged is given back.
+        `prompt_logits`: it asks for prompt logprobs, which only a local prefill gives."""
+        decisions: list[tuple[str, str]] = []
+        try:
+            for prompt in prompts:
+                plan.placed.append(self.place(prompt, n, plan, remote_min_tokens, prompt_logits, decisions))
+        except BaseException:
+            self.cancel(plan)
+            for decision, reason in decisions:  # the refusal; the others were never admitted
+                if decision == "rejected":
+                    self.metrics.admissions.labels(decision=decision, reason=reason).inc()
+            raise
+        for decision, reason in decisions:
+            self.metrics.admissions.labels(decision=decision, reason=reason).inc()
+
+    def cancel(self, plan: RequestPlan) -> None:
+        """Give back what the placements not submitted yet took, newest first."""
+        for placed in reversed(plan.placed):
+            for _ in range(placed.ticket.sequences):
+                self.predictor.ended(placed.ticket, None)
+            self.fair.refund(placed.charge)
+        plan.placed.clear()
+
+    def place(self, tokens: list[int], n: int, plan: RequestPlan, remote_min_tokens: int, prompt_logits: bool,
+              decisions: list[tuple[str, str]] | None = None) -> Placed:
+        """The decode worker for prompt `tokens` (sampling n sequences), whether it
+        prefills remotely, and its queue order there; 503 with no live worker, 429 when
+        the SLO policy rejects it. A failover (decisions None) is not admitted again: it
+        goes to the routing policy's choice."""
+        now = time.monotonic()
+        ranked = self.pool.ranked(tokens)
+        prefill = self.pool.live_prefill() if not prompt_logits else []
+        tag = self.fair.start(plan.client)
+        candidates = [self._candidate(w, cached, tokens, n, (plan.priority, tag), prefill, remote_min_tokens)
+                      for w, cached in ranked]
+        if decisions is None:
+            decision = Decision(candidates[0], False, "failover")
+        else:
+            decision = decide(candidates, plan.targets, self.policy, now - plan.received,
+                              lambda d, reason: decisions.append((d, reason)))
+        if decision.degraded:
+            plan.priority = LOWEST_PRIORITY
+        charge = self.fair.charge(plan.client, tag, len(tokens) + n)
+        c = decision.candidate
+        worker = self.pool.decode[c.worker]
+        self.pool.picked(worker, tokens)
+        p = c.prediction
+        ticket = Ticket(c.worker, c.remote, (plan.priority, tag), len(tokens) - c.cached, n, now,
+                        p.ttft_s, p.tpot_s, p.raw_ttft, p.raw_tpot)
+        self.predictor.track(ticket)
+        return Placed(worker, c.remote, c.cached, plan.priority, tag, ticket, charge)
+
+    def _candidate(self, worker: WorkerClient, cached: int, tokens: list[int], n: int, order: tuple[int, float],
+                   prefill: list[str], remote_min_tokens: int) -> Candidate:
+        # Conditional disaggregation: only the part the worker must compute counts.
+        # This is that rule's one owner; the decode worker only guards it.
+        remote = len(tokens) - cached >= remote_min_tokens and bool(prefill)
+        prediction = self.predictor.predict(worker.name, len(tokens) - cached, remote, order, n, prefill)
+        return Candidate(worker.name, cached, remote, prediction)
+
+    # --- a submitted prompt's life (router/sequences.py reports) ------------------------
+
+    def first_token(self, ticket: Ticket) -> None:
+        if ticket.first_at is None:
+            self.fair.done(ticket.order[1], served=True)
+            self.predictor.first_token(ticket)
+
+    def ended(self, ticket: Ticket, tpot_s: float | None, transfer_s: float | None) -> None:
+        """One sequence submitted under `ticket` ended (or left it: a failover, an abort)."""
+        if transfer_s is not None and ticket.open == ticket.sequences:  # its sequences share one transfer
+            self.predictor.transfer(transfer_s, ticket.tokens)
+        self.predictor.ended(ticket, tpot_s)
+        if ticket.open <= 0 and ticket.first_at is None:
+            self.fair.done(ticket.order[1], served=False)
+            ticket.first_at = time.monotonic()  # out of the queue: done() once
+
+    def outcome(self, key: str, targets: Targets, ttft_s: float | None, tpot_s: float | None) -> None:
+        """A request finished with every sequence: whether it met its targets, by key
+        (met / missed; no_slo without targets). Goodput is the rate of met."""
+        if ttft_s is None:
+            return
+        outcome = "no_slo" if not targets.any else "met" if targets.met(ttft_s, tpot_s) else "missed"
+        self.metrics.slo_requests.labels(key=key, outcome=outcome).inc()
