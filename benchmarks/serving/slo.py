@@ -16,8 +16,10 @@ arm. In each, every (--loads x capacity, --seeds) runs in turn: Poisson arrivals
 --duration s (the same trace per seed in every arm), then a drain and --idle-s idle.
 A request is good if it completed within both of its targets as the client measured
 them (TTFT: send to first streamed token; TPOT: (e2e - TTFT) / (tokens - 1)); a 429 or
-a failure is not. goodput = good requests / the run's seconds (first arrival to last
-answer), so a fcfs backlog pays for the seconds it adds. The table gives medians over
+a failure is not. goodput = good requests / --duration (the arrival window: one
+denominator for every arm, so the ratio is that of good requests); throughput =
+completed requests / the run's seconds (first arrival to last answer, a fcfs backlog's
+drain included). The table gives medians over
 seeds and goodput(arm) / goodput(fcfs); and the predictor's p50 |TTFT error| read from
 /status right after each run (over the deployment's last 1000 requests, warm-up
 included). Every arm's deployment goes through the same warm-up and measurement before
@@ -152,7 +154,7 @@ def run_arm(args: argparse.Namespace, base: dict, workload: Workload, topology: 
                 trace = draw_trace(workload, seed, load * capacity, args.duration, mix)
                 elapsed = asyncio.run(run_open_loop(d.url, live.model, trace))
                 run = {"topology": topology, "arm": arm, "load": load, "seed": seed, "rate": load * capacity,
-                       **summarize(trace, elapsed), "prediction_error": live.status()["slo"]["prediction_error"]}
+                       **summarize(trace, elapsed, args.duration), "prediction_error": live.status()["slo"]["prediction_error"]}
                 report["runs"].append(run)
                 print(f"  {topology} {arm:11} {load:g}x seed {seed}: goodput {run['goodput']:.2f} req/s "
                       f"({run['good']}/{run['requests']} good, {run['rejected']} rejected, {run['failed']} failed), "

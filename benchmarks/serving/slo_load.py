@@ -138,9 +138,12 @@ def steady_rate(sent: list[Sent], seconds: float, skip: float = 0.5) -> float:
     return len(done) / (seconds - lo)
 
 
-def summarize(trace: list[Sent], elapsed: float) -> dict:
-    """One run's figures. goodput and throughput are per second of the run (first
-    arrival to last answer), so a backlog served late costs its seconds too."""
+def summarize(trace: list[Sent], elapsed: float, window: float | None = None) -> dict:
+    """One run's figures. goodput is good requests per second of the arrival window
+    (`window`, default `elapsed`): the same denominator for every arm given one trace,
+    so arms compare by how many requests met their SLO. throughput is completed
+    requests per second of the run (first arrival to last answer), so a backlog served
+    late costs its seconds there."""
     ok = [s for s in trace if s.result.ok]
     by_class = {}
     for name in sorted({s.slo.name for s in trace}):
@@ -153,7 +156,8 @@ def summarize(trace: list[Sent], elapsed: float) -> dict:
         "rejected": sum(s.rejected for s in trace), "slo_rejected": sum(s.slo_rejected for s in trace),
         "failed": sum(not s.result.ok and not s.rejected for s in trace), "errors": errors[:5],
         "elapsed_s": elapsed,
-        "goodput": sum(s.good for s in trace) / elapsed if elapsed > 0 else 0.0,
+        "window_s": window or elapsed,
+        "goodput": sum(s.good for s in trace) / (window or elapsed) if (window or elapsed) > 0 else 0.0,
         "throughput": len(ok) / elapsed if elapsed > 0 else 0.0,
         "ttft": percentiles([s.result.ttft for s in ok]),
         "tpot": percentiles([s.result.tpot for s in ok if s.result.tpot is not None]),

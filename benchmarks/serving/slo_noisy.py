@@ -52,8 +52,8 @@ def run_noisy(args: argparse.Namespace, base: dict[str, Any], workload: Workload
                                             [noisy_slo], key="noisy")
                     elapsed = asyncio.run(run_open_loop(d.url, live.model, trace, keys))
                     run = {"arm": arm, "phase": phase, "seed": seed, "elapsed_s": elapsed,
-                           "quiet": summarize([s for s in trace if s.key == "quiet"], elapsed),
-                           "noisy": summarize([s for s in trace if s.key == "noisy"], elapsed)
+                           "quiet": summarize([s for s in trace if s.key == "quiet"], elapsed, args.noisy_duration),
+                           "noisy": summarize([s for s in trace if s.key == "noisy"], elapsed, args.noisy_duration)
                            if phase == "noisy" else None,
                            "status_slo": live.status().get("slo")}
                     runs.append(run)

@@ -180,7 +180,6 @@ class ReqSpec:
     max_tokens: int
     priority: int = 0
     arrive: int = 0  # step (offline) or tick (pd) at which it is added
-    queue_tag: float = 0.0  # the router's fair-queuing tag (router/fair_queue.py): within a priority, lower first
     abort: int | None = None  # step/tick at which the client aborts it (None: never)
     # --- pd only
     remote: bool = True
@@ -188,6 +187,7 @@ class ReqSpec:
     fate: str = "ok"  # ok | lost (prefill message never reaches P) | perror (P fails it) | spurious (D told it failed while P goes on)
     fate_at: int = -1  # ticks after arrival: lost -> D.prefill_failed then (-1: rely on the deadline); perror/spurious -> when
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams besides greedy, ignore_eos, max_tokens
+    queue_tag: float = 0.0  # the router's fair-queuing tag (router/fair_queue.py): within a priority, lower first
 
 
 @dataclass
