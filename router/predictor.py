@@ -10,7 +10,9 @@ pool for a remote one (any prefill worker may take it). Throughput is what the w
 report (their stats replies' step time per step size, protocol/stats.py StepTimes): a
 local prefill runs at the decode worker's rate in its largest steps, a remote one at the
 prefill pool's summed rate. The transfer costs seconds per prompt token, learned from
-finished requests' transfer phases.
+finished requests' kv_write phases (the writes compute did not hide; their transfer
+phase also holds the prefill worker's wait for the step it was in: queueing, which
+"ahead" already counts).
 
 TPOT = the decode worker's mean step time at the batch the request would make (every
 sequence the router has on it, plus the request's own), interpolated between its
@@ -162,7 +164,7 @@ class LatencyPredictor:
             self._ttft.pop((name, remote), None)
 
     def transfer(self, seconds: float, prompt_tokens: int) -> None:
-        """A remote prefill's transfer phase (its KV hop), for the seconds per token."""
+        """A remote prefill's kv_write phase (its KV hop), for the seconds per token."""
         if prompt_tokens > 0 and seconds >= 0:
             per_token, mean = seconds / prompt_tokens, self.transfer_s_per_token
             self.transfer_s_per_token = per_token if mean is None else mean + ALPHA * (per_token - mean)

@@ -234,7 +234,9 @@ class SequenceGroup:
             seq.finished = True
             on_ticket = detok.num_tokens - seq.ticket_tokens
             tpot = (now - seq.ticket_first) / (on_ticket - 1) if on_ticket > 1 else None
-            transfer = msg.phases.get("transfer") if msg.remote else None
+            # The KV transfer proper (P's KV computed -> last write acknowledged): the
+            # transfer phase also holds P's wait for the step it was in, which is queueing.
+            transfer = msg.phases.get("kv_write") if msg.remote else None
             self._leave(seq, abort=stopped, tpot_s=tpot, transfer_s=transfer)  # a stop string ends it here
             delta += detok.flush()
             e2e = now - self.start
