@@ -34,7 +34,8 @@ def arm_config(base: dict[str, Any], topology: str, policy: str, remote_min: int
                api_keys: list[str] | None = None, key_weights: list[float] | None = None) -> dict[str, Any]:
     """The base config served as `topology`, with router.slo.policy `policy` (no default
     targets: each request carries its own), every prompt of at least `remote_min` tokens
-    prefilled remotely, and, if given, API keys with fair-queuing weights."""
+    prefilled remotely, prefix caching off, and, if given, API keys with fair-queuing
+    weights."""
     prefill, decode = parse_topology(topology)
     router = {**(base.get("router") or {}), "remote_prefill_min_tokens": remote_min, "slo": {"policy": policy}}
     router.pop("key_weights", None)
@@ -43,8 +44,14 @@ def arm_config(base: dict[str, Any], topology: str, policy: str, remote_min: int
         router["api_keys"] = list(api_keys)
     if key_weights:
         router["key_weights"] = list(key_weights)
-    return {**base, "router": router, "prefill": {**(base.get("prefill") or {}), "replicas": prefill},
-            "decode": {**(base.get("decode") or {}), "replicas": decode}}
+    # Prefix caching off: a seed's trace recurs across loads (and the quiet key's across
+    # the noisy neighbour's phases), and a later run must not find its prompts cached.
+    pools = {}
+    for role, replicas in (("prefill", prefill), ("decode", decode)):
+        pool = dict(base.get(role) or {})
+        pools[role] = {**pool, "replicas": replicas,
+                       "engine": {**(pool.get("engine") or {}), "enable_prefix_caching": False}}
+    return {**base, "router": router, **pools}
 
 
 def load_base(path: Path) -> dict[str, Any]:

@@ -114,6 +114,7 @@ def test_each_arm_is_a_valid_cluster_config(tmp_path: Path) -> None:
     assert loaded.router.slo.policy == "reject" and loaded.router.key_weights == (1.0, 1.0)
     assert loaded.router.remote_prefill_min_tokens == 32
     assert (loaded.prefill.replicas, loaded.decode.replicas) == (1, 2)
+    assert loaded.prefill.engine["enable_prefix_caching"] is False is loaded.decode.engine["enable_prefix_caching"]
     path.write_text(yaml.safe_dump(arm_config(base, "1p1d", "off", 32)))
     assert load_cluster_config(str(path)).router.key_weights is None
 

@@ -333,3 +333,56 @@ def test_best_effort_degrades_off_admits_and_unknown_figures_are_feasible() -> N
     assert not decide(slow, Targets(), "reject", 0.0, count).degraded  # no targets: nothing to miss
     assert seen == [("degraded", "ttft_tpot"), ("admitted", "off"), ("admitted", "unknown"), ("admitted", "no_slo")]
     assert LOWEST_PRIORITY == 2**63 - 1 and math.isfinite(float(LOWEST_PRIORITY))
+
+
+# --- what a request's sequences report ----------------------------------------------------
+
+
+def test_a_remote_requests_kv_hop_is_its_kv_write_phase_not_its_transfer_phase(llama_dir) -> None:
+    """The transfer phase holds the prefill worker's wait for the step it was in
+    (queueing, which the predictor counts as work ahead); kv_write is the hop itself."""
+    import asyncio
+
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import load_tokenizer
+    from protocol import Tokens
+    from router.metrics import RouterMetrics
+    from router.sequences import SequenceGroup
+
+    seen: list[tuple[float | None, float | None]] = []
+
+    class Tracker:
+        def first_token(self, ticket: Ticket) -> None:
+            pass
+
+        def ended(self, ticket: Ticket, tpot_s: float | None, transfer_s: float | None) -> None:
+            seen.append((tpot_s, transfer_s))
+
+    class Worker:
+        name = "d0"
+
+        def subscribe(self, *a: object, **k: object) -> None:
+            pass
+
+        def unsubscribe(self, *a: object) -> None:
+            pass
+
+        def send(self, *a: object) -> bool:
+            return True
+
+    ticket = Ticket("d0", True, (0, 0.0), 100, 1, 0.0)
+    group = SequenceGroup([[5, 6, 7]], SamplingParams(max_tokens=2), load_tokenizer(str(llama_dir)),
+                          lambda *a: (Worker(), "r1", True, ticket), RouterMetrics(), Tracker())
+
+    async def run() -> None:
+        group.submit()
+        group.inbox.put_nowait((group.seqs[0], "r1", Tokens(request_id="r1", tokens=[9], finished=False, reason="",
+                                                             cached=0)))
+        group.inbox.put_nowait((group.seqs[0], "r1", Tokens(
+            request_id="r1", tokens=[9], finished=True, reason="length", cached=0, remote=True,
+            phases={"queue": 0.0, "prefill": 0.3, "transfer": 2.5, "kv_write": 0.01, "decode": 0.1})))
+        async for _ in group.chunks():
+            pass
+
+    asyncio.run(run())
+    assert len(seen) == 1 and seen[0][1] == 0.01 and seen[0][0] is not None
