@@ -4,9 +4,10 @@ the decode pool's routing policy (router/routing.py), whose prefix indexes are k
 the same names.
 
 Who calls what: the Router builds the pool, starts and stops it with the app, and
-asks it for the decode workers that may take each prompt (`ranked`, then `picked`); the router's control
-(router/control.py) adds, drains, moves and removes workers. Everything here runs on
-the router's event loop (or before it runs), so there is no locking.
+asks it for the decode workers that may take each prompt (`ranked`, then `picked`);
+the router's control (router/control.py) adds, drains, moves and removes workers.
+Everything here runs on the router's event loop (or before it runs), so there is no
+locking.
 """
 
 from __future__ import annotations
