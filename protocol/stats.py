@@ -23,6 +23,12 @@ class Record(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Base of the records nested in a message (no `kind`, no `v`: the message has them)."""
 
 
+def _check_bounds(bounds: list[float]) -> None:
+    """A bucketed record's upper bounds (Histogram, StepTimes): non-empty, increasing, finite."""
+    if not bounds or not all(map(math.isfinite, bounds)) or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"bounds must be a non-empty increasing list of finite numbers, got {bounds!r}")
+
+
 class Histogram(Record, frozen=True):
     """A cumulative histogram over fixed upper bounds (workers/step_metrics.py keeps
     them): counts[i] observations in (bounds[i-1], bounds[i]], not cumulative; the last,
@@ -35,9 +41,7 @@ class Histogram(Record, frozen=True):
 
     def __post_init__(self) -> None:
         # A ValueError here is a ValidationError naming the field when decoded.
-        if not self.bounds or not all(map(math.isfinite, self.bounds)) \
-                or any(a >= b for a, b in zip(self.bounds, self.bounds[1:])):
-            raise ValueError(f"bounds must be a non-empty increasing list of finite numbers, got {self.bounds!r}")
+        _check_bounds(self.bounds)
         if len(self.counts) != len(self.bounds) + 1:
             raise ValueError(f"counts must be {len(self.bounds) + 1} (one per bound, then +Inf), "
                              f"got {len(self.counts)}")
@@ -58,9 +62,7 @@ class StepTimes(Record, frozen=True):
 
     def __post_init__(self) -> None:
         # A ValueError here is a ValidationError naming the field when decoded.
-        if not self.bounds or not all(map(math.isfinite, self.bounds)) \
-                or any(a >= b for a, b in zip(self.bounds, self.bounds[1:])):
-            raise ValueError(f"bounds must be a non-empty increasing list of finite numbers, got {self.bounds!r}")
+        _check_bounds(self.bounds)
         for name in ("counts", "sizes", "seconds"):
             values = getattr(self, name)
             if len(values) != len(self.bounds) + 1:

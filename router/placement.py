@@ -90,11 +90,11 @@ class Placement:
         the SLO policy rejects it. A failover (decisions None) is not admitted again: it
         goes to the routing policy's choice."""
         now = time.monotonic()
-        ranked = self.pool.ranked(tokens)
+        ranking = self.pool.ranked(tokens)
         prefill = self.pool.live_prefill() if not prompt_logits else []
         tag = self.fair.start(plan.client)
-        candidates = [self._candidate(w, cached, tokens, n, (plan.priority, tag), prefill, remote_min_tokens)
-                      for w, cached in ranked]
+        candidates = [self._candidate(name, cached, tokens, n, (plan.priority, tag), prefill, remote_min_tokens)
+                      for name, cached in ranking.workers]
         if decisions is None:
             decision = Decision(candidates[0], False, "failover")
         else:
@@ -104,21 +104,20 @@ class Placement:
             plan.priority = LOWEST_PRIORITY
         charge = self.fair.charge(plan.client, tag, len(tokens) + n)
         c = decision.candidate
-        worker = self.pool.decode[c.worker]
-        self.pool.picked(worker, tokens)
+        worker = self.pool.picked(c.worker, ranking)
         p = c.prediction
         ticket = Ticket(c.worker, c.remote, (plan.priority, tag), len(tokens) - c.cached, n, now,
                         p.ttft_s, p.tpot_s, p.raw_ttft, p.raw_tpot)
         self.predictor.track(ticket)
         return Placed(worker, c.remote, c.cached, plan.priority, tag, ticket, charge)
 
-    def _candidate(self, worker: WorkerClient, cached: int, tokens: list[int], n: int, order: tuple[int, float],
+    def _candidate(self, worker: str, cached: int, tokens: list[int], n: int, order: tuple[int, float],
                    prefill: list[str], remote_min_tokens: int) -> Candidate:
         # Conditional disaggregation: only the part the worker must compute counts.
         # This is that rule's one owner; the decode worker only guards it.
         remote = len(tokens) - cached >= remote_min_tokens and bool(prefill)
-        prediction = self.predictor.predict(worker.name, len(tokens) - cached, remote, order, n, prefill)
-        return Candidate(worker.name, cached, remote, prediction)
+        prediction = self.predictor.predict(worker, len(tokens) - cached, remote, order, n, prefill)
+        return Candidate(worker, cached, remote, prediction)
 
     # --- a submitted prompt's life (router/sequences.py reports) ------------------------
 

@@ -20,7 +20,7 @@ import zmq.asyncio
 from protocol import WorkerStats
 from router.errors import APIError
 from router.metrics import RouterMetrics
-from router.routing import RoutingPolicy
+from router.routing import Ranking, RoutingPolicy
 from router.worker_client import WorkerClient
 from security import DeploymentSecret
 
@@ -77,18 +77,19 @@ class WorkerPool:
         """Whether some prefill worker is live and takes new prompts."""
         return any(w.alive and not w.draining for w in self.prefill.values())
 
-    def ranked(self, tokens: list[int]) -> list[tuple[WorkerClient, int]]:
+    def ranked(self, tokens: list[int]) -> Ranking:
         """Every decode worker that may take the prompt (live, not draining), the routing
         policy's choice first, with its tokens that worker probably has cached; 503 if
         none. Nothing is recorded until picked()."""
         loads = {w.name: w.load for w in self.decode.values() if w.alive and not w.draining}
         if not loads:
             raise self.no_live_worker()
-        return [(self.decode[name], cached) for name, cached in self.routing.rank(tokens, loads)]
+        return self.routing.rank(tokens, loads)
 
-    def picked(self, worker: WorkerClient, tokens: list[int]) -> None:
-        """The prompt goes to `worker` (one of ranked()'s): the routing policy records it."""
-        self.routing.picked(worker.name, tokens)
+    def picked(self, name: str, ranking: Ranking) -> WorkerClient:
+        """The prompt goes to `name` (one of ranking's): the routing policy records it; its client."""
+        self.routing.picked(name, ranking)
+        return self.decode[name]
 
     def live_prefill(self) -> list[str]:
         """The prefill workers that take new prompts."""

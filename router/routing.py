@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from engine.kv_cache.block_hash import hash_full_blocks
 from engine.kv_cache.events import DEVICE
@@ -84,6 +85,15 @@ class PrefixIndex:
                 self._tiers.pop(h, None)
 
 
+class Ranking(NamedTuple):
+    """A prompt's candidates, the policy's choice first, each with its tokens probably
+    cached there; and, for kv_aware, the prompt's block hashes, computed once for the
+    ranking and for recording the pick."""
+
+    workers: list[tuple[str, int]]
+    hashes: Sequence[int] = ()
+
+
 class RoutingPolicy:
     """Which decode worker takes a request. Its workers are named (the router's names,
     router/pool.py), in the pool's order: ties go to the earlier one, and round_robin
@@ -100,11 +110,12 @@ class RoutingPolicy:
         """(worker, prompt tokens it probably has cached) for this prompt; `loads`: each
         worker that may take it (alive, not draining; at least one) -> its requests in
         flight. Records the choice in kv_aware's history."""
-        name, cached = self.rank(prompt, loads)[0]
-        self.picked(name, prompt)
+        ranking = self.rank(prompt, loads)
+        name, cached = ranking.workers[0]
+        self.picked(name, ranking)
         return name, cached
 
-    def rank(self, prompt: Sequence[int], loads: Mapping[str, int]) -> list[tuple[str, int]]:
+    def rank(self, prompt: Sequence[int], loads: Mapping[str, int]) -> Ranking:
         """Every worker that may take the prompt, the policy's choice first, each with
         the prompt tokens it probably has cached (0 unless kv_aware); records nothing
         (picked() does, for the one taken). SLO-aware admission (router/admission.py)
@@ -114,9 +125,9 @@ class RoutingPolicy:
         if not candidates:
             raise ValueError("no live worker to choose from")
         if self.policy == "round_robin":  # the next one round first
-            return [(names[i], 0) for i in sorted(candidates, key=lambda i: (i - self._next) % len(names))]
+            return Ranking([(names[i], 0) for i in sorted(candidates, key=lambda i: (i - self._next) % len(names))])
         if self.policy == "least_loaded":
-            return [(names[i], 0) for i in sorted(candidates, key=lambda i: (loads[names[i]], i))]
+            return Ranking([(names[i], 0) for i in sorted(candidates, key=lambda i: (loads[names[i]], i))])
         # At most len - 1 tokens can be cached: the last one is always computed.
         hashes = hash_full_blocks(prompt[:-1], self.block_size)
         tiers = {i: self.indexes[names[i]].cached_tiers(hashes) for i in candidates}
@@ -125,14 +136,15 @@ class RoutingPolicy:
             saved = sum(1 - TIER_COST[t] for t in tiers[i]) * self.block_size
             return len(prompt) - saved + LOAD_TOKENS * loads[names[i]], i
 
-        return [(names[i], len(tiers[i]) * self.block_size) for i in sorted(candidates, key=cost)]
+        return Ranking([(names[i], len(tiers[i]) * self.block_size) for i in sorted(candidates, key=cost)], hashes)
 
-    def picked(self, name: str, prompt: Sequence[int]) -> None:
-        """The prompt went to `name`: round_robin moves past it, kv_aware remembers its blocks there."""
+    def picked(self, name: str, ranking: Ranking) -> None:
+        """The prompt `ranking` ranked went to `name`: round_robin moves past it,
+        kv_aware remembers its blocks there."""
         if self.policy == "round_robin":
             self._next = list(self.indexes).index(name) + 1
         elif self.policy == "kv_aware":
-            self.indexes[name].add(hash_full_blocks(prompt[:-1], self.block_size))
+            self.indexes[name].add(ranking.hashes)
 
     def add(self, name: str) -> None:
         """A worker joined the pool, after the others."""

@@ -24,14 +24,18 @@ STEP_REQUESTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 STEP_TOKENS_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 
 
+def _increasing(bounds: tuple[float, ...], what: str) -> tuple[float, ...]:
+    if not bounds or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{what} bounds must be non-empty and increasing, got {bounds}")
+    return bounds
+
+
 class FixedHistogram:
     """Cumulative counts over fixed upper bounds, Prometheus' way (a value equal to a
     bound falls in that bound's bucket)."""
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
-        if not bounds or any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"histogram bounds must be non-empty and increasing, got {bounds}")
-        self.bounds = bounds
+        self.bounds = _increasing(bounds, "histogram")
         self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
         self.sum = 0.0
         self.count = 0
@@ -54,9 +58,7 @@ class FixedStepTimes:
     the time histogram apart cannot give."""
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
-        if not bounds or any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"step size bounds must be non-empty and increasing, got {bounds}")
-        self.bounds = bounds
+        self.bounds = _increasing(bounds, "step size")
         self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
         self.sizes = [0.0] * (len(bounds) + 1)
         self.seconds = [0.0] * (len(bounds) + 1)
