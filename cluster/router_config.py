@@ -15,6 +15,7 @@ from router.tool_parsers import TOOL_PARSERS
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 MAX_WEIGHT_RATIO = 1e6  # router.key_weights: the largest over the smallest
+MIN_WEIGHT = 1e-3  # router.key_weights: the smallest weight
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ def _key_weights(value: Any, path: str, keys: int) -> tuple[float, ...] | None:
     check(len(value) == keys, path, f"must be a list of {keys} weight(s), one per key of api_keys in order, "
           f"got {len(value)}")
     weights = tuple(number(w, f"{path}[{i}]", 0, strict=True) for i, w in enumerate(value))
-    # A weight far below the others would send its key's tags (cost / weight) past any float.
+    # A weight far below the others, or tiny, would send its key's tags (cost / weight) past any float.
+    check(min(weights) >= MIN_WEIGHT, path, f"every weight must be at least {MIN_WEIGHT:g}, got {value!r}")
     check(max(weights) / min(weights) <= MAX_WEIGHT_RATIO, path,
           f"the largest weight must be at most {MAX_WEIGHT_RATIO:g} times the smallest, got {value!r}")
     return weights

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -37,6 +38,7 @@ from router.http_guard import HTTPGuard, client_of
 from router.limits import Limits
 from router.logprobs import LogprobFormatter, echoed
 from router.parsing import ChatRequest, CompletionRequest, GenerateRequest
+from router.predictor import RECENT
 from router.responses import DONE_EVENT, ResponseShaper, error_event, error_response
 from router.tool_calls import ToolCallStream
 from router.version import pdserve_version
@@ -128,8 +130,10 @@ async def health(request: Request) -> JSONResponse:
 
 async def status(request: Request) -> dict[str, Any]:
     """Every worker of both pools: live or not, and its own figures (None if it did
-    not answer); `pdserve status` prints this."""
+    not answer); `pdserve status` prints this. `?prediction_window=N`: the SLO
+    prediction error over the last N predictions only (a benchmark's run)."""
     router = _router(request)
+    window = _prediction_window(request.query_params.get("prediction_window"))
     pools = router.pool.listed()  # as listed: a scale may change them
     replies = await router.pool.stats_of([w for w, _ in pools])
     # A WorkerStats as JSON: its fields, without those of the other role (protocol/stats.py).
@@ -138,9 +142,18 @@ async def status(request: Request) -> dict[str, Any]:
             for (w, role), s in zip(pools, replies)]
     return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.pool.prefill),
             "slo": {"policy": router.placement.policy,
-                    "prediction_error": router.placement.predictor.error_quantiles()},
+                    "prediction_error": router.placement.predictor.error_quantiles(window)},
             "decode_workers": [r for r, role in rows if role == "decode"],
             "prefill_workers": [r for r, role in rows if role == "prefill"]}
+
+
+def _prediction_window(text: str | None) -> int | None:
+    if text is None:
+        return None
+    if not re.fullmatch(r"[0-9]{1,4}", text) or not 1 <= int(text) <= RECENT:
+        raise APIError(400, f"prediction_window must be a whole number in [1, {RECENT}], got {text[:40]!r}",
+                       "prediction_window")
+    return int(text)
 
 
 async def metrics(request: Request) -> Response:

@@ -63,6 +63,7 @@ class Ticket:
     raw_tpot: float | None = None
     first_at: float | None = None  # its first token came (its prefill no longer queues)
     open: int = 0  # sequences not ended
+    client: int | None = None  # its API key's position (router/key_shares.py); the predictor ignores it
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Prediction:
     tpot_s: float | None
     raw_ttft: float | None
     raw_tpot: float | None
+    batch: int = 0  # sequences on the worker with the request's own (its TPOT's batch)
 
 
 def prefill_rate(t: StepTimes | None, min_size: float = 0.0) -> float | None:
@@ -165,7 +167,7 @@ class LatencyPredictor:
 
     def transfer(self, seconds: float, prompt_tokens: int) -> None:
         """A remote prefill's kv_write phase (its KV hop), for the seconds per token."""
-        if prompt_tokens > 0 and seconds >= 0:
+        if prompt_tokens > 0 and math.isfinite(seconds) and seconds >= 0:  # a worker's figure: never trusted blindly
             per_token, mean = seconds / prompt_tokens, self.transfer_s_per_token
             self.transfer_s_per_token = per_token if mean is None else mean + ALPHA * (per_token - mean)
 
@@ -197,7 +199,14 @@ class LatencyPredictor:
         now = time.monotonic()
         ttft = raw_ttft * self._ttft.get((worker, remote), _Correction()).factor(now) if raw_ttft is not None else None
         tpot = step * self._tpot.get(worker, _Correction()).factor(now) if step is not None else None
-        return Prediction(ttft, tpot, raw_ttft, step)
+        return Prediction(ttft, tpot, raw_ttft, step, batch)
+
+    def tpot_at(self, worker: str, batch: int) -> float | None:
+        """The TPOT predicted on `worker` at a batch of `batch` sequences, corrected as
+        predict()'s; None before any figures."""
+        decode = self._figures(worker)
+        step = step_seconds(decode.step_seconds_by_requests if decode else None, batch)
+        return step * self._tpot.get(worker, _Correction()).factor(time.monotonic()) if step is not None else None
 
     def _figures(self, worker: str) -> WorkerStats | None:
         own = self.stats.get(("decode", worker))
@@ -244,11 +253,12 @@ class LatencyPredictor:
         if self.on_error is not None:
             self.on_error(target, remote, error)
 
-    def error_quantiles(self) -> dict[str, dict[str, float | None]]:
-        """p50 and p90 of the recent absolute errors, seconds, per target (/status)."""
+    def error_quantiles(self, last: int | None = None) -> dict[str, dict[str, float | None]]:
+        """p50 and p90 of the recent absolute errors, seconds, per target (/status): the
+        last RECENT, or the last `last` of those."""
         out: dict[str, dict[str, float | None]] = {}
         for target, errors in self.errors.items():
-            ranked = sorted(errors)
+            ranked = sorted(list(errors)[-last:] if last is not None else errors)
             out[target] = {"p50_s": _quantile(ranked, 0.5), "p90_s": _quantile(ranked, 0.9), "n": float(len(ranked))}
         return out
 

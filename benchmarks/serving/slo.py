@@ -21,8 +21,9 @@ denominator for every arm, so the ratio is that of good requests); throughput =
 completed requests / the run's seconds (first arrival to last answer, a fcfs backlog's
 drain included). The table gives medians over
 seeds and goodput(arm) / goodput(fcfs); and the predictor's p50 |TTFT error| read from
-/status right after each run (over the deployment's last 1000 requests, warm-up
-included). Every arm's deployment goes through the same warm-up and measurement before
+/status right after each run, over that run's own requests (?prediction_window: the
+predictions of its completed requests, the latest the router made). Every arm's
+deployment goes through the same warm-up and measurement before
 its runs (the same history for each); the fcfs arm's measurement sets the loads and
 targets of all. --noisy (on by default): slo_noisy.py, --noisy-duration s per run.
 """
@@ -58,7 +59,7 @@ QUICK = {"topologies": "1p1d", "seeds": "0", "loads": "1,3", "duration": 10.0, "
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=_REPO_ROOT / "configs/local.yaml", help="base cluster config")
-    p.add_argument("--topologies", default="1p1d,1p2d")
+    p.add_argument("--topologies", default="1p1d,1p2d", help="'' for none (the noisy neighbour alone)")
     p.add_argument("--arms", default="fcfs,slo", help=f"of {','.join(POLICIES)}; fcfs is needed (the baseline)")
     p.add_argument("--loads", default="1,1.5,3", help="offered load, multiples of the measured capacity")
     p.add_argument("--seeds", default="0,1,2")
@@ -81,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds of arrivals per noisy-neighbour run (longer than --duration: the quiet key's "
                         "rate is low, and its p99 needs requests)")
     p.add_argument("--noisy-class", choices=("batch", "interactive", "none"), default="batch")
+    p.add_argument("--noisy-arms", default="fair,fcfs", help="of fair,fcfs: the noisy neighbour's deployments")
+    p.add_argument("--noisy-prefill-tokens", type=int, default=None,
+                   help="the prefill pool's max_num_batched_tokens in the noisy neighbour's deployments "
+                        "(default: --config's): a prefill step in progress is not preempted, so it bounds "
+                        "the quiet key's wait behind the flood")
     p.add_argument("--quick", action="store_true", help=f"a smoke run: {QUICK}")
     p.add_argument("--out", type=Path, help="the JSON report (written after every run)")
     p.add_argument("--log-dir", type=Path, help="deployments' configs and logs (default: a temporary directory)")
@@ -88,10 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.set_defaults(**QUICK)  # explicit options still win
     args = p.parse_args(argv)
     try:
-        args.topologies = args.topologies.split(",")
+        args.topologies = [t for t in args.topologies.split(",") if t]  # none: the noisy neighbour alone
         for t in args.topologies:
             parse_topology(t)
         args.arms = args.arms.split(",")
+        args.noisy_arms = args.noisy_arms.split(",")
         args.loads = [float(x) for x in args.loads.split(",")]
         args.seeds = [int(x) for x in args.seeds.split(",")]
         args.prompt_tokens = _pair(args.prompt_tokens)
@@ -101,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [a for a in args.arms if a not in POLICIES]
     if bad:
         p.error(f"unknown arm {bad[0]!r}; choose from {', '.join(POLICIES)}")
+    bad = [a for a in args.noisy_arms if a not in ("fair", "fcfs")]
+    if bad:
+        p.error(f"unknown noisy arm {bad[0]!r}; choose from fair, fcfs")
     if args.arms[0] != "fcfs":
         p.error("--arms must start with fcfs: its deployment measures the capacity every arm's loads scale")
     if args.output_tokens[0] < 2:
@@ -153,8 +163,11 @@ def run_arm(args: argparse.Namespace, base: dict, workload: Workload, topology: 
             for seed in args.seeds:
                 trace = draw_trace(workload, seed, load * capacity, args.duration, mix)
                 elapsed = asyncio.run(run_open_loop(d.url, live.model, trace))
+                figures = summarize(trace, elapsed, args.duration)
+                # The run's own predictions: each completed request's is among the latest.
+                window = live.status(figures["completed"])["slo"]["prediction_error"] if figures["completed"] else None
                 run = {"topology": topology, "arm": arm, "load": load, "seed": seed, "rate": load * capacity,
-                       **summarize(trace, elapsed, args.duration), "prediction_error": live.status()["slo"]["prediction_error"]}
+                       **figures, "prediction_error": window}
                 report["runs"].append(run)
                 print(f"  {topology} {arm:11} {load:g}x seed {seed}: goodput {run['goodput']:.2f} req/s "
                       f"({run['good']}/{run['requests']} good, {run['rejected']} rejected, {run['failed']} failed), "

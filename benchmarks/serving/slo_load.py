@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx2 as httpx
@@ -51,8 +52,19 @@ class Sent:
 
     @property
     def slo_rejected(self) -> bool:
-        """A 429 for a predicted SLO miss (code slo_unattainable), not a full queue."""
-        return self.rejected and "predicted to miss" in self.result.error
+        """A 429 of SLO admission (slo_unattainable, over_fair_share), not a full queue."""
+        return self.rejection not in (None, "other")
+
+    @property
+    def rejection(self) -> str | None:
+        """Why a 429 came, from its message: ttft, tpot (a predicted miss of that target),
+        slo (a predicted miss, the target unnamed), share (over_fair_share), or other (a
+        full queue, a rate limit); None: none came."""
+        if not self.rejected:
+            return None
+        error = self.result.error
+        return ("ttft" if "time-to-first-token" in error else "tpot" if "time-per-output-token" in error
+                else "share" if "weighted share" in error else "slo" if "predicted to miss" in error else "other")
 
     @property
     def good(self) -> bool:
@@ -154,6 +166,7 @@ def summarize(trace: list[Sent], elapsed: float, window: float | None = None) ->
     return {
         "requests": len(trace), "completed": len(ok), "good": sum(s.good for s in trace),
         "rejected": sum(s.rejected for s in trace), "slo_rejected": sum(s.slo_rejected for s in trace),
+        "rejected_by": dict(sorted(Counter(s.rejection for s in trace if s.rejection).items())),
         "failed": sum(not s.result.ok and not s.rejected for s in trace), "errors": errors[:5],
         "elapsed_s": elapsed,
         "window_s": window or elapsed,

@@ -36,10 +36,15 @@ def run_noisy(args: argparse.Namespace, base: dict[str, Any], workload: Workload
     quiet_rate = args.quiet_load * capacity
     noisy_rate = args.noisy_factor * capacity / 2
     print(f"noisy neighbour ({TOPOLOGY}): quiet {quiet_rate:.2f} req/s ({quiet_slo.name}), "
-          f"noisy {noisy_rate:.2f} req/s ({noisy_slo.name}), {args.noisy_duration:g} s, seeds {args.seeds}", flush=True)
+          f"noisy {noisy_rate:.2f} req/s ({noisy_slo.name}), {args.noisy_duration:g} s, seeds {args.seeds}, "
+          f"prefill max_num_batched_tokens {args.noisy_prefill_tokens or 'from --config'}", flush=True)
     runs = []
-    for arm, (policy, weights) in ARMS.items():
+    for arm in args.noisy_arms:
+        policy, weights = ARMS[arm]
         config = arm_config(base, TOPOLOGY, policy, args.remote_min, list(keys.values()), weights)
+        if args.noisy_prefill_tokens is not None:
+            engine = config["prefill"]["engine"]
+            config["prefill"]["engine"] = {**engine, "max_num_batched_tokens": args.noisy_prefill_tokens}
         with Deployment(config, log_dir / f"noisy-{arm}", keep_api_keys=True) as d:
             live = Live(d, server_model(d.url, keys["quiet"]), workload, keys["quiet"])
             live.warm_up(args.concurrency, args.warmup_s, keys["quiet"])
@@ -59,7 +64,7 @@ def run_noisy(args: argparse.Namespace, base: dict[str, Any], workload: Workload
                     runs.append(run)
                     q = run["quiet"]
                     print(f"  noisy {arm:4} seed {seed} {phase:5}: quiet p99 TTFT {q['ttft']['p99'] * 1000:.0f} ms, "
-                          f"good {q['good']}/{q['requests']}, rejected {q['rejected']}"
+                          f"good {q['good']}/{q['requests']}, rejected {q['rejected']} {q['rejected_by']}"
                           + (f"; noisy rejected {run['noisy']['rejected']}/{run['noisy']['requests']}"
                              if run["noisy"] else ""), flush=True)
                     live.drain(args.idle_s)

@@ -105,9 +105,12 @@ class Live:
         self.drain()
         return Unloaded.of(sent)
 
-    def status(self) -> dict[str, Any]:
-        return httpx.get(f"{self.d.root}/status", timeout=30.0, headers=auth_headers(self.api_key)
-                         ).raise_for_status().json()
+    def status(self, prediction_window: int | None = None) -> dict[str, Any]:
+        """/status; `prediction_window`: its SLO prediction error over that many of the
+        latest predictions (a run's own), at most the router's 1000."""
+        params = {"prediction_window": str(min(1000, prediction_window))} if prediction_window else None
+        return httpx.get(f"{self.d.root}/status", timeout=30.0, headers=auth_headers(self.api_key),
+                         params=params).raise_for_status().json()
 
     def drain(self, idle_s: float = 0.0) -> None:
         """Until the router has nothing in flight (the client has its answers, but a

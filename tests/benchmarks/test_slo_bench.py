@@ -41,6 +41,11 @@ def test_good_means_both_own_targets_as_the_client_measured() -> None:
     rejected = sent(0.0, 0.0, error="HTTP 429: b'the server is predicted to miss this request'")
     full = sent(0.0, 0.0, error="HTTP 429: b'the server has 256 requests in flight'")
     assert not rejected.good and rejected.slo_rejected and full.rejected and not full.slo_rejected
+    share = sent(0.0, 0.0, error="HTTP 429: b'this request's API key holds more than its weighted share'")
+    tpot = sent(0.0, 0.0, error="HTTP 429: b'... miss this request's time-per-output-token SLO'")
+    assert [s.rejection for s in (rejected, full, share, tpot, sent(0.09, 0.1))] == ["slo", "other", "share", "tpot",
+                                                                                      None]
+    assert share.slo_rejected and tpot.slo_rejected
 
 
 def test_summary_counts_goodput_per_second_of_the_run() -> None:
@@ -52,6 +57,7 @@ def test_summary_counts_goodput_per_second_of_the_run() -> None:
     windowed = summarize(trace, elapsed=2.0, window=0.5)  # per second of arrivals, not of the drain
     assert windowed["goodput"] == 2.0 and windowed["throughput"] == 1.0
     assert s["classes"]["interactive"] == {"requests": 4, "good": 1, "rejected": 1}
+    assert s["rejected_by"] == {"slo": 1}
 
 
 def test_a_trace_is_the_seed_s_alone() -> None:
@@ -125,6 +131,10 @@ def test_quick_sets_defaults_that_explicit_options_override() -> None:
     assert slo.parse_args([]).arms == ["fcfs", "slo"]
     with pytest.raises(SystemExit):
         slo.parse_args(["--arms", "slo,fcfs"])
+    alone = slo.parse_args(["--topologies", "", "--noisy-arms", "fair", "--noisy-prefill-tokens", "256"])
+    assert alone.topologies == [] and alone.noisy_arms == ["fair"] and alone.noisy_prefill_tokens == 256
+    with pytest.raises(SystemExit):
+        slo.parse_args(["--noisy-arms", "fair,slo"])
 
 
 @pytest.mark.timeout(330)

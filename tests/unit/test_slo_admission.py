@@ -110,8 +110,10 @@ def test_the_slo_config_loads_per_key_defaults_and_weights() -> None:
     ({"key_weights": [1]}, "router.key_weights: needs router.api_keys"),
     ({"api_keys": ["sk-a", "sk-b"], "key_weights": [1]}, "router.key_weights: must be a list of 2 weight"),
     ({"api_keys": ["sk-a"], "key_weights": [0]}, r"router.key_weights\[0\]: must be > 0"),
-    ({"api_keys": ["sk-a", "sk-b"], "key_weights": [1, 1e-310]}, "router.key_weights: the largest weight must be at "
-                                                                 "most 1e[+]06 times the smallest"),
+    ({"api_keys": ["sk-a", "sk-b"], "key_weights": [2000, 1e-3]}, "router.key_weights: the largest weight must be "
+                                                                  "at most 1e[+]06 times the smallest"),
+    ({"api_keys": ["sk-a", "sk-b"], "key_weights": [1e-306, 1e-306]}, "router.key_weights: every weight must be at "
+                                                                      "least 0.001"),
     ({"slo": {"ttft_ms": 10**400}}, "router.slo.ttft_ms: must be finite"),
 ])
 def test_a_bad_slo_config_names_its_field(router: dict, message: str) -> None:
@@ -128,21 +130,32 @@ def test_a_flooding_key_queues_behind_a_quiet_ones_next_request() -> None:
     assert flood == sorted(flood) and flood[-1] == 1900
     quiet = fq.tag(1, 100)
     assert quiet == 0.0 and quiet < flood[1]  # at the head: before every queued flood request but the first
-    for tag in flood[:10]:  # the queues serve ten of them
-        fq.done(tag, served=True)
-    fq.done(flood[15], served=False)  # one aborted deep in the queue moves nothing
-    assert fq.virtual_time() == 900.0  # the tag of the latest served
-    assert fq.tag(1, 100) == 900.0  # next to the one in service, not after its own share's end (100)
+    for tag in [*flood[:10], quiet]:  # the queues serve ten of them and the quiet one
+        fq.done(tag)
+    fq.done(flood[15])  # one aborted deep in the queue moves nothing
+    assert fq.virtual_time() == 1000.0  # the head of the queue: the flood's 11th
+    assert fq.tag(1, 100) == 1000.0  # there, not after its own share's end (100)
     assert fq.tag(0, 100) == 2000.0  # the flood's next stays behind its backlog
+
+
+def test_served_out_of_tag_order_the_virtual_time_stays_at_the_head_of_what_waits() -> None:
+    fq = FairQueue((1.0, 1.0))
+    flood = [fq.tag(0, 100) for _ in range(10)]  # 0 .. 900
+    fq.done(flood[0])  # one worker serves the head ...
+    fq.done(flood[9])  # ... an idle one the tail
+    assert fq.virtual_time() == 100.0  # not 900: eight of the flood's still wait from 100 on
+    assert fq.tag(1, 100) == 100.0
 
 
 def test_a_request_of_a_worse_priority_waiting_does_not_hold_back_the_virtual_time() -> None:
     fq = FairQueue((1.0, 1.0, 1.0))
-    degraded = fq.tag(2, 10)  # waits at the lowest priority, long
+    degraded = fq.tag(2, 10, lowest=True)  # waits at the lowest priority, long
     for _ in range(50):
-        fq.done(fq.tag(0, 100), served=True)
-    assert degraded == 0.0 and fq.virtual_time() == 4900.0
-    assert fq.tag(1, 100) == 4900.0  # a newly active key starts where service is, not at 0
+        fq.done(fq.tag(0, 100))
+    # Nothing but the degraded request waits: V is where every tag issued ends (the
+    # flood's 50 of 100 after the degraded one's 10).
+    assert degraded == 0.0 and fq.virtual_time() == 5010.0
+    assert fq.tag(1, 100) == 5010.0  # a newly active key starts where service is, not at 0
 
 
 def test_weights_share_the_queue_an_idle_queue_catches_up_and_a_refund_costs_nothing() -> None:
@@ -151,7 +164,7 @@ def test_weights_share_the_queue_an_idle_queue_catches_up_and_a_refund_costs_not
     a = fq.tag(0, 400)
     assert a == 0.0
     for tag in (0.0, 100.0, 200.0, 0.0):
-        fq.done(tag, served=True)
+        fq.done(tag)
     assert fq.virtual_time() == 400.0  # nothing waits: every tag issued has been served
     start = fq.start(1)
     assert start == 400.0
@@ -162,7 +175,7 @@ def test_weights_share_the_queue_an_idle_queue_catches_up_and_a_refund_costs_not
 def test_without_weights_every_tag_is_zero_and_arrival_order_holds() -> None:
     fq = FairQueue(None)
     assert not fq.enabled and fq.tag(0, 1000) == 0.0 and fq.tag(None, 5) == 0.0
-    fq.done(0.0, served=True)  # a no-op
+    fq.done(0.0)  # a no-op
 
 
 # --- the predictor ---------------------------------------------------------------------
@@ -278,6 +291,9 @@ def test_a_correction_fades_back_to_the_figures_without_completions() -> None:
 
 def test_transfer_seconds_per_token_are_learnt_from_remote_prefills() -> None:
     p = predictor()
+    for bad in (float("inf"), float("nan"), -1.0):  # a faulty worker's figure teaches nothing
+        p.transfer(bad, 500)
+    assert p.transfer_s_per_token is None
     p.transfer(0.05, 500)  # 100 us per token
     pred = p.predict("d0", 1000, True, (0, 0.0), 1, ["p0"])
     assert pred.ttft_s == pytest.approx(1000 / 4000 + 0.1 + 0.02)

@@ -115,6 +115,12 @@ def test_policy_off_admits_all_but_still_measures_its_predictions(deployment) ->
     assert status["slo"]["policy"] == "off"
     ttft = status["slo"]["prediction_error"]["ttft"]
     assert ttft["n"] == 3 and ttft["p50_s"] is not None and ttft["p90_s"] >= ttft["p50_s"]
+    newest = router.placement.predictor.errors["ttft"][-1]
+    last = json.loads(open_request(base, "GET", "/status?prediction_window=1", None, timeout=10).read())
+    assert last["slo"]["prediction_error"]["ttft"] == {"n": 1.0, "p50_s": newest, "p90_s": newest}
+    for bad in ("0", "1001", "-1", "x", "1.5", "%C2%B2", "%EF%BC%91", "9" * 5000):  # ², fullwidth 1
+        refused = open_request(base, "GET", f"/status?prediction_window={bad}", None, timeout=10)
+        assert refused.status == 400 and "prediction_window" in refused.read().decode()
     assert "slo policy off; tpot error" in format_status(status) and "ttft error p50" in format_status(status)
     assert b'pdserve_slo_requests_total{key="none",outcome="missed"} 3.0' in router.metrics.render()
 
@@ -137,6 +143,8 @@ def test_key_defaults_apply_per_key_and_a_flooding_key_is_tagged_behind_a_quiet_
                                                                      "slo_ttft_ms": 100_000, "stream": True},
                                   20, quiet))
     assert responses[-1].status == 200
+    # A streamed 200 may come before its Generate reaches the worker: wait for all five.
+    wait_for(lambda: sum(len(w.messages("generate")) for w in workers) == 5, 10, "five generates")
     generates = [m for w in workers for m in w.messages("generate")]
     flood_tags = sorted(g.queue_tag for g in generates if g.params.max_tokens == 2)
     (quiet_tag,) = [g.queue_tag for g in generates if g.params.max_tokens == 3]
