@@ -149,6 +149,8 @@ class Router:
         m = self.metrics
         self.in_flight += 1
         m.in_flight.set(self.in_flight)
+        if params.max_tokens <= 1 and targets.tpot_ms is not None:
+            targets = dataclasses.replace(targets, tpot_ms=None)  # one token (or a prompt scored): no TPOT to miss
         plan = RequestPlan(priority, targets, client, time.monotonic() if received is None else received)
         group = SequenceGroup(prompts, params, self.tokenizer, functools.partial(self._submit, plan=plan), m,
                               self.placement)

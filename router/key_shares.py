@@ -17,7 +17,8 @@ flood that filled the batch before a quiet key came would keep it out for good).
 demand there is its peak open sequences over the last one to two windows, plus one
 (its next request); what a key under its share has not used of that is held for it,
 within its own tightest TPOT target of those windows, unless even its demand alone
-would not meet that target (nothing is held for a target nothing meets). A key alone,
+would not meet that target by the worker's measured steps (nothing is held for a target
+nothing meets). A key alone,
 or within its share, meets no more than its own targets; an idle key holds nothing
 after a window.
 """

@@ -144,7 +144,11 @@ class Placement:
                      now: float) -> ShareCheck | None:
         holds = []
         for hold in self.shares.hold(worker, client, n, now):
-            alone = self.predictor.tpot_at(worker, hold.alone)
+            # A target is held for if the worker's measured steps meet it at that key's
+            # demand alone. Not the corrected prediction: the correction carries the
+            # load of the flood itself, and would drop a target the flood alone makes
+            # unattainable.
+            alone = self.predictor.tpot_at(worker, hold.alone, corrected=False)
             if alone is not None and alone <= hold.tpot_s:  # else no figures yet, or a target nothing meets
                 holds.append(hold)
         if not holds:

@@ -201,12 +201,15 @@ class LatencyPredictor:
         tpot = step * self._tpot.get(worker, _Correction()).factor(now) if step is not None else None
         return Prediction(ttft, tpot, raw_ttft, step, batch)
 
-    def tpot_at(self, worker: str, batch: int) -> float | None:
+    def tpot_at(self, worker: str, batch: int, corrected: bool = True) -> float | None:
         """The TPOT predicted on `worker` at a batch of `batch` sequences, corrected as
-        predict()'s; None before any figures."""
+        predict()'s (or the step time as measured: corrected False); None before any
+        figures."""
         decode = self._figures(worker)
         step = step_seconds(decode.step_seconds_by_requests if decode else None, batch)
-        return step * self._tpot.get(worker, _Correction()).factor(time.monotonic()) if step is not None else None
+        if step is None or not corrected:
+            return step
+        return step * self._tpot.get(worker, _Correction()).factor(time.monotonic())
 
     def _figures(self, worker: str) -> WorkerStats | None:
         own = self.stats.get(("decode", worker))
@@ -253,13 +256,13 @@ class LatencyPredictor:
         if self.on_error is not None:
             self.on_error(target, remote, error)
 
-    def error_quantiles(self, last: int | None = None) -> dict[str, dict[str, float | None]]:
+    def error_quantiles(self, last: int | None = None) -> dict[str, dict[str, float | int | None]]:
         """p50 and p90 of the recent absolute errors, seconds, per target (/status): the
         last RECENT, or the last `last` of those."""
-        out: dict[str, dict[str, float | None]] = {}
+        out: dict[str, dict[str, float | int | None]] = {}
         for target, errors in self.errors.items():
             ranked = sorted(list(errors)[-last:] if last is not None else errors)
-            out[target] = {"p50_s": _quantile(ranked, 0.5), "p90_s": _quantile(ranked, 0.9), "n": float(len(ranked))}
+            out[target] = {"p50_s": _quantile(ranked, 0.5), "p90_s": _quantile(ranked, 0.9), "n": len(ranked)}
         return out
 
 

@@ -15,7 +15,7 @@ from router.errors import APIError
 from router.key_shares import WINDOW_S, Hold, KeyShares
 from router.metrics import RouterMetrics
 from router.placement import Placed, Placement, RequestPlan
-from router.predictor import Prediction
+from router.predictor import Prediction, _Correction
 from router.routing import Ranking
 from router.slo import Targets
 from tests.unit.test_slo_admission import step_times
@@ -228,3 +228,17 @@ def test_a_request_degraded_at_a_later_prompt_is_degraded_whole() -> None:
     assert [placed.priority for placed in plan.placed] == [LOWEST_PRIORITY] * 2
     assert [placed.ticket.order[0] for placed in plan.placed] == [LOWEST_PRIORITY] * 2
     assert len(p.predictor.tickets) == 2  # the first placement was given back
+
+
+def test_a_target_the_measured_steps_meet_is_held_for_though_the_correction_says_not() -> None:
+    p = placement([1.0, 1.0])
+    correction = _Correction()
+    correction.learn(1.5, 1.0, time.monotonic())  # completions under the flood's load: 1.5x the figures
+    p.predictor._tpot["d0"] = correction
+    with pytest.raises(APIError, match="time-per-output-token"):
+        send(p, QUIET, 65.0)  # 75 ms predicted at a batch of 1; its demand alone measures 60 ms
+    with pytest.raises(APIError) as over:  # so the flood must leave it room (before: it took the batch)
+        send(p, FLOOD, None)
+    assert over.value.code == "over_fair_share"
+    del p.predictor._tpot["d0"]  # the correction faded: the quiet key gets in
+    send(p, QUIET, 65.0)

@@ -94,7 +94,7 @@ def test_a_worker_scaled_away_while_metrics_waits_for_another_stays_out_of_metri
     reply it holds must not bring decode-1's series back for good."""
     router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
     two[1].stats = worker_stats(running=3, waiting=1)
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)), query_params={})
 
     async def main() -> str:
         router.start()
@@ -126,7 +126,7 @@ def test_health_is_503_when_the_only_live_decode_worker_is_draining(llama_dir, t
     """decode-0 down, decode-1 being scaled away: nothing takes a new request, and a load
     balancer must see it."""
     router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)), query_params={})
     router.pool.decode["decode-0"].declare_dead("is down (its supervisor saw it exit)")
     assert asyncio.run(app_health(request)).status_code == 200  # decode-1 takes them
     router.pool.decode["decode-1"].draining = True
@@ -138,7 +138,7 @@ def test_a_worker_down_for_good_says_so_in_the_503(llama_dir, two) -> None:
     """Past its restarts a worker stays down: the 503 said "retry later" and the reason of
     its last crash; it says no restart will come (found over HTTP)."""
     router = router_of(llama_dir, {"decode-0": two[0].address})
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)), query_params={})
     router.pool.decode["decode-0"].declare_dead("is down (its supervisor saw it exit)")
     router.control.worker_stays_down("decode-0", "stays down: it was started again 3 times (local.max_restarts)")
 
@@ -185,7 +185,7 @@ def test_status_keeps_each_worker_under_its_pool_when_one_leaves_meanwhile(llama
     config = ClusterConfig.from_dict({"model": str(llama_dir)})
     router = router_for(config, {"decode-0": two[0].address, "decode-1": two[1].address},
                         {"prefill-0": two[1].address})  # a fake that answers pings serves as a prefill worker
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)))
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)), query_params={})
 
     async def main() -> dict:
         router.start()

@@ -185,3 +185,13 @@ def test_a_batch_whose_second_prompt_would_miss_is_refused_whole_and_costs_nothi
     assert 'decision="rejected",reason="ttft"} 1.0' in metrics and 'decision="admitted"' not in metrics
     status, body, _ = post(base, {"prompt": [prompt], "slo_ttft_ms": target}, key)  # one alone fits
     assert status == 200, body
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("deployment", [{"slo": {"policy": "reject"}}], indirect=True)
+def test_a_request_of_one_token_has_no_tpot_to_miss(deployment) -> None:
+    base, _, _ = deployment
+    status, body, _ = post(base, {"max_tokens": 2, "slo_tpot_ms": 0.001})
+    assert status == 429 and body["error"]["param"] == "slo_tpot_ms"
+    assert post(base, {"max_tokens": 1, "slo_tpot_ms": 0.001})[0] == 200
+    assert post(base, {"max_tokens": 1}, {"x-slo-tpot-ms": "0.001"})[0] == 200
