@@ -30,6 +30,14 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 
+def key_weight(weights: Sequence[float] | None, client: int | None) -> float:
+    """A key's weight in `router.key_weights` (by its position; None: no keys), 1.0 where
+    none is set."""
+    if weights is None or client is None or client >= len(weights):
+        return 1.0
+    return weights[client]
+
+
 class Charge(NamedTuple):
     """What charge() changed, to undo it (refund)."""
 
@@ -60,9 +68,7 @@ class FairQueue:
         return self.weights is not None
 
     def weight(self, client: int | None) -> float:
-        if self.weights is None or client is None or client >= len(self.weights):
-            return 1.0
-        return self.weights[client]
+        return key_weight(self.weights, client)
 
     def virtual_time(self) -> float:
         head = min((tag for lowest, tag in self._waiting if not lowest), default=None)

@@ -11,22 +11,24 @@ So SLO admission (any policy but off) asks one more thing of a request, with tar
 or without, whose key would hold more than its weighted share of a worker's batch (its
 sequences there over all of them, against its weight over the weights of the keys
 active there): that the worker could still take the other active keys' demand within
-their tightest TPOT targets (less router/admission.py's SHARE_HEADROOM). A key is active on a worker while it has sequences there
-or sent it a request in the last WINDOW_S (one refused for TPOT alone counts: else a
-flood that filled the batch before a quiet key came would keep it out for good). Its
-demand there is its peak open sequences over the last one to two windows, plus one
-(its next request); what a key under its share has not used of that is held for it,
-within its own tightest TPOT target of those windows, unless even its demand alone
-would not meet that target by the worker's measured steps (nothing is held for a target
-nothing meets). A key alone,
-or within its share, meets no more than its own targets; an idle key holds nothing
-after a window.
+their tightest TPOT targets (less router/admission.py's SHARE_HEADROOM). A key is
+active on a worker while it has sequences there or sent it a request in the last
+WINDOW_S (one refused for TPOT alone counts: else a flood that filled the batch before
+a quiet key came would keep it out for good). Its demand there is its peak open
+sequences over the last one to two windows, plus one (its next request); what a key
+under its share has not used of that is held for it, within its own tightest TPOT
+target of those windows, unless even its demand alone would not meet that target by
+the worker's measured steps (nothing is held for a target nothing meets). A key
+alone, or within its share, meets no more than its own targets; an idle key holds
+nothing after a window.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from router.fair_queue import key_weight
 
 WINDOW_S = 10.0  # how long a key stays active on a worker after its last request there
 
@@ -90,9 +92,7 @@ class KeyShares:
         self._use: dict[str, dict[int | None, _Use]] = {}  # worker -> key position -> its use there
 
     def weight(self, client: int | None) -> float:
-        if self.weights is None or client is None or client >= len(self.weights):
-            return 1.0
-        return self.weights[client]
+        return key_weight(self.weights, client)
 
     def opened(self, worker: str, client: int | None, sequences: int, tpot_s: float | None, now: float) -> None:
         """`sequences` of a request of `client` (None: no keys) went to `worker`, with its

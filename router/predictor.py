@@ -198,7 +198,7 @@ class LatencyPredictor:
         raw_ttft = (ahead + tokens) / rate + hop + (step or 0.0) if rate else None
         now = time.monotonic()
         ttft = raw_ttft * self._ttft.get((worker, remote), _Correction()).factor(now) if raw_ttft is not None else None
-        tpot = step * self._tpot.get(worker, _Correction()).factor(now) if step is not None else None
+        tpot = step * self._tpot_factor(worker, now) if step is not None else None
         return Prediction(ttft, tpot, raw_ttft, step, batch)
 
     def tpot_at(self, worker: str, batch: int, corrected: bool = True) -> float | None:
@@ -209,7 +209,10 @@ class LatencyPredictor:
         step = step_seconds(decode.step_seconds_by_requests if decode else None, batch)
         if step is None or not corrected:
             return step
-        return step * self._tpot.get(worker, _Correction()).factor(time.monotonic())
+        return step * self._tpot_factor(worker, time.monotonic())
+
+    def _tpot_factor(self, worker: str, now: float) -> float:
+        return self._tpot.get(worker, _Correction()).factor(now)
 
     def _figures(self, worker: str) -> WorkerStats | None:
         own = self.stats.get(("decode", worker))
