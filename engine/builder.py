@@ -25,7 +25,7 @@ from engine.gpu_memory import profile_num_kv_blocks
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.shared_tier import SharedTier
 from engine.kv_cache.tiers import KVTiers
-from engine.model.config import ModelConfig, max_model_len
+from engine.model.config import ModelConfig, max_model_len, release_window
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import TORCH_DTYPES
 from engine.runner import KVAllocator, ModelRunner, allocate_kv_cache, kv_cache_shape
@@ -91,7 +91,9 @@ class _Builder:
             draft = self._load_draft(model_len)  # before the pool is sized: on CUDA it counts the draft
             num_blocks = config.num_kv_blocks or self._pool_blocks(model, backend, model_len, draft)
             kv_caches = self._allocate_caches(num_blocks, kv_allocator, keep_cache_files)
-            kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            # A sliding window every layer of every model here keeps to: blocks before it are released.
+            window = release_window(model_config, *(() if draft is None else (draft.config,)))
+            kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
             if config.kv_offload_gib > 0:
                 kv.attach_tiers(self._tiers(kv_caches, shared_kv))
             elif shared_kv is not None:

@@ -86,7 +86,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}) with chunked prefill disabled")
         # A request alone in the engine must fit, or preemption could never make room.
-        needed, pool = cdiv(num_prompt_tokens + max_tokens, self.kv.block_size), self.kv.pool.num_blocks
+        needed, pool = self.kv.most_blocks_held(num_prompt_tokens, max_tokens), self.kv.pool.num_blocks
         if cdiv(num_prompt_tokens + 1, self.kv.block_size) > pool:
             raise DoesNotFit(f"prompt ({num_prompt_tokens} tokens) needs more than the KV pool's {pool} blocks "
                              "with its first output token; shorten the prompt or enlarge the pool", "prompt")

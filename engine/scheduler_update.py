@@ -66,6 +66,8 @@ class SchedulerUpdates:
                 # Of its drafts, only the accepted ones' KV counts as computed.
                 request.num_computed_tokens += s.num_new_tokens - num_drafts + appended
                 self.kv.cache_computed_blocks(request)  # returns at once without prefix caching
+                if not request.prefill_only:  # a prefill worker's blocks wait for their KV push
+                    self.kv.release_out_of_window(request)  # returns at once without a sliding window
                 if request.prefill_only and request.num_computed_tokens == request.num_tokens:
                     if request.sequences is not None:  # a group's prompt: its sequences go on
                         self.fork(request)

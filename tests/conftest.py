@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny seeded Llama / Qwen2 / Qwen3 models with a trained tokenizer.
+"""Shared fixtures: tiny seeded Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 / Phi-3 models
+with a trained tokenizer.
 
 Nothing downloads: the models are random (seeded) and the tokenizer is a byte-level
 BPE trained in a fraction of a second on a fixed corpus.
@@ -36,7 +37,8 @@ from tests.tiny_models import build_tiny_model
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
-    return {arch: build_tiny_model(arch, root / arch) for arch in ("llama", "mistral", "qwen2", "qwen3")}
+    archs = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
+    return {arch: build_tiny_model(arch, root / arch) for arch in archs}
 
 
 @pytest.fixture(scope="session")

@@ -85,14 +85,21 @@ def _moe_config(arch: str, common: dict):
 
 
 def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
-    """arch: llama (GQA 4:2, llama3 RoPE, tied), mistral (sliding-window config),
-    qwen2 (qkv bias), qwen3 (q/k norm, head_dim != hidden/heads, untied), llama_mqa
-    (one KV head: replicated across tensor-parallel ranks), or one of MOE_ARCHS."""
+    """arch: llama (GQA 4:2, llama3 RoPE, tied), mistral (a sliding window of 20),
+    qwen2 (qkv bias), qwen3 (q/k norm, head_dim != hidden/heads, untied), olmo2 (norms
+    after the sublayers, q/k norms over whole projections), phi3 (fused qkv_proj and
+    gate_up_proj tensors, RoPE on half of each head: Phi-4-mini turns 3/4; a window of
+    28), llama_mqa (one KV
+    head: replicated across tensor-parallel ranks), or one of MOE_ARCHS."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Olmo2Config,
+        Olmo2ForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -112,11 +119,21 @@ def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
     elif arch == "llama_mqa":
         config, cls = LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False), LlamaForCausalLM
     elif arch == "mistral":
-        config, cls = MistralConfig(**common, sliding_window=4096, tie_word_embeddings=False), MistralForCausalLM
+        # A window shorter than most test prompts, not a multiple of the block size.
+        config, cls = MistralConfig(**common, sliding_window=20, tie_word_embeddings=False), MistralForCausalLM
     elif arch == "qwen2":
         config, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
     elif arch == "qwen3":
         config, cls = Qwen3Config(**common, head_dim=32, tie_word_embeddings=False), Qwen3ForCausalLM
+    elif arch == "olmo2":
+        config, cls = Olmo2Config(**common, tie_word_embeddings=False), Olmo2ForCausalLM
+    elif arch == "phi3":
+        # A window shorter than most test prompts. pad_token_id: Phi-3's default, 32000,
+        # is past this vocabulary.
+        config = Phi3Config(**common, sliding_window=28, pad_token_id=None, tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "partial_rotary_factor": 0.5})
+        cls = Phi3ForCausalLM
     elif arch.startswith("deepseek"):
         config, cls = _deepseek_config(arch, common)
     elif arch in MOE_ARCHS:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,12 +33,16 @@ class AttentionBackend:
         reference.store_kv(layer_cache, key, value, md.slot_mapping)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  layer_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+                  layer_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                  window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """query [T, Hq, D]; key, value [T, H, D]: this step's tokens, already stored.
+        window > 0: a sliding-window layer, each query sees its last `window` positions
+        (reference.window_start), and no backend reads a block wholly before them.
+        softcap > 0: scores x become softcap * tanh(x / softcap) before the softmax.
 
         Returns [T, Hq, D]. The reference reads all K/V back from the cache.
         """
-        return reference.paged_attention(query, layer_cache, md, scale)
+        return reference.paged_attention(query, layer_cache, md, scale, window, softcap)
 
     def latent_attention(self, query: torch.Tensor, latent: torch.Tensor, layer_cache: torch.Tensor,
                          md: AttentionMetadata, scale: float, kv_lora_rank: int) -> torch.Tensor:
@@ -95,7 +99,9 @@ class _DecodeRows:
     rows: torch.Tensor  # [B] int64, token_rows on the device
     block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous, one per row
     seq_lens: torch.Tensor  # [B] int32, context_lens on the device
-    plan: DecodePlan | None = None  # for the blocked torch path, built on first use
+    # For the blocked torch path, built on first use: one per window (0: none), as the
+    # layers of a model may attend over windows of different widths.
+    plans: dict[int, DecodePlan] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,15 +137,17 @@ class TorchBackend(AttentionBackend):
 
     @staticmethod
     def _decode(query: torch.Tensor, layer_cache: torch.Tensor, md: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int, softcap: float) -> torch.Tensor:
         """[B, Hq, D] for the decode rows, in their batch order."""
         d: _DecodeRows = md.backend_state.decode
         if cpu_decode.supports(layer_cache, query.shape[1], query.dtype) and cpu_decode.load() is not None:
             return cpu_decode.paged_decode_attention(query, layer_cache, d.rows, d.block_tables,
-                                                     d.seq_lens, scale)
-        if d.plan is None:
-            d.plan = build_decode_plan(d.token_rows, d.block_tables, d.context_lens, layer_cache.shape[2])
-        return blocked_decode_attention(query, layer_cache, d.plan, scale)
+                                                     d.seq_lens, scale, window, softcap)
+        plan = d.plans.get(window)
+        if plan is None:
+            plan = d.plans[window] = build_decode_plan(d.token_rows, d.block_tables, d.context_lens,
+                                                       layer_cache.shape[2], window)
+        return blocked_decode_attention(query, layer_cache, plan, scale, softcap)
 
     def store_kv(self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  md: AttentionMetadata) -> None:
@@ -150,24 +158,27 @@ class TorchBackend(AttentionBackend):
         layer_cache[state.blocks, 1, state.offsets] = value.to(layer_cache.dtype)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  layer_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+                  layer_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                  window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         decode = md.backend_state.decode
         if decode is not None and len(decode.seq_ids) == md.num_seqs:
-            return self._decode(query, layer_cache, md, scale)
+            return self._decode(query, layer_cache, md, scale, window, softcap)
         out = torch.empty_like(query)
         if decode is not None:
-            out[decode.rows] = self._decode(query, layer_cache, md, scale)
+            out[decode.rows] = self._decode(query, layer_cache, md, scale, window, softcap)
         start = 0
+        block_size = layer_cache.shape[2]
         for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu)):
             end = start + q_len
             if decode is not None and i in decode.seq_ids:
                 pass  # decode rows: computed above
             elif q_len == seq_len:
                 out[start:end] = reference.causal_attention(query[start:end], key[start:end],
-                                                            value[start:end], scale)
+                                                            value[start:end], scale, window, softcap)
             else:
-                k, v = reference.gather_kv(layer_cache, md.block_tables[i], seq_len, query.dtype)
-                out[start:end] = reference.causal_attention(query[start:end], k, v, scale)
+                first = reference.window_start(seq_len - q_len, window) // block_size
+                k, v = reference.gather_kv(layer_cache, md.block_tables[i], seq_len, query.dtype, first)
+                out[start:end] = reference.causal_attention(query[start:end], k, v, scale, window, softcap)
             start = end
         return out
 

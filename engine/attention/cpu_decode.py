@@ -51,7 +51,7 @@ def supports(layer_cache: torch.Tensor, num_query_heads: int, query_dtype: torch
 
 def paged_decode_attention(query: torch.Tensor, layer_cache: torch.Tensor, rows: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     query:        [T, Hq, D] float32; the decode rows are query[rows]
@@ -60,6 +60,8 @@ def paged_decode_attention(query: torch.Tensor, layer_cache: torch.Tensor, rows:
     rows:         [B] int64 token indices into query
     block_tables: [B, max_blocks] int32, contiguous, one per row
     seq_lens:     [B] int32 context lengths (including the query token, already stored)
+    window:       > 0: a sliding window, each row attends over its last `window` tokens
+    softcap:      > 0: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2)
     Returns [B, Hq, D].
     """
     lib = load()
@@ -104,7 +106,7 @@ def paged_decode_attention(query: torch.Tensor, layer_cache: torch.Tensor, rows:
         ptr(layer_cache.data_ptr()), ctypes.c_int(layer_cache.element_size()),
         ptr(None if lut is None else lut.data_ptr()), i64(s_block), i64(s_kv), i64(s_slot), i64(s_head),
         ptr(block_tables.data_ptr()), i64(block_tables.stride(0)), ptr(seq_lens.data_ptr()),
-        ctypes.c_int(num_rows), ctypes.c_int(num_kv_heads), ctypes.c_int(groups),
-        ctypes.c_int(head_dim), ctypes.c_int(block_size), ctypes.c_float(scale), ctypes.c_int(splits),
-        omp_threads())
+        ctypes.c_int32(max(window, 0)), ctypes.c_int(num_rows), ctypes.c_int(num_kv_heads), ctypes.c_int(groups),
+        ctypes.c_int(head_dim), ctypes.c_int(block_size), ctypes.c_float(scale), ctypes.c_float(softcap),
+        ctypes.c_int(splits), omp_threads())
     return out.to(narrow)

@@ -72,17 +72,20 @@ class TritonBackend(AttentionBackend):
         store_kv(layer_cache, key, value, md.slot_mapping)
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  layer_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+                  layer_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                  window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         state: TritonStepState = md.backend_state
         out = torch.empty_like(query)
         if state.decode_rows is not None:
             assert state.decode_tables is not None and state.decode_seq_lens is not None  # set with decode_rows
             decode_attention(out, query, layer_cache, state.decode_rows, state.decode_tables,
-                             state.decode_seq_lens, scale, state.num_splits)
+                             state.decode_seq_lens, scale, state.num_splits, window=window,
+                             softcap=softcap)
         if state.tile_seq is not None:
             assert state.tile_start is not None  # set with tile_seq
             prefill_attention(out, query, layer_cache, md.block_tables, md.seq_lens,
-                              md.query_start_loc, state.tile_seq, state.tile_start, scale)
+                              md.query_start_loc, state.tile_seq, state.tile_start, scale, window=window,
+                              softcap=softcap)
         return out
 
     def latent_attention(self, query: torch.Tensor, latent: torch.Tensor, layer_cache: torch.Tensor,

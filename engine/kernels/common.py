@@ -67,6 +67,24 @@ def check_index(name: str, t: torch.Tensor, dims: int, dtype: torch.dtype, devic
         raise ValueError(f"{name} has {t.shape[0]} rows, expected {rows}")
 
 
+# A layer without a sliding window attends as if its window were this wide: wider than
+# any context, and small enough that position - window stays within int32.
+NO_WINDOW = 1 << 30
+
+
+def kernel_window(window: int) -> int:
+    """The window the attention kernels take: `window` (> 0), or NO_WINDOW for none."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: none), got {window}")
+    return window if window > 0 else NO_WINDOW
+
+
+def check_softcap(softcap: float) -> float:
+    if not softcap >= 0.0:  # NaN too
+        raise ValueError(f"softcap must be >= 0 (0: none), got {softcap}")
+    return float(softcap)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

@@ -8,6 +8,10 @@ block size). The loop is software-pipelined
 (num_stages): the next tiles' loads are in flight while one is being reduced, which
 is what keeps HBM busy.
 
+A sliding-window layer reads only the tiles from the one holding its window's first
+position (seq_len - window); a split wholly before it reads nothing and writes an
+empty partial (max -inf, sum 0), which the reduction weighs 0.
+
 Split-KV: split j covers tokens [j * split_tokens, (j + 1) * split_tokens) (the last
 split also takes any remainder), each writes an unnormalised partial (acc, max, sum)
 and _reduce_kernel merges them, so long contexts with few sequences still fill the
@@ -30,7 +34,9 @@ from engine.kernels.common import (
     LaunchConfig,
     check_attention_io,
     check_index,
+    check_softcap,
     dot_precision,
+    kernel_window,
     native_dots,
     next_power_of_2,
 )
@@ -55,40 +61,42 @@ def default_config(device: torch.device) -> LaunchConfig:
 
 
 @triton.jit
-def _attend(q, cache_ptr, table, seq_len, kv_head, d, first, last, scale,
+def _attend(q, cache_ptr, table, seq_len, window, kv_head, d, first, last, scale, softcap,
             stride_c_block, stride_c_kv, stride_c_slot, stride_c_head,
             GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            TILE: tl.constexpr, PRECISION: tl.constexpr, NATIVE: tl.constexpr):
-    """Unnormalised (max, sum, acc) of q over the context tiles [first, last)."""
+            TILE: tl.constexpr, PRECISION: tl.constexpr, NATIVE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Unnormalised (max, sum, acc) of q over the context tiles [first, last), those
+    before the window's (whose first position is seq_len - window) skipped."""
     m = tl.full([GROUPS_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUPS_PAD], tl.float32)
     acc = tl.zeros([GROUPS_PAD, HEAD_DIM], tl.float32)
     t = tl.arange(0, TILE)
-    for tile in range(first, last):
+    lo = tl.maximum(seq_len - window, 0)
+    for tile in range(tl.maximum(first, lo // TILE), last):
         pos = tile * TILE + t
-        valid = pos < seq_len
+        valid = (pos < seq_len) & (pos >= lo)
         k, v = load_kv_tile(cache_ptr, table, pos, valid, kv_head, d, stride_c_block, stride_c_kv,
                             stride_c_slot, stride_c_head, BLOCK_SIZE, NATIVE)
-        # Every tile holds a valid position, so each row's max is finite from the first.
-        m, l, acc = online_softmax_step(q, k, v, valid[None, :], m, l, acc, scale, PRECISION)
+        # Every tile read holds a valid position, so each row's max is finite from the first.
+        m, l, acc = online_softmax_step(q, k, v, valid[None, :], m, l, acc, scale, softcap, PRECISION, SOFTCAP)
     return m, l, acc
 
 
 @triton.jit
-def _split_partial(q, cache_ptr, table, seq_len, kv_head, g, d, split, num_splits, num_tiles,
-                   part, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+def _split_partial(q, cache_ptr, table, seq_len, window, kv_head, g, d, split, num_splits, num_tiles,
+                   part, part_acc_ptr, part_max_ptr, part_sum_ptr, scale, softcap,
                    stride_c_block, stride_c_kv, stride_c_slot, stride_c_head,
                    GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
-                   PRECISION: tl.constexpr, NATIVE: tl.constexpr, store):
+                   PRECISION: tl.constexpr, NATIVE: tl.constexpr, SOFTCAP: tl.constexpr, store):
     """Split `split`'s partial (max, sum, acc) into slot part + split, if `store`."""
     first = split * TILES_PER_SPLIT
     last = num_tiles
     if split < num_splits - 1:
         last = tl.minimum(first + TILES_PER_SPLIT, num_tiles)
-    m, l, acc = _attend(q, cache_ptr, table, seq_len, kv_head, d, first, last, scale,
+    m, l, acc = _attend(q, cache_ptr, table, seq_len, window, kv_head, d, first, last, scale, softcap,
                         stride_c_block, stride_c_kv, stride_c_slot, stride_c_head,
-                        GROUPS_PAD, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, NATIVE)
+                        GROUPS_PAD, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, NATIVE, SOFTCAP)
     gmask = (g < GROUPS) & store
     tl.store(part_max_ptr + part + split, m, mask=gmask)
     tl.store(part_sum_ptr + part + split, l, mask=gmask)
@@ -100,11 +108,11 @@ def _decode_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
                    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, rows_ptr,
                    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
                    stride_c_block, stride_c_kv, stride_c_slot, stride_c_head, stride_bt,
-                   scale, num_splits,
+                   scale, num_splits, window, softcap,
                    GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, TILES_PER_SPLIT: tl.constexpr,
                    SPLIT: tl.constexpr, LOOP_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   NATIVE: tl.constexpr):
+                   NATIVE: tl.constexpr, SOFTCAP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -128,20 +136,20 @@ def _decode_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         part = (seq * (tl.num_programs(1) * GROUPS) + heads) * num_splits
         if LOOP_SPLITS:  # fewer programs than splits: each takes every num_programs(2)-th
             for split in range(tl.program_id(2), used, tl.num_programs(2)):
-                _split_partial(q, cache_ptr, table, seq_len, kv_head, g, d, split, num_splits, num_tiles,
-                               part, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+                _split_partial(q, cache_ptr, table, seq_len, window, kv_head, g, d, split, num_splits, num_tiles,
+                               part, part_acc_ptr, part_max_ptr, part_sum_ptr, scale, softcap,
                                stride_c_block, stride_c_kv, stride_c_slot, stride_c_head, GROUPS, GROUPS_PAD,
-                               HEAD_DIM, BLOCK_SIZE, TILE, TILES_PER_SPLIT, PRECISION, NATIVE, True)
+                               HEAD_DIM, BLOCK_SIZE, TILE, TILES_PER_SPLIT, PRECISION, NATIVE, SOFTCAP, True)
         else:  # one split per program; those past the context store nothing
             split = tl.program_id(2)
-            _split_partial(q, cache_ptr, table, seq_len, kv_head, g, d, split, num_splits, num_tiles,
-                           part, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+            _split_partial(q, cache_ptr, table, seq_len, window, kv_head, g, d, split, num_splits, num_tiles,
+                           part, part_acc_ptr, part_max_ptr, part_sum_ptr, scale, softcap,
                            stride_c_block, stride_c_kv, stride_c_slot, stride_c_head, GROUPS, GROUPS_PAD,
-                           HEAD_DIM, BLOCK_SIZE, TILE, TILES_PER_SPLIT, PRECISION, NATIVE, split < used)
+                           HEAD_DIM, BLOCK_SIZE, TILE, TILES_PER_SPLIT, PRECISION, NATIVE, SOFTCAP, split < used)
     else:
-        m, l, acc = _attend(q, cache_ptr, table, seq_len, kv_head, d, 0, num_tiles, scale,
+        m, l, acc = _attend(q, cache_ptr, table, seq_len, window, kv_head, d, 0, num_tiles, scale, softcap,
                             stride_c_block, stride_c_kv, stride_c_slot, stride_c_head,
-                            GROUPS_PAD, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, NATIVE)
+                            GROUPS_PAD, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, NATIVE, SOFTCAP)
         out = acc / l[:, None]
         tl.store(out_ptr + token * stride_o_tok + heads[:, None] * stride_o_head + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUPS)
@@ -193,7 +201,8 @@ def _num_sms(device: torch.device) -> int:
 def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.Tensor,
                      rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, num_splits: int = 1, split_tokens: int = SPLIT_TOKENS,
-                     config: LaunchConfig | None = None, split_programs: int | None = None) -> None:
+                     config: LaunchConfig | None = None, split_programs: int | None = None,
+                     window: int = 0, softcap: float = 0.0) -> None:
     """out[rows[i]] = attention of query[rows[i]] over seq_lens[i] cached tokens in the
     blocks block_tables[i], for each decode sequence i.
 
@@ -205,6 +214,8 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
     config:       tiles and launch options (default_config: tuned for the GPU)
     split_programs: programs per (sequence, KV head) sharing the splits (default
                   split_programs_for); results do not depend on it
+    window:       > 0: a sliding window, each row attends over its last `window` tokens
+    softcap:      > 0: scores soft-capped to softcap * tanh(score / softcap) (Gemma 2)
     """
     block_size, num_kv_heads, head_dim, num_q_heads = check_attention_io(out, query, layer_cache)
     device = layer_cache.device
@@ -226,12 +237,12 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
     common = dict(GROUPS=groups, GROUPS_PAD=max(16, next_power_of_2(groups)), HEAD_DIM=head_dim,
                   BLOCK_SIZE=block_size, TILE=tile, TILES_PER_SPLIT=split_tokens // tile,
                   PRECISION=dot_precision(query.dtype), NATIVE=native_dots(layer_cache, query),
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+                  SOFTCAP=check_softcap(softcap) > 0, num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits == 1:
         _decode_kernel[(num_seqs, num_kv_heads, 1)](
             out, out, out, out, query, layer_cache, block_tables, seq_lens, rows, query.stride(0),
             query.stride(1), out.stride(0), out.stride(1), *cache_strides, block_tables.stride(0), scale, 1,
-            SPLIT=False, LOOP_SPLITS=False, **common)
+            kernel_window(window), softcap, SPLIT=False, LOOP_SPLITS=False, **common)
         return
     programs = split_programs_for(num_seqs, num_kv_heads, num_splits, device) if split_programs is None \
         else split_programs
@@ -241,7 +252,8 @@ def decode_attention(out: torch.Tensor, query: torch.Tensor, layer_cache: torch.
     part_sum = torch.empty_like(part_max)
     _decode_kernel[grid](out, part_acc, part_max, part_sum, query, layer_cache, block_tables, seq_lens,
                          rows, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-                         *cache_strides, block_tables.stride(0), scale, num_splits, SPLIT=True,
+                         *cache_strides, block_tables.stride(0), scale, num_splits, kernel_window(window), softcap,
+                         SPLIT=True,
                          LOOP_SPLITS=programs < num_splits, **common)
     _reduce_kernel[(num_seqs, num_q_heads)](out, part_acc, part_max, part_sum, rows, seq_lens,
                                             out.stride(0), out.stride(1), num_q_heads, num_splits,

@@ -28,17 +28,25 @@ def load_kv_tile(cache_ptr, table, pos, valid, kv_head, d, stride_c_block, strid
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, m, l, acc, scale, PRECISION: tl.constexpr):
+def online_softmax_step(q, k, v, visible, m, l, acc, scale, softcap, PRECISION: tl.constexpr,
+                        SOFTCAP: tl.constexpr):
     """q [M, D]; k, v [N, D] in q's dtype or fp8 (widened to it here: exact); visible
-    [M, N] (or broadcastable); m, l [M]; acc [M, D] float32.
+    [M, N] (or broadcastable); m, l [M]; acc [M, D] float32. SOFTCAP: scores x are
+    capped to softcap * tanh(x / softcap) first (Gemma 2; tanh through exp, which every
+    Triton backend and the interpreter have: 1 - 2 / (e^2y + 1), exact at both ends).
 
-    Every row must see at least one key overall (its max becomes finite in the first
-    tile it sees one); masked keys get probability 0."""
+    Masked keys get probability 0. A row that has seen no key yet (a sliding window
+    starts past this tile for it) keeps max -inf, sum 0 and acc 0: its exponents are
+    taken against 0, not -inf, which would give NaN. Every row must see at least one
+    key overall."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+    if SOFTCAP:
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_ref)
+    p = tl.exp(s - m_ref[:, None])
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return m_new, l, acc

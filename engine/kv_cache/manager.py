@@ -19,11 +19,32 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Stands in a request's block list for a block it let go of because it fell out of the
+# sliding window (release_out_of_window): its position is kept, so block i still holds
+# tokens [i * bs, (i + 1) * bs). Never in the pool; its id (-1) names no block, and the
+# step's block table has 0 there (padding), which no attention backend reads.
+RELEASED = KVBlock(-1)
+
+
+def held(blocks: Sequence[KVBlock]) -> list[KVBlock]:
+    """The blocks of a request's list that it holds (those not released)."""
+    return [b for b in blocks if b is not RELEASED]
+
+
 class KVCacheManager:
     """Called by the scheduler only. Owns one reference on every block a request holds."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int = 0) -> None:
+        """sliding_window > 0: every layer of every model reading these blocks attends
+        over at most that many positions, so blocks wholly before a request's window are
+        released as it advances (release_out_of_window)."""
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0: none), got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        # Per request: how many of its first blocks it has released (RELEASED in its list).
+        self._released: dict[str, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -61,9 +82,10 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     def num_held_blocks(self, request_id: str) -> int:
-        return len(self.req_blocks.get(request_id, ()))
+        return len(self.req_blocks.get(request_id, ())) - self._released.get(request_id, 0)
 
     def block_ids(self, request_id: str) -> list[int]:
+        """Its blocks in order; -1 for each released out of its sliding window."""
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def block_tables(self, request_ids: list[str]) -> np.ndarray:
@@ -72,8 +94,11 @@ class KVCacheManager:
         read KV that a remote write may still overwrite."""
         table = self.block_table.gather(request_ids)
         if self.num_fenced and len(request_ids):
-            held = np.array([len(self.req_blocks.get(r, ())) for r in request_ids])
-            hit = (self._fences[table] > 0) & (np.arange(table.shape[1])[None, :] < held[:, None])
+            # Only the blocks each holds: not the padding, nor the 0s where it released some.
+            first = np.array([self._released.get(r, 0) for r in request_ids])
+            end = np.array([len(self.req_blocks.get(r, ())) for r in request_ids])
+            column = np.arange(table.shape[1])[None, :]
+            hit = (self._fences[table] > 0) & (column >= first[:, None]) & (column < end[:, None])
             if hit.any():
                 rows = np.nonzero(hit.any(axis=1))[0]
                 raise EngineStateError(f"requests {[request_ids[i] for i in rows[:4]]} hold fenced blocks "
@@ -197,9 +222,11 @@ class KVCacheManager:
         blocks = self.req_blocks.get(parent.request_id, [])[:cdiv(num_computed, self.block_size)]
         if not blocks:
             return
-        self.pool.touch(blocks)
+        self.pool.touch(held(blocks))
         self.req_blocks[child.request_id] = list(blocks)
-        self.block_table.append(child.request_id, [b.block_id for b in blocks])
+        self.block_table.append(child.request_id, [max(b.block_id, 0) for b in blocks])
+        if self._released.get(parent.request_id):
+            self._released[child.request_id] = self._released[parent.request_id]
         if parent.request_id in self._num_cached_blocks:
             self._num_cached_blocks[child.request_id] = self._num_cached_blocks[parent.request_id]
         if num_computed % self.block_size:
@@ -248,10 +275,55 @@ class KVCacheManager:
             return
         self._update_hashes(request)
         for i in range(start, num_full):
+            if blocks[i] is RELEASED:  # let go of before it was cached (a fork's released prefix)
+                continue
             parent = request.block_hashes[i - 1] if i else NONE_HASH
             tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
             self.pool.cache(blocks[i], parent, request.block_hashes[i], tokens, write_through=not copied_in)
         self._num_cached_blocks[request.request_id] = num_full
+
+    def release_out_of_window(self, request: Request) -> int:
+        """With a sliding window, let go of the request's blocks wholly before the window
+        of its next token (the first position any later step reads), after caching them
+        (cache_computed_blocks first: the prefix cache keeps them while they stay free).
+        Call once a step's tokens are computed, never while a step that started earlier
+        may still read them. Returns the blocks released."""
+        return self.release_before(request, self.window_first_block(request.num_computed_tokens))
+
+    def most_blocks_held(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The most blocks a request of this size holds at once: all of its tokens'; with
+        a sliding window, its prompt's and its first output token's (a prompt's blocks
+        are taken before any is released), or the window's span, a block it grows into
+        and one more for a step in flight (async scheduling releases a step later)."""
+        total = cdiv(num_prompt_tokens + max_tokens, self.block_size)
+        if not self.sliding_window:
+            return total
+        window = cdiv(self.sliding_window, self.block_size) + 2
+        return min(total, max(cdiv(num_prompt_tokens + 1, self.block_size), window))
+
+    def window_first_block(self, position: int) -> int:
+        """The first block a query at `position`, or any later one, reads (0 without a
+        sliding window)."""
+        if not self.sliding_window:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def release_before(self, request: Request, first: int) -> int:
+        """Let go of the request's blocks before block `first` (that no step will read:
+        they are out of its sliding window). Returns the blocks released."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        done = self._released.get(rid, 0)
+        if not blocks or first <= done:
+            return 0
+        first = min(first, len(blocks))
+        dead = held(blocks[done:first])
+        for i in range(done, first):
+            blocks[i] = RELEASED
+            self.block_table.set(rid, i, 0)
+        self._released[rid] = first
+        self.pool.free(reversed(dead))
+        return len(dead)
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first (see BlockPool.free)."""
@@ -260,7 +332,8 @@ class KVCacheManager:
     def detach(self, request: Request) -> list[KVBlock]:
         """Take the request's blocks off its id without freeing them (free_blocks later):
         its id may be reused at once while a queued step still writes those blocks."""
-        blocks = self.req_blocks.pop(request.request_id, [])
+        blocks = held(self.req_blocks.pop(request.request_id, []))
+        self._released.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self._shared_tail.pop(request.request_id, None)
         self.block_table.remove(request.request_id)
@@ -277,6 +350,9 @@ class KVCacheManager:
         if len(blocks) != end - first:
             raise ValueError(f"request {request_id!r} holds {len(self.req_blocks[request_id])} blocks, "
                              f"not [{first}, {end})")
+        if first < self._released.get(request_id, 0):
+            raise ValueError(f"request {request_id!r} released its first {self._released[request_id]} blocks "
+                             f"(out of its sliding window): it cannot hold [{first}, {end})")
         self.pool.touch(blocks)
         return blocks
 

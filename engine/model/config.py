@@ -10,17 +10,31 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-# Architecture name -> feature flags of the one Llama-family implementation.
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qk_norm": False},
-    "MistralForCausalLM": {"qk_norm": False},
-    "Qwen2ForCausalLM": {"qk_norm": False},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-    "MixtralForCausalLM": {"qk_norm": False},
-    "Qwen2MoeForCausalLM": {"qk_norm": False},
-    "Qwen3MoeForCausalLM": {"qk_norm": True},
-    "DeepseekV2ForCausalLM": {"qk_norm": False},
-    "DeepseekV3ForCausalLM": {"qk_norm": False},
+@dataclass(frozen=True)
+class Features:
+    """Where an architecture departs from Llama in the one Llama-family model."""
+    # RMSNorms on q and k before RoPE: None; "head", over each head (Qwen3); "projection",
+    # over the whole q and the whole k projection, every head at once (OLMo 2: model/olmo2.py).
+    qk_norm: str | None = None
+    # "pre": a norm before each sublayer (Llama); "post": no input norm, each sublayer's
+    # output normalised before its residual add (OLMo 2).
+    norm_placement: str = "pre"
+
+
+# Architecture name -> its features in the one Llama-family implementation.
+SUPPORTED_ARCHITECTURES: dict[str, Features] = {
+    "LlamaForCausalLM": Features(),
+    "MistralForCausalLM": Features(),
+    "Qwen2ForCausalLM": Features(),
+    "Qwen3ForCausalLM": Features(qk_norm="head"),
+    "MixtralForCausalLM": Features(),
+    "Qwen2MoeForCausalLM": Features(),
+    "Qwen3MoeForCausalLM": Features(qk_norm="head"),
+    "DeepseekV2ForCausalLM": Features(),
+    "DeepseekV3ForCausalLM": Features(),
+    "Olmo2ForCausalLM": Features(qk_norm="projection", norm_placement="post"),
+    # Fused qkv_proj and gate_up_proj in its checkpoint (the loader reads them as they are).
+    "Phi3ForCausalLM": Features(),
 }
 DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -145,9 +159,15 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_proj_bias: bool
-    qk_norm: bool
+    qk_norm: str | None  # Features.qk_norm
     hidden_act: str = "silu"
-    sliding_window: int | None = None
+    norm_placement: str = "pre"  # Features.norm_placement
+    # RoPE turns the first int(head_dim * partial_rotary_factor) dims of each head; the
+    # rest pass through (Phi-3's rope_parameters; 1.0 elsewhere).
+    partial_rotary_factor: float = 1.0
+    sliding_window: int | None = None  # the window of the layers that have one
+    # Per layer, its sliding window (0: full attention); () when no layer has one.
+    layer_windows: tuple[int, ...] = ()
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None  # a mixture of experts: its sparse MLP
     # Multi-head latent attention: the cache holds one latent "KV head" of
@@ -185,17 +205,7 @@ class ModelConfig:
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
         num_heads = cfg["num_attention_heads"]
-        # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
-            raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn)")
-        if rope_type == "yarn":
-            if not isinstance(rope.get("factor"), (int, float)):
-                raise ValueError(f"yarn rope scaling needs a numeric factor, got {rope.get('factor')!r}")
-            # transformers' default: the config's context is the one it was trained at
-            rope.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+        rope_theta, rope_scaling, partial = _rope(arch, cfg)
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         mla = MLAConfig.from_dict(arch, cfg)
         return cls(
@@ -209,7 +219,7 @@ class ModelConfig:
             head_dim=mla.latent_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 hard-codes q/k/v biases and none on o_proj (Qwen2-MoE: its config's
@@ -218,13 +228,31 @@ class ModelConfig:
                       or bool(cfg.get("attention_bias", False))),
             o_proj_bias=(arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
                          and bool(cfg.get("attention_bias", False))),
-            qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
+            qk_norm=SUPPORTED_ARCHITECTURES[arch].qk_norm,
             hidden_act=act,
+            norm_placement=SUPPORTED_ARCHITECTURES[arch].norm_placement,
+            partial_rotary_factor=partial,
             sliding_window=sliding,
+            layer_windows=_layer_windows(cfg, sliding),
             moe=MoEConfig.from_dict(arch, cfg),
             mla=mla,
             quantization=checkpoint_quantization(cfg.get("quantization_config")),
         )
+
+    def layer_window(self, layer: int) -> int:
+        """The layer's sliding window: it attends over its last that many positions (0: all)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def uniform_window(self) -> int:
+        """The widest window when every layer has one (0 when any attends over all
+        positions): then no layer reads a block wholly before a token's widest window."""
+        return max(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE turns (the first ones), as transformers rounds them."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_planes(self) -> int:
@@ -233,6 +261,36 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return self.num_layers * self.kv_planes * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _rope(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, the scaling dict or None for default RoPE, partial_rotary_factor),
+    refusing by name what pdserve does not compute."""
+    # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if arch == "Phi3ForCausalLM" and rope_type != "default":
+        # transformers runs Phi-3's "su" and "yarn" types as longrope (Phi3Config).
+        kind = "longrope" if rope_type in ("longrope", "su", "yarn") else rope_type
+        raise ValueError(f"unsupported rope_scaling type {kind!r} for Phi3ForCausalLM: pdserve runs Phi-3 with "
+                         "default RoPE only (longrope, its long-context scaling, is not built yet)")
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn)")
+    if rope_type == "yarn":
+        if not isinstance(rope.get("factor"), (int, float)):
+            raise ValueError(f"yarn rope scaling needs a numeric factor, got {rope.get('factor')!r}")
+        # transformers' default: the config's context is the one it was trained at
+        rope.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+    scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+    if arch != "Phi3ForCausalLM" or partial is None:
+        return rope_theta, scaling, 1.0  # only Phi-3's transformers model turns part of a head
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if not isinstance(partial, (int, float)) or not 0 < partial <= 1 or int(head_dim * partial) % 2:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1] and turn an even number of each head's "
+                         f"{head_dim} dims, got {partial!r}")
+    return rope_theta, scaling, float(partial)
 
 
 def checkpoint_quantization(qc: Any) -> str | None:
@@ -264,13 +322,37 @@ def checkpoint_quantization(qc: Any) -> str | None:
                      "(compressed-tensors float8, fbgemm_fp8, fp8) checkpoints")
 
 
+def _layer_windows(cfg: dict[str, Any], sliding: int | None) -> tuple[int, ...]:
+    """Each layer's window: the config's layer_types where it lists them (transformers'
+    Gemma 2/3, Qwen2), else the one window on every layer (Mistral, Phi-3)."""
+    if not sliding:
+        return ()
+    if not isinstance(sliding, int) or sliding < 1:
+        raise ValueError(f"sliding_window must be a positive integer or null, got {sliding!r}")
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        return (sliding,) * layers
+    kinds = {"sliding_attention": sliding, "full_attention": 0}
+    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+        raise ValueError(f"layer_types must list {layers} entries of {sorted(kinds)}, got {types!r}")
+    windows = tuple(kinds[t] for t in types)
+    return windows if any(windows) else ()
+
+
+def release_window(*configs: ModelConfig) -> int:
+    """The window within which every layer of all these models (a target and its draft,
+    reading one block table) attends, or 0 when some layer attends over every position:
+    with a window, blocks wholly before a request's window can be released
+    (KVCacheManager)."""
+    windows = [c.uniform_window for c in configs]
+    return 0 if not windows or not all(windows) else max(windows)
+
+
 def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
     """The context length an engine with this config serves (the launcher tells the
     router, router/config.py ModelLimits)."""
     limit = mc.max_position_embeddings
-    # No sliding-window attention: stay within the window, where it equals full attention.
-    if mc.sliding_window:
-        limit = min(limit, mc.sliding_window)
     if config.max_model_len is not None:
         if config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "

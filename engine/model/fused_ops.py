@@ -17,6 +17,8 @@ from functools import cache
 
 import torch
 
+from engine.model.rope import apply_rotary
+
 
 @dataclass(frozen=True)
 class FusedOps:
@@ -30,7 +32,19 @@ def triton_ops() -> FusedOps:
     from engine.kernels.activation import silu_and_mul
     from engine.kernels.norm_rope import add_rms_norm, rotary_
 
-    return FusedOps(add_rms_norm, rotary_, silu_and_mul)
+    def any_width_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          positions: torch.Tensor) -> None:
+        # The kernel turns half a head's rotary dims as one power-of-two block: other
+        # widths (Phi-3-mini's 96 dims, Phi-4-mini's 3/4 of 128) rotate in torch, in place.
+        half = q.shape[-1] // 2
+        if half & (half - 1) == 0:
+            rotary_(q, k, cos, sin, positions)
+            return
+        rotated = apply_rotary(q, k, cos[positions].to(q.dtype)[:, None, :], sin[positions].to(q.dtype)[:, None, :])
+        q.copy_(rotated[0])
+        k.copy_(rotated[1])
+
+    return FusedOps(add_rms_norm, any_width_rotary_, silu_and_mul)
 
 
 @cache

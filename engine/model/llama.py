@@ -1,7 +1,8 @@
 """The Llama family as one model: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm),
-their mixtures of experts, Mixtral, Qwen2-MoE and Qwen3-MoE (a sparse MLP: moe.py), and
-DeepSeek-V2/V3 (multi-head latent attention, mla.py, and a sparse MLP after the first
-first_k_dense_replace layers).
+OLMo 2 (norms after each sublayer, q/k norms over whole projections: olmo2.py), Phi-3
+(fused checkpoint tensors, partial rotary), their mixtures of experts, Mixtral,
+Qwen2-MoE and Qwen3-MoE (a sparse MLP: moe.py), and DeepSeek-V2/V3 (multi-head latent
+attention, mla.py, and a sparse MLP after the first first_k_dense_replace layers).
 
 Works on a flattened batch: input_ids and positions are [T] for all new tokens of all
 sequences in the step; attention finds its sequences through the attention context.
@@ -36,20 +37,27 @@ from engine.model.fused_ops import FusedOps, fused_ops
 from engine.model.mla import MLAttention
 from engine.model.moe import GatedMLP, SparseMoE, silu_mul
 from engine.model.norm import RMSNorm
+from engine.model.olmo2 import ProjectionQKNorm
 from engine.model.rope import RotaryEmbedding, RotaryTables, apply_rotary
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, shard: Shard, group: Group) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, shard: Shard, group: Group,
+                 window: int = 0) -> None:
         super().__init__()
+        self.window = window  # > 0: a sliding-window layer, attending over its last `window` positions
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_q_heads, shard.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.group = group
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # q/k norms: over each head (Qwen3), or over the rank's part of the whole
+        # projections (OLMo 2), applied by projection_norm, which sums over the ranks.
+        self.projection_norm = ProjectionQKNorm(cfg, shard, group) if cfg.qk_norm == "projection" else None
+        q_width, k_width = (self.q_size, self.kv_size) if self.projection_norm else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
         self.layer_cache: torch.Tensor | None = None  # [num_blocks, 2, bs, Hkv, D] view, bound by the runner
@@ -64,9 +72,12 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
-            q, k = self.q_norm(q), self.k_norm(k)
+            if self.projection_norm is not None:
+                q, k = self.projection_norm(q, k, self.q_norm, self.k_norm)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
         if isinstance(rotary, RotaryTables):
-            rotary.rotate_(q, k, rotary.cos, rotary.sin, rotary.positions)  # in place, in the qkv buffer
+            rotary.apply_(q, k)  # in place (in the qkv buffer, without q/k norms)
         else:
             q, k = apply_rotary(q, k, *rotary)
         md = current_metadata()
@@ -76,7 +87,7 @@ class Attention(nn.Module):
             k, v = round_to_cache(k, self.k_scale, cache.dtype), round_to_cache(v, self.v_scale, cache.dtype)
             scale *= self.k_scale
         self.backend.store_kv(cache, k, v, md)
-        o = self.backend.attention(q, k, v, cache, md, scale)
+        o = self.backend.attention(q, k, v, cache, md, scale, self.window)
         if is_fp8(cache.dtype) and self.v_scale != 1.0:
             o = o * self.v_scale
         return self.group.all_reduce_(self.o_proj(o.reshape(t, self.q_size)))
@@ -113,13 +124,23 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, shard: Shard, group: Group,
                  index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn: Attention | MLAttention = (MLAttention if cfg.mla else Attention)(cfg, backend, shard, group)
+        # "post" (OLMo 2): no input norm; post_attention_layernorm and
+        # post_feedforward_layernorm normalise the sublayers' outputs before their adds.
+        self.post_norms = cfg.norm_placement == "post"
+        if not self.post_norms:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn: Attention | MLAttention = (MLAttention(cfg, backend, shard, group) if cfg.mla else
+                                                   Attention(cfg, backend, shard, group, cfg.layer_window(index)))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
         self.mlp: MLP | SparseMoE = SparseMoE(cfg, shard, group) if sparse else MLP(cfg, shard, group)
 
     def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(rotary, x))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         x = x + self.self_attn(rotary, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -127,11 +148,25 @@ class DecoderLayer(nn.Module):
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer with each residual add fused into the next norm: takes and
         returns (this sublayer's output, the residual stream before it is added)."""
+        if self.post_norms:
+            return self._forward_fused_post_norms(ops, rotary, x, residual)
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h, residual = ops.add_rms_norm(x, norm1.weight, norm1.eps, residual)
         h = self.self_attn(rotary, h)
         h, residual = ops.add_rms_norm(h, norm2.weight, norm2.eps, residual)
         return self.mlp(h, ops.silu_and_mul), residual
+
+    def _forward_fused_post_norms(self, ops: FusedOps, rotary: RotaryTables, x: torch.Tensor,
+                                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_fused for norms after the sublayers: a norm takes a sublayer's output,
+        not the stream, so no add fuses into it; the deferred add is made here first, and
+        the MLP's normalised output goes back with the stream for the next one to add."""
+        norm1, norm2 = self.post_attention_layernorm, self.post_feedforward_layernorm
+        stream = x if residual is None else x + residual
+        h, _ = ops.add_rms_norm(self.self_attn(rotary, stream), norm1.weight, norm1.eps)
+        stream = stream + h
+        h, _ = ops.add_rms_norm(self.mlp(stream, ops.silu_and_mul), norm2.weight, norm2.eps)
+        return h, stream
 
 
 class LlamaForCausalLM(nn.Module):
@@ -141,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.shard = shard = shard or Shard.of(cfg)
         self.group = group
-        rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla else cfg.head_dim
+        rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla else cfg.rotary_dim
         self.rope = RotaryEmbedding(rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
         if shard.size == 1:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

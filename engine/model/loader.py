@@ -33,6 +33,8 @@ _FUSED = {
     "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),
     "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
 }
+# Checkpoint tensors already fused as ours are (Phi-3's): each holds every piece.
+_PREFUSED = re.compile(r"\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 # One expert's tensor (Mixtral's names, block_sparse_moe made mlp by _target, or Qwen-MoE's)
@@ -98,6 +100,9 @@ def _source_range(param: str, index: int, cfg: ModelConfig, shard: Shard) -> tup
         return 0, heads[0] * d, heads[1] * d, total * d
     if ".gate_up_proj." in param:
         return 0, *shard.intermediate, inter
+    if cfg.qk_norm == "projection" and param.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+        heads, total = (shard.q_heads, cfg.num_heads) if ".q_norm." in param else (shard.kv_heads, cfg.num_kv_heads)
+        return 0, heads[0] * d, heads[1] * d, total * d  # the weights of the rank's heads
     if param.endswith("o_proj.weight"):
         return 1, shard.q_heads[0] * d, shard.q_heads[1] * d, cfg.num_heads * d
     if param.endswith("down_proj.weight"):
@@ -105,6 +110,17 @@ def _source_range(param: str, index: int, cfg: ModelConfig, shard: Shard) -> tup
     if param in ("embed_tokens.weight", "lm_head.weight"):
         return 0, shard.vocab[0], min(shard.vocab[1], shard.vocab_size), cfg.vocab_size
     return None
+
+
+def _prefused_source_range(param: str, index: int, cfg: ModelConfig,
+                           shard: Shard) -> tuple[int, int, int, int]:
+    """(0, start, end, rows) of piece `index`'s rows this rank reads from a checkpoint
+    tensor that is already fused (q | k | v or gate | up rows, each piece whole)."""
+    full = _shard_sizes(param, cfg, Shard.of(cfg))
+    offset = sum(full[:index])
+    source = _source_range(param, index, cfg, shard) or (0, 0, full[index], full[index])
+    assert source[0] == 0, f"{param}: fused pieces are stacked rows"
+    return 0, offset + source[1], offset + source[2], sum(full)
 
 
 def _mla_source_range(param: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, int, int] | None:
@@ -139,9 +155,10 @@ def _read(f, name: str, dest: torch.Tensor, source: tuple[int, int, int, int] | 
     return part[start:end] if dim == 0 else part[:, start:end]
 
 
-def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int | None]:
+def _target(name: str, cfg: ModelConfig) -> tuple[str, int | None, int | None]:
     """Map a checkpoint tensor name to (our parameter name, shard index in a fused
-    tensor, the expert it is of stacked experts' or None)."""
+    tensor or None when the checkpoint's tensor is fused already and holds them all,
+    the expert it is of stacked experts' or None)."""
     # Mixtral's router; DeepSeek's shared experts (one MLP) and its router's correction bias.
     name = (name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
             .replace(".mlp.shared_experts.", ".mlp.shared_expert.")
@@ -153,6 +170,8 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int, int | None]:
     for ckpt, (ours, shard) in _FUSED.items():
         if f".{ckpt}." in name and not (cfg.mla is not None and ckpt.startswith("self_attn.")):  # MLA: unfused
             return name.replace(ckpt, ours), shard, None
+    if _PREFUSED.search(name) and cfg.mla is None:
+        return name, None, None
     return name, 0, None
 
 
@@ -326,23 +345,35 @@ def _fill(f, source_name: str, cfg: ModelConfig, shard: Shard, params: dict[str,
                 continue  # another rank's expert (expert parallel): not read here
             dest = dest[expert - shard.experts[0]]
         sizes = _shard_sizes(ours, cfg, shard)
-        if sizes != [-1]:
-            start = sum(sizes[:index])
-            dest = dest[start:start + sizes[index]]
-        if ours.endswith("o_proj.bias") and shard.rank > 0:
-            dest.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
-        elif ours.endswith(".weight_scale"):
-            _fill_weight_scale(name, f.get_tensor(name), dest, _source_range(ours.removesuffix("_scale"), index, cfg, shard))
-        else:
-            source = _source_range(ours, index, cfg, shard)
-            tensor = _read(f, name, dest, source)
-            if tensor.dtype == FP8 and dest.dtype != FP8:
-                if cfg.quantization is None:
-                    raise ValueError(_NO_QUANTIZATION_CONFIG.format(name=name, source=source_name))
-                raise ValueError(f"fp8 tensor {name!r} in {source_name}: pdserve has no fp8 path for it "
-                                 "(fp8 loads the decoder's attention and dense MLP linears; not experts)")
-            if source is not None and dest.shape[source[0]] != tensor.shape[source[0]]:
-                dest.zero_()  # the vocabulary's padding rows
-                dest = dest.narrow(source[0], 0, tensor.shape[source[0]])
-            dest.copy_(tensor)
-        loaded[ours].add((expert, index))  # the expert's global index: each counted once
+        for i in range(len(sizes)) if index is None else [index]:
+            piece = dest if sizes == [-1] else dest.narrow(0, sum(sizes[:i]), sizes[i])
+            _fill_piece(f, name, source_name, ours, i, index is None, cfg, shard, piece)
+            loaded[ours].add((expert, i))  # the expert's global index: each counted once
+
+
+def _fill_piece(f, name: str, source_name: str, ours: str, index: int, prefused: bool, cfg: ModelConfig,
+                shard: Shard, dest: torch.Tensor) -> None:
+    """Copy this rank's rows of piece `index` of checkpoint tensor `name` (of all of it,
+    unfused) into `dest`, its rows of parameter `ours`; from a tensor fused already,
+    `prefused`, the piece's rows of it."""
+    def source_range(param: str) -> tuple[int, int, int, int] | None:
+        if prefused:
+            return _prefused_source_range(param, index, cfg, shard)
+        return _source_range(param, index, cfg, shard)
+
+    if ours.endswith("o_proj.bias") and shard.rank > 0:
+        dest.zero_()  # added once, by rank 0, before the all-reduce sums the ranks
+    elif ours.endswith(".weight_scale"):
+        _fill_weight_scale(name, f.get_tensor(name), dest, source_range(ours.removesuffix("_scale")))
+    else:
+        source = source_range(ours)
+        tensor = _read(f, name, dest, source)
+        if tensor.dtype == FP8 and dest.dtype != FP8:
+            if cfg.quantization is None:
+                raise ValueError(_NO_QUANTIZATION_CONFIG.format(name=name, source=source_name))
+            raise ValueError(f"fp8 tensor {name!r} in {source_name}: pdserve has no fp8 path for it "
+                             "(fp8 loads the decoder's attention and dense MLP linears; not experts)")
+        if source is not None and dest.shape[source[0]] != tensor.shape[source[0]]:
+            dest.zero_()  # the vocabulary's padding rows
+            dest = dest.narrow(source[0], 0, tensor.shape[source[0]])
+        dest.copy_(tensor)

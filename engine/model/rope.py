@@ -85,7 +85,7 @@ class RotaryEmbedding:
         freqs = torch.arange(max_positions, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         factor = attention_factor(scaling)
-        self.cos = (emb.cos() * factor).to(device)  # [max_positions, head_dim] fp32
+        self.cos = (emb.cos() * factor).to(device)  # [max_positions, head_dim (the rotary dims)] fp32
         self.sin = (emb.sin() * factor).to(device)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +103,21 @@ class RotaryTables:
     positions: torch.Tensor  # [T] int64
     rotate_: Callable[..., None]  # (q, k, cos, sin, positions), in place
 
+    def apply_(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] in place: the first R dims of each head
+        for tables R wide (partial rotary, R < D), the rest left as they are."""
+        r = self.cos.shape[1]
+        self.rotate_(q[..., :r], k[..., :r], self.cos, self.sin, self.positions)
+
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq, D]; k: [T, Hkv, D]; cos, sin from RotaryEmbedding.lookup."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    """q: [T, Hq, D]; k: [T, Hkv, D]; cos, sin from RotaryEmbedding.lookup, [T, 1, R]:
+    the first R dims of each head turned, the rest passed through (partial rotary, as
+    transformers' Phi-3 does)."""
+    r = cos.shape[-1]
+    if r == q.shape[-1]:
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    q_rot, k_rot = q[..., :r], k[..., :r]
+    return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q[..., r:]), dim=-1),
+            torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k[..., r:]), dim=-1))

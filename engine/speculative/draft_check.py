@@ -34,10 +34,9 @@ def check_draft(config: EngineConfig, target: ModelConfig, model_len: int) -> Mo
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"{where} has a vocabulary of {draft.vocab_size} tokens, the target model "
                          f"{target.vocab_size}: a draft must share the target's vocabulary")
-    context = min(draft.max_position_embeddings, draft.sliding_window or draft.max_position_embeddings)
+    context = draft.max_position_embeddings
     if context < model_len:
-        raise ValueError(f"{where} supports {context} positions (its max_position_embeddings"
-                         f"{' and sliding_window' if draft.sliding_window else ''}), fewer than the target's "
+        raise ValueError(f"{where} supports {context} positions (its max_position_embeddings), fewer than the target's "
                          f"max_model_len {model_len}: its drafts could not reach the end of a sequence; "
                          f"set max_model_len <= {context}, or use a draft with a longer context")
     mismatch = _tokenizer_mismatch(config.model, draft_dir)

@@ -106,13 +106,14 @@ def test_the_model_picks_c_ops_for_float32_on_cpu_only() -> None:
     assert fused_ops(torch.zeros(1, dtype=torch.bfloat16)) is None
 
 
-def test_engine_tokens_identical_with_c_ops_and_with_torch_ops(llama_dir: Path,
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "phi3"])  # OLMo 2: its own fused layer; Phi-3: partial rotary
+def test_engine_tokens_identical_with_c_ops_and_with_torch_ops(tiny_models: dict[str, Path], arch: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     prompts = [list(range(3, 40)), [7, 8, 9]]
-    fused = LLM(str(llama_dir)).generate(prompts, params, use_tqdm=False)
+    fused = LLM(str(tiny_models[arch])).generate(prompts, params, use_tqdm=False)
     monkeypatch.setattr(llama, "fused_ops", lambda x: None)
-    plain = LLM(str(llama_dir)).generate(prompts, params, use_tqdm=False)
+    plain = LLM(str(tiny_models[arch])).generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
     for f, p in zip(fused, plain):
         for a, b in zip(f.logprobs, p.logprobs):

@@ -91,6 +91,11 @@ def test_config_fields_for_each_family(tiny_models: dict[str, Path]) -> None:
     assert qwen2.qkv_bias and not qwen2.o_proj_bias and not qwen2.qk_norm
     assert qwen3.qk_norm and qwen3.head_dim == 32 and not qwen3.tie_word_embeddings
     assert llama.eos_token_ids == [1]
+    olmo2 = ModelConfig.from_model_dir(tiny_models["olmo2"])
+    phi3 = ModelConfig.from_model_dir(tiny_models["phi3"])
+    assert olmo2.qk_norm == "projection" and olmo2.norm_placement == "post" and qwen3.qk_norm == "head"
+    assert phi3.partial_rotary_factor == 0.5 and phi3.rotary_dim == 8 and phi3.sliding_window == 28
+    assert llama.norm_placement == phi3.norm_placement == "pre" and llama.rotary_dim == llama.head_dim
 
 
 def test_unsupported_rope_type_is_named() -> None:
@@ -104,3 +109,20 @@ def test_unsupported_rope_type_is_named() -> None:
         ModelConfig.from_dict(yarn)
     yarn["rope_scaling"]["factor"] = 4.0  # original_max_position_embeddings: the config's context, as transformers
     assert ModelConfig.from_dict(yarn).rope_scaling["original_max_position_embeddings"] == 4096
+
+
+def test_phi3_longrope_and_bad_partial_rotary_are_named() -> None:
+    cfg = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 10, "hidden_size": 64, "intermediate_size": 16,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 131072}
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 4096}
+    # Phi-3-mini-128k's rope_scaling; "su" is its older name, which transformers reads as longrope.
+    for rope in ({"type": "longrope", **factors}, {"type": "su", **factors},
+                 {"rope_type": "longrope", "rope_theta": 10000.0, **factors}):
+        with pytest.raises(ValueError, match="rope_scaling type 'longrope' for Phi3ForCausalLM"):
+            ModelConfig.from_dict({**cfg, "rope_scaling": rope})
+    for bad in (0.3125, 1.5, 0):  # 5 of each head's 16 dims; more than all; none
+        with pytest.raises(ValueError, match="partial_rotary_factor must be in .0, 1. and turn an even number"):
+            ModelConfig.from_dict({**cfg, "partial_rotary_factor": bad})
+    assert ModelConfig.from_dict({**cfg, "partial_rotary_factor": 0.75}).rotary_dim == 12  # Phi-4-mini's key
+    llama = {**cfg, "architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5}
+    assert ModelConfig.from_dict(llama).rotary_dim == 16  # transformers' Llama turns every dim

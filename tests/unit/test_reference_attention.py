@@ -10,20 +10,27 @@ import pytest
 import torch
 
 from engine.attention import backend as backends
+from engine.attention import reference
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.reference import store_kv
 from engine.kv_cache.layout import cache_shape, layer_view
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [n, Hq, D] for the last n positions of k/v: [L, H, D]; plain softmax, no SDPA."""
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """q: [n, Hq, D] for the last n positions of k/v: [L, H, D]; plain softmax, no SDPA;
+    window > 0: each query sees its last `window` positions (transformers' sliding window);
+    softcap > 0: scores capped to softcap * tanh(score / softcap) (Gemma 2)."""
     n, hq, _ = q.shape
     L, h, _ = k.shape
     k = k.repeat_interleave(hq // h, dim=1)
     v = v.repeat_interleave(hq // h, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(L - n, L)[:, None]
-    scores = scores.masked_fill(torch.arange(L)[None, :] > pos, float("-inf"))
+    keys = torch.arange(L)[None, :]
+    scores = scores.masked_fill((keys > pos) | ((keys <= pos - window) if window else False), float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
@@ -36,8 +43,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     [(4, 40), (6, 17), (1, 9), (18, 50), (17, 30)],  # chunks over a cached prefix
     "verify",  # speculative verify rows (a decode row per token), beside prompts and decodes
 ])
-def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]] | str,
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+# Sliding windows: none, within a block, one block wide (edges on block boundaries);
+# then scores soft-capped (a cap small enough to change them), with a window.
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (7, 0.0), (16, 0.0), (7, 2.0)])
+def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]] | str, window: int,
+                             softcap: float, monkeypatch: pytest.MonkeyPatch) -> None:
     num_drafts = None
     if case == "verify":  # each sequence's last token and its drafts; then a prompt, a chunk and a decode
         case, num_drafts = [(4, 40), (6, 17), (17, 30), (7, 7), (5, 37), (1, 9)], [3, 5, 16, 0, 0, 0]
@@ -62,9 +72,13 @@ def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]]
         # Cached prefix written before the step; the new tokens' K/V are stored by the test below.
         prefix = seq_len - q_len
         store_kv(cache, k[:prefix], v[:prefix], all_slots[:prefix])
+        # Blocks wholly before the step's first window may be freed and reused: poison
+        # them, so any read of one fails.
+        if window:
+            cache[table[:reference.window_start(prefix, window) // block_size]] = float("nan")
         slots.append(all_slots[prefix:])
         qs.append(q), ks.append(k[prefix:]), vs.append(v[prefix:])
-        refs.append(dense_attention(q, k, v, d ** -0.5))
+        refs.append(dense_attention(q, k, v, d ** -0.5, window, softcap))
     md = AttentionMetadata(
         slot_mapping=torch.cat(slots + [torch.tensor([-1])]),  # one padding slot
         query_start_loc=torch.tensor([0] + torch.cumsum(torch.tensor([q for q, _ in case]), 0).tolist(),
@@ -79,7 +93,7 @@ def test_paged_matches_dense(backend: str, gqa: int, case: list[tuple[int, int]]
     impl = backends.get_backend(backend, "cpu")
     impl.prepare(md, block_size)
     impl.store_kv(cache, torch.cat(ks + [pad]), torch.cat(vs + [pad]), md)
-    out = impl.attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, md, d ** -0.5)
+    out = impl.attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, md, d ** -0.5, window, softcap)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
 

@@ -4,6 +4,7 @@ never the whole tensor), and one step's broadcast form."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -111,3 +112,82 @@ def test_a_step_survives_its_broadcast_form() -> None:
     assert np.array_equal(codec.decode(codec.encode(inputs, codec.buffer())).block_copies, [[3, 7], [3, 9]])
     with pytest.raises(Exception, match="beyond the broadcast buffer"):
         StepCodec(max_tokens=8, max_seqs=4, block_size=16, max_model_len=64).encode(inputs, codec.buffer())
+
+
+def test_fused_checkpoint_tensors_and_projection_norms_are_cut_per_rank(tiny_models: dict[str, Path]) -> None:
+    """Phi-3's checkpoint holds qkv_proj and gate_up_proj fused: a rank takes its q, k
+    and v rows, and its gate and up rows, out of them. OLMo 2's q/k norm weights span
+    every head: a rank takes its heads' part."""
+    backend = get_backend("torch", "cpu")
+    for arch in ("phi3", "olmo2"):
+        cfg = ModelConfig.from_model_dir(tiny_models[arch])
+        full = load_model(tiny_models[arch], cfg, "float32", "cpu", backend, 256)
+        d, inter = cfg.head_dim, cfg.intermediate_size // 2
+        Q, KV, q, kv = cfg.num_heads * d, cfg.num_kv_heads * d, 2 * d, d
+        for rank in range(2):
+            part = load_model(tiny_models[arch], cfg, "float32", "cpu", backend, 256, Shard.of(cfg, rank, 2))
+            attn, full_attn = part.layers[1].self_attn, full.layers[1].self_attn
+            qkv, full_qkv = attn.qkv_proj.weight, full_attn.qkv_proj.weight
+            assert torch.equal(qkv, torch.cat([full_qkv[rank * q:(rank + 1) * q],
+                                               full_qkv[Q + rank * kv:Q + (rank + 1) * kv],
+                                               full_qkv[Q + KV + rank * kv:Q + KV + (rank + 1) * kv]]))
+            gate_up, full_gate_up = part.layers[1].mlp.gate_up_proj.weight, full.layers[1].mlp.gate_up_proj.weight
+            gate, up = full_gate_up.split(2 * inter)
+            assert torch.equal(gate_up, torch.cat([gate[rank * inter:(rank + 1) * inter],
+                                                   up[rank * inter:(rank + 1) * inter]]))
+            if arch == "olmo2":
+                assert torch.equal(attn.q_norm.weight, full_attn.q_norm.weight[rank * q:(rank + 1) * q])
+                assert torch.equal(attn.k_norm.weight, full_attn.k_norm.weight[rank * kv:(rank + 1) * kv])
+    with safetensors.safe_open(str(tiny_models["phi3"] / "model.safetensors"), "pt") as f:  # fused as Phi-3's are
+        assert {"model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"} <= set(f.keys())
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])  # 1: the one KV head on both ranks, its k summed once
+def test_whole_projection_norms_sum_every_rank_once(tiny_models: dict[str, Path], num_kv_heads: int) -> None:
+    """OLMo 2's q/k norms at TP 2 (two gloo ranks as threads) equal the one-rank norms
+    over whole projections, each rank's heads' part."""
+    from engine.distributed.group import SINGLE, TorchGroup
+    from engine.model.norm import RMSNorm
+    from engine.model.olmo2 import ProjectionQKNorm
+    from tests.http_server import free_port
+
+    cfg = dataclasses.replace(ModelConfig.from_model_dir(tiny_models["olmo2"]), num_kv_heads=num_kv_heads)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 4, 16, generator=g), torch.randn(5, num_kv_heads, 16, generator=g)
+    q_norm, k_norm = RMSNorm(64, 1e-6), RMSNorm(num_kv_heads * 16, 1e-6)
+    q_norm.weight.data = torch.rand(64, generator=g) + 0.5
+    k_norm.weight.data = torch.rand(num_kv_heads * 16, generator=g) + 0.5
+
+    def whole(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:  # transformers' Olmo2RMSNorm over all heads
+        flat = x.reshape(5, -1)
+        return (norm.weight * (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + 1e-6))).view(x.shape)
+
+    want_q, want_k = whole(q, q_norm), whole(k, k_norm)
+    one_rank = ProjectionQKNorm(cfg, Shard.of(cfg), SINGLE)(q, k, q_norm, k_norm)
+    assert torch.equal(one_rank[0], want_q) and torch.equal(one_rank[1], want_k)
+    port, results, errors = free_port(), {}, []
+
+    def rank(r: int) -> None:
+        try:
+            shard = Shard.of(cfg, r, 2)
+            (q0, q1), (k0, k1) = shard.q_heads, shard.kv_heads
+            qn, kn = RMSNorm((q1 - q0) * 16, 1e-6), RMSNorm((k1 - k0) * 16, 1e-6)
+            qn.weight.data = q_norm.weight.data[q0 * 16:q1 * 16]
+            kn.weight.data = k_norm.weight.data[k0 * 16:k1 * 16]
+            group = TorchGroup(r, 2, port, 30.0, torch.device("cpu"))
+            try:
+                results[r] = ProjectionQKNorm(cfg, shard, group)(q[:, q0:q1], k[:, k0:k1], qn, kn), shard
+            finally:
+                group.close()
+        except Exception as exc:  # reported below, from the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(results) == 2, errors
+    for (got_q, got_k), shard in results.values():
+        torch.testing.assert_close(got_q, want_q[:, shard.q_heads[0]:shard.q_heads[1]], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_k, want_k[:, shard.kv_heads[0]:shard.kv_heads[1]], rtol=1e-6, atol=1e-6)

@@ -23,13 +23,18 @@ from engine.kv_cache.layout import cache_shape, layer_view
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
-def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] for the last n of L positions; k, v [L, H, D]; fp32 softmax."""
+def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+          softcap: float = 0.0) -> torch.Tensor:
+    """q [n, Hq, D] for the last n of L positions; k, v [L, H, D]; fp32 softmax; window
+    > 0: each query sees its last `window` positions; softcap > 0: scores soft-capped."""
     n, hq, _ = q.shape
     L, h, _ = k.shape
     q, k, v = q.float(), k.float().repeat_interleave(hq // h, 1), v.float().repeat_interleave(hq // h, 1)
     s = torch.einsum("nhd,lhd->hnl", q, k) * scale
-    s = s.masked_fill(torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None], float("-inf"))
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    keys, pos = torch.arange(L)[None, :], torch.arange(L - n, L)[:, None]
+    s = s.masked_fill((keys > pos) | ((keys <= pos - window) if window else False), float("-inf"))
     return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
 
 
@@ -120,6 +125,39 @@ def test_prefill_matches_dense(dtype: torch.dtype, block_size: int, groups: int,
             torch.testing.assert_close(out[rows].float(), dense(query[rows], k, v, scale), **TOL[dtype])
         else:
             assert out[rows].isnan().all()
+
+
+@pytest.mark.parametrize("config_name", ["cpu", "gpu"])
+@pytest.mark.parametrize("window,softcap", [(5, 0.0), (40, 2.0)])
+def test_sliding_window_never_reads_blocks_before_it(config_name: str, window: int, softcap: float) -> None:
+    """Both kernels with a window, past and within one key tile, split-KV included;
+    blocks wholly before each sequence's first window are NaN (freed, reused). Then
+    with scores soft-capped too (Gemma 2's local layers)."""
+    block_size = 16
+    case = [(20, 20), (7, 90), (40, 40), (1, 9), (1, 130), (33, 65)]  # (new tokens, context + new)
+    cache, tables, kvs = scattered_cache([s for _, s in case], block_size, 2, 32, torch.float32)
+    for (q_len, seq_len), table in zip(case, tables):
+        first = max(0, seq_len - q_len - window + 1) // block_size
+        cache[table[:first].long()] = float("nan")
+    q_lens = [q for q, _ in case]
+    query = torch.randn(sum(q_lens), 4, 32)
+    out = torch.full_like(query, float("nan"))
+    starts = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([s for _, s in case], dtype=torch.int32)
+    prefill = [i for i, q in enumerate(q_lens) if q > 1]
+    decode = [i for i, q in enumerate(q_lens) if q == 1]
+    prefill_config = {"cpu": prefill_mod.CPU_CONFIG, "gpu": prefill_mod.GPU_CONFIG}[config_name]
+    decode_config = {"cpu": decode_mod.CPU_CONFIG, "gpu": decode_mod.GPU_CONFIG}[config_name]
+    tile_seq, tile_start = plan_tiles(q_lens, prefill, prefill_config.block_m)
+    prefill_attention(out, query, cache, tables, seq_lens, starts, torch.from_numpy(tile_seq),
+                      torch.from_numpy(tile_start), 0.2, prefill_config, window=window, softcap=softcap)
+    split = max(32, decode_config.block_n)
+    decode_attention(out, query, cache, starts[decode], tables[decode], seq_lens[decode], 0.2,
+                     num_splits_for(130, split), split_tokens=split, config=decode_config, window=window,
+                     softcap=softcap)
+    for i, (k, v) in enumerate(kvs):
+        rows = slice(starts[i].item(), starts[i + 1].item())
+        torch.testing.assert_close(out[rows], dense(query[rows], k, v, 0.2, window, softcap), **TOL[torch.float32])
 
 
 def test_launchers_name_bad_inputs() -> None:

@@ -54,14 +54,16 @@ static inline void scale_vec(float *y, float a, int n) {
 }
 
 /* One sequence, KV heads [h0, h1): each with `groups` query vectors, against
- * `seq_len` cached tokens. Heads go inside the block loop, so one block's K (then V)
- * of all these heads is read together; in the engine's layout each head's is one
+ * `seq_len` cached tokens, or only their last `window` (window > 0: a sliding-window
+ * layer; blocks wholly before the window are never read, they may be freed).
+ * Heads go inside the block loop, so one block's K (then V) of all these heads is
+ * read together; in the engine's layout each head's is one
  * contiguous run of n * head_dim elements. q, out: [h1 - h0, groups, head_dim].
  * Strides are in bytes here; lut is NULL for a float32 cache. */
 static void attend(float *out, const float *q, const char *cache, const float *lut, int h0, int h1,
-                   const int32_t *block_table, int32_t seq_len, int64_t s_block, int64_t s_kv,
-                   int64_t s_slot, int64_t s_head, int groups, int head_dim, int block_size,
-                   float scale) {
+                   const int32_t *block_table, int32_t seq_len, int32_t window, int64_t s_block,
+                   int64_t s_kv, int64_t s_slot, int64_t s_head, int groups, int head_dim,
+                   int block_size, float scale, float softcap) {
     int heads = (h1 - h0) * groups;  /* query heads handled here */
     float acc[MAX_QUERY_HEADS * MAX_HEAD_DIM];
     float p[MAX_QUERY_HEADS * MAX_BLOCK_SIZE];
@@ -71,36 +73,41 @@ static void attend(float *out, const float *q, const char *cache, const float *l
     for (int j = 0; j < heads; j++) { m[j] = -INFINITY; l[j] = 0.0f; }
 
     int num_blocks = (seq_len + block_size - 1) / block_size;
-    for (int b = 0; b < num_blocks; b++) {
+    int start = window > 0 && seq_len > window ? seq_len - window : 0;
+    for (int b = start / block_size; b < num_blocks; b++) {
         const char *k = cache + (int64_t)block_table[b] * s_block;
         const char *v = k + s_kv;
-        /* Slots past the end of the last block may hold anything, even NaN: never read. */
+        /* Slots past the end of the last block, or before the window in its first,
+         * may hold anything, even NaN: never read. */
         int n = seq_len - b * block_size;
         if (n > block_size) n = block_size;
-        for (int t = 0; t < n; t++)
+        int t0 = start > b * block_size ? start - b * block_size : 0;
+        for (int t = t0; t < n; t++)
             for (int h = h0; h < h1; h++) {
                 const float *kr = load_row(k + t * s_slot + h * s_head, lut, buf, head_dim);
                 for (int g = 0; g < groups; g++) {
                     int j = (h - h0) * groups + g;
-                    p[j * block_size + t] = dot(q + j * head_dim, kr, head_dim) * scale;
+                    float x = dot(q + j * head_dim, kr, head_dim) * scale;
+                    /* Gemma 2's logit soft-capping: cap * tanh(x / cap), before the softmax. */
+                    p[j * block_size + t] = softcap > 0.0f ? softcap * tanhf(x / softcap) : x;
                 }
             }
         for (int j = 0; j < heads; j++) {
             float *pj = p + j * block_size;
-            float block_max = pj[0];
-            for (int t = 1; t < n; t++) block_max = pj[t] > block_max ? pj[t] : block_max;
+            float block_max = pj[t0];
+            for (int t = t0 + 1; t < n; t++) block_max = pj[t] > block_max ? pj[t] : block_max;
             if (block_max > m[j]) {  /* rescale what was accumulated under the old max */
                 float alpha = expf(m[j] - block_max);
                 l[j] *= alpha;
                 scale_vec(acc + j * head_dim, alpha, head_dim);
                 m[j] = block_max;
             }
-            for (int t = 0; t < n; t++) {
+            for (int t = t0; t < n; t++) {
                 pj[t] = expf(pj[t] - m[j]);
                 l[j] += pj[t];
             }
         }
-        for (int t = 0; t < n; t++)
+        for (int t = t0; t < n; t++)
             for (int h = h0; h < h1; h++) {
                 const float *vr = load_row(v + t * s_slot + h * s_head, lut, buf, head_dim);
                 for (int g = 0; g < groups; g++) {
@@ -114,7 +121,9 @@ static void attend(float *out, const float *q, const char *cache, const float *l
 }
 
 /* out[r] = attention of query[rows[r]] over the cache blocks in block_tables[r]
- * (seq_lens[r] tokens), for r in [0, num_rows). Query and out rows are
+ * (seq_lens[r] tokens; window > 0: only their last `window`; softcap > 0: scores
+ * soft-capped), for r in
+ * [0, num_rows). Query and out rows are
  * [num_kv_heads * groups, head_dim], contiguous. `cache` is one layer's view:
  * cache + block*s_block + kv*s_kv + slot*s_slot + head*s_head (in elements of
  * elem_size bytes: 4, float32; or 1, fp8 with lut giving each byte's value), dims contiguous;
@@ -127,8 +136,8 @@ void paged_decode_attention(float *out, const float *query, const int64_t *rows,
                             int64_t q_row_stride, const char *cache, int elem_size, const float *lut,
                             int64_t s_block, int64_t s_kv, int64_t s_slot, int64_t s_head,
                             const int32_t *block_tables, int64_t bt_stride,
-                            const int32_t *seq_lens, int num_rows, int num_kv_heads,
-                            int groups, int head_dim, int block_size, float scale,
+                            const int32_t *seq_lens, int32_t window, int num_rows, int num_kv_heads,
+                            int groups, int head_dim, int block_size, float scale, float softcap,
                             int head_splits, int threads) {
     s_block *= elem_size; s_kv *= elem_size; s_slot *= elem_size; s_head *= elem_size;
     int64_t items = (int64_t)num_rows * head_splits;
@@ -142,7 +151,7 @@ void paged_decode_attention(float *out, const float *query, const int64_t *rows,
         if (h0 >= h1) continue;
         attend(out + r * num_kv_heads * head_span + h0 * head_span,
                query + rows[r] * q_row_stride + h0 * head_span, cache, lut, h0, h1,
-               block_tables + r * bt_stride, seq_lens[r], s_block, s_kv, s_slot, s_head,
-               groups, head_dim, block_size, scale);
+               block_tables + r * bt_stride, seq_lens[r], window, s_block, s_kv, s_slot, s_head,
+               groups, head_dim, block_size, scale, softcap);
     }
 }
