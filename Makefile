@@ -16,7 +16,7 @@ NVIDIA_GPU ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || test -e /dev/nvid
 TORCH_INDEX ?= $(if $(NVIDIA_GPU),,https://download.pytorch.org/whl/cpu)
 TORCH := torch==2.13.0$(if $(TORCH_INDEX), --extra-index-url $(TORCH_INDEX))
 
-.PHONY: install model lint typecheck test test-fast test-multihost serve serve-moe generate bench clean
+.PHONY: install model lint typecheck test test-fast test-multihost serve serve-moe serve-gemma generate bench clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ serve: model
 serve-moe: model
 	$(VENV)/bin/pdserve model prepare deepseek-mini --models-dir $(MODELS_DIR)
 	$(VENV)/bin/pdserve serve configs/local-moe.yaml --model $(MODELS_DIR)/DeepSeek-V3-mini-dummy
+
+# A sliding-window model: Gemma 3 270M (a real checkpoint, about 240 MB to download), 1P1D.
+serve-gemma: $(STAMP)
+	$(VENV)/bin/pdserve model prepare gemma3 --models-dir $(MODELS_DIR)
+	$(VENV)/bin/pdserve serve configs/local-gemma3.yaml --model $(MODELS_DIR)/gemma-3-270m
 
 generate: model
 	$(VENV)/bin/pdserve generate --model $(MODEL) --chat "What is the capital of France?"

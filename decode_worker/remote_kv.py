@@ -151,7 +151,11 @@ class DecodeWorkerCore:
     def _expect(self, request: Request, prompt: list[int], sender: str | None) -> RemotePrefill | None:
         request_id = request.request_id
         blocks = self.engine.block_ids(request_id)
-        first, end = request.num_cached_tokens // self.block_size, cdiv(len(prompt) - 1, self.block_size)
+        # Blocks this worker holds already (prefix-cache hits), or will never read (released
+        # out of its sliding window, id -1), are not written.
+        released = next((i for i, b in enumerate(blocks) if b >= 0), len(blocks))
+        first = max(request.num_cached_tokens // self.block_size, released)
+        end = cdiv(len(prompt) - 1, self.block_size)
         if first >= end:  # the local prefix cache already holds it all
             self.engine.remote_kv_arrived(request_id)
             self.stats["local"] += 1

@@ -77,6 +77,10 @@ class RemoteKVQueues:
             kv.tiers.settle()
         kv.count_query(request, hits)
         request.num_cached_tokens = len(hits) * kv.block_size
+        # With a sliding window, the blocks before the window of the prompt's last token
+        # (the first this worker computes) are never read here: let them go now, and the
+        # prefill worker writes only the rest (their ids read -1 in block_ids).
+        kv.release_before(request, kv.window_first_block(request.num_prompt_tokens - 1))
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.remote = RemoteKV()
         sched.requests[request.request_id] = request

@@ -33,10 +33,10 @@ import heapq
 import time
 from collections.abc import Iterable, Sequence
 
-from engine.errors import DoesNotFit, EngineStateError
+from engine.errors import EngineStateError
 from engine.fork_groups import ForkGroups
 from engine.kv_cache.block_pool import KVBlock
-from engine.kv_cache.manager import KVCacheManager, cdiv
+from engine.kv_cache.manager import KVCacheManager
 from engine.remote_kv import RemoteKVQueues
 from engine.request import Request, RequestStatus, SortKey
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -71,8 +71,10 @@ class Scheduler(ForkGroups, SchedulerUpdates):
 
     # --- admission -----------------------------------------------------------------
 
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError for a request that could never run, before it is queued."""
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, whole_prompt: bool = False) -> None:
+        """Raise ValueError for a request that could never run, before it is queued;
+        `whole_prompt`: it holds every prompt block at once (a prefill worker's), even
+        with a sliding window."""
         if num_prompt_tokens < 1:
             raise ValueError("prompt must contain at least one token")
         if num_prompt_tokens >= self.max_model_len:
@@ -86,19 +88,12 @@ class Scheduler(ForkGroups, SchedulerUpdates):
             raise ValueError(f"prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens "
                              f"({self.max_num_batched_tokens}) with chunked prefill disabled")
         # A request alone in the engine must fit, or preemption could never make room.
-        needed, pool = self.kv.most_blocks_held(num_prompt_tokens, max_tokens), self.kv.pool.num_blocks
-        if cdiv(num_prompt_tokens + 1, self.kv.block_size) > pool:
-            raise DoesNotFit(f"prompt ({num_prompt_tokens} tokens) needs more than the KV pool's {pool} blocks "
-                             "with its first output token; shorten the prompt or enlarge the pool", "prompt")
-        if needed > pool:
-            raise DoesNotFit(f"request needs {needed} KV blocks (prompt {num_prompt_tokens} + "
-                             f"max_tokens {max_tokens}) but the KV pool has only "
-                             f"{pool}; lower max_tokens or enlarge the pool", "max_tokens")
+        self.kv.check_room(num_prompt_tokens, max_tokens, whole_prompt)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens, request.prefill_only)
         self.requests[request.request_id] = request
         self.push_waiting(request)
 
@@ -238,7 +233,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
         end = len(request.all_token_ids) + request.num_output_placeholders
         if self._nothing_to_schedule(request, start, end):
             return 0
-        num_new = min(end - start, budget)
+        num_new = min(end - start, budget, self.kv.chunk_limit())
         while not self.kv.allocate_slots(request, num_new):
             # Never evict a request scheduled this step (its blocks are in use), nor
             # one whose last step is in flight (that step would be wasted).
@@ -315,12 +310,13 @@ class Scheduler(ForkGroups, SchedulerUpdates):
         None: wait for a step with more room. With chunked prefill off a prompt runs
         whole (check_fits made it fit a step), but a recompute after preemption, prompt
         plus outputs, may not fit any step: that is chunked anyway, or it could never
-        come back."""
-        if num_new <= budget:
+        come back. With a sliding window, nor may it take more than kv.chunk_limit()."""
+        limit = self.kv.chunk_limit()
+        if num_new <= min(budget, limit):
             return num_new
-        if not self.enable_chunked_prefill and num_new <= self.max_num_batched_tokens:
+        if not self.enable_chunked_prefill and num_new <= min(self.max_num_batched_tokens, limit):
             return None
-        return budget
+        return min(budget, limit)
 
     def _admission(self, request: Request, budget: int) -> tuple[list[KVBlock], int, int] | None:
         """(prefix hits, tokens they cover, tokens to compute now) for a waiting request,

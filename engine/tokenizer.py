@@ -49,9 +49,10 @@ def tokenizer_class_name(path: Path) -> str | None:
     With a tokenizer.json, no remote code and a model type pdserve serves:
     - qwen2 gets its registered Qwen2Tokenizer whatever tokenizer_config.json declares
       (transformers lists qwen2 among checkpoints whose declared class is wrong);
-    - a declared generic class gets TokenizersBackend (llama, qwen3, olmo2, phi3, and
-      mistral unless the directory is in Mistral's own format, tekken.json, and
-      mistral-common is installed, when AutoTokenizer prefers MistralCommonBackend);
+    - a declared generic class gets TokenizersBackend (llama, qwen3, olmo2, phi3, gemma2,
+      gemma3_text, and mistral unless the directory is in Mistral's own format,
+      tekken.json, and mistral-common is installed, when AutoTokenizer prefers
+      MistralCommonBackend);
     - qwen3 declaring Qwen2Tokenizer (as Qwen3 checkpoints do) gets Qwen2Tokenizer.
     """
     try:
@@ -70,7 +71,7 @@ def tokenizer_class_name(path: Path) -> str | None:
     if model_type == "qwen3" and declared == "Qwen2Tokenizer":
         return "Qwen2Tokenizer"
     mistral_format = (path / "tekken.json").is_file() and find_spec("mistral_common") is not None
-    if declared in _GENERIC and (model_type in ("llama", "qwen3", "olmo2", "phi3")
+    if declared in _GENERIC and (model_type in ("llama", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text")
                                  or (model_type == "mistral" and not mistral_format)):
         return "TokenizersBackend"
     return None

@@ -118,7 +118,9 @@ class RemotePrefill(Message, frozen=True, tag="prefill"):
     prompt_token_ids: list[int]
     peer: str  # D's transport agent name
     block_ids: list[int]  # D's blocks for the prompt; block i holds tokens [i*bs, (i+1)*bs)
-    first_block: int  # D already holds the KV of blocks before this one (its prefix cache)
+    # D already holds the KV of blocks before this one (its prefix cache), or never reads
+    # it (before its sliding window: those ids are -1)
+    first_block: int
     epoch: int  # unique per reservation: a late write for an earlier one is never taken for it
     deadline: float  # time.time() after which D no longer accepts writes
     session: str = ""  # D's KVTransport.session: the blocks belong to that process only

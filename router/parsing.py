@@ -305,6 +305,9 @@ def chat_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[s
     (raise_exception, e.g. "roles must alternate") is the request's 400, as in vLLM."""
     import jinja2  # what transformers renders chat templates with; not its hard dependency
 
+    if not getattr(tokenizer, "chat_template", None):  # a base model's (vLLM refuses it too)
+        raise APIError(400, "this model has no chat template: send the prompt to /v1/completions, "
+                            "or serve the model with a tokenizer that has one", "messages")
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)

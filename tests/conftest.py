@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny seeded Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 / Phi-3 models
-with a trained tokenizer.
+"""Shared fixtures: tiny seeded Llama / Mistral / Qwen2 / Qwen3 / OLMo 2 / Phi-3 /
+Gemma 2 / Gemma 3 models with a trained tokenizer.
 
 Nothing downloads: the models are random (seeded) and the tokenizer is a byte-level
 BPE trained in a fraction of a second on a fixed corpus.
@@ -37,7 +37,7 @@ from tests.tiny_models import build_tiny_model
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_models")
-    archs = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
+    archs = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3")
     return {arch: build_tiny_model(arch, root / arch) for arch in archs}
 
 

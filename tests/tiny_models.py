@@ -84,6 +84,23 @@ def _moe_config(arch: str, common: dict):
                           norm_topk_prob=True, tie_word_embeddings=False), Qwen3MoeForCausalLM
 
 
+def _gemma_config(arch: str, common: dict):
+    """Gemma 2: a sliding layer then a full one, a window of 20, scores and final logits
+    soft-capped (caps small enough to bite), query_pre_attn_scalar not head_dim. Gemma 3
+    (text): q/k norms, a local RoPE base for its sliding layer and linear scaling on
+    the global one's."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    gemma = dict(common, head_dim=32, query_pre_attn_scalar=24, sliding_window=20,
+                 layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh",
+                 tie_word_embeddings=True, pad_token_id=0)
+    if arch == "gemma2":
+        return Gemma2Config(**gemma, attn_logit_softcapping=1.0, final_logit_softcapping=3.0), Gemma2ForCausalLM
+    rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return Gemma3TextConfig(**gemma, rope_parameters=rope), Gemma3ForCausalLM
+
+
 def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """arch: llama (GQA 4:2, llama3 RoPE, tied), mistral (a sliding window of 20),
     qwen2 (qkv bias), qwen3 (q/k norm, head_dim != hidden/heads, untied), olmo2 (norms
@@ -134,6 +151,8 @@ def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                              "partial_rotary_factor": 0.5})
         cls = Phi3ForCausalLM
+    elif arch in ("gemma2", "gemma3"):
+        config, cls = _gemma_config(arch, common)
     elif arch.startswith("deepseek"):
         config, cls = _deepseek_config(arch, common)
     elif arch in MOE_ARCHS:
@@ -148,8 +167,8 @@ def build_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
-            elif "bias" in name:
-                p.normal_(0, 0.1)
+            elif "bias" in name or (arch.startswith("gemma") and "norm" in name):
+                p.normal_(0, 0.1)  # Gemma's norms scale by 1 + weight: zeros would not test it
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: zeros would not test it
                 b.normal_(0, 0.1)

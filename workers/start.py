@@ -42,10 +42,15 @@ def engine_and_transport(config: WorkerConfig) -> tuple[EngineCore, KVTransport]
 
 def register_caches(transport: KVTransport, engine: EngineCore, model: str) -> None:
     """The transport reaches every rank's cache, each holding its KV heads. The model's
-    name carries its weights' quantization: a pool quantizing to fp8 and one that does not
-    compute different KV, so the handshake refuses the pair as different models."""
+    name carries its weights' quantization and its layers' sliding windows: a pool
+    quantizing to fp8 and one that does not (or attending over other windows) compute
+    different KV, so the handshake refuses the pair as different models."""
     weights = engine.config.quantization or engine.model_config.quantization
     model = f"{model} [{weights} weights]" if weights else model
+    # So do pools whose layers have other sliding windows; and a decode worker asks only
+    # for the blocks its windows read.
+    windows = engine.model_config.layer_windows
+    model = f"{model} [sliding windows {','.join(map(str, windows))}]" if windows else model
     size = engine.config.tensor_parallel_size
     if size == 1:
         transport.register_kv_cache(engine.kv_cache, model, kv_scales=engine.kv_scales)

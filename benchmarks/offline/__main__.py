@@ -18,6 +18,7 @@ BENCHMARKS = {
     "speculative": "benchmarks.offline.speculative",
     "speculative_cost": "benchmarks.offline.speculative_cost",
     "structured": "benchmarks.offline.structured",
+    "sliding_window": "benchmarks.offline.sliding_window",
 }
 
 if __name__ == "__main__":  # not when a spawned child imports this module as its main

@@ -84,6 +84,9 @@ class BlockPool:
         out.sort(key=lambda block: block.block_id)
         return out
 
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._cached
+
     def lookup(self, parent_hash: int, block_hash: int, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block holding exactly these tokens after this parent, if any."""
         block = self._cached.get(block_hash)

@@ -12,26 +12,11 @@ from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.tier_store import TierEntry
 from engine.kv_cache.tiers import KVTiers
+from engine.kv_cache.window import RELEASED, WindowBlocks, cdiv, held
 from engine.request import Request
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# Stands in a request's block list for a block it let go of because it fell out of the
-# sliding window (release_out_of_window): its position is kept, so block i still holds
-# tokens [i * bs, (i + 1) * bs). Never in the pool; its id (-1) names no block, and the
-# step's block table has 0 there (padding), which no attention backend reads.
-RELEASED = KVBlock(-1)
-
-
-def held(blocks: Sequence[KVBlock]) -> list[KVBlock]:
-    """The blocks of a request's list that it holds (those not released)."""
-    return [b for b in blocks if b is not RELEASED]
-
-
-class KVCacheManager:
+class KVCacheManager(WindowBlocks):
     """Called by the scheduler only. Owns one reference on every block a request holds."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -174,8 +159,10 @@ class KVCacheManager:
         held = len(self.req_blocks.get(request.request_id, ())) + len(new_computed_blocks)
         total = cdiv(request.num_started_tokens + len(new_computed_blocks) * self.block_size
                      + num_new_tokens, self.block_size)
-        # Reviving a free cached hit also consumes a free-queue entry.
-        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        # Reviving a free cached hit also consumes a free-queue entry (not one taken
+        # only for its place: out of the window).
+        skip = self._hits_out_of_window(new_computed_blocks)
+        revived = sum(1 for b in new_computed_blocks[skip:] if b.ref_cnt == 0)
         return max(0, total - held) + revived
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -201,15 +188,18 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, [])
         held = len(blocks)
         if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
+            skip = self._hits_out_of_window(new_computed_blocks)
+            self.pool.touch(new_computed_blocks[skip:])
+            blocks.extend([RELEASED] * skip + list(new_computed_blocks[skip:]))
             self._num_cached_blocks[request.request_id] = len(new_computed_blocks)
+            if skip:
+                self._released[request.request_id] = skip
         total = cdiv(request.num_started_tokens + len(new_computed_blocks) * self.block_size
                      + num_new_tokens, self.block_size)
         if total > len(blocks):
             blocks.extend(self.pool.allocate(total - len(blocks)))
         if len(blocks) > held:
-            self.block_table.append(request.request_id, [b.block_id for b in blocks[held:]])
+            self.block_table.append(request.request_id, [max(b.block_id, 0) for b in blocks[held:]])
         return True
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -289,41 +279,6 @@ class KVCacheManager:
         Call once a step's tokens are computed, never while a step that started earlier
         may still read them. Returns the blocks released."""
         return self.release_before(request, self.window_first_block(request.num_computed_tokens))
-
-    def most_blocks_held(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """The most blocks a request of this size holds at once: all of its tokens'; with
-        a sliding window, its prompt's and its first output token's (a prompt's blocks
-        are taken before any is released), or the window's span, a block it grows into
-        and one more for a step in flight (async scheduling releases a step later)."""
-        total = cdiv(num_prompt_tokens + max_tokens, self.block_size)
-        if not self.sliding_window:
-            return total
-        window = cdiv(self.sliding_window, self.block_size) + 2
-        return min(total, max(cdiv(num_prompt_tokens + 1, self.block_size), window))
-
-    def window_first_block(self, position: int) -> int:
-        """The first block a query at `position`, or any later one, reads (0 without a
-        sliding window)."""
-        if not self.sliding_window:
-            return 0
-        return max(0, position - self.sliding_window + 1) // self.block_size
-
-    def release_before(self, request: Request, first: int) -> int:
-        """Let go of the request's blocks before block `first` (that no step will read:
-        they are out of its sliding window). Returns the blocks released."""
-        rid = request.request_id
-        blocks = self.req_blocks.get(rid)
-        done = self._released.get(rid, 0)
-        if not blocks or first <= done:
-            return 0
-        first = min(first, len(blocks))
-        dead = held(blocks[done:first])
-        for i in range(done, first):
-            blocks[i] = RELEASED
-            self.block_table.set(rid, i, 0)
-        self._released[rid] = first
-        self.pool.free(reversed(dead))
-        return len(dead)
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks, tail first (see BlockPool.free)."""

@@ -7,8 +7,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.model.family_configs import (
+    DEEPSEEK,
+    GEMMA,
+    GemmaConfig,
+    MLAConfig,
+    MoEConfig,
+    layer_types,
+    sliding_window,
+)
+
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+
+__all__ = ["DEEPSEEK", "GEMMA", "Features", "GemmaConfig", "MLAConfig", "ModelConfig", "MoEConfig", "layer_types",
+           "SUPPORTED_ARCHITECTURES", "checkpoint_quantization", "max_model_len", "release_window"]
+
 
 @dataclass(frozen=True)
 class Features:
@@ -17,7 +31,7 @@ class Features:
     # over the whole q and the whole k projection, every head at once (OLMo 2: model/olmo2.py).
     qk_norm: str | None = None
     # "pre": a norm before each sublayer (Llama); "post": no input norm, each sublayer's
-    # output normalised before its residual add (OLMo 2).
+    # output normalised before its residual add (OLMo 2); "sandwich": both (Gemma 2/3).
     norm_placement: str = "pre"
 
 
@@ -35,111 +49,10 @@ SUPPORTED_ARCHITECTURES: dict[str, Features] = {
     "Olmo2ForCausalLM": Features(qk_norm="projection", norm_placement="post"),
     # Fused qkv_proj and gate_up_proj in its checkpoint (the loader reads them as they are).
     "Phi3ForCausalLM": Features(),
+    # Their other departures: GemmaConfig.
+    "Gemma2ForCausalLM": Features(norm_placement="sandwich"),
+    "Gemma3ForCausalLM": Features(qk_norm="head", norm_placement="sandwich"),
 }
-DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """The sparse MLP of a mixture-of-experts model (engine/model/moe.py)."""
-    num_experts: int
-    top_k: int  # experts per token
-    intermediate_size: int  # each expert's
-    norm_topk_prob: bool  # the top-k routing weights renormalised to sum to 1
-    shared_intermediate_size: int  # an always-on shared expert (0: none)
-    sparse_layers: tuple[int, ...]  # the layers whose MLP is sparse (the others dense)
-    shared_gate: bool = False  # the shared expert scaled by a sigmoid gate (Qwen2-MoE)
-    # DeepSeek's routing: "softmax" or "sigmoid" scores (V3, with a learned correction
-    # bias that picks the experts but does not weigh them); "greedy" top-k, or top-k
-    # within the topk_group best of n_group expert groups (a group's score: its best
-    # expert's, or with sigmoid scoring its best two summed); the weights times
-    # routed_scaling_factor.
-    scoring: str = "softmax"
-    grouped: bool = False
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-
-    @classmethod
-    def from_dict(cls, arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
-        layers = cfg["num_hidden_layers"]
-        if arch == "MixtralForCausalLM":  # every layer sparse, its experts intermediate_size wide
-            return cls(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], True, 0,
-                       tuple(range(layers)))
-        if arch in DEEPSEEK:
-            return cls._deepseek(arch, cfg)
-        if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
-            return None
-        # The Hub's configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE.
-        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        step = cfg.get("decoder_sparse_step", 1)
-        dense = set(cfg.get("mlp_only_layers") or [])
-        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
-        shared = cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
-        return cls(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-                   bool(cfg.get("norm_topk_prob", False)), shared or 0, sparse, shared_gate=bool(shared))
-
-    @classmethod
-    def _deepseek(cls, arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
-        experts = cfg.get("n_routed_experts", 256 if arch == "DeepseekV3ForCausalLM" else 64) or 0
-        if not experts:
-            return None
-        v3 = arch == "DeepseekV3ForCausalLM"
-        method = "noaux_tc" if v3 else cfg.get("topk_method", "greedy")
-        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-            raise ValueError(f"unsupported topk_method {method!r} (greedy, group_limited_greedy; "
-                             "DeepSeek-V3 routes noaux_tc)")
-        grouped = method != "greedy"
-        # Absent keys take transformers' defaults for the architecture.
-        n_group, topk_group = (cfg.get("n_group", 8 if v3 else None), cfg.get("topk_group", 4 if v3 else None))
-        if grouped and (not n_group or not topk_group or experts % n_group or not 0 < topk_group <= n_group):
-            raise ValueError(f"{method} routing: n_group {n_group} must divide n_routed_experts {experts} "
-                             f"and topk_group {topk_group} be in [1, n_group]")
-        inter = cfg["moe_intermediate_size"]
-        first_dense = cfg.get("first_k_dense_replace", 3 if v3 else 0) or 0
-        # transformers' DeepSeek-V2 never renormalises the top-k weights; V3 does by its config.
-        top_k = cfg.get("num_experts_per_tok", 8 if v3 else None)
-        if not top_k:
-            raise ValueError(f"num_experts_per_tok is required for {arch} with n_routed_experts {experts}")
-        return cls(experts, top_k, inter,
-                   v3 and bool(cfg.get("norm_topk_prob", True)), inter * (cfg.get("n_shared_experts", 1 if v3 else 2)
-                                                                         or 0),
-                   tuple(range(first_dense, cfg["num_hidden_layers"])), scoring="sigmoid" if v3 else "softmax",
-                   grouped=grouped, n_group=int(n_group or 1) if grouped else 1,
-                   topk_group=int(topk_group or 1) if grouped else 1,
-                   routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)))
-
-
-@dataclass(frozen=True)
-class MLAConfig:
-    """DeepSeek's multi-head latent attention (engine/model/mla.py). The KV cache holds
-    one vector per token and layer, kv_lora_rank + qk_rope_head_dim wide, shared by
-    every head (and so by every tensor-parallel rank)."""
-    q_lora_rank: int | None  # None: q projected from the hidden state directly
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool  # the rope dims' checkpoint order is pairs (x0, x1), (x2, x3), ...
-    rope_fp32: bool = False  # rotated in float32 and rounded once (transformers' DeepSeek-V2), else in x's dtype
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def latent_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @classmethod
-    def from_dict(cls, arch: str, cfg: dict[str, Any]) -> MLAConfig | None:
-        if arch not in DEEPSEEK:
-            return None
-        return cls(cfg.get("q_lora_rank", 1536), cfg.get("kv_lora_rank", 512), cfg.get("qk_nope_head_dim", 128),
-                   cfg.get("qk_rope_head_dim", 64), cfg.get("v_head_dim", 128),
-                   # transformers' DeepSeek-V2 always rotates interleaved pairs; V3 as its config says.
-                   arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)),
-                   rope_fp32=arch == "DeepseekV2ForCausalLM")
 
 
 @dataclass
@@ -173,6 +86,7 @@ class ModelConfig:
     # Multi-head latent attention: the cache holds one latent "KV head" of
     # mla.latent_dim per token and layer (num_kv_heads 1, head_dim latent_dim, one plane).
     mla: MLAConfig | None = None
+    gemma: GemmaConfig | None = None
     # "fp8": the checkpoint's decoder linears are float8 with per-tensor or per-channel
     # weight scales (engine/model/fp8_linear.py); None: unquantized.
     quantization: str | None = None
@@ -201,12 +115,24 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
                              f"pdserve supports {sorted(SUPPORTED_ARCHITECTURES)}")
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
+        gemma = GemmaConfig.from_dict(arch, cfg)
+        if gemma is not None:  # Gemma names it hidden_activation
+            act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+            if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+                raise ValueError(f"unsupported hidden_activation {act!r} for {arch} (gelu_pytorch_tanh only)")
+        else:
+            act = cfg.get("hidden_act", "silu")
+            if act not in ("silu", "swish"):
+                raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
         num_heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters")
+        if arch == "Gemma3ForCausalLM":
+            if isinstance(rope, dict) and "full_attention" in rope:
+                cfg = {**cfg, "rope_parameters": rope["full_attention"]}  # per layer kind; the local: GemmaConfig
+            else:  # an older config: rope_theta (its default 1e6) is the global layers'
+                cfg = {"rope_theta": 1_000_000.0, **cfg}
         rope_theta, rope_scaling, partial = _rope(arch, cfg)
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        sliding = sliding_window(arch, cfg)
         mla = MLAConfig.from_dict(arch, cfg)
         return cls(
             architecture=arch,
@@ -221,7 +147,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma is not None),  # Gemma ties by default
             # Qwen2 hard-codes q/k/v biases and none on o_proj (Qwen2-MoE: its config's
             # qkv_bias, default on); Llama and Qwen3 use attention_bias for all four projections.
             qkv_bias=(arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True))
@@ -233,9 +159,10 @@ class ModelConfig:
             norm_placement=SUPPORTED_ARCHITECTURES[arch].norm_placement,
             partial_rotary_factor=partial,
             sliding_window=sliding,
-            layer_windows=_layer_windows(cfg, sliding),
+            layer_windows=_layer_windows(layer_types(arch, cfg), sliding, cfg["num_hidden_layers"]),
             moe=MoEConfig.from_dict(arch, cfg),
             mla=mla,
+            gemma=gemma,
             quantization=checkpoint_quantization(cfg.get("quantization_config")),
         )
 
@@ -322,19 +249,17 @@ def checkpoint_quantization(qc: Any) -> str | None:
                      "(compressed-tensors float8, fbgemm_fp8, fp8) checkpoints")
 
 
-def _layer_windows(cfg: dict[str, Any], sliding: int | None) -> tuple[int, ...]:
-    """Each layer's window: the config's layer_types where it lists them (transformers'
-    Gemma 2/3, Qwen2), else the one window on every layer (Mistral, Phi-3)."""
+def _layer_windows(types: list[str] | None, sliding: int | None, layers: int) -> tuple[int, ...]:
+    """Each layer's window: `sliding` on the layers `types` call sliding_attention, or
+    on every layer where it lists none (family_configs.layer_types); () for none."""
     if not sliding:
         return ()
     if not isinstance(sliding, int) or sliding < 1:
         raise ValueError(f"sliding_window must be a positive integer or null, got {sliding!r}")
-    layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
     if types is None:
         return (sliding,) * layers
     kinds = {"sliding_attention": sliding, "full_attention": 0}
-    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+    if len(types) != layers or any(t not in kinds for t in types):
         raise ValueError(f"layer_types must list {layers} entries of {sorted(kinds)}, got {types!r}")
     windows = tuple(kinds[t] for t in types)
     return windows if any(windows) else ()

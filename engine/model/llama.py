@@ -1,6 +1,8 @@
 """The Llama family as one model: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm),
 OLMo 2 (norms after each sublayer, q/k norms over whole projections: olmo2.py), Phi-3
-(fused checkpoint tensors, partial rotary), their mixtures of experts, Mixtral,
+(fused checkpoint tensors, partial rotary), Gemma 2/3 (norms before and after each
+sublayer, and gemma.py's arithmetic; each layer's sliding window and, for Gemma 3, its
+RoPE base), their mixtures of experts, Mixtral,
 Qwen2-MoE and Qwen3-MoE (a sparse MLP: moe.py), and DeepSeek-V2/V3 (multi-head latent
 attention, mla.py, and a sparse MLP after the first first_k_dense_replace layers).
 
@@ -34,6 +36,7 @@ from engine.distributed.sharding import Shard
 from engine.kv_cache.layout import layer_view
 from engine.model.config import ModelConfig
 from engine.model.fused_ops import FusedOps, fused_ops
+from engine.model.gemma import GemmaRMSNorm, gelu_tanh_mul, scale_embeddings, softcap
 from engine.model.mla import MLAttention
 from engine.model.moe import GatedMLP, SparseMoE, silu_mul
 from engine.model.norm import RMSNorm
@@ -56,10 +59,12 @@ class Attention(nn.Module):
         # projections (OLMo 2), applied by projection_norm, which sums over the ranks.
         self.projection_norm = ProjectionQKNorm(cfg, shard, group) if cfg.qk_norm == "projection" else None
         q_width, k_width = (self.q_size, self.kv_size) if self.projection_norm else (cfg.head_dim, cfg.head_dim)
-        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        norm = GemmaRMSNorm if cfg.gemma else RMSNorm
+        self.q_norm = norm(q_width, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm(k_width, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.gemma.query_scale if cfg.gemma else cfg.head_dim ** -0.5
+        self.softcap = cfg.gemma.attn_softcap if cfg.gemma else 0.0  # Gemma 2's scores
         self.layer_cache: torch.Tensor | None = None  # [num_blocks, 2, bs, Hkv, D] view, bound by the runner
         # An fp8 cache holds K / k_scale and V / v_scale (attention/kv_quant.py): the
         # checkpoint's, else 1.0.
@@ -87,7 +92,7 @@ class Attention(nn.Module):
             k, v = round_to_cache(k, self.k_scale, cache.dtype), round_to_cache(v, self.v_scale, cache.dtype)
             scale *= self.k_scale
         self.backend.store_kv(cache, k, v, md)
-        o = self.backend.attention(q, k, v, cache, md, scale, self.window)
+        o = self.backend.attention(q, k, v, cache, md, scale, self.window, self.softcap)
         if is_fp8(cache.dtype) and self.v_scale != 1.0:
             o = o * self.v_scale
         return self.group.all_reduce_(self.o_proj(o.reshape(t, self.q_size)))
@@ -99,10 +104,11 @@ class MLP(GatedMLP):
     def __init__(self, cfg: ModelConfig, shard: Shard, group: Group) -> None:
         super().__init__(cfg.hidden_size, shard.intermediate_size)
         self.group = group
+        self.act = gelu_tanh_mul if cfg.gemma else silu_mul
 
     def forward(self, x: torch.Tensor,
                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        return self.group.all_reduce_(super().forward(x, silu_and_mul or silu_mul))
+        return self.group.all_reduce_(super().forward(x, silu_and_mul or self.act))
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -126,21 +132,31 @@ class DecoderLayer(nn.Module):
         super().__init__()
         # "post" (OLMo 2): no input norm; post_attention_layernorm and
         # post_feedforward_layernorm normalise the sublayers' outputs before their adds.
-        self.post_norms = cfg.norm_placement == "post"
-        if not self.post_norms:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # "sandwich" (Gemma 2/3): those, and input_layernorm and pre_feedforward_layernorm
+        # before the sublayers too.
+        self.placement = cfg.norm_placement
+        norm = GemmaRMSNorm if cfg.gemma else RMSNorm
+        if self.placement != "post":
+            self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn: Attention | MLAttention = (MLAttention(cfg, backend, shard, group) if cfg.mla else
                                                    Attention(cfg, backend, shard, group, cfg.layer_window(index)))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if self.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.placement != "pre":
+            self.post_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Gemma 3's sliding layers turn q and k by their own RoPE base (the model's local tables).
+        self.local_rope = cfg.gemma is not None and index in cfg.gemma.local_layers
         sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
         self.mlp: MLP | SparseMoE = SparseMoE(cfg, shard, group) if sparse else MLP(cfg, shard, group)
 
     def forward(self, rotary: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        if self.post_norms:
+        if self.placement == "post":
             x = x + self.post_attention_layernorm(self.self_attn(rotary, x))
             return x + self.post_feedforward_layernorm(self.mlp(x))
+        if self.placement == "sandwich":
+            x = x + self.post_attention_layernorm(self.self_attn(rotary, self.input_layernorm(x)))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(rotary, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -148,7 +164,7 @@ class DecoderLayer(nn.Module):
                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer with each residual add fused into the next norm: takes and
         returns (this sublayer's output, the residual stream before it is added)."""
-        if self.post_norms:
+        if self.placement == "post":
             return self._forward_fused_post_norms(ops, rotary, x, residual)
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h, residual = ops.add_rms_norm(x, norm1.weight, norm1.eps, residual)
@@ -178,12 +194,15 @@ class LlamaForCausalLM(nn.Module):
         self.group = group
         rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla else cfg.rotary_dim
         self.rope = RotaryEmbedding(rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+        local_theta = cfg.gemma.local_rope_theta if cfg.gemma else None
+        self.local_rope = None if local_theta is None else RotaryEmbedding(rope_dim, max_positions, local_theta,
+                                                                           None, device)
         if shard.size == 1:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(shard, cfg.hidden_size, group)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, group, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = (GemmaRMSNorm if cfg.gemma else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -217,7 +236,11 @@ class LlamaForCausalLM(nn.Module):
         ranks of a TP group but the first (they are gathered there).
         """
         x = self.embed_tokens(input_ids)
-        ops = fused_ops(x)  # the fused layer ops for these activations, or None: torch's
+        if self.config.gemma:
+            x = scale_embeddings(x, self.config.hidden_size)
+        # The fused layer ops for these activations, or None: torch's (always for Gemma,
+        # whose norms and activation the fused ops do not compute).
+        ops = fused_ops(x) if self.config.gemma is None else None
         if ops is not None:
             tables = RotaryTables(self.rope.cos, self.rope.sin, positions, ops.rotary_)
             residual: torch.Tensor | None = None
@@ -230,15 +253,19 @@ class LlamaForCausalLM(nn.Module):
             return self._logits(x)
         rotary = self.rope.lookup(positions, torch.float32 if self.config.mla and self.config.mla.rope_fp32
                                   else x.dtype)
+        local = rotary if self.local_rope is None else self.local_rope.lookup(positions, x.dtype)
         for i, layer in enumerate(self._decoder_layers()):
-            x = layer(rotary, x)
+            x = layer(local if layer.local_rope else rotary, x)
             if self.layer_hook is not None:
                 self.layer_hook(i)
         return self._logits(self.norm(x[logits_indices]))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(x).float()
-        if self.shard.size == 1:
-            return logits
-        logits = self.group.gather_last_dim(logits)
-        return None if logits is None else logits[:, :self.config.vocab_size]
+        if self.shard.size > 1:
+            gathered = self.group.gather_last_dim(logits)
+            if gathered is None:
+                return None
+            logits = gathered[:, :self.config.vocab_size]
+        cap = self.config.gemma.final_softcap if self.config.gemma else 0.0
+        return softcap(logits, cap) if cap else logits

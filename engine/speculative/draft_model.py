@@ -114,6 +114,13 @@ class DraftModelProposer:
         starts = [min(s.request.speculation.num_draft_computed, end - 1) for s, end in zip(work, ends)]
         if self.blocks is not None:
             starts = [self.blocks.trusted(s.request, start, row) for s, start, row in zip(work, starts, tables)]
+        # Blocks released out of a sliding window have no place to hold draft KV (their
+        # table entries are 0, another request's block): a catch-up starts after them.
+        # The draft's KV just past them then attends over what block 0 holds: its
+        # drafts there are worse, never wrong (the target verifies them).
+        starts = [max(start, self.kv.num_released(s.request.request_id) * self.block_size)
+                  for s, start in zip(work, starts)]
+        if self.blocks is not None:
             for start, end, n, row in zip(starts, ends, counts, tables):
                 self.blocks.forget(row, start, end + n - 1)  # what this fill overwrites
         drafts = torch.empty((len(work), max(counts)), dtype=torch.int64, device=self.runner.device)

@@ -57,7 +57,7 @@ def step_tokens(llm: LLM) -> list[int]:
 MIXED = random_prompts([1, 7, 16, 17, 33, 64, 100, 150], seed=1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3"])
 def test_mixed_batch_matches_hf(tiny_models: dict[str, Path], arch: str) -> None:
     llm = LLM(str(tiny_models[arch]), enable_prefix_caching=False)
     outs = llm.generate(MIXED, GREEDY, use_tqdm=False)

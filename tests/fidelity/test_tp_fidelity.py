@@ -1,6 +1,6 @@
 """Tensor parallelism (2 ranks, gloo on CPU): greedy float32 tokens identical to
 transformers, with prefix caching, chunked prefill and preemption exercised, and with
-a single KV head replicated on both ranks; sliding windows (mistral, phi3) included."""
+a single KV head replicated on both ranks; sliding windows (mistral, phi3, gemma2/3) included."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def tp_llm(model_dir: Path, **options) -> LLM:
     return LLM(str(model_dir), tensor_parallel_size=2, num_threads=1, **options)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "mqa", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "mqa", "olmo2", "phi3", "gemma2", "gemma3"])
 def test_tp2_matches_hf_with_chunks_and_prefix_hits(tiny_models: dict[str, Path], mqa_model_dir: Path,
                                                     arch: str) -> None:
     model_dir = mqa_model_dir if arch == "mqa" else tiny_models[arch]

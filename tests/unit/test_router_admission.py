@@ -262,6 +262,22 @@ def test_a_chat_templates_refusal_is_a_400_naming_messages(http, monkeypatch: py
         "user/assistant/user/assistant/..."), r.text
 
 
+@pytest.mark.parametrize("path,stream", [("/v1/chat/completions", False), ("/v1/chat/completions", True),
+                                         ("/tokenize", False)])
+def test_chat_on_a_model_without_a_chat_template_is_a_400(http, monkeypatch: pytest.MonkeyPatch, path: str,
+                                                          stream: bool) -> None:
+    """A base model's tokenizer (Gemma 3 270M's) has none: transformers raises a
+    ValueError, which was a 500."""
+    client, router = http
+    monkeypatch.setattr(router.tokenizer, "chat_template", None)
+    body = {"messages": [USER], **({"stream": True} if stream else {})}
+    r = client.post(path, json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages", r.text
+    assert "no chat template: send the prompt to /v1/completions" in error["message"]
+    assert client.post("/tokenize", json={"prompt": "Hi"}).status_code == 200  # and the router goes on
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
 def test_a_body_sent_as_other_than_json_is_refused_as_vllm_does(http, path: str) -> None:
     client, _ = http

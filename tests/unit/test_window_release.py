@@ -7,9 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.errors import DoesNotFit
+from engine.kv_cache.events import DEVICE, KVEvents
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
 
 
 def advance(kv: KVCacheManager, request: Request, num_new: int) -> None:
@@ -75,3 +78,56 @@ def test_fork_hold_and_fences_respect_released_blocks() -> None:
 def test_negative_window_is_refused() -> None:
     with pytest.raises(ValueError, match="sliding_window must be >= 0"):
         KVCacheManager(num_blocks=4, block_size=4, sliding_window=-1)
+
+
+def test_prefix_hits_before_the_window_keep_only_their_places() -> None:
+    """A hit block wholly before the window of the request's first new token is never
+    read: it is not taken (nor revived from the free queue), only its place kept."""
+    kv = KVCacheManager(num_blocks=12, block_size=4, sliding_window=6)
+    first = Request("a", list(range(25)), SamplingParams(max_tokens=1))
+    advance(kv, first, 25)
+    kv.free(first)  # its 6 full blocks stay cached, free
+    second = Request("b", list(range(25)) + [99], SamplingParams(max_tokens=1))
+    hits = kv.get_computed_blocks(second)
+    assert len(hits) == 6  # tokens 0-23; the first new token, 24, sees 19..24
+    assert kv.num_blocks_needed(second, 2, hits) == 2 + 1  # revives blocks 4 and 5, takes 1 new
+    assert kv.allocate_slots(second, 2, hits)
+    assert kv.block_ids("b")[:4] == [-1] * 4 and kv.num_released("b") == 4
+    assert [b.ref_cnt for b in hits] == [0, 0, 0, 0, 1, 1]
+    kv.free(second)
+    assert kv.num_free_blocks == 12
+
+
+def test_what_a_request_needs_of_the_pool_with_a_window() -> None:
+    """With a window of 20 and blocks of 16 a request runs chunk by chunk in the
+    window's span and 5 more blocks (7): a prompt longer than the pool too, but not on
+    a prefill worker, which holds its whole prompt for its push."""
+    sched = Scheduler(KVCacheManager(8, 16, sliding_window=20), 512, 8, max_model_len=4096)
+    sched.check_fits(200, 800)  # 63 blocks' worth of tokens in 8
+    with pytest.raises(DoesNotFit, match="prompt \\(200 tokens\\) needs more than the KV pool's 8 blocks"):
+        sched.check_fits(200, 1, whole_prompt=True)
+    small = Scheduler(KVCacheManager(6, 16, sliding_window=20), 512, 8, max_model_len=4096)
+    with pytest.raises(DoesNotFit, match="cannot hold the sliding window of 20 tokens and a step's chunk beside it "
+                                         "\\(7 blocks\\)"):
+        small.check_fits(200, 10)
+    with pytest.raises(DoesNotFit, match="request needs 7 KV blocks \\(prompt 10 \\+ max_tokens 100\\)"):
+        small.check_fits(10, 100)
+    small.check_fits(10, 70)  # 5 blocks in all: fits without chunks
+    assert KVCacheManager(8, 16, sliding_window=20).chunk_limit() == 30  # ((8 - 3) * 16 - 20) // 2
+
+
+def test_blocks_released_unwritten_are_reported_not_held() -> None:
+    """A remote prefill's blocks before the window are released as they are reserved,
+    never written: the router, which counts a prompt's blocks as the worker's once it
+    sends it there, is told they are not (or it would keep the next such prompt local
+    and have it recomputed whole)."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding_window=6)
+    kv.pool.events = KVEvents(1000)
+    other = Request("o", list(range(4)) + [7], SamplingParams(max_tokens=1))
+    advance(kv, other, 5)  # block 0's tokens cached by another request: that one stays held
+    r = Request("r", list(range(24)), SamplingParams(max_tokens=1))
+    kv.allocate_slots(r, 24)
+    kv.pool.events.take()
+    assert kv.release_before(r, kv.window_first_block(23)) == 4
+    events, _ = kv.pool.events.take()
+    assert events == [(h, DEVICE, False) for h in r.block_hashes[1:4]]
