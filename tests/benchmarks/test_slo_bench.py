@@ -157,7 +157,11 @@ def test_quick_run_on_the_tiny_llama(llama_dir: Path, tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert [(r["arm"], r["load"]) for r in report["runs"]] == [("fcfs", 3.0), ("slo", 3.0)]
     assert all(r["failed"] == 0 and r["requests"] > 0 for r in report["runs"]), [r["errors"] for r in report["runs"]]
-    assert report["runs"][1]["prediction_error"]["ttft"]["n"] > 0
+    # Each run that completed requests reads its own prediction error (the predictor
+    # predicts every request, FCFS's too). At 3x on a busy 2-core machine the slo arm
+    # may refuse every request: it has none to read then (seen once in CI).
+    completed = [r for r in report["runs"] if r["completed"]]
+    assert completed and all(r["prediction_error"]["ttft"]["n"] > 0 for r in completed), report["runs"]
     assert [r["arm"] for r in report["per_arm"]] == ["fcfs", "slo"] and report["topologies"]["1p1d"]["capacity"] > 0
     assert "| 1p1d | 3x | slo |" in proc.stdout  # (the noisy neighbour's deployments: the benchmark's own run)
 
