@@ -162,13 +162,19 @@ class DecodeWorkerCore:
             return None
         epoch = next(self._epochs)
         deadline = time.time() + self.deadline_s
-        self.transport.expect(request_id, epoch, blocks[first:end], deadline, sender)
+        # A mixed local/global model: the blocks before the local layers' window are
+        # written (and awaited) for the global layers only.
+        layer_first = request.remote.layer_first_blocks if request.remote is not None else ()
+        masks = [sum(1 << layer for layer, f in enumerate(layer_first) if f <= i) for i in range(first, end)] \
+            if layer_first else None
+        self.transport.expect(request_id, epoch, blocks[first:end], deadline, sender, masks)
         self.engine.fence_blocks(blocks[first:end])
         self._remote[request_id] = _RemoteKV(epoch, sender, first, end, blocks[first:end])
         self.stats["remote"] += 1
         return RemotePrefill(request_id=request_id, prompt_token_ids=list(prompt), peer=self.transport.agent_name,
                              block_ids=blocks, first_block=first, epoch=epoch, deadline=deadline,
-                             session=self.transport.session, priority=request.priority, queue_tag=request.queue_tag)
+                             session=self.transport.session, priority=request.priority, queue_tag=request.queue_tag,
+                             layer_first_blocks=list(layer_first))
 
     def _give_up(self, request_id: str, abort: bool) -> list[Request]:
         """Stop waiting for the request's pushed KV: its reserved blocks stay held and

@@ -93,7 +93,8 @@ class _Builder:
             kv_caches = self._allocate_caches(num_blocks, kv_allocator, keep_cache_files)
             # A sliding window every layer of every model here keeps to: blocks before it are released.
             window = release_window(model_config, *(() if draft is None else (draft.config,)))
-            kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
+            kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, window,
+                                model_config.layer_windows)
             if config.kv_offload_gib > 0:
                 kv.attach_tiers(self._tiers(kv_caches, shared_kv))
             elif shared_kv is not None:

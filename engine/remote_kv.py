@@ -81,8 +81,10 @@ class RemoteKVQueues:
         # (the first this worker computes) are never read here: let them go now, and the
         # prefill worker writes only the rest (their ids read -1 in block_ids).
         kv.release_before(request, kv.window_first_block(request.num_prompt_tokens - 1))
+        # Of the rest, a block before some layer's window is written only the layers that read it.
+        first = max(len(hits), kv.num_released(request.request_id))
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.remote = RemoteKV()
+        request.remote = RemoteKV(layer_first_blocks=kv.write_by_layer(request, first))
         sched.requests[request.request_id] = request
         return True
 

@@ -63,6 +63,9 @@ class RemoteKV:
     reserved for it (engine/remote_kv.py). Dropped when it falls back to a local prefill."""
 
     num_tokens: int = 0  # prompt tokens whose KV the prefill worker wrote, once it arrived
+    # Per layer, the first block the prefill worker writes it in (KVCacheManager.write_by_layer);
+    # () : every layer of every block it writes.
+    layer_first_blocks: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)

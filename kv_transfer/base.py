@@ -308,14 +308,15 @@ class KVTransport(ABC):
     # ------------------------------------------------------------------ receiver (D)
 
     def expect(self, req: str, epoch: int, blocks: Sequence[int], deadline: float,
-               sender: str | None = None) -> None:
+               sender: str | None = None, layer_masks: Sequence[int] | None = None) -> None:
         """Reserve `blocks` for writes of (req, epoch) until `deadline` (time.time()).
 
         `sender`: the agent name of the one sender that may write it. A dead one-sided
         reservation's blocks stay fenced until that sender confirms (cancel_ack) or has
         exited; unnamed (and no write came yet), until every sender that said hello has
-        (receiver.py). The decode worker always names it."""
-        self.receiving.expect(req, epoch, blocks, deadline, sender)
+        (receiver.py). The decode worker always names it. `layer_masks`: per block, a
+        bit per layer that will be written (the rest are never read); None: every layer."""
+        self.receiving.expect(req, epoch, blocks, deadline, sender, layer_masks)
 
     def holds_reservations(self) -> bool:
         """D: some reserved blocks are not back yet: live reservations, or dead ones

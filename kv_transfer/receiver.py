@@ -76,7 +76,7 @@ from kv_transfer.control import ControlPlane
 from kv_transfer.events import Completed, Event, Expired, Overwritten, Received, Released
 from kv_transfer.liveness import ProcessId, is_gone
 from kv_transfer.rank_pairs import check_wire
-from kv_transfer.reservation import Reservation, check_layers, covered
+from kv_transfer.reservation import Reservation, check_layers, check_masks, covered
 from protocol import encode
 from protocol.kv_control import Ack, Cancel, Layers, Piece, Run, Written
 
@@ -127,7 +127,8 @@ class ReceiverState:
         # rest at debug; the most recent MAX_RELEASED.
         self._drops_logged: OrderedDict[tuple[str, int], None] = OrderedDict()
 
-    def expect(self, req: str, epoch: int, blocks: Sequence[int], deadline: float, sender: str | None) -> None:
+    def expect(self, req: str, epoch: int, blocks: Sequence[int], deadline: float, sender: str | None,
+               layer_masks: Sequence[int] | None = None) -> None:
         """KVTransport.expect."""
         if req in self.reservations:
             raise ValueError(f"request {req!r} already has a live reservation")
@@ -135,7 +136,10 @@ class ReceiverState:
         bad = [b for b in blocks if not (isinstance(b, int) and 0 <= b < num_blocks)]
         if bad or not blocks:
             raise ValueError(f"reserved block ids must be in [0, {num_blocks}), got {list(blocks)[:5]}")
-        self.reservations[req] = Reservation.of(epoch, blocks, deadline, sender, self._plane.registered_compat.num_layers)
+        num_layers = self._plane.registered_compat.num_layers
+        if problem := check_masks(layer_masks, len(blocks), num_layers):
+            raise ValueError(problem)
+        self.reservations[req] = Reservation.of(epoch, blocks, deadline, sender, num_layers, layer_masks)
 
     def holds(self) -> bool:
         return bool(self.reservations or self.quarantine)

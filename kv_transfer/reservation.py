@@ -40,9 +40,11 @@ class Reservation:
 
     @classmethod
     def of(cls, epoch: int, blocks: Sequence[int], deadline: float, sender: str | None,
-           num_layers: int) -> Reservation:
-        """A live reservation of `blocks`, every layer of each still to come."""
-        return cls(epoch, set(blocks), deadline, sender, dict.fromkeys(blocks, (1 << num_layers) - 1))
+           num_layers: int, layer_masks: Sequence[int] | None = None) -> Reservation:
+        """A live reservation of `blocks`, every layer of each still to come (or, per
+        block, the layers its `layer_masks` bit names)."""
+        masks = [(1 << num_layers) - 1] * len(blocks) if layer_masks is None else layer_masks
+        return cls(epoch, set(blocks), deadline, sender, dict(zip(blocks, masks)))
 
     def take(self, blocks: Sequence[int], layers: tuple[int, int] | None, num_layers: int) -> list[int]:
         """Count `layers` (None: every one) of `blocks` in; returns the blocks that are
@@ -73,6 +75,18 @@ def check_layers(layers: Any, num_layers: int) -> str:
     start, end = layers
     if not 0 <= start < end <= num_layers:
         return f"layers [{start}, {end}) are not a range of the cache's {num_layers} layers"
+    return ""
+
+
+def check_masks(masks: Sequence[int] | None, num_blocks: int, num_layers: int) -> str:
+    """Why per-block layer masks (a bit per layer to come) cannot be a reservation's of
+    `num_blocks` blocks of a num_layers cache: "" if fine (None: every layer)."""
+    if masks is None:
+        return ""
+    if len(masks) != num_blocks:
+        return f"{len(masks)} layer masks for {num_blocks} reserved blocks"
+    if any(not isinstance(m, int) or not 0 < m < 1 << num_layers for m in masks):
+        return f"each block's layer mask must name some of the cache's {num_layers} layers, got {list(masks)[:5]}"
     return ""
 
 

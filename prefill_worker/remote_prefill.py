@@ -26,6 +26,7 @@ import torch
 from engine.engine_core import EngineCore, StepOutput
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import cdiv
+from engine.kv_cache.window import layers_reading
 from engine.request import RequestStatus
 from kv_transfer import KVTransport, WriteDone, WriteFailed
 from protocol import PrefillDone, RemotePrefill
@@ -45,6 +46,7 @@ class _Job:
     layers_sent: int = 0  # layer mode: layers [0, layers_sent) of this step's blocks are written
     outstanding: set[int] = field(default_factory=set)  # xfer ids in flight
     failed: str | None = None
+    bytes_written: int = 0
 
 
 class PrefillWorkerCore:
@@ -86,6 +88,10 @@ class PrefillWorkerCore:
     def _refusal(self, rp: RemotePrefill, end: int) -> str | None:
         if not (0 <= rp.first_block < end <= len(rp.block_ids)):
             return f"blocks [{rp.first_block}, {end}) to write do not fit the {len(rp.block_ids)} destination blocks"
+        if rp.layer_first_blocks and (len(rp.layer_first_blocks) != self.num_layers
+                                      or min(rp.layer_first_blocks) != rp.first_block):
+            return (f"layer_first_blocks {rp.layer_first_blocks[:8]} must give each of the model's {self.num_layers} "
+                    f"layers a first block, the first of them {rp.first_block} (first_block)")
         if self.transport.peer_session(rp.peer) != rp.session:
             return (f"decode worker {rp.peer!r} is not a peer in the session that reserved these blocks "
                     "(it restarted, or is gone)")
@@ -192,20 +198,25 @@ class PrefillWorkerCore:
 
     def _write(self, request_id: str, job: _Job, ready: int, layers: tuple[int, int] | None) -> bool:
         """Write the job's blocks [next_block, ready) (`layers` of them, None: every
-        layer), holding them until the write ends. False: its decode worker is gone."""
+        layer; of a block before some layer's window at D, only the layers that read
+        it), holding them until the write ends. False: its decode worker is gone."""
         rp = job.rp
         if self.transport.peer_session(rp.peer) != rp.session:  # gone, or restarted: not its blocks
             self.fail_jobs_for(rp.peer)
             return False
-        held = self.engine.hold_blocks(request_id, job.next_block, ready)
-        try:
-            xfer = self.transport.write(rp.peer, request_id, rp.epoch, [b.block_id for b in held],
-                                        rp.block_ids[job.next_block:ready], rp.deadline, layers)
-        except BaseException:
-            self.engine.release_blocks(held)
-            raise
-        self._held[xfer] = held
-        job.outstanding.add(xfer)
+        block_bytes = self.transport.registered_compat.block_bytes
+        for start, end, (l0, l1) in layers_reading(rp.layer_first_blocks, job.next_block, ready,
+                                                   layers or (0, self.num_layers)):
+            held = self.engine.hold_blocks(request_id, start, end)
+            try:
+                xfer = self.transport.write(rp.peer, request_id, rp.epoch, [b.block_id for b in held],
+                                            rp.block_ids[start:end], rp.deadline, (l0, l1))
+            except BaseException:
+                self.engine.release_blocks(held)
+                raise
+            self._held[xfer] = held
+            job.outstanding.add(xfer)
+            job.bytes_written += (end - start) * block_bytes * (l1 - l0) // self.num_layers
         return True
 
     def _finish_jobs(self) -> list[PrefillDone]:
@@ -223,6 +234,5 @@ class PrefillWorkerCore:
             self.stats["prefills" if job.failed is None else "failed"] += 1
             computed = job.computed if job.computed is not None else now
             ended.append(PrefillDone(request_id=request_id, error=job.failed, compute_s=computed - job.submitted,
-                                     transfer_s=now - computed, bytes_written=(job.next_block - job.rp.first_block)
-                                     * self.transport.registered_compat.block_bytes))
+                                     transfer_s=now - computed, bytes_written=job.bytes_written))
         return ended

@@ -26,7 +26,8 @@ import msgspec
 # StoreDrop.
 # 19: Generate has queue_tag, RemotePrefill priority and queue_tag; WorkerStats has
 # step_seconds_by_requests and step_seconds_by_tokens (StepTimes, both roles).
-PROTOCOL_VERSION = 19
+# 20: RemotePrefill has layer_first_blocks (what P writes of each block, by layer).
+PROTOCOL_VERSION = 20
 
 
 class MessageError(ValueError):

@@ -127,6 +127,10 @@ class RemotePrefill(Message, frozen=True, tag="prefill"):
     # The request's Generate.priority and queue_tag: P's queue orders its jobs by them.
     priority: int = 0
     queue_tag: QueueTag = 0.0
+    # Per layer, the first block P writes that layer in (a mixed local/global model: the
+    # local layers never read blocks before their window at D); empty: every layer of
+    # every block from first_block.
+    layer_first_blocks: list[int] = []
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -42,15 +42,22 @@ def engine_and_transport(config: WorkerConfig) -> tuple[EngineCore, KVTransport]
 
 def register_caches(transport: KVTransport, engine: EngineCore, model: str) -> None:
     """The transport reaches every rank's cache, each holding its KV heads. The model's
-    name carries its weights' quantization and its layers' sliding windows: a pool
-    quantizing to fp8 and one that does not (or attending over other windows) compute
-    different KV, so the handshake refuses the pair as different models."""
+    name carries its weights' quantization, its layers' sliding windows and its LongRoPE
+    factor set: a pool quantizing to fp8 and one that does not (or attending over other
+    windows, or turning keys otherwise) compute different KV, so the handshake refuses
+    the pair as different models."""
     weights = engine.config.quantization or engine.model_config.quantization
     model = f"{model} [{weights} weights]" if weights else model
     # So do pools whose layers have other sliding windows; and a decode worker asks only
     # for the blocks its windows read.
     windows = engine.model_config.layer_windows
     model = f"{model} [sliding windows {','.join(map(str, windows))}]" if windows else model
+    # And pools that turn keys with Phi-3's other LongRoPE factor set (picked by each
+    # engine's max_model_len, engine/model/rope.py longrope_factors).
+    rope = engine.model_config.rope_scaling
+    if rope is not None and rope["rope_type"] == "longrope":
+        long = engine.max_model_len > rope["original_max_position_embeddings"]
+        model = f"{model} [longrope {'long' if long else 'short'} factors]"
     size = engine.config.tensor_parallel_size
     if size == 1:
         transport.register_kv_cache(engine.kv_cache, model, kv_scales=engine.kv_scales)

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "speculative_cost": "benchmarks.offline.speculative_cost",
     "structured": "benchmarks.offline.structured",
     "sliding_window": "benchmarks.offline.sliding_window",
+    "window_pools": "benchmarks.offline.window_pools",
 }
 
 if __name__ == "__main__":  # not when a spawned child imports this module as its main

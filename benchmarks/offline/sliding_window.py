@@ -14,7 +14,9 @@ ignored, in one run:
    side counts them (bytes_written), both models; the decoded tokens are checked against
    the colocated engine's.
 3. With --gemma DIR (pdserve model prepare gemma3): the real Gemma 3 270M, a prompt past
-   its 512 window, greedy float32 tokens against transformers', and its decode rate.
+   its 512 window, greedy float32 tokens against transformers', and its decode rate;
+   and the bytes of a remote prefill of 4x its window, a mixed model's (the blocks
+   before the window carry the global layers only), against the window ignored.
 """
 
 from __future__ import annotations
@@ -88,17 +90,17 @@ def blocks_over_time(model: Path, prompt: list[int], max_tokens: int) -> tuple[l
     return held, rate
 
 
-def remote_prefill_bytes(model: Path, prompt: list[int]) -> tuple[int, list[int], list[int]]:
+def remote_prefill_bytes(model: Path, prompt: list[int], **engine: str) -> tuple[int, list[int], list[int]]:
     """(bytes the prefill engine wrote for the prompt, the decoded tokens, the colocated
-    engine's)."""
+    engine's); `engine`: more EngineConfig options (dtype)."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     config = TransportConfig(timeout_s=10.0, cancel_grace_s=5.0)
     t_dec, t_pre = create_transport("shm", "decode", config), create_transport("shm", "prefill", config)
     engines: list[EngineCore] = []
     try:
         for t in (t_dec, t_pre):
-            engines.append(EngineCore(EngineConfig(model=str(model), num_kv_blocks=256, max_num_batched_tokens=256),
-                                      t.allocate_kv_cache, keep_cache_files=True))
+            engines.append(EngineCore(EngineConfig(model=str(model), num_kv_blocks=256, max_num_batched_tokens=256,
+                                                   **engine), t.allocate_kv_cache, keep_cache_files=True))
             register_caches(t, engines[-1], "bench")
         t_pre.add_peer(t_dec.metadata())
         decode, prefill = DecodeWorkerCore(engines[0], t_dec, 30.0), PrefillWorkerCore(engines[1], t_pre)
@@ -113,7 +115,7 @@ def remote_prefill_bytes(model: Path, prompt: list[int]) -> tuple[int, list[int]
                 assert result.error is None, result.error
             finished = decode.step().finished
             out = finished[0].output_token_ids if finished else None
-        want = LLM(str(model), num_kv_blocks=256).generate([prompt], params, use_tqdm=False)[0].token_ids
+        want = LLM(str(model), num_kv_blocks=256, **engine).generate([prompt], params, use_tqdm=False)[0].token_ids
         return int(t_pre.stats["bytes_written"]), list(out), want
     finally:
         for t in (t_pre, t_dec):
@@ -142,6 +144,29 @@ def gemma_rows(model_dir: Path) -> list[str]:
     return [f"| Gemma 3 270M, {len(prompt)}-token prompt (window 512), float32 | "
             f"{'identical' if got == want else 'DIFFERENT'} to transformers' 32 greedy tokens | "
             f"{seconds:.1f} s for prefill + 32 tokens | {tok.decode(got[:6])!r} |"]
+
+
+def gemma_push_rows(model_dir: Path, root: Path, tokens: int) -> list[str]:
+    """A remote prefill of a `tokens`-token prompt on Gemma 3 270M, a mixed model (a
+    window of 512 on 15 of its 18 layers): the blocks before the window carry the 3
+    global layers only. Against the same weights with the window ignored (every layer
+    global), over shm; the decoded tokens against each one's colocated engine's."""
+    ignored = root / "gemma-no-window"
+    ignored.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (ignored / f.name).symlink_to(f.resolve())
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (ignored / "config.json").write_text(json.dumps({**cfg, "sliding_window": None}))
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(10, cfg["vocab_size"] // 2, (tokens,), generator=g).tolist()
+    rows, sizes = [], {}
+    for name, model in (("Gemma 3 270M", model_dir), ("the same, window ignored", ignored)):
+        written, got, want = remote_prefill_bytes(model, prompt, dtype="float32")
+        sizes[name] = written
+        rows.append(f"| {name} | {written:,} | {got == want} |")
+    rows.append(f"\nratio: {sizes['Gemma 3 270M'] / sizes['the same, window ignored']:.3f}")
+    return rows
 
 
 def main() -> None:
@@ -187,6 +212,12 @@ def main() -> None:
         print("|---|---|---|---|")
         for row in gemma_rows(args.gemma):
             print(row)
+        print(f"\n## Bytes per remote prefill of a mixed model ({4 * 512}-token prompt, shm, 1P1D, float32)\n")
+        print("| model | bytes written | decoded tokens = colocated |")
+        print("|---|---|---|")
+        with tempfile.TemporaryDirectory(prefix="pdserve-gemma-") as tmp:
+            for row in gemma_push_rows(args.gemma, Path(tmp), 4 * 512):
+                print(row)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,20 @@ class KVCacheManager(WindowBlocks):
     """Called by the scheduler only. Owns one reference on every block a request holds."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int = 0) -> None:
+                 sliding_window: int = 0, layer_windows: Sequence[int] = ()) -> None:
         """sliding_window > 0: every layer of every model reading these blocks attends
         over at most that many positions, so blocks wholly before a request's window are
-        released as it advances (release_out_of_window)."""
+        released as it advances (release_out_of_window). layer_windows: the model's
+        window per layer (0: full attention), for what a remote prefill writes of each
+        block (write_by_layer)."""
         if sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0 (0: none), got {sliding_window}")
         self.block_size = block_size
         self.sliding_window = sliding_window
         # Per request: how many of its first blocks it has released (RELEASED in its list).
         self._released: dict[str, int] = {}
+        self.layer_windows = tuple(layer_windows)
+        self._partial: dict[str, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -264,8 +268,9 @@ class KVCacheManager(WindowBlocks):
         if num_full <= start:
             return
         self._update_hashes(request)
+        partial = self._partial.get(request.request_id, 0)
         for i in range(start, num_full):
-            if blocks[i] is RELEASED:  # let go of before it was cached (a fork's released prefix)
+            if blocks[i] is RELEASED or i < partial:  # let go of before it was cached, or some layers only
                 continue
             parent = request.block_hashes[i - 1] if i else NONE_HASH
             tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
@@ -289,6 +294,7 @@ class KVCacheManager(WindowBlocks):
         its id may be reused at once while a queued step still writes those blocks."""
         blocks = held(self.req_blocks.pop(request.request_id, []))
         self._released.pop(request.request_id, None)
+        self._partial.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self._shared_tail.pop(request.request_id, None)
         self.block_table.remove(request.request_id)

@@ -32,6 +32,37 @@ def held(blocks: Sequence[KVBlock]) -> list[KVBlock]:
     return [b for b in blocks if b is not RELEASED]
 
 
+def layer_first_blocks(layer_windows: Sequence[int], position: int, block_size: int) -> tuple[int, ...]:
+    """Per layer, the first block a query at `position`, or any later one, reads: 0 for
+    a layer that attends over every position, past the blocks before its window for
+    one with a sliding window. () when no layer has a window."""
+    return tuple(max(0, position - w + 1) // block_size if w > 0 else 0 for w in layer_windows)
+
+
+def layers_reading(first_blocks: Sequence[int], lo: int, hi: int,
+                   layers: tuple[int, int]) -> list[tuple[int, int, tuple[int, int]]]:
+    """Blocks [lo, hi) split where the layers reading them change: (start, end, layer
+    range) for each part and each run of consecutive layers within `layers` that read
+    it (layer l reads block i when first_blocks[l] <= i; () : every layer, every
+    block). What a prefill worker writes of a mixed local/global model: blocks before
+    the local layers' window carry the global layers only."""
+    l0, l1 = layers
+    if not first_blocks:
+        return [(lo, hi, layers)] if lo < hi else []
+    cuts = sorted({lo, hi, *(f for f in first_blocks[l0:l1] if lo < f < hi)})
+    parts = []
+    for start, end in zip(cuts, cuts[1:]):
+        run_start = None
+        for layer in range(l0, l1 + 1):
+            reads = layer < l1 and first_blocks[layer] <= start
+            if reads and run_start is None:
+                run_start = layer
+            elif not reads and run_start is not None:
+                parts.append((start, end, (run_start, layer)))
+                run_start = None
+    return parts
+
+
 class WindowBlocks:
     """KVCacheManager's sliding-window methods; the state is the manager's."""
 
@@ -41,6 +72,10 @@ class WindowBlocks:
     req_blocks: dict[str, list[KVBlock]]
     block_table: BlockTable
     _released: dict[str, int]  # per request: how many of its first blocks it released
+    # Per request: its blocks before this index hold only some layers' KV (a remote
+    # prefill wrote each block only the layers that read it): never cached.
+    _partial: dict[str, int]
+    layer_windows: tuple[int, ...]  # the model's, per layer (0: full attention); ()
 
     def _update_hashes(self, request: Request) -> None:
         raise NotImplementedError
@@ -97,6 +132,21 @@ class WindowBlocks:
         if not self.sliding_window:
             return 0
         return max(0, position - self.sliding_window + 1) // self.block_size
+
+    def write_by_layer(self, request: Request, first: int) -> tuple[int, ...]:
+        """A decode worker's reservation of a prompt whose blocks [first, ...) a prefill
+        worker writes: per layer, the first of them it writes that layer in, the first
+        the layer reads from the prompt's last token on (a mixed local/global model's
+        local layers never read the blocks before their window; the global ones read
+        every block). Those blocks then hold some layers' KV only, so they are never
+        cached here, and the router hears they are not. () : every layer of every block."""
+        firsts = layer_first_blocks(self.layer_windows, request.num_prompt_tokens - 1, self.block_size)
+        whole_from = max(firsts, default=0)
+        if whole_from <= first:
+            return ()
+        self._partial[request.request_id] = whole_from
+        self._not_held(request, list(range(first, whole_from)))
+        return tuple(max(f, first) for f in firsts)
 
     def release_before(self, request: Request, first: int) -> int:
         """Let go of the request's blocks before block `first` (that no step will read:

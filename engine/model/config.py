@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -196,13 +197,14 @@ def _rope(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None,
     # transformers 5 moved rope_theta/rope_scaling into rope_parameters.
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    partial = _partial_rotary(arch, cfg, rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor")))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if arch == "Phi3ForCausalLM" and rope_type != "default":
         # transformers runs Phi-3's "su" and "yarn" types as longrope (Phi3Config).
-        kind = "longrope" if rope_type in ("longrope", "su", "yarn") else rope_type
-        raise ValueError(f"unsupported rope_scaling type {kind!r} for Phi3ForCausalLM: pdserve runs Phi-3 with "
-                         "default RoPE only (longrope, its long-context scaling, is not built yet)")
+        if rope_type not in ("longrope", "su", "yarn"):
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r} for Phi3ForCausalLM (default, longrope)")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        return rope_theta, _longrope(cfg, rope, int(head_dim * partial)), partial
     if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn)")
     if rope_type == "yarn":
@@ -211,13 +213,48 @@ def _rope(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None,
         # transformers' default: the config's context is the one it was trained at
         rope.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
     scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+    return rope_theta, scaling, partial
+
+
+def _partial_rotary(arch: str, cfg: dict[str, Any], partial: Any) -> float:
     if arch != "Phi3ForCausalLM" or partial is None:
-        return rope_theta, scaling, 1.0  # only Phi-3's transformers model turns part of a head
+        return 1.0  # only Phi-3's transformers model turns part of a head
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     if not isinstance(partial, (int, float)) or not 0 < partial <= 1 or int(head_dim * partial) % 2:
         raise ValueError(f"partial_rotary_factor must be in (0, 1] and turn an even number of each head's "
                          f"{head_dim} dims, got {partial!r}")
-    return rope_theta, scaling, float(partial)
+    return float(partial)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _longrope(cfg: dict[str, Any], rope: dict[str, Any], rotary_dim: int) -> dict[str, Any]:
+    """Phi-3's longrope scaling, checked (rope.py longrope_factors: which factors an
+    engine turns by). Its original_max_position_embeddings is the top-level one, as
+    transformers reads it, else rope_scaling's, else Phi3Config's default, 4096."""
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    original = cfg.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", 4096))
+    if isinstance(original, bool) or not isinstance(original, int) or original < 2:  # its log divides
+        raise ValueError(f"original_max_position_embeddings must be an integer >= 2, got {original!r}")
+    for name in ("short_factor", "long_factor"):
+        factors = rope.get(name)
+        if (not isinstance(factors, list) or len(factors) != rotary_dim // 2
+                or not all(_number(f) and f > 0 for f in factors)):
+            got = f"a list of {len(factors)}" if isinstance(factors, list) else repr(factors)
+            raise ValueError(f"{key}.{name} must be a list of {rotary_dim // 2} positive numbers (one per pair "
+                             f"of the {rotary_dim} rotary dims), got {got}")
+    # transformers' default: the ratio of the context to the original one (for attention_factor)
+    factor = rope.get("factor")
+    if factor is None:
+        factor = cfg.get("max_position_embeddings", 4096) / original
+    attention = rope.get("attention_factor")
+    for name, value in (("factor", factor), ("attention_factor", attention)):
+        if value is not None and not (_number(value) and value > 0):
+            raise ValueError(f"{key}.{name} must be a positive number, got {value!r}")
+    return {**rope, "rope_type": "longrope", "original_max_position_embeddings": original, "factor": factor,
+            "attention_factor": attention}
 
 
 def checkpoint_quantization(qc: Any) -> str | None:

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear, llama3 and yarn frequency scaling.
+"""Rotary position embeddings: default, linear, llama3, yarn and longrope frequency scaling.
 
 cos/sin are computed exactly as transformers does (fp32 outer product, then cast), so
 greedy outputs can be token-identical in float32.
@@ -14,9 +14,14 @@ from typing import Any
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                        max_positions: int) -> torch.Tensor:
+    """max_positions: the engine's max_model_len (longrope picks its factors by it)."""
     # Explicit cpu device: the model may be constructed under a meta-device context.
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim)
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return 1.0 / (longrope_factors(scaling, max_positions) * powers)
+    inv_freq = 1.0 / powers
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
@@ -32,6 +37,23 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def longrope_factors(scaling: dict[str, Any], max_model_len: int) -> torch.Tensor:
+    """LongRoPE's (Phi-3's) per-frequency divisors: long_factor for an engine whose
+    max_model_len exceeds original_max_position_embeddings, else short_factor.
+
+    transformers picks the set per forward pass, by that pass's max(position_ids) + 1,
+    which a serving engine cannot follow: chunked prefill, prefix caching and the KV
+    cache would mix keys turned with both sets. As vLLM does, the engine picks once, by
+    max_model_len. Outputs equal transformers' wherever it turns a whole sequence with
+    one set: every sequence on an engine of max_model_len <= original (short), and a
+    prompt longer than original on a longer engine (long, from its first forward on).
+    Unlike transformers, a short prompt on an engine of max_model_len > original is
+    turned with the long factors (as in vLLM)."""
+    long = max_model_len > scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor" if long else "short_factor"]
+    return torch.tensor(factors, dtype=torch.float32, device="cpu")
 
 
 def _yarn_frequencies(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -56,11 +78,15 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What yarn multiplies cos and sin by (1 for the other types)."""
-    if scaling is None or scaling["rope_type"] != "yarn":
+    """What yarn and longrope multiply cos and sin by (1 for the other types)."""
+    if scaling is None or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "longrope":  # the same for the short and long factors
+        factor = scaling["factor"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(
+            scaling["original_max_position_embeddings"]))
     factor, mscale, mscale_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
     if mscale and mscale_all:
         return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
@@ -77,11 +103,12 @@ class RotaryEmbedding:
 
     A plain object, not a module: the model is built on the meta device and
     materialised by the loader, but these tables are computed, never loaded.
+    max_positions is the engine's max_model_len (the loader's; longrope_factors).
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict[str, Any] | None, device: torch.device | str) -> None:
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        inv_freq = inverse_frequencies(head_dim, theta, scaling, max_positions)
         freqs = torch.arange(max_positions, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         factor = attention_factor(scaling)

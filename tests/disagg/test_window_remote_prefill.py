@@ -2,27 +2,33 @@
 fences only the blocks the window of the prompt's last token reads (the rest are
 released at once), the prefill worker writes only those, and the decoded tokens are
 the colocated engine's: the tiny Mistral (a window of 20 on every layer) at (1, 1)
-and (1, 2) over shm and tcp, and Gemma 3 (a sliding and a full layer), whose full
-layer needs every block."""
+and (1, 2) over shm and tcp; and Gemma 3 (a sliding and a full layer), whose full
+layer reads every block: the blocks before the sliding layer's window carry the full
+layer only, and the decode worker never caches them."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from decode_worker.remote_kv import DecodeWorkerCore
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.kv_cache.manager import cdiv
 from kv_transfer import IncompatiblePeerError, create_transport
 from prefill_worker.remote_prefill import PrefillWorkerCore
 from tests.disagg.test_fp8_remote_prefill import CONFIG, workers
-from tests.disagg.test_remote_prefill import GREEDY, PROMPTS, run, tokens
+from tests.disagg.test_remote_prefill import GREEDY, PROMPTS, run, tokens, worker_pair
+from tests.disagg.test_stream_modes import run_counting
 from tests.disagg.test_tp_remote_prefill import tp_engine
+from tests.unit.test_longrope import LONG, SHORT, build_phi3
 
 BLOCK = 16  # EngineConfig's default block_size
+SCORED = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
 def colocated(model: Path) -> dict[str, list[int]]:
@@ -63,13 +69,61 @@ def test_windowed_model_pushes_only_the_window(tiny_models: dict[str, Path], tra
     assert blocks < sum(window_blocks(p, 0) for p in PROMPTS)
 
 
+def mixed_bytes(prompts: list[list[int]], window: int, layers: int, block_bytes: int) -> int:
+    """What pushing each prompt whole moves for a model of one full layer and the rest
+    sliding (`window`): a block before the window of the prompt's last token carries
+    the full layer alone."""
+    total = 0
+    for p in prompts:
+        end, first = cdiv(len(p) - 1, BLOCK), max(0, len(p) - window) // BLOCK
+        total += sum(block_bytes * (1 if i < first else layers) // layers for i in range(end))
+    return total
+
+
 @pytest.mark.timeout(240)
-def test_mixed_model_pushes_every_block(tiny_models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("transport,decode_tp", [("shm", 1), ("tcp", 1), ("shm", 2)])
+def test_mixed_model_pushes_each_layer_its_blocks(tiny_models: dict[str, Path], transport: str,
+                                                  decode_tp: int) -> None:
     model = tiny_models["gemma3"]
-    got, _, blocks = push_all(model, "shm", 1)
+    got, moved, blocks = push_all(model, transport, decode_tp)
     assert got == colocated(model)
-    # Its full layer reads every block; the second shared-prefix prompt finds 2 cached.
-    assert blocks == sum(window_blocks(p, 0) for p in PROMPTS) - 2
+    # Every block of every prompt is written (its full layer reads them all): the decode
+    # worker caches none of the blocks that came with the full layer alone, so the
+    # second shared-prefix prompt finds nothing cached there.
+    assert blocks == sum(window_blocks(p, 0) for p in PROMPTS)
+    block_bytes = 2 * 2 * 2 * BLOCK * 32 * 4  # layers x KV heads x K,V x tokens x head_dim x float32
+    assert moved == mixed_bytes(PROMPTS, 20, 2, block_bytes) < blocks * block_bytes
+
+
+@pytest.mark.timeout(240)
+def test_blocks_written_for_some_layers_are_never_prefix_hits(tiny_models: dict[str, Path]) -> None:
+    """A prompt pushed with its first block for the full layer only, then its first 20
+    tokens asked of the decode worker alone: were that block cached, the sliding layer
+    would read KV nobody wrote there."""
+    model = tiny_models["gemma3"]
+    long, short = PROMPTS[4], PROMPTS[4][:20]  # 90 tokens: blocks 0-3 are before its window
+    with workers(model, "shm", dict(tp=1, num_kv_blocks=80), dict(tp=1, num_kv_blocks=80)) as ((t_dec, t_pre), engines):
+        t_pre.add_peer(t_dec.metadata())
+        cache = t_dec.registered_cache  # what no write reaches reads as noise, not zeros
+        cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(0)) * 10)
+        decode, prefill = DecodeWorkerCore(engines[0], t_dec, 30.0), PrefillWorkerCore(engines[1], t_pre)
+        pushed = run(decode, prefill, [long], timeout=120)
+        assert decode.stats["remote"] == 1
+        assert decode.add_request("short", short, SCORED, remote=False) is None
+        deadline = time.monotonic() + 60
+        while decode.engine.has_unfinished():
+            assert time.monotonic() < deadline
+            for r in decode.step().finished:
+                pushed[r.request_id] = r
+    assert pushed["short"].num_cached_tokens == 0
+    llm = LLM(str(model), num_kv_blocks=80)
+    want_long, want_short = llm.generate([long, short], [GREEDY, SCORED], use_tqdm=False)
+    assert pushed["r0"].output_token_ids == want_long.token_ids
+    # The tiny model's greedy tokens hardly move; their logprobs do.
+    assert want_short.logprobs is not None
+    assert pushed["short"].output_token_ids == want_short.token_ids
+    got = [t.logprob for t in pushed["short"].output_logprobs]
+    assert got == pytest.approx([t.logprob for t in want_short.logprobs], abs=1e-4)
 
 
 @pytest.mark.timeout(120)
@@ -93,3 +147,41 @@ def test_pools_with_other_windows_are_refused_as_a_pair(tiny_models: dict[str, P
             t.close()
         for core in engines:
             core.close()
+
+
+@pytest.mark.timeout(120)
+def test_pools_with_other_longrope_factors_are_refused_as_a_pair(tmp_path: Path) -> None:
+    """Phi-3's LongRoPE set follows each engine's max_model_len: a pool within the
+    original context (short factors) and one past it (long) turn keys otherwise."""
+    model = build_phi3(tmp_path / "phi3", {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG})
+    t_dec, t_pre = create_transport("tcp", "decode", CONFIG), create_transport("tcp", "prefill", CONFIG)
+    engines = []
+    try:
+        engines.append(tp_engine(model, t_dec, 1, num_kv_blocks=16, max_model_len=128))
+        engines.append(tp_engine(model, t_pre, 1, num_kv_blocks=16, max_model_len=32))
+        with pytest.raises(IncompatiblePeerError, match=r"model is 'tiny-llama \[longrope long factors\]' there, "
+                                                        r"'tiny-llama \[longrope short factors\]' here"):
+            t_pre.add_peer(t_dec.metadata())
+    finally:
+        for t in (t_pre, t_dec):
+            t.close()
+        for core in engines:
+            core.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stream,layers", [("off", 1), ("chunk", 1), ("layer", 1), ("layer", 2)])
+def test_mixed_model_streams_each_layer_its_blocks(tiny_models: dict[str, Path], stream: str, layers: int) -> None:
+    """Each stream mode, with the blocks before the window carrying the full layer only:
+    the colocated engine's tokens, and the same bytes whichever way they went."""
+    model = tiny_models["gemma3"]
+    decode, prefill = worker_pair(model, "shm", stream=stream, stream_layers=layers)
+    try:
+        got, _, done = run_counting(decode, prefill)
+        assert got == colocated(model)
+        block_bytes = prefill.transport.registered_compat.block_bytes
+        assert sum(d.bytes_written for d in done.values()) == mixed_bytes(PROMPTS, 20, 2, block_bytes)
+    finally:
+        for core in (decode, prefill):
+            core.transport.close()
+            core.engine.close()

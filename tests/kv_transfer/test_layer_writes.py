@@ -133,3 +133,39 @@ def test_a_given_up_streams_dropped_layer_writes_are_counted_each_and_warned_onc
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", UNDER_TEST)
+def test_a_block_awaits_only_the_layers_its_mask_names(transport: str, agents) -> None:
+    """A mixed local/global model's push: a block before the local layers' window is
+    reserved for its global layers alone, and completes once they have come."""
+    decode = local_agent(transport, "decode")
+    try:
+        prefill = RemoteAgent(transport, "prefill", seed=3, local=decode)
+        agents.append(prefill)
+        peer = prefill.call("add_peer", meta=decode.metadata(), warm=True)["peer"]
+        num_layers = decode.registered_compat.num_layers
+        last, every = 1 << (num_layers - 1), (1 << num_layers) - 1
+        with pytest.raises(ValueError, match="2 layer masks for 3 reserved blocks"):
+            decode.expect("a", 1, [20, 21, 22], deadline=time.time() + 60, sender="prefill", layer_masks=[1, 1])
+        with pytest.raises(ValueError, match="must name some of the cache's"):
+            decode.expect("a", 1, [20], deadline=time.time() + 60, sender="prefill", layer_masks=[0])
+        decode.expect("a", 1, [20, 21], deadline=time.time() + 60, sender="prefill", layer_masks=[last, every])
+        deadline = time.time() + 60
+        prefill.call("write", peer=peer, req="a", epoch=1, src=[0], dst=[20], deadline=deadline,
+                     layers=[num_layers - 1, num_layers])
+        assert [e["type"] for e in wait_for(prefill, decode, 1, ("WriteDone", "WriteFailed"))] == ["WriteDone"]
+        events = prefill.local_events + drain(decode, 0.05)
+        prefill.local_events.clear()
+        assert not [e for e in events if isinstance(e, Completed)], events
+        prefill.call("write", peer=peer, req="a", epoch=1, src=[1], dst=[21], deadline=deadline)
+        assert [e["type"] for e in wait_for(prefill, decode, 1, ("WriteDone", "WriteFailed"))] == ["WriteDone"]
+        events = prefill.local_events + drain(decode, 0.5)
+        assert [e.req for e in events if isinstance(e, Completed)] == ["a"], events
+        expected = source_cache(seed=3)
+        assert torch.equal(decode.kv_cache[20, :, num_layers - 1:], expected[0, :, num_layers - 1:])
+        assert (decode.kv_cache[20, :, :num_layers - 1] == SENTINEL).all()  # never written, never awaited
+        assert torch.equal(decode.kv_cache[21], expected[1])
+    finally:
+        decode.close()

@@ -10,6 +10,7 @@ import pytest
 from engine.errors import DoesNotFit
 from engine.kv_cache.events import DEVICE, KVEvents
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.window import layer_first_blocks, layers_reading
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -131,3 +132,36 @@ def test_blocks_released_unwritten_are_reported_not_held() -> None:
     assert kv.release_before(r, kv.window_first_block(23)) == 4
     events, _ = kv.pool.events.take()
     assert events == [(h, DEVICE, False) for h in r.block_hashes[1:4]]
+
+
+def test_a_mixed_models_blocks_are_split_by_the_layers_that_read_them() -> None:
+    """Layers 0 and 2 slide (a window of 20), 1 and 3 read every block: from position
+    79 on, the sliding ones read blocks 15 on (blocks of 4), so blocks before carry the
+    full layers alone, each a run of its own."""
+    first = layer_first_blocks((20, 0, 20, 0), 79, 4)
+    assert first == (15, 0, 15, 0)
+    assert layers_reading(first, 0, 20, (0, 4)) == [(0, 15, (1, 2)), (0, 15, (3, 4)), (15, 20, (0, 4))]
+    # A layer-wise stream's group of layers 1-2, blocks 10-19.
+    assert layers_reading(first, 10, 20, (1, 3)) == [(10, 15, (1, 2)), (15, 20, (1, 3))]
+    assert layers_reading(first, 0, 15, (0, 1)) == []  # a sliding layer writes nothing before its window
+    assert layers_reading((), 3, 5, (0, 4)) == [(3, 5, (0, 4))]  # no windows: every layer, every block
+    assert layer_first_blocks((), 79, 4) == ()
+
+
+def test_a_mixed_models_remote_blocks_before_the_window_are_never_cached() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, layer_windows=(6, 0))
+    request = Request("r", list(range(2, 30)), SamplingParams(max_tokens=2))  # 28 tokens: 7 blocks
+    assert kv.allocate_slots(request, request.num_tokens)
+    # From position 27 the sliding layer reads blocks 5 on; blocks 0-4 come for layer 1 only.
+    assert kv.write_by_layer(request, first=0) == (5, 0)
+    request.num_computed_tokens = 27
+    kv.cache_computed_blocks(request, copied_in=True)
+    cached = [b.block_hash is not None for b in kv.req_blocks["r"]]
+    assert cached == [False] * 5 + [True, False]  # the last is not full
+    kv.free(request)  # a recompute (preempted) writes every layer: cached then
+    request.num_computed_tokens = 0
+    assert kv.allocate_slots(request, request.num_tokens)
+    request.num_computed_tokens = 27
+    kv.cache_computed_blocks(request)
+    assert [b.block_hash is not None for b in kv.req_blocks["r"]][:5] == [True] * 5
+    assert kv.write_by_layer(Request("s", list(range(2, 10)), SamplingParams(max_tokens=2)), first=0) == ()
