@@ -81,7 +81,7 @@ def mixed_bytes(prompts: list[list[int]], window: int, layers: int, block_bytes:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport,decode_tp", [("shm", 1), ("tcp", 1), ("shm", 2)])
+@pytest.mark.parametrize("transport,decode_tp", [("shm", 1), ("tcp", 1), ("shm", 2), ("tcp", 2)])
 def test_mixed_model_pushes_each_layer_its_blocks(tiny_models: dict[str, Path], transport: str,
                                                   decode_tp: int) -> None:
     model = tiny_models["gemma3"]

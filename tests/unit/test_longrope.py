@@ -120,6 +120,14 @@ def test_a_long_prompt_on_a_long_engine_equals_transformers(phi3_longrope: Path)
     assert chunked.num_cached_tokens == 0 and cached.num_cached_tokens >= 40  # 5 of its blocks hit
 
 
+@pytest.mark.timeout(120)
+def test_tensor_parallel_ranks_turn_by_the_same_factors(phi3_longrope: Path) -> None:
+    """TP 2: each rank builds its own tables, by the same max_model_len."""
+    reference = hf_greedy(phi3_longrope, LONG_PROMPT)
+    [out] = engine_greedy(phi3_longrope, [LONG_PROMPT], max_model_len=MAX_POSITIONS, tensor_parallel_size=2)
+    assert out.token_ids == reference
+
+
 def test_the_factor_choice_shows(phi3_longrope: Path, tmp_path: Path) -> None:
     """Turned by the other factor set, the tests above would fail: each one's tokens change."""
     swapped = with_factors(phi3_longrope, tmp_path, LONG, SHORT)
