@@ -155,6 +155,11 @@ class DecodeWorkerCore:
         # out of its sliding window, id -1), are not written.
         released = next((i for i, b in enumerate(blocks) if b >= 0), len(blocks))
         first = max(request.num_cached_tokens // self.block_size, released)
+        # Each layer is written from the first block it reads (a mixed model's local
+        # layers: their window's); blocks no layer reads are not written at all (a
+        # windowed model whose draft model's wider window keeps them held here).
+        layer_first = request.remote.layer_first_blocks if request.remote is not None else ()
+        first = min(layer_first, default=first)
         end = cdiv(len(prompt) - 1, self.block_size)
         if first >= end:  # the local prefix cache already holds it all
             self.engine.remote_kv_arrived(request_id)
@@ -164,7 +169,6 @@ class DecodeWorkerCore:
         deadline = time.time() + self.deadline_s
         # A mixed local/global model: the blocks before the local layers' window are
         # written (and awaited) for the global layers only.
-        layer_first = request.remote.layer_first_blocks if request.remote is not None else ()
         masks = [sum(1 << layer for layer, f in enumerate(layer_first) if f <= i) for i in range(first, end)] \
             if layer_first else None
         self.transport.expect(request_id, epoch, blocks[first:end], deadline, sender, masks)

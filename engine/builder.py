@@ -28,6 +28,7 @@ from engine.kv_cache.tiers import KVTiers
 from engine.model.config import ModelConfig, max_model_len, release_window
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import TORCH_DTYPES
+from engine.model.rope import factor_set
 from engine.runner import KVAllocator, ModelRunner, allocate_kv_cache, kv_cache_shape
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler
@@ -96,7 +97,7 @@ class _Builder:
             kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, window,
                                 model_config.layer_windows)
             if config.kv_offload_gib > 0:
-                kv.attach_tiers(self._tiers(kv_caches, shared_kv))
+                kv.attach_tiers(self._tiers(kv_caches, shared_kv, model_len))
             elif shared_kv is not None:
                 raise ValueError("a shared KV store needs kv_offload_gib > 0: blocks reach it through the host tier")
             scheduler = Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs, model_len,
@@ -163,7 +164,7 @@ class _Builder:
             self.resources.files = []
         return caches
 
-    def _tiers(self, caches: list[torch.Tensor], shared_kv: SharedTier | None) -> KVTiers:
+    def _tiers(self, caches: list[torch.Tensor], shared_kv: SharedTier | None, model_len: int) -> KVTiers:
         """The offload tiers, over every rank cache this process reaches."""
         config = self.config
         if config.device.startswith("cuda") and self.tp is not None:
@@ -173,7 +174,8 @@ class _Builder:
         namespace = "|".join(str(part) for part in (
             "pdserve-kv-tier-1", os.path.realpath(config.model), config.dtype, kv_cache_format(config.kv_cache_dtype),
             self.kv_scales, config.quantization or self.model_config.quantization, config.load_format, config.seed,
-            config.block_size, [tuple(c.shape[1:]) for c in caches], self.shard.size))
+            config.block_size, [tuple(c.shape[1:]) for c in caches], self.shard.size,
+            factor_set(self.model_config.rope_scaling, model_len)))
         # MLA: every rank holds the same latent; the tiers keep rank 0's, loads copy it to the others.
         mirrors = caches[1:] if self.model_config.mla is not None else []
         tiers = KVTiers(caches[:len(caches) - len(mirrors)], int(config.kv_offload_gib * 2**30),

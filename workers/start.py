@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from engine.engine_core import EngineCore
+from engine.model.rope import factor_set
 from kv_store import StoreClient
 from kv_transfer import KVTransport, create_transport
 from workers.config import WorkerConfig
@@ -54,10 +55,8 @@ def register_caches(transport: KVTransport, engine: EngineCore, model: str) -> N
     model = f"{model} [sliding windows {','.join(map(str, windows))}]" if windows else model
     # And pools that turn keys with Phi-3's other LongRoPE factor set (picked by each
     # engine's max_model_len, engine/model/rope.py longrope_factors).
-    rope = engine.model_config.rope_scaling
-    if rope is not None and rope["rope_type"] == "longrope":
-        long = engine.max_model_len > rope["original_max_position_embeddings"]
-        model = f"{model} [longrope {'long' if long else 'short'} factors]"
+    if factors := factor_set(engine.model_config.rope_scaling, engine.max_model_len):
+        model = f"{model} [longrope {factors} factors]"
     size = engine.config.tensor_parallel_size
     if size == 1:
         transport.register_kv_cache(engine.kv_cache, model, kv_scales=engine.kv_scales)

@@ -139,7 +139,9 @@ class WindowBlocks:
         the layer reads from the prompt's last token on (a mixed local/global model's
         local layers never read the blocks before their window; the global ones read
         every block). Those blocks then hold some layers' KV only, so they are never
-        cached here, and the router hears they are not. () : every layer of every block."""
+        cached here, and the router hears they are not. () : every layer of every block.
+        Each is at least `first`; the blocks before the smallest no layer reads (a
+        windowed model whose draft's wider window keeps them held) are not written."""
         firsts = layer_first_blocks(self.layer_windows, request.num_prompt_tokens - 1, self.block_size)
         whole_from = max(firsts, default=0)
         if whole_from <= first:

@@ -232,10 +232,11 @@ def _number(value: Any) -> bool:
 
 def _longrope(cfg: dict[str, Any], rope: dict[str, Any], rotary_dim: int) -> dict[str, Any]:
     """Phi-3's longrope scaling, checked (rope.py longrope_factors: which factors an
-    engine turns by). Its original_max_position_embeddings is the top-level one, as
-    transformers reads it, else rope_scaling's, else Phi3Config's default, 4096."""
+    engine turns by). Its original_max_position_embeddings is the top-level one, else
+    Phi3Config's default, 4096, as transformers reads it (never rope_scaling's)."""
     key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
-    original = cfg.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", 4096))
+    # Phi3Config's: rope_scaling's own is overwritten by it (standardize_rope_params).
+    original = cfg.get("original_max_position_embeddings", 4096)
     if isinstance(original, bool) or not isinstance(original, int) or original < 2:  # its log divides
         raise ValueError(f"original_max_position_embeddings must be an integer >= 2, got {original!r}")
     for name in ("short_factor", "long_factor"):

@@ -51,9 +51,17 @@ def longrope_factors(scaling: dict[str, Any], max_model_len: int) -> torch.Tenso
     prompt longer than original on a longer engine (long, from its first forward on).
     Unlike transformers, a short prompt on an engine of max_model_len > original is
     turned with the long factors (as in vLLM)."""
-    long = max_model_len > scaling["original_max_position_embeddings"]
-    factors = scaling["long_factor" if long else "short_factor"]
+    factors = scaling[f"{factor_set(scaling, max_model_len)}_factor"]
     return torch.tensor(factors, dtype=torch.float32, device="cpu")
+
+
+def factor_set(scaling: dict[str, Any] | None, max_model_len: int) -> str:
+    """Which LongRoPE factors an engine of this max_model_len turns keys by ("long" or
+    "short"; "" for the other RoPE types): KV from engines that differ here is not
+    interchangeable (the P/D handshake's model name, the KV tiers' namespace)."""
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return ""
+    return "long" if max_model_len > scaling["original_max_position_embeddings"] else "short"
 
 
 def _yarn_frequencies(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:

@@ -185,3 +185,24 @@ def test_mixed_model_streams_each_layer_its_blocks(tiny_models: dict[str, Path],
         for core in (decode, prefill):
             core.transport.close()
             core.engine.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_windowed_model_with_a_draft_that_reads_every_block(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The decode worker's draft model attends over every position, so it releases
+    nothing; the target's layers still read only their window's blocks, and only those
+    are written (the ones before are the draft's alone, computed here)."""
+    from tests.unit.test_spec_draft_model import derived_model
+
+    model = tiny_models["mistral"]
+    draft = derived_model(model, tmp_path / "draft", sliding_window=None)
+    decode, prefill = worker_pair(model, "shm", speculative_config={"model": str(draft), "num_speculative_tokens": 2})
+    try:
+        got, _, done = run_counting(decode, prefill)
+        assert decode.stats["fallbacks"] == 0 and decode.stats["remote"] == len(PROMPTS)
+        assert got == colocated(model)
+        assert prefill.stats["blocks_written"] == sum(window_blocks(p, 20) for p in PROMPTS)
+    finally:
+        for core in (decode, prefill):
+            core.transport.close()
+            core.engine.close()

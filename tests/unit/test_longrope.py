@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +152,12 @@ def test_phi3_rope_names_and_defaults() -> None:
     for rope in ({"type": "su", **factors}, {"type": "yarn", **factors}, {"rope_type": "longrope", **factors}):
         scaling = ModelConfig.from_dict({**PHI3, "rope_scaling": rope}).rope_scaling
         assert scaling is not None and scaling["rope_type"] == "longrope" and scaling["factor"] == 32.0
-    # original_max_position_embeddings in rope_parameters when the top level has none;
-    # the top-level one first, as transformers reads it.
+    # original_max_position_embeddings: the top-level one, else Phi3Config's 4096, as
+    # transformers reads it; never rope_parameters' own.
     top_less = {k: v for k, v in PHI3.items() if k != "original_max_position_embeddings"}
     inside = {"rope_type": "longrope", **factors, "original_max_position_embeddings": 8192}
-    assert ModelConfig.from_dict({**top_less, "rope_parameters": inside}).rope_scaling["factor"] == 16.0
+    scaling = ModelConfig.from_dict({**top_less, "rope_parameters": inside}).rope_scaling
+    assert scaling["original_max_position_embeddings"] == 4096 and scaling["factor"] == 32.0
     assert ModelConfig.from_dict({**PHI3, "rope_parameters": inside}).rope_scaling["factor"] == 32.0
     with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic' for Phi3ForCausalLM"):
         ModelConfig.from_dict({**PHI3, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
@@ -184,3 +186,44 @@ def test_bad_factor_lengths_count_partial_rotary_and_original_is_checked() -> No
     for bad in (0, 1, -5, 4096.0, "4096", True):
         with pytest.raises(ValueError, match="original_max_position_embeddings must be an integer >= 2"):
             ModelConfig.from_dict({**PHI3, "original_max_position_embeddings": bad, "rope_scaling": rope})
+
+
+@pytest.mark.timeout(120)
+def test_a_shared_kv_store_keeps_the_factor_sets_apart(phi3_longrope: Path) -> None:
+    """An engine turning keys with the long factors writes its prefix to a shared
+    store; one turning them with the short factors must not load it as its own."""
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+    from kv_store import StoreClient, StoreServer
+    from tests.unit.test_kv_tiers import drain
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = SHORT_PROMPT + SHORT_PROMPT[:6]  # 20 tokens: two full blocks of 8
+
+    def run(max_len: int, client: StoreClient, wait_s: float = 0.0) -> tuple[EngineCore, Any]:
+        core = EngineCore(EngineConfig.from_options(str(phi3_longrope), num_kv_blocks=16, block_size=8,
+                                                    max_model_len=max_len, kv_offload_gib=2**-12, num_threads=1),
+                          shared_kv=client)
+        deadline = time.monotonic() + wait_s  # time to hear of the store's blocks in its namespace: none
+        while client.blocks() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        request = core.add_request("r", prompt, params)
+        while core.has_unfinished():
+            core.step()
+        return core, request
+
+    server = StoreServer(64 << 20, "127.0.0.1").start()
+    try:
+        long_engine, _ = run(MAX_POSITIONS, StoreClient(server.address, None))
+        drain(long_engine.kv.tiers)
+        deadline = time.monotonic() + 10
+        while server.store.puts == 0:
+            assert time.monotonic() < deadline, "the long engine wrote nothing to the store"
+            time.sleep(0.05)
+        long_engine.close()
+        short_engine, request = run(ORIGINAL, StoreClient(server.address, None), wait_s=3.0)
+        short_engine.close()
+    finally:
+        server.stop()
+    assert request.num_cached_tokens == 0
+    assert list(request.output_token_ids) == hf_greedy(phi3_longrope, prompt)[:6]
