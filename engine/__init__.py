@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.llm import LLM
+    from engine.lora.request import LoRARequest
     from engine.output_processor import RequestOutput
     from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams"]
 
-_MODULES = {"LLM": "engine.llm", "RequestOutput": "engine.output_processor",
+_MODULES = {"LLM": "engine.llm", "LoRARequest": "engine.lora.request", "RequestOutput": "engine.output_processor",
             "SamplingParams": "engine.sampling_params"}
 
 

@@ -25,6 +25,7 @@ from engine.gpu_memory import profile_num_kv_blocks
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.shared_tier import SharedTier
 from engine.kv_cache.tiers import KVTiers
+from engine.lora.slots import LoRASlots
 from engine.model.config import ModelConfig, max_model_len, release_window
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import TORCH_DTYPES
@@ -102,11 +103,15 @@ class _Builder:
                 raise ValueError("a shared KV store needs kv_offload_gib > 0: blocks reach it through the host tier")
             scheduler = Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs, model_len,
                                   model_config.eos_token_ids, config.enable_chunked_prefill)
+            if config.enable_lora:
+                scheduler.loras = self.resources.loras = self._loras(model)
             runner = ModelRunner(model, kv_caches[0], config.block_size,
                                  Sampler(model_config.eos_token_ids, seed=config.seed),
                                  backend, config.device, self.tp)
             if config.device.startswith("cuda") and not config.enforce_eager:
-                if self.tp is None:
+                if config.enable_lora:
+                    logger.info("no CUDA graphs with enable_lora: steps run eagerly")
+                elif self.tp is None:
                     self._capture_cuda_graphs(model, runner, backend, model_len)
                 else:
                     logger.info("no CUDA graphs at tensor_parallel_size > 1: the ranks run eagerly")
@@ -215,6 +220,18 @@ class _Builder:
                              f"one KV block ({block_bytes} bytes)")
         return num_blocks
 
+    def _loras(self, model: LlamaForCausalLM) -> LoRASlots:
+        """The model's projections wrapped to add LoRA deltas, and their slots."""
+        from engine.lora.layers import wrap_projections
+
+        config, cfg = self.config, self.model_config
+        if cfg.mla is not None or cfg.moe is not None:
+            raise ValueError("enable_lora: LoRA adapters on mixture-of-experts and latent-attention models "
+                             "are not supported")
+        wrapped = wrap_projections(model, cfg, config.max_loras, config.max_lora_rank, TORCH_DTYPES[config.dtype],
+                                   config.device)
+        return LoRASlots(wrapped, cfg, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+
     def _capture_cuda_graphs(self, model: LlamaForCausalLM, runner: ModelRunner, backend: AttentionBackend,
                              model_len: int) -> None:
         if backend.name != "triton":
@@ -243,6 +260,7 @@ class EngineResources:
         self.files: list[str] = []
         self.grammars: Any = None  # engine.structured.compiler.GrammarCompiler, from the first grammar
         self.tiers: KVTiers | None = None
+        self.loras: LoRASlots | None = None  # enable_lora: the adapters' slots (engine/lora/slots.py)
 
     def close(self) -> None:
         if self.tiers is not None:

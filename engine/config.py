@@ -92,6 +92,13 @@ class EngineConfig:
     kv_offload_gib: float = 0.0
     kv_offload_dir: str | None = None
     kv_offload_disk_gib: float = 4.0
+    # LoRA adapters (engine/lora): requests name one (LoRARequest); up to max_loras of
+    # them, of rank up to max_lora_rank, run in one step; max_cpu_loras stay read in
+    # host memory (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:  # a mapping from YAML or keyword options
@@ -140,6 +147,12 @@ class EngineConfig:
         require(self.kv_offload_dir != "", "kv_offload_dir must be a directory path or None")
         require(self.kv_offload_gib == 0 or self.enable_prefix_caching,
                 "kv_offload_gib needs enable_prefix_caching: the offload tiers keep blocks by prefix hash")
+        require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                f"max_cpu_loras must be None or >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+        require(not self.enable_lora or (self.speculative_config is None and self.tensor_parallel_size == 1),
+                "enable_lora is not supported with speculative_config or tensor_parallel_size > 1 yet")
         require(self.grammar_compile_timeout_s > 0,
                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
 

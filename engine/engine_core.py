@@ -23,6 +23,7 @@ from engine.errors import EngineStateError, RequestsFailed
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.events import Event, KVEvents
 from engine.kv_cache.shared_tier import SharedTier
+from engine.lora.request import LoRARequest
 from engine.prompt_logprobs import PromptRows, plan_rows
 from engine.request import Request, RequestStatus
 from engine.request_factory import GrammarWatch, RequestFactory
@@ -80,35 +81,36 @@ class EngineCore:
         self._finalizer()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, resumed: int = 0, *, queue_tag: float = 0.0) -> Request:
+                    priority: int = 0, resumed: int = 0, *, queue_tag: float = 0.0,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Queue a request; raises ValueError (and changes nothing) if it can never run.
         It is admitted in (priority, queue_tag, arrival) order, lowest first; `queue_tag`
-        (finite, >= 0): the router's fair-queuing tag.
-
+        (finite, >= 0): the router's fair-queuing tag; `lora_request`: its LoRA adapter.
         `resumed`: the last this many prompt tokens are the request's own output from an
         earlier worker (a failover): its grammar, if it has one, has accepted them. A
-        grammar compiles in the background; the request waits for it without holding
-        up others, and a grammar that fails to compile fails it at the next step.
-
+        grammar compiles in the background; the request waits for it without holding up
+        others, and a grammar that fails to compile fails it at the next step.
         params.n > 1 (parallel sampling): returns the group's prompt request, which the
-        caller never sees again; its `sequences` are the n requests that run, sequence
-        i named child_request_id(request_id, i) with params.child(i)
-        (engine/fork_groups.py)."""
+        caller never sees again; its `sequences` are the n requests that run, sequence i
+        named child_request_id(request_id, i) with params.child(i) (engine/fork_groups.py)."""
         if params.n > 1:
-            prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed, queue_tag)
+            prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed, queue_tag,
+                                                lora_request)
             self.scheduler.add_group(prompt, sequences)
             for sequence in sequences:
                 self._grammars.track(sequence)
             return prompt
-        request = self._requests.single(request_id, prompt_token_ids, params, priority, resumed, queue_tag)
+        request = self._requests.single(request_id, prompt_token_ids, params, priority, resumed, queue_tag,
+                                        lora_request)
         self.scheduler.add_request(request)
         if request.needs_prompt_logprobs:
             self._prompt_logprobs.add(request)
         return self._grammars.track(request)
 
-    def _new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                   priority: int, resumed: int, queue_tag: float) -> tuple[Request, list[Request]]:
-        prompt, sequences = self._requests.group(request_id, prompt_token_ids, params, priority, resumed, queue_tag)
+    def _new_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                   resumed: int, queue_tag: float, lora: LoRARequest | None = None) -> tuple[Request, list[Request]]:
+        prompt, sequences = self._requests.group(request_id, prompt_token_ids, params, priority, resumed, queue_tag,
+                                                 lora)
         self.scheduler.check_group(prompt, sequences)
         return prompt, sequences
 

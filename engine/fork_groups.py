@@ -19,6 +19,7 @@ from engine.request import ForkGroup, Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine.kv_cache.manager import KVCacheManager
+    from engine.lora.slots import LoRASlots
     from engine.remote_kv import RemoteKVQueues
 
 
@@ -29,6 +30,7 @@ class ForkGroups:
     running: list[Request]
     remote: RemoteKVQueues
     kv: KVCacheManager
+    loras: LoRASlots
 
     if TYPE_CHECKING:  # the Scheduler's helpers these verbs call
         def check_fits(self, num_prompt_tokens: int, max_tokens: int, whole_prompt: bool = False) -> None: ...
@@ -88,6 +90,7 @@ class ForkGroups:
                 self.push_waiting(sequence)
         prompt.status = RequestStatus.FINISHED_STOPPED
         self.kv.free(prompt)
+        self.loras.stop(prompt)
 
     def _drop_unneeded_prompt(self, prompt: Request) -> None:
         """Stop computing a group's prompt once none of its sequences waits for it (not

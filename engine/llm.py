@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineStats
+from engine.lora.request import LoRARequest
 from engine.output_processor import OutputProcessor, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.speculative.metrics import Metric, spec_decode_metrics
@@ -44,8 +45,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order.
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. `lora_request`: the
+        LoRA adapter of every prompt, or one per prompt (None: the base model); the
+        engine needs enable_lora=True.
 
         Bad input (any prompt or parameter) raises ValueError before anything runs, and
         the engine stays usable.
@@ -53,11 +57,12 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         batch = cast("Sequence[Prompt]", prompts)  # cast: one prompt was wrapped just above
-        return self._generate([self._tokenize(p) for p in batch], sampling_params, use_tqdm, priority)
+        return self._generate([self._tokenize(p) for p in batch], sampling_params, use_tqdm, priority, lora_request)
 
     def _generate(self, tokenized: list[tuple[str | None, list[int]]],
                   sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                  use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
+                  use_tqdm: bool, priority: Sequence[int] | None,
+                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, Sequence) else [params] * len(tokenized)
         if len(params) != len(tokenized):
@@ -65,6 +70,9 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(tokenized)
         if len(priorities) != len(tokenized):
             raise ValueError(f"got {len(priorities)} priorities for {len(tokenized)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(tokenized)
+        if len(loras) != len(tokenized):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(tokenized)} prompts")
         if self.tokenizer is None and any(p.stop for p in params):
             raise ValueError("stop strings need a tokenizer; this model directory has none")
         params = [self._tokenize_bad_words(p) for p in params]
@@ -74,8 +82,8 @@ class LLM:
 
         order: list[list[str]] = []  # per prompt, its sequences' request ids (n of them)
         try:
-            for (text, ids), p, prio in zip(tokenized, params, priorities):
-                request = self.core.add_request(f"offline-{next(self._ids)}", ids, p, prio)
+            for (text, ids), p, prio, lora in zip(tokenized, params, priorities, loras):
+                request = self.core.add_request(f"offline-{next(self._ids)}", ids, p, prio, lora_request=lora)
                 sequences = request.sequences if request.sequences is not None else [request]
                 order.append([r.request_id for r in sequences])
                 for sequence in sequences:

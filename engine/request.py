@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.errors import EngineStateError
+from engine.kv_cache.block_hash import NONE_HASH
 from engine.sampling import SamplingRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that see a structured request
+    from engine.lora.request import LoRARequest
     from engine.structured.matcher import GrammarState
 
 
@@ -55,6 +57,15 @@ class Speculation:
     num_offered: int = 0  # drafts offered in its current acceptance window
     num_accepted: int = 0  # of those, accepted
     enabled: bool = True
+
+
+@dataclass(eq=False)
+class LoRAUse:
+    """A request run with a LoRA adapter (engine/lora): which one, and the slot it holds
+    while it runs (-1: none, between its runs)."""
+
+    adapter: LoRARequest
+    slot: int = -1
 
 
 @dataclass(eq=False)
@@ -131,6 +142,7 @@ class Request:
     fork: ForkGroup | None = None  # parallel sampling (n > 1): the group it belongs to
     grammar: GrammarState | None = None  # structured outputs: what its tokens must follow
     prompt_logprobs: PromptLogprobs | None = None  # params.prompt_logprobs: set by __post_init__
+    lora: LoRAUse | None = None  # run with a LoRA adapter
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -142,6 +154,12 @@ class Request:
         self.reads_history_until: float = math.inf if always else params.min_tokens
         if params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = PromptLogprobs()
+
+    @property
+    def hash_root(self) -> int:
+        """The parent hash of its first KV block: an adapter's own, so that prefix-cache
+        hits never cross adapters (engine/lora/request.py)."""
+        return NONE_HASH if self.lora is None else self.lora.adapter.cache_root
 
     @property
     def sequences(self) -> list[Request] | None:

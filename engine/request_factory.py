@@ -12,8 +12,9 @@ from typing import Any
 from engine.builder import EngineResources
 from engine.config import EngineConfig
 from engine.errors import RequestsFailed
+from engine.lora.request import LoRARequest
 from engine.model.config import ModelConfig
-from engine.request import Request, Speculation
+from engine.request import LoRAUse, Request, Speculation
 from engine.sampling import make_generator
 from engine.sampling_params import SamplingParams, SamplingParamsError, child_request_id
 
@@ -29,11 +30,12 @@ class RequestFactory:
         self.resources = resources  # holds the grammar compiler, made at the first grammar
 
     def single(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               priority: int = 0, resumed: int = 0, queue_tag: float = 0.0) -> Request:
+               priority: int = 0, resumed: int = 0, queue_tag: float = 0.0,
+               lora: LoRARequest | None = None) -> Request:
         """A request with its feature records; raises ValueError (SamplingParamsError
         naming the parameter) for token ids outside the vocabulary, a bad `resumed` or
-        `queue_tag`, or a grammar refused at once. `resumed`, `queue_tag`: as
-        EngineCore.add_request's."""
+        `queue_tag`, a grammar refused at once, or a LoRA adapter that cannot be read.
+        `resumed`, `queue_tag`, `lora`: as EngineCore.add_request's."""
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
@@ -47,6 +49,7 @@ class RequestFactory:
         if not (isinstance(queue_tag, (int, float)) and math.isfinite(queue_tag) and queue_tag >= 0):
             raise ValueError(f"queue_tag must be a finite number >= 0, got {queue_tag!r}")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority, queue_tag=queue_tag)
+        request.lora = self._lora(lora)
         if params.seed is not None:
             request.generator = make_generator(params.seed, self.config.device)
         if self.speculating:
@@ -64,6 +67,16 @@ class RequestFactory:
             request.reads_history_until = math.inf
         return request
 
+    def _lora(self, lora: LoRARequest | None) -> LoRAUse | None:
+        """The adapter, read now (and kept) so that one that cannot be fails its request
+        before it is queued."""
+        if lora is None:
+            return None
+        if self.resources.loras is None:
+            raise ValueError(f"lora_request {lora.lora_name!r}: this engine was started without enable_lora")
+        self.resources.loras.adapter(lora)
+        return LoRAUse(lora)
+
     def _grammar_state(self, params: SamplingParams, resumed: list[int]) -> Any:
         from engine.structured.compiler import GrammarCompiler  # imports xgrammar
         from engine.structured.matcher import GrammarState
@@ -74,17 +87,19 @@ class RequestFactory:
         return GrammarState(self.resources.grammars.compile(params.structured_outputs), resumed)
 
     def group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-              priority: int, resumed: int, queue_tag: float = 0.0) -> tuple[Request, list[Request]]:
+              priority: int, resumed: int, queue_tag: float = 0.0,
+              lora: LoRARequest | None = None) -> tuple[Request, list[Request]]:
         """A group's prompt request (every prompt token but the last, prefill only) and
         its sequences, each checked as single() checks one request (the scheduler's
         check_group checks that they fit)."""
         if params.prompt_logprobs is not None:  # each sequence computes only the last prompt token
             raise SamplingParamsError("prompt_logprobs", "is not supported with n > 1 (ask with n=1)")
         sequences = [self.single(child_request_id(request_id, i), prompt_token_ids, params.child(i),
-                                 priority, resumed, queue_tag) for i in range(params.n)]
+                                 priority, resumed, queue_tag, lora) for i in range(params.n)]
         prompt = Request(request_id, list(prompt_token_ids[:-1]), SamplingParams(max_tokens=1), priority=priority,
                          queue_tag=queue_tag)
         prompt.prefill_only = True
+        prompt.lora = self._lora(lora)
         return prompt, sequences
 
 

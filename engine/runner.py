@@ -15,6 +15,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, attention_context
 from engine.errors import EngineStateError, RankFailure
 from engine.kv_cache.layout import cache_shape
+from engine.lora.layers import LoRAStep, lora_step
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.prompt_logprobs import PendingPromptLogprobs, PromptRows
@@ -85,6 +86,8 @@ class StepInputs:
     # [S] int32: the drafts among each sequence's new tokens (speculative decoding);
     # empty when the step has none.
     num_drafts: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    # [S] int64: each sequence's LoRA slot (-1: the base model); empty when none has one.
+    lora_slots: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
     @property
     def is_pure_decode(self) -> bool:
@@ -115,6 +118,7 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
     starts, query_lens, samples, token_ids = [], [], [], []
     placeholder_index, placeholder_requests = [], []
     num_drafts = []  # speculative decoding: per sequence
+    lora_slots = [-1 if s.request.lora is None else s.request.lora.slot for s in scheduled]
     for s in scheduled:
         start, n = s.start, s.num_new_tokens
         starts.append(start)
@@ -155,7 +159,9 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
         block_tables=block_tables, logits_indices=logits_indices,
         query_lens=query_lens, placeholder_index=np.array(placeholder_index, dtype=np.int64),
         placeholder_requests=placeholder_requests,
-        num_drafts=np.array(num_drafts, dtype=np.int32) if drafted else np.empty(0, dtype=np.int32))
+        num_drafts=np.array(num_drafts, dtype=np.int32) if drafted else np.empty(0, dtype=np.int32),
+        lora_slots=np.array(lora_slots, dtype=np.int64) if max(lora_slots, default=-1) >= 0
+        else np.empty(0, dtype=np.int64))
 
 
 def _fill_placeholders(inputs: StepInputs, in_flight: LaunchedStep | None) -> StepInputs:
@@ -270,7 +276,9 @@ class ModelRunner:
                                query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens.tolist(),
                                num_drafts_cpu=inputs.num_drafts.tolist() if len(inputs.num_drafts) else None)
         self.attention_backend.prepare(md, self.block_size)
-        with attention_context(md):
+        lora = None if not len(inputs.lora_slots) else LoRAStep.of(torch.from_numpy(
+            np.repeat(inputs.lora_slots, inputs.query_lens)).to(self.device))
+        with attention_context(md), lora_step(lora):
             return self.model(dev.input_ids, dev.positions, dev.logits_indices)
 
     @torch.inference_mode()

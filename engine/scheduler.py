@@ -37,6 +37,7 @@ from engine.errors import EngineStateError
 from engine.fork_groups import ForkGroups
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import KVCacheManager
+from engine.lora.slots import LoRASlots
 from engine.remote_kv import RemoteKVQueues
 from engine.request import Request, RequestStatus, SortKey
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -68,6 +69,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
         # Waiting requests whose prefix an offload tier is loading back (engine/tier_loads.py).
         self.loads = TierLoads(self, kv.tiers)
         self._free_after_step: dict[Request, list[KVBlock]] = {}  # finished while a step was in flight
+        self.loras = LoRASlots.disabled()  # enable_lora: a running request holds its adapter's slot
 
     # --- admission -----------------------------------------------------------------
 
@@ -124,6 +126,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
     def end(self, request: Request, status: RequestStatus) -> None:
         """It has left every queue: free its blocks, once no step in flight writes them."""
         request.status = status
+        self.loras.stop(request)
         if request.num_scheduled_tokens:
             # A step in flight still writes its KV: free the blocks once that step is
             # done, so no other request (nor a remote KV write) gets them before. They
@@ -205,6 +208,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
         (ready) before those that hold none (waiting)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.loras.begin_step()
         scheduled: list[Request] = []  # running requests scheduled this step: never preempted
         for request in list(self.running):
             if budget == 0:
@@ -255,7 +259,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
         ready = self.remote.ready
         while ready and budget > 0 and len(self.running) < self.max_num_seqs:
             request = ready[0][1]
-            if request.grammar_pending:
+            if request.grammar_pending or self.loras.waits(request):
                 aside.take(ready)
                 continue
             num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
@@ -272,7 +276,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
         """Then waiting requests, which hold no blocks: each starts from its prefix hits."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][1]
-            if request.grammar_pending:
+            if request.grammar_pending or self.loras.waits(request):
                 aside.take(self.waiting)
                 continue
             admission = self._admission(request, budget)
@@ -333,6 +337,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
     def _admit(self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int) -> None:
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
+        self.loras.start(request)
         # A draft model's KV: a prefix hit's blocks hold it as their computing request
         # left it (its drafts are only as good as that KV, never wrong: the model
         # verifies them); a prompt whose KV a prefill worker wrote, or a group's prompt
@@ -352,6 +357,7 @@ class Scheduler(ForkGroups, SchedulerUpdates):
         # them is queued behind that step, and they are no longer free once this step runs.
         self.running.remove(request)
         self.kv.free(request)
+        self.loras.stop(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_scheduled_tokens = 0

@@ -22,14 +22,15 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 
 
 def hash_full_blocks(token_ids: Sequence[int], block_size: int,
-                     prefix_hashes: Sequence[int] = ()) -> list[int]:
+                     prefix_hashes: Sequence[int] = (), root: int = NONE_HASH) -> list[int]:
     """Hashes of every full block of `token_ids`, continuing after `prefix_hashes`.
 
     Pass the hashes already known for the first len(prefix_hashes) blocks to extend a
-    chain incrementally (a request's hashes grow as it generates tokens).
+    chain incrementally (a request's hashes grow as it generates tokens). `root`: the
+    first block's parent (a LoRA adapter's own, so its blocks are its alone).
     """
     hashes = list(prefix_hashes)
-    parent = hashes[-1] if hashes else NONE_HASH
+    parent = hashes[-1] if hashes else root
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start:start + block_size])
         hashes.append(parent)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from engine.errors import EngineStateError
-from engine.kv_cache.block_hash import NONE_HASH, hash_full_blocks
+from engine.kv_cache.block_hash import hash_full_blocks
 from engine.kv_cache.block_pool import BlockPool, KVBlock
 from engine.kv_cache.block_table import BlockTable
 from engine.kv_cache.tier_store import TierEntry
@@ -109,7 +109,7 @@ class KVCacheManager(WindowBlocks):
 
     def _update_hashes(self, request: Request) -> None:
         request.block_hashes = hash_full_blocks(request.all_token_ids, self.block_size,
-                                                request.block_hashes)
+                                                request.block_hashes, request.hash_root)
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """Longest cached prefix of the request's tokens, as blocks (no refs taken).
@@ -124,7 +124,7 @@ class KVCacheManager(WindowBlocks):
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        parent = NONE_HASH
+        parent = request.hash_root
         for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
             start = i * self.block_size
             block = self.pool.lookup(parent, block_hash,
@@ -144,7 +144,7 @@ class KVCacheManager(WindowBlocks):
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes, tokens, bs = request.block_hashes, request.all_token_ids, self.block_size
         blocks = ((hashes[i], tokens[i * bs:(i + 1) * bs]) for i in range(num_hits, max_blocks))
-        return self.tiers.lookup(hashes[num_hits - 1] if num_hits else NONE_HASH, blocks)
+        return self.tiers.lookup(hashes[num_hits - 1] if num_hits else request.hash_root, blocks)
 
     def count_query(self, request: Request, hits: list[KVBlock]) -> None:
         """Count the request's prefix-cache lookup that found `hits` in the pool's
@@ -272,7 +272,7 @@ class KVCacheManager(WindowBlocks):
         for i in range(start, num_full):
             if blocks[i] is RELEASED or i < partial:  # let go of before it was cached, or some layers only
                 continue
-            parent = request.block_hashes[i - 1] if i else NONE_HASH
+            parent = request.block_hashes[i - 1] if i else request.hash_root
             tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
             self.pool.cache(blocks[i], parent, request.block_hashes[i], tokens, write_through=not copied_in)
         self._num_cached_blocks[request.request_id] = num_full

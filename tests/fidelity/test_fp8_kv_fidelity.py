@@ -9,7 +9,7 @@ import pytest
 from cluster.demo_model import DEMO_MODELS, default_models_dir
 from engine import LLM
 from tests.fidelity.agreement import measure, reference
-from tests.fidelity.tolerances import FP8_E5M2_KV, FP8_KV, FP8_W8A8, FP8_WEIGHTS, Bound
+from tests.fidelity.tolerances import FP8_E5M2_KV, FP8_KV, FP8_W8A8, FP8_WEIGHTS, FP8_WEIGHTS_KV, Bound
 
 MODEL_DIR = default_models_dir() / DEMO_MODELS["smollm2"].dir_name
 
@@ -30,7 +30,7 @@ def hf_reference():
     ("float32", "fp8_e5m2", None, FP8_E5M2_KV),
     ("float32", "auto", "fp8", FP8_WEIGHTS),
     ("bfloat16", "auto", "fp8", FP8_WEIGHTS),
-    ("float32", "fp8", "fp8", FP8_WEIGHTS),
+    ("float32", "fp8", "fp8", FP8_WEIGHTS_KV),
 ])
 def test_fp8_agrees_with_float32_hf(hf_reference, dtype: str, kv_cache_dtype: str, quantization: str | None,
                                     bound: Bound) -> None:

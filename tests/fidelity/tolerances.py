@@ -42,3 +42,9 @@ FP8_WEIGHTS = Bound(top1_all=0.90, top1_confident=0.97, mean_abs_dlogprob=0.25)
 # that misses the issue's 90% over all positions (88.5% measured) and meets the 97% at
 # confident ones. Held to what it measures, so a regression still fails; the gap is open.
 FP8_W8A8 = Bound(top1_all=0.87, top1_confident=0.97, mean_abs_dlogprob=0.25)
+# fp8 weights and an fp8 cache together: 90.2% over all positions where it was first
+# measured, but 88.7% on an AVX-512 EPYC (89.4% there with ATEN_CPU_CAPABILITY=avx2):
+# the float32 kernels' rounding moves a handful of the 451 positions across near-ties.
+# The issue's 90% is not met on every machine; held to what the machines measure, the
+# gap open (docs/benchmarks/2026-12-06-fp8-kv.md).
+FP8_WEIGHTS_KV = Bound(top1_all=0.88, top1_confident=0.97, mean_abs_dlogprob=0.25)

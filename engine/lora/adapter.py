@@ -1,0 +1,170 @@
+"""A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) read into the
+engine's module layout: per decoder layer and projection the engine runs (q, k and v
+fused into qkv_proj, gate and up into gate_up_proj), one A [R, in] and one B [out, R]
+whose product, scaled, is what PEFT adds to that projection's weight.
+
+A fused projection's A stacks its parts' A rows (each part's rank), and its B places
+each part's scaled B at that part's output rows and rank columns, zero elsewhere: one
+shrink and one expand then compute every part's delta at once. What PEFT would add and
+pdserve cannot is refused by name (DoRA, biases, modules_to_save, embeddings, experts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.model.config import ModelConfig
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PEFT's name for a projection -> the engine's module and which part of it.
+PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+         "down_proj": ("down_proj", 0), "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None)}
+MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+def part_sizes(cfg: ModelConfig, module: str) -> tuple[list[int], int]:
+    """(output rows of each part, input width) of one layer's projection, unsharded."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv_proj": ([q, kv, kv], cfg.hidden_size), "o_proj": ([cfg.hidden_size], q),
+            "gate_up_proj": ([cfg.intermediate_size] * 2, cfg.hidden_size),
+            "down_proj": ([cfg.hidden_size], cfg.intermediate_size)}[module]
+
+
+def max_parts(module: str) -> int:
+    """How many PEFT projections one engine module fuses: its rank budget's multiple."""
+    return {"qkv_proj": 3, "gate_up_proj": 2}.get(module, 1)
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int  # the largest rank of any of its projections
+    # (layer, module) -> (A [R, in], B [out, R]), float32, B already scaled.
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+
+def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """Read and check a PEFT adapter directory for the model `cfg`; ValueError naming
+    what does not fit (missing files, a rank above max_rank, unsupported options,
+    tensors whose shapes are not this model's)."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
+        raise ValueError(f"LoRA adapter {name!r}: {root} needs {CONFIG_FILE} and {WEIGHTS_FILE} (PEFT's format)")
+    try:
+        config = json.loads((root / CONFIG_FILE).read_text())
+    except ValueError as exc:
+        raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not JSON: {exc}") from None
+    _check_config(name, config)
+    if cfg.mla is not None or cfg.moe is not None:
+        raise ValueError(f"LoRA adapter {name!r}: adapters on mixture-of-experts and latent-attention models "
+                         "are not supported")
+    parts: dict[tuple[int, str], dict[int | None, tuple[torch.Tensor, torch.Tensor, float]]] = {}
+    tensors = load_file(str(root / WEIGHTS_FILE))
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if m is None or m.group(3) not in PARTS:
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B of a decoder layer's "
+                             f"attention or MLP projection ({', '.join(PARTS)})")
+        layer = int(m.group(1))
+        if layer >= cfg.num_layers:
+            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}; the model has "
+                             f"{cfg.num_layers}")
+        pairs.setdefault((layer, m.group(3)), {})[m.group(4)] = tensor
+    for (layer, proj), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has lora_{''.join(ab)} without its pair")
+        a, b = ab["A"].float(), ab["B"].float()
+        rank = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
+                             f"{tuple(b.shape)} are not [r, in] and [out, r]")
+        if rank > max_rank:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has rank {rank}, above max_lora_rank "
+                             f"{max_rank}")
+        module, part = PARTS[proj]
+        sizes, width = part_sizes(cfg, module)
+        rows = sum(sizes) if part is None else sizes[part]
+        if a.shape[1] != width or b.shape[0] != rows:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
+                             f"{tuple(b.shape)} do not fit the model's [{rows}, {width}] projection")
+        parts.setdefault((layer, module), {})[part] = (a, b, _scaling(config, proj, layer, rank))
+    if not parts:
+        raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    weights = {key: _fuse(cfg, key[1], by_part) for key, by_part in parts.items()}
+    return LoRAAdapter(name, str(root), max(a.shape[0] for a, _ in weights.values()), weights)
+
+
+def _fuse(cfg: ModelConfig, module: str,
+          by_part: dict[int | None, tuple[torch.Tensor, torch.Tensor, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One module's A [R, in] and scaled B [out, R] from its parts' (A, B, scaling)."""
+    if None in by_part:
+        if len(by_part) > 1:
+            raise ValueError(f"{module} has both a fused adapter and adapters of its parts")
+        a, b, scale = by_part[None]
+        return a, b * scale
+    sizes, width = part_sizes(cfg, module)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    rank = sum(a.shape[0] for a, _, _ in by_part.values())
+    big_a, big_b = torch.zeros(rank, width), torch.zeros(sum(sizes), rank)
+    at = 0
+    for part, (a, b, scale) in sorted(by_part.items(), key=lambda kv: kv[0] or 0):
+        assert part is not None
+        r = a.shape[0]
+        big_a[at:at + r] = a
+        big_b[offsets[part]:offsets[part] + sizes[part], at:at + r] = b * scale
+        at += r
+    return big_a, big_b
+
+
+def _check_config(name: str, config: Any) -> None:
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} must hold an object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"LoRA adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
+    refusals = [("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"), ("fan_in_fan_out", "fan_in_fan_out"),
+                ("layer_replication", "layer_replication"), ("lora_bias", "lora_bias"),
+                ("target_parameters", "target_parameters"), ("trainable_token_indices", "trainable_token_indices"),
+                ("alora_invocation_tokens", "aLoRA")]
+    for key, what in refusals:
+        if config.get(key):
+            raise ValueError(f"LoRA adapter {name!r}: {what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"LoRA adapter {name!r}: bias {config['bias']!r} is not supported (only 'none')")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"LoRA adapter {name!r}: {key} must be a positive number, got {value!r}")
+
+
+def _pattern(patterns: Any, proj: str, layer: int) -> Any:
+    """A rank_pattern / alpha_pattern value for this projection, matched as PEFT does:
+    the key against the end of the module's dotted name."""
+    module = f"model.layers.{layer}.{'self_attn' if proj in ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'qkv_proj') else 'mlp'}.{proj}"
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return None
+
+
+def _scaling(config: dict[str, Any], proj: str, layer: int, rank: int) -> float:
+    """PEFT's scaling: lora_alpha / r, or / sqrt(r) with rsLoRA; per-module alphas from
+    alpha_pattern. The rank is the tensors' (rank_pattern's, when it set one)."""
+    alpha = _pattern(config.get("alpha_pattern"), proj, layer) or config["lora_alpha"]
+    return float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)

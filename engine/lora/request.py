@@ -1,0 +1,31 @@
+"""What a request names to be run with a LoRA adapter: vLLM's LoRARequest, by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import xxhash
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter: its name (what the OpenAI API's `model` names), an integer id unique
+    per adapter (vLLM's; > 0), and its PEFT directory."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be a directory path, got {self.lora_path!r}")
+
+    @property
+    def cache_root(self) -> int:
+        """The parent hash of a prompt's first KV block under this adapter: its blocks'
+        hashes chain from it, so no other adapter (nor the base model) ever hits them."""
+        return xxhash.xxh3_64_intdigest(f"lora\0{self.lora_name}\0{self.lora_path}".encode()) or 1
