@@ -225,6 +225,9 @@ class DecodeWorkerCore:
                     self.engine.unfence_blocks(kv.blocks)
                     self.engine.remote_kv_arrived(event.req)
                 elif isinstance(event, Expired):
+                    logger.warning("the KV of %s's remote prefill did not arrive within prefill_deadline_s "
+                                   "(%g s): it is prefilled here instead (an overloaded prefill pool? raise "
+                                   "prefill_deadline_s or add prefill workers)", event.req, self.deadline_s)
                     self._give_up(event.req, abort=False)
         out = self.steps.step(self.engine) if self.engine.has_unfinished() else StepOutput()
         out.finished += ended

@@ -18,6 +18,7 @@ from engine.sampling import SamplingRow, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that see a structured request
+    from engine.lora.adapter import LoRAAdapter
     from engine.lora.request import LoRARequest
     from engine.structured.matcher import GrammarState
 
@@ -61,10 +62,11 @@ class Speculation:
 
 @dataclass(eq=False)
 class LoRAUse:
-    """A request run with a LoRA adapter (engine/lora): which one, and the slot it holds
-    while it runs (-1: none, between its runs)."""
+    """A request run with a LoRA adapter (engine/lora): which one, the read of its files
+    it runs with until it ends, and the slot it holds while it runs (-1: none)."""
 
     adapter: LoRARequest
+    weights: LoRAAdapter
     slot: int = -1
 
 
@@ -159,7 +161,7 @@ class Request:
     def hash_root(self) -> int:
         """The parent hash of its first KV block: an adapter's own, so that prefix-cache
         hits never cross adapters (engine/lora/request.py)."""
-        return NONE_HASH if self.lora is None else self.lora.adapter.cache_root
+        return NONE_HASH if self.lora is None else self.lora.weights.cache_root
 
     @property
     def sequences(self) -> list[Request] | None:

@@ -72,10 +72,11 @@ class RequestFactory:
         before it is queued."""
         if lora is None:
             return None
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora).__name__}")
         if self.resources.loras is None:
             raise ValueError(f"lora_request {lora.lora_name!r}: this engine was started without enable_lora")
-        self.resources.loras.adapter(lora)
-        return LoRAUse(lora)
+        return LoRAUse(lora, self.resources.loras.adapter(lora))
 
     def _grammar_state(self, params: SamplingParams, resumed: list[int]) -> Any:
         from engine.structured.compiler import GrammarCompiler  # imports xgrammar

@@ -15,6 +15,7 @@ from engine.scheduler_output import SchedulerOutput
 if TYPE_CHECKING:
     from engine.kv_cache.block_pool import KVBlock
     from engine.kv_cache.manager import KVCacheManager
+    from engine.lora.slots import LoRASlots
     from engine.remote_kv import RemoteKVQueues
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class SchedulerUpdates:
     running: list[Request]
     eos_token_ids: frozenset[int]
     max_model_len: int
+    loras: LoRASlots
     _free_after_step: dict[Request, list[KVBlock]]
 
     if TYPE_CHECKING:  # the Scheduler's verbs (scheduler.py, fork_groups.py) these call
@@ -73,6 +75,7 @@ class SchedulerUpdates:
                         self.fork(request)
                         continue
                     self.running.remove(request)
+                    self.loras.stop(request)
                     self.remote.keep_prefilled(request)
                     finished.append(request)
                     continue

@@ -10,6 +10,7 @@
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer tiers --seeds 1000
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer pd --kv-cache-dtype fp8 --tp random --seeds 100
     .venv/bin/python -m benchmarks.fuzz schedules --fuzzer pd --transport tcp --stream off --seeds 1000
+    .venv/bin/python -m benchmarks.fuzz schedules --fuzzer offline --lora 0.5 --seeds 300
 
 Prints one line per failure: seed, kind (mismatch / exception / hang / error_finish /
 invariant / rejection / constraint), a tag when it looks like a known bug (F1-F4; F3 on
@@ -104,6 +105,9 @@ def main() -> int:
     ap.add_argument("--structured", type=float, default=0.0, metavar="FRACTION",
                     help="give about this fraction of the requests a structured_outputs constraint "
                          "(0: none, today's cases exactly)")
+    ap.add_argument("--lora", type=float, default=0.0, metavar="FRACTION",
+                    help="offline: about this fraction of the requests name one of three LoRA adapters "
+                         "(tests/lora_adapters.py, built for the model; 0: none, today's cases exactly)")
     ap.add_argument("--seeds", type=int, default=100, help="how many seeds")
     ap.add_argument("--start", type=int, default=0, help="first seed")
     ap.add_argument("--time-limit", type=float, default=0.0,
@@ -182,6 +186,10 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
         ENGINE_OPTIONS["kv_cache_dtype"] = args.kv_cache_dtype
     if args.quantization:
         ENGINE_OPTIONS["quantization"] = args.quantization
+    if args.lora:
+        from tests.fuzz import lora
+
+        lora.use(model_dir, Path(tempfile.mkdtemp(prefix="pdserve-fuzz-lora-")))
     oracle = H.Oracle(model_dir)
     if args.replay:
         return replay(args, model_dir, oracle)
@@ -214,6 +222,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
         label += f"/stream-{args.stream}"
     if args.structured:
         label += f"/structured{args.structured:g}"
+    if args.lora:
+        label += f"/lora{args.lora:g}"
     for seed in range(args.start, args.start + args.seeds):
         if args.time_limit and time.monotonic() - t_start > args.time_limit:
             break
@@ -230,6 +240,9 @@ def run(args: argparse.Namespace, model_dir: Path) -> int:
                 case.stream = "chunk" if args.stream == "layer" and pair[0] > 1 else args.stream
             stats[f"seeds_stream_{case.stream}"] += 1
         H.add_structured(case, args.structured)
+        if args.lora:
+            lora.add_loras(case, args.lora)
+            stats["lora_requests"] += sum(s.lora is not None for s in case.requests)
         # the wall limit runs from when the engines are up: TP groups take long to start
         signal.alarm(int(args.seed_wall_limit + 30 + (60 if args.tp != "1" else 0)))
         try:

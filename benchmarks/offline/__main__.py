@@ -20,6 +20,7 @@ BENCHMARKS = {
     "structured": "benchmarks.offline.structured",
     "sliding_window": "benchmarks.offline.sliding_window",
     "window_pools": "benchmarks.offline.window_pools",
+    "lora": "benchmarks.offline.lora",
 }
 
 if __name__ == "__main__":  # not when a spawned child imports this module as its main

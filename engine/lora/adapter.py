@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from engine.model.config import ModelConfig
 
@@ -44,13 +45,24 @@ def max_parts(module: str) -> int:
     return {"qkv_proj": 3, "gate_up_proj": 2}.get(module, 1)
 
 
-@dataclass
+@dataclass(eq=False)
 class LoRAAdapter:
+    """One read of an adapter's files (the same name read again, from another directory
+    or changed files, is another LoRAAdapter)."""
+
     name: str
     path: str
     rank: int  # the largest rank of any of its projections
     # (layer, module) -> (A [R, in], B [out, R]), float32, B already scaled.
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    digest: int = 0  # of its files' bytes
+
+    @property
+    def cache_root(self) -> int:
+        """The parent hash of a prompt's first KV block under this adapter: its blocks'
+        hashes chain from it, so no other adapter, no other read of these files, nor
+        the base model ever hits them."""
+        return xxhash.xxh3_64_intdigest(f"lora\0{self.name}\0{self.digest}".encode()) or 1
 
     @property
     def num_bytes(self) -> int:
@@ -61,13 +73,14 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     """Read and check a PEFT adapter directory for the model `cfg`; ValueError naming
     what does not fit (missing files, a rank above max_rank, unsupported options,
     tensors whose shapes are not this model's)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     root = Path(path)
     if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
         raise ValueError(f"LoRA adapter {name!r}: {root} needs {CONFIG_FILE} and {WEIGHTS_FILE} (PEFT's format)")
+    raw_config, raw_weights = (root / CONFIG_FILE).read_bytes(), (root / WEIGHTS_FILE).read_bytes()
     try:
-        config = json.loads((root / CONFIG_FILE).read_text())
+        config = json.loads(raw_config)
     except ValueError as exc:
         raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not JSON: {exc}") from None
     _check_config(name, config)
@@ -75,7 +88,10 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
         raise ValueError(f"LoRA adapter {name!r}: adapters on mixture-of-experts and latent-attention models "
                          "are not supported")
     parts: dict[tuple[int, str], dict[int | None, tuple[torch.Tensor, torch.Tensor, float]]] = {}
-    tensors = load_file(str(root / WEIGHTS_FILE))
+    try:
+        tensors = load(raw_weights)
+    except Exception as exc:  # safetensors' own error types: a truncated or foreign file
+        raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} cannot be read: {exc}") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
@@ -91,10 +107,10 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has lora_{''.join(ab)} without its pair")
         a, b = ab["A"].float(), ab["B"].float()
-        rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)} are not [r, in] and [out, r]")
+        rank = a.shape[0]
         if rank > max_rank:
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has rank {rank}, above max_lora_rank "
                              f"{max_rank}")
@@ -108,7 +124,8 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     if not parts:
         raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     weights = {key: _fuse(cfg, key[1], by_part) for key, by_part in parts.items()}
-    return LoRAAdapter(name, str(root), max(a.shape[0] for a, _ in weights.values()), weights)
+    digest = xxhash.xxh3_64_intdigest(raw_config + raw_weights)
+    return LoRAAdapter(name, str(root), max(a.shape[0] for a, _ in weights.values()), weights, digest)
 
 
 def _fuse(cfg: ModelConfig, module: str,
@@ -151,6 +168,15 @@ def _check_config(name: str, config: Any) -> None:
         value = config.get(key)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"LoRA adapter {name!r}: {key} must be a positive number, got {value!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict) or not all(isinstance(v, (int, float)) for v in patterns.values()):
+            raise ValueError(f"LoRA adapter {name!r}: {key} must map module patterns to numbers")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"LoRA adapter {name!r}: {key} key {pattern!r} is not a regex: {exc}") from None
 
 
 def _pattern(patterns: Any, proj: str, layer: int) -> Any:
@@ -166,5 +192,6 @@ def _pattern(patterns: Any, proj: str, layer: int) -> Any:
 def _scaling(config: dict[str, Any], proj: str, layer: int, rank: int) -> float:
     """PEFT's scaling: lora_alpha / r, or / sqrt(r) with rsLoRA; per-module alphas from
     alpha_pattern. The rank is the tensors' (rank_pattern's, when it set one)."""
-    alpha = _pattern(config.get("alpha_pattern"), proj, layer) or config["lora_alpha"]
+    alpha = _pattern(config.get("alpha_pattern"), proj, layer)
+    alpha = config["lora_alpha"] if alpha is None else alpha
     return float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)

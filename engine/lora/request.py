@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import xxhash
-
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -23,9 +21,3 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must be a directory path, got {self.lora_path!r}")
-
-    @property
-    def cache_root(self) -> int:
-        """The parent hash of a prompt's first KV block under this adapter: its blocks'
-        hashes chain from it, so no other adapter (nor the base model) ever hits them."""
-        return xxhash.xxh3_64_intdigest(f"lora\0{self.lora_name}\0{self.lora_path}".encode()) or 1

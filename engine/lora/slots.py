@@ -1,13 +1,18 @@
 """Which adapters hold the model's max_loras slots, and which are kept read in memory.
 
-A running request holds its adapter's slot (a reference); a slot no running request
-holds may be given to another adapter, least recently used first. Adapters read from
-disk are kept in host memory, up to max_cpu_loras, least recently used dropped first.
+An adapter is read once, when a request first names it, and the request keeps that
+read (LoRAUse.weights) until it ends: nothing is read from disk inside a step, and a
+name pointed at another directory meanwhile (or its files changed) is a new adapter
+beside the old one, with its own prefix-cache root, while requests of the old one
+finish with the old weights. Host memory keeps up to max_cpu_loras reads for requests
+to come, least recently used dropped first.
 
-Admission (Scheduler): a request whose adapter has no slot, when every slot is held,
-waits. Once one has waited, no request of another adapter is admitted in that step
-(base-model requests still are), so the held slots drain and it gets one: requests of
-a busy adapter cannot starve another's.
+A running request holds its adapter's slot (a reference); a slot no running request
+holds may be given to another adapter, least recently used first. Admission
+(Scheduler): a request whose adapter has no slot, when every slot is held, waits. Once
+one has waited, no request of another adapter is admitted in that step (base-model
+requests still are), so the held slots drain and it gets one: requests of a busy
+adapter cannot starve another's.
 """
 
 from __future__ import annotations
@@ -26,12 +31,12 @@ class LoRASlots:
                  max_lora_rank: int, max_cpu_loras: int) -> None:
         self.wrapped, self.cfg = wrapped, cfg
         self.max_lora_rank, self.max_cpu_loras = max_lora_rank, max_cpu_loras
-        self.names: list[str | None] = [None] * max_loras  # the adapter in each slot
+        self.held: list[LoRAAdapter | None] = [None] * max_loras  # the adapter in each slot
         self.users = [0] * max_loras  # running requests holding each slot
         self._last_used = [0] * max_loras
         self._clock = 0
-        self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # read adapters, LRU first
-        self._waiting: str | None = None  # an adapter a request waits for a slot for, this step
+        self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # reads kept for requests to come, LRU first
+        self._waiting: LoRAAdapter | None = None  # an adapter a request waits for a slot for, this step
         self.loads = 0  # adapters read from disk
 
     @classmethod
@@ -43,20 +48,23 @@ class LoRASlots:
 
     def waits(self, request: Request) -> bool:
         """A queued request that may not start running this step for want of a slot."""
-        return request.lora is not None and not self.admits(request.lora.adapter)
+        return request.lora is not None and not self.admits(request.lora.weights)
 
     def start(self, request: Request) -> None:
         if request.lora is not None:
-            request.lora.slot = self.take(request.lora.adapter)
+            request.lora.slot = self.take(request.lora.weights)
 
     def stop(self, request: Request) -> None:
-        """It stopped running (finished, preempted): its slot reference goes."""
+        """It stopped running (finished, preempted, prefilled): its slot reference goes."""
         if request.lora is not None and request.lora.slot >= 0:
             self.release(request.lora.slot)
             request.lora.slot = -1
 
+    # --- adapters and slots ----------------------------------------------------------
+
     def adapter(self, lora: LoRARequest) -> LoRAAdapter:
-        """The adapter, read (and checked: ValueError naming the problem) if not in memory."""
+        """The adapter `lora` names, read (and checked: ValueError naming the problem)
+        unless a read of the same directory is kept."""
         adapter = self.loaded.get(lora.lora_name)
         if adapter is not None and adapter.path == lora.lora_path:
             self.loaded.move_to_end(lora.lora_name)
@@ -74,27 +82,27 @@ class LoRASlots:
     def begin_step(self) -> None:
         self._waiting = None
 
-    def admits(self, lora: LoRARequest) -> bool:
-        """Whether a request of `lora` may start running now: its adapter holds a slot, or
-        one is idle, and no other adapter waits first this step (module docstring)."""
-        if self._waiting is not None and self._waiting != lora.lora_name:
+    def admits(self, adapter: LoRAAdapter) -> bool:
+        """Whether a request of `adapter` may start running now: it holds a slot, or one
+        is idle, and no other adapter waits first this step (module docstring)."""
+        if self._waiting is not None and self._waiting is not adapter:
             return False
-        if self._slot_of(lora) is None and all(self.users):
-            self._waiting = lora.lora_name
+        if self._slot_of(adapter) is None and all(self.users):
+            self._waiting = adapter
             return False
         return True
 
-    def take(self, lora: LoRARequest) -> int:
-        """A slot holding `lora` for a request that starts running (one more reference;
-        admits() said it may), its adapter loaded into it if it was not there."""
-        slot = self._slot_of(lora)
+    def take(self, adapter: LoRAAdapter) -> int:
+        """A slot holding `adapter` for a request that starts running (one more
+        reference; admits() said it may), the adapter written into it if not there."""
+        slot = self._slot_of(adapter)
         if slot is None:
-            idle = [s for s in range(len(self.names)) if self.users[s] == 0]
+            idle = [s for s in range(len(self.held)) if self.users[s] == 0]
             if not idle:
-                raise ValueError(f"no LoRA slot is idle for adapter {lora.lora_name!r}")
-            slot = min(idle, key=lambda s: (self.names[s] is not None, self._last_used[s]))
-            load_into_slot(self.wrapped, slot, self.adapter(lora))
-            self.names[slot] = lora.lora_name
+                raise ValueError(f"no LoRA slot is idle for adapter {adapter.name!r}")
+            slot = min(idle, key=lambda s: (self.held[s] is not None, self._last_used[s]))
+            load_into_slot(self.wrapped, slot, adapter)
+            self.held[slot] = adapter
         self.users[slot] += 1
         self._clock += 1
         self._last_used[slot] = self._clock
@@ -106,11 +114,5 @@ class LoRASlots:
             raise ValueError(f"LoRA slot {slot} released more often than it was taken")
         self.users[slot] -= 1
 
-    def _slot_of(self, lora: LoRARequest) -> int | None:
-        for slot, name in enumerate(self.names):
-            if name == lora.lora_name:
-                adapter = self.loaded.get(name)
-                if adapter is not None and adapter.path != lora.lora_path:
-                    return None  # the name now means another directory: reload it
-                return slot
-        return None
+    def _slot_of(self, adapter: LoRAAdapter) -> int | None:
+        return next((slot for slot, held in enumerate(self.held) if held is adapter), None)

@@ -4,6 +4,7 @@ identical to the colocated engine's, with fallbacks when the prefill side fails.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -107,13 +108,17 @@ def test_pushed_kv_gives_colocated_tokens(llama_dir: Path, reference, transport:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_dead_prefill_worker_falls_back_to_local_prefill(llama_dir: Path, reference, transport: str) -> None:
+def test_dead_prefill_worker_falls_back_to_local_prefill(llama_dir: Path, reference, transport: str,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
     decode, prefill = worker_pair(llama_dir, transport, deadline_s=0.3, grace_s=0.2)
     try:
         # No prefill worker steps: every reservation expires and decode prefills locally,
-        # at once, in other blocks.
-        assert tokens(run(decode, None, PROMPTS[:3])) == {k: reference[k] for k in ("r0", "r1", "r2")}
+        # at once, in other blocks; each fallback is logged, naming the deadline.
+        with caplog.at_level(logging.WARNING, logger="decode_worker.remote_kv"):
+            assert tokens(run(decode, None, PROMPTS[:3])) == {k: reference[k] for k in ("r0", "r1", "r2")}
         assert decode.stats["fallbacks"] == decode.stats["remote"] > 0
+        assert sum("within prefill_deadline_s (0.3 s)" in r.getMessage() for r in caplog.records) \
+            == decode.stats["fallbacks"]
         fenced = decode.quarantined_blocks()
         # One-sided: the reserved blocks stay fenced while the silent prefill worker
         # lives, and come back once it answers; two-sided: at once.

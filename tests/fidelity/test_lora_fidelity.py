@@ -1,6 +1,6 @@
 """LoRA adapters (engine/lora) against Hugging Face transformers + PEFT in float32, each
 adapter merged into a copy of the base model (PEFT's merge_and_unload): three adapters
-of ranks 4, 8 (rsLoRA) and 16 over different projections, in one batch with base-model
+of ranks 4, 8 (rsLoRA) and 16 over different projections (tests/lora_adapters.py), in one batch with base-model
 requests, with fewer slots than adapters, chunked prefill and preemption; prefix-cache
 hits never cross adapters; what an adapter cannot be is refused by name."""
 
@@ -13,42 +13,20 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
+from tests.lora_adapters import ADAPTERS, build_adapters
 from tests.tiny_models import build_tiny_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-# name -> (int id, PEFT LoraConfig options)
-ADAPTERS = {
-    "a1": (1, dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
-    "a2": (2, dict(r=8, lora_alpha=16, use_rslora=True,
-                   target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])),
-    "a3": (3, dict(r=16, lora_alpha=8, target_modules=["gate_proj", "down_proj", "o_proj"])),
-}
 PROMPTS = [torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist()
            for n in (5, 17, 33, 40, 9, 26, 50)]
 NAMES = [None, "a1", "a2", "a3", "a1", None, "a2"]
-
-
-def make_adapter(base: Path, out: Path, seed: int, **options: object) -> Path:
-    """A PEFT adapter of random weights (PEFT starts B at zero: no effect) saved as PEFT saves."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), LoraConfig(**options))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
 def lora_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
     base = build_tiny_model("llama", root / "base")
-    return {"base": base, **{name: make_adapter(base, root / name, i, **options)
-                             for name, (i, options) in ADAPTERS.items()}}
+    return {"base": base, **{name: Path(r.lora_path) for name, r in build_adapters(base, root).items()}}
 
 
 def request_of(models: dict[str, Path], name: str | None) -> LoRARequest | None:
@@ -131,3 +109,57 @@ def test_what_cannot_be_served_is_refused_by_name(lora_models: dict[str, Path], 
     # The engine serves on after each refusal.
     [out] = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=request_of(lora_models, "a1"))
     assert out.token_ids == hf_greedy(lora_models, "a1", PROMPTS[1])
+
+
+def test_a_name_pointed_at_new_files_runs_them(lora_models: dict[str, Path], reference: list[list[int]],
+                                                tmp_path: Path) -> None:
+    """The name "x" first at a1's files, then at a2's: each request runs the files its
+    name meant when it arrived, and the prefix cache keeps the two apart."""
+    llm = LLM(str(lora_models["base"]), enable_lora=True, max_lora_rank=16, max_loras=1, block_size=8)
+    prompt = PROMPTS[6]
+    first = LoRARequest("x", 7, str(lora_models["a1"]))
+    second = LoRARequest("x", 7, str(lora_models["a2"]))
+    [a] = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=first)
+    [b] = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=second)
+    assert a.token_ids == hf_greedy(lora_models, "a1", prompt)
+    assert b.token_ids == reference[6] and b.num_cached_tokens == 0  # a2's, its own KV
+
+
+def test_a_read_adapter_serves_its_queued_requests_whatever_happens_to_its_files(
+        lora_models: dict[str, Path], reference: list[list[int]], tmp_path: Path) -> None:
+    """max_cpu_loras 1: reading a2 drops a1's read from memory; a1's queued request still
+    runs with it (nothing is read inside a step), though its directory is gone."""
+    gone = tmp_path / "a1"
+    gone.mkdir()
+    for f in lora_models["a1"].iterdir():
+        (gone / f.name).write_bytes(f.read_bytes())
+    llm = LLM(str(lora_models["base"]), enable_lora=True, max_lora_rank=16, max_loras=1, max_cpu_loras=1)
+    core = llm.core
+    r1 = core.add_request("r1", PROMPTS[1], GREEDY, lora_request=LoRARequest("a1", 1, str(gone)))
+    r2 = core.add_request("r2", PROMPTS[2], GREEDY, lora_request=request_of(lora_models, "a2"))
+    for f in gone.iterdir():
+        f.unlink()
+    while core.has_unfinished():
+        core.step()
+    assert [r1.output_token_ids, r2.output_token_ids] == reference[1:3]
+
+
+def test_bad_adapters_and_requests_are_value_errors(lora_models: dict[str, Path], tmp_path: Path) -> None:
+    llm = LLM(str(lora_models["base"]), enable_lora=True, max_lora_rank=16)
+
+    def broken(name: str, config: dict | None = None, weights: bytes | None = None) -> LoRARequest:
+        out = tmp_path / name
+        out.mkdir()
+        cfg = json.loads((lora_models["a1"] / "adapter_config.json").read_text())
+        (out / "adapter_config.json").write_text(json.dumps({**cfg, **(config or {})}))
+        (out / "adapter_model.safetensors").write_bytes(
+            weights if weights is not None else (lora_models["a1"] / "adapter_model.safetensors").read_bytes())
+        return LoRARequest(name, 9, str(out))
+
+    cases = [("lora_request must be a LoRARequest", {"lora_name": "a1"}),
+             ("adapter_model.safetensors cannot be read", broken("torn", weights=b"\x08" * 20)),
+             ("alpha_pattern must map module patterns to numbers", broken("listed", {"alpha_pattern": [1]})),
+             ("rank_pattern key .* is not a regex", broken("regex", {"rank_pattern": {"q_proj(": 4}}))]
+    for message, lora in cases:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from typing import Any
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
+from engine.lora.request import LoRARequest
 from engine.request import Request, RequestStatus
 from tests.fuzz.structured import violation
 
@@ -40,6 +41,12 @@ def spec_params(spec: ReqSpec, max_tokens: int | None = None) -> SamplingParams:
 # Options every fuzzed engine and the oracle take on top of their own (benchmarks/fuzz/
 # schedules.py --kv-cache-dtype): the oracle is then that configuration's colocated engine.
 ENGINE_OPTIONS: dict[str, Any] = {}
+# --lora: the adapters the fuzzed requests may name (tests/fuzz/lora.py fills it).
+LORA_ADAPTERS: dict[str, LoRARequest] = {}
+
+
+def lora_request_of(name: str | None) -> LoRARequest | None:
+    return None if name is None else LORA_ADAPTERS[name]
 
 
 class Oracle:
@@ -60,7 +67,7 @@ class Oracle:
     def _key(spec: ReqSpec) -> tuple:
         # min_tokens is capped by max_tokens (SamplingParams refuses more): keyed capped
         params = dict(spec.params, min_tokens=min(spec.params.get("min_tokens", 0), spec.max_tokens))
-        return tuple(spec.prompt), json.dumps(params, sort_keys=True)  # structured_outputs: a nested dict
+        return tuple(spec.prompt), json.dumps(params, sort_keys=True), spec.lora  # structured_outputs: a nested dict
 
     def expect(self, spec: ReqSpec) -> tuple[list[int], str]:
         key = self._key(spec)
@@ -69,7 +76,8 @@ class Oracle:
             t0 = time.monotonic()
             n = max(spec.max_tokens, ORACLE_MIN_TOKENS, have[2] if have else 0)
             n = min(n, MAX_MODEL_LEN - len(spec.prompt))
-            out = self.llm.generate([list(spec.prompt)], spec_params(spec, n), use_tqdm=False)[0]
+            out = self.llm.generate([list(spec.prompt)], spec_params(spec, n), use_tqdm=False,
+                                    lora_request=lora_request_of(spec.lora))[0]
             have = (out.token_ids, out.finish_reason == "stop", n)
             self._cache[key] = have
             self.seconds += time.monotonic() - t0
@@ -188,6 +196,7 @@ class ReqSpec:
     fate_at: int = -1  # ticks after arrival: lost -> D.prefill_failed then (-1: rely on the deadline); perror/spurious -> when
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams besides greedy, ignore_eos, max_tokens
     queue_tag: float = 0.0  # the router's fair-queuing tag (router/fair_queue.py): within a priority, lower first
+    lora: str | None = None  # the LoRA adapter it names (tests/fuzz/lora.py), offline only
 
 
 @dataclass

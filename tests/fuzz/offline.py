@@ -24,6 +24,7 @@ from tests.fuzz.common import (
     _exc_failure,
     _sched_state,
     check_constraint,
+    lora_request_of,
     spec_params,
 )
 
@@ -100,7 +101,7 @@ def _drive_core(case: OfflineCase, core: EngineCore, oracle: Oracle, res: SeedRe
                 continue
             try:
                 request = core.add_request(spec.rid, spec.prompt, spec_params(spec), spec.priority,
-                                           queue_tag=spec.queue_tag)
+                                           queue_tag=spec.queue_tag, lora_request=lora_request_of(spec.lora))
             except ValueError as exc:
                 if expect:
                     res.failures.append(Failure(case.seed, "rejection", f"{spec.rid} refused though it fits "
@@ -155,6 +156,8 @@ def _check_quiescent(seed: int, core: EngineCore, failures: list[Failure], who: 
         problems.append(f"leftover requests {list(s.requests)} running={len(s.running)} waiting={len(s.waiting)}")
     if getattr(s, "_free_after_step", None):
         problems.append(f"_free_after_step holds {len(s._free_after_step)}")
+    if any(s.loras.users):
+        problems.append(f"LoRA slots still held: {s.loras.users}")
     if s.loads.busy or s.loads.loading:
         problems.append(f"tier loads still in flight: {list(s.loads.loading)}")
     problems += _tier_leaks(core)
@@ -198,7 +201,7 @@ def _drive_llm(case: OfflineCase, llm: LLM, oracle: Oracle, res: SeedResult, t0:
     bad = [s for s in case.requests if not _expect_fit(case, s, core)]
     for s in bad[:1]:  # the engine refuses it, and stays usable
         try:
-            llm.generate([s.prompt], spec_params(s), use_tqdm=False)
+            llm.generate([s.prompt], spec_params(s), use_tqdm=False, lora_request=lora_request_of(s.lora))
             res.failures.append(Failure(case.seed, "rejection", f"{s.rid} accepted though it can never run"))
         except ValueError:
             pass
@@ -226,7 +229,7 @@ def _drive_llm(case: OfflineCase, llm: LLM, oracle: Oracle, res: SeedResult, t0:
         for a, b in zip([0] + cuts, cuts + [len(ok)]):
             part = ok[a:b]
             outs += llm.generate([s.prompt for s in part], [spec_params(s) for s in part], use_tqdm=False,
-                                 priority=[s.priority for s in part])
+                                 priority=[s.priority for s in part], lora_request=[lora_request_of(s.lora) for s in part])
     except Exception as exc:
         res.failures.append(_exc_failure(case.seed, "LLM.generate", exc, _sched_state(core)))
         return

@@ -359,3 +359,29 @@ def test_fp8_schedules_match_the_fp8_oracle(llama_dir: Path) -> None:
     for r in results:
         exercised.update(r.stats)
     assert exercised["preemptions"] > 0 and exercised["cache_hits"] > 0 and exercised["remote"] > 0, exercised
+
+
+@pytest.mark.timeout(180)
+def test_lora_schedules_match_the_oracle(llama_dir: Path, tmp_path: Path) -> None:
+    """Half the requests name one of three LoRA adapters, in engines of one to three
+    slots: each gets what it gets alone with its adapter (preemption, prefix hits, slots
+    waited for), and every slot is let go. More seeds: benchmarks/fuzz/schedules.py --lora 0.5."""
+    from tests.fuzz import lora
+    from tests.fuzz.common import ENGINE_OPTIONS, LORA_ADAPTERS
+
+    lora.use(llama_dir, tmp_path)
+    try:
+        lora_oracle = H.Oracle(llama_dir)
+        cases = [H.make_offline_case(seed) for seed in range(30)]
+        for case in cases:
+            lora.add_loras(case, 0.5)
+        results = [H.run_offline(case, llama_dir, lora_oracle) for case in cases]
+    finally:
+        ENGINE_OPTIONS.clear()
+        LORA_ADAPTERS.clear()
+    assert report(results) == ""
+    exercised = Counter()
+    for r in results:
+        exercised.update(r.stats)
+    named = sum(s.lora is not None for case in cases for s in case.requests)
+    assert named > 20 and exercised["preemptions"] > 0 and exercised["cache_hits"] > 0, (named, exercised)

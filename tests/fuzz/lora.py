@@ -1,0 +1,31 @@
+"""LoRA adapters in the offline fuzzer (--lora FRACTION): about that fraction of a case's
+requests name one of tests/lora_adapters.py's adapters, drawn from a stream of their
+own (every other choice of the case stays as it was), and the engine gets fewer slots
+than adapters at times. The oracle runs each request alone with its adapter."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from tests.fuzz.common import ENGINE_OPTIONS, LORA_ADAPTERS, OfflineCase, PDCase
+from tests.lora_adapters import build_adapters
+
+
+def use(model_dir: Path, root: Path) -> None:
+    """Build the adapters for the fuzzed model; the oracle serves them too."""
+    LORA_ADAPTERS.update(build_adapters(model_dir, root))
+    ENGINE_OPTIONS.update(enable_lora=True, max_loras=len(LORA_ADAPTERS), max_lora_rank=16)
+
+
+def add_loras(case: OfflineCase | PDCase, fraction: float) -> None:
+    if not fraction:
+        return
+    if not isinstance(case, OfflineCase):
+        raise SystemExit("--lora: the offline fuzzer only (LoRA does not cross P/D yet)")
+    rng = random.Random(f"lora-{case.seed}")
+    names = sorted(LORA_ADAPTERS)
+    case.engine.update(enable_lora=True, max_loras=rng.choice((1, 2, 3)), max_lora_rank=16)
+    for spec in case.requests:
+        if rng.random() < fraction:
+            spec.lora = rng.choice(names)
