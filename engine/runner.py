@@ -276,8 +276,8 @@ class ModelRunner:
                                query_lens_cpu=inputs.query_lens, seq_lens_cpu=inputs.seq_lens.tolist(),
                                num_drafts_cpu=inputs.num_drafts.tolist() if len(inputs.num_drafts) else None)
         self.attention_backend.prepare(md, self.block_size)
-        lora = None if not len(inputs.lora_slots) else LoRAStep.of(torch.from_numpy(
-            np.repeat(inputs.lora_slots, inputs.query_lens)).to(self.device))
+        lora = None if not len(inputs.lora_slots) else LoRAStep.of(
+            np.repeat(inputs.lora_slots, inputs.query_lens), self.device)
         with attention_context(md), lora_step(lora):
             return self.model(dev.input_ids, dev.positions, dev.logits_indices)
 

@@ -6,19 +6,22 @@ layer) is wrapped in a LoRALinear holding one A and one B per adapter slot:
     A [slots, R, in]    B [slots, out, R]    (R = max_lora_rank x the projections it fuses)
 
 A slot with no adapter, or a projection its adapter leaves alone, holds zeros. One
-step's rows name their slot (-1: the base model) in a LoRAStep made visible for the
-forward pass, like the attention metadata. Each layer then adds, per slot present in
-the step, (x[rows] @ A[slot].T) @ B[slot].T to the base output of those rows: one
-shrink and one expand per slot (the SGMV shape), whatever the batch's mix.
+step's rows name their slot (-1: the base model) in a LoRAStep, grouped on the host
+once and made visible for the forward pass like the attention metadata. Each layer
+then adds (x[rows] @ A[slot].T) @ B[slot].T to the base output of each slot's rows:
+batched over the slots, padded to the same rows (BGMV's shape), or slot by slot
+(SGMV's) where padding would more than double the work.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,18 +31,35 @@ from engine.model.config import ModelConfig
 
 @dataclass
 class LoRAStep:
-    """One step's rows grouped by adapter slot: (slot, the rows' indices, or None for
-    every row), base-model rows left out."""
+    """One step's rows by adapter slot, grouped on the host once for every layer.
 
-    groups: list[tuple[int, torch.Tensor | None]]
+    Balanced (decode: a row or a few per request): slots [0, S) padded to M rows each,
+    `gather` [S * M] the row in each place (0 where none, masked out by `mask`), so a
+    projection runs one gather, two batched matmuls over the slots and one scatter,
+    whatever the mix. Unbalanced (a long prompt beside decode rows), where padding
+    would multiply the work: `groups`, (slot, its rows) each, a shrink and expand per slot."""
+
+    slots: int
+    rows: int = 0
+    gather: torch.Tensor | None = None  # [S * M] int64
+    mask: torch.Tensor | None = None  # [S * M, 1] float32 (an in-place multiply casts it)
+    groups: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def of(cls, slot_of_row: torch.Tensor) -> LoRAStep:
-        """slot_of_row [T] int64 (-1: no adapter), on the model's device."""
-        slots = torch.unique(slot_of_row).tolist()
-        if slots == [s for s in slots if s >= 0] and len(slots) == 1:
-            return cls([(slots[0], None)])
-        return cls([(s, torch.nonzero(slot_of_row == s).flatten()) for s in slots if s >= 0])
+    def of(cls, slot_of_row: np.ndarray, device: torch.device) -> LoRAStep | None:
+        """slot_of_row [T] (-1: no adapter); None when no row has one."""
+        slots = int(slot_of_row.max(initial=-1)) + 1
+        if slots == 0:
+            return None
+        rows_of = [np.flatnonzero(slot_of_row == s) for s in range(slots)]
+        m = max(len(r) for r in rows_of)
+        if slots * m > 2 * len(slot_of_row) + 16:
+            return cls(slots, groups=[(s, torch.from_numpy(r).to(device)) for s, r in enumerate(rows_of) if len(r)])
+        gather, mask = np.zeros((slots, m), dtype=np.int64), np.zeros((slots, m, 1), dtype=np.float32)
+        for s, r in enumerate(rows_of):
+            gather[s, :len(r)], mask[s, :len(r)] = r, 1.0
+        return cls(slots, m, torch.from_numpy(gather.reshape(-1)).to(device),
+                   torch.from_numpy(mask.reshape(-1, 1)).to(device))
 
 
 _current: LoRAStep | None = None
@@ -83,14 +103,16 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         step = _current
-        if step is None or not step.groups:
+        if step is None:
             return y
+        if step.gather is not None and step.mask is not None:
+            s, m = step.slots, step.rows
+            xs = x.index_select(0, step.gather).view(s, m, -1)
+            delta = torch.bmm(torch.bmm(xs, self.lora_a[:s].transpose(1, 2)), self.lora_b[:s].transpose(1, 2))
+            return y.index_add_(0, step.gather, delta.view(s * m, -1).mul_(step.mask))
         for slot, rows in step.groups:
-            a, b = self.lora_a[slot], self.lora_b[slot]
-            if rows is None:
-                y = y + (x @ a.T) @ b.T
-            else:
-                y = y.index_add(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+            delta = (x.index_select(0, rows) @ self.lora_a[slot].T) @ self.lora_b[slot].T
+            y = y.index_add_(0, rows, delta)
         return y
 
 
