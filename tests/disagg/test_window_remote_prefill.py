@@ -134,13 +134,18 @@ def test_pools_with_other_windows_are_refused_as_a_pair(tiny_models: dict[str, P
     shutil.copytree(tiny_models["mistral"], unwindowed)
     config = json.loads((unwindowed / "config.json").read_text())
     (unwindowed / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    refused_as_a_pair((tiny_models["mistral"], {}), (unwindowed, {}),
+                      r"model is 'tiny-llama \[sliding windows 20,20\]' there, 'tiny-llama' here")
+
+
+def refused_as_a_pair(decode: tuple[Path, dict], prefill: tuple[Path, dict], message: str) -> None:
+    """A decode and a prefill engine (model, options) whose handshake must refuse the pair."""
     t_dec, t_pre = create_transport("tcp", "decode", CONFIG), create_transport("tcp", "prefill", CONFIG)
     engines = []
     try:
-        engines.append(tp_engine(tiny_models["mistral"], t_dec, 1, num_kv_blocks=16))
-        engines.append(tp_engine(unwindowed, t_pre, 1, num_kv_blocks=16))
-        with pytest.raises(IncompatiblePeerError, match=r"model is 'tiny-llama \[sliding windows 20,20\]' there, "
-                                                        r"'tiny-llama' here"):
+        for t, (model, options) in ((t_dec, decode), (t_pre, prefill)):
+            engines.append(tp_engine(model, t, 1, num_kv_blocks=16, **options))
+        with pytest.raises(IncompatiblePeerError, match=message):
             t_pre.add_peer(t_dec.metadata())
     finally:
         for t in (t_pre, t_dec):
@@ -154,19 +159,9 @@ def test_pools_with_other_longrope_factors_are_refused_as_a_pair(tmp_path: Path)
     """Phi-3's LongRoPE set follows each engine's max_model_len: a pool within the
     original context (short factors) and one past it (long) turn keys otherwise."""
     model = build_phi3(tmp_path / "phi3", {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG})
-    t_dec, t_pre = create_transport("tcp", "decode", CONFIG), create_transport("tcp", "prefill", CONFIG)
-    engines = []
-    try:
-        engines.append(tp_engine(model, t_dec, 1, num_kv_blocks=16, max_model_len=128))
-        engines.append(tp_engine(model, t_pre, 1, num_kv_blocks=16, max_model_len=32))
-        with pytest.raises(IncompatiblePeerError, match=r"model is 'tiny-llama \[longrope long factors\]' there, "
-                                                        r"'tiny-llama \[longrope short factors\]' here"):
-            t_pre.add_peer(t_dec.metadata())
-    finally:
-        for t in (t_pre, t_dec):
-            t.close()
-        for core in engines:
-            core.close()
+    refused_as_a_pair((model, dict(max_model_len=128)), (model, dict(max_model_len=32)),
+                      r"model is 'tiny-llama \[longrope long factors\]' there, "
+                      r"'tiny-llama \[longrope short factors\]' here")
 
 
 @pytest.mark.timeout(240)
