@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from engine.engine_core import EngineCore, StepOutput
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import cdiv
+from engine.kv_cache.window import layer_masks
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kv_transfer import Completed, Expired, KVTransport, Overwritten, Released
@@ -151,15 +152,11 @@ class DecodeWorkerCore:
     def _expect(self, request: Request, prompt: list[int], sender: str | None) -> RemotePrefill | None:
         request_id = request.request_id
         blocks = self.engine.block_ids(request_id)
-        # Blocks this worker holds already (prefix-cache hits), or will never read (released
-        # out of its sliding window, id -1), are not written.
-        released = next((i for i, b in enumerate(blocks) if b >= 0), len(blocks))
-        first = max(request.num_cached_tokens // self.block_size, released)
-        # Each layer is written from the first block it reads (a mixed model's local
-        # layers: their window's); blocks no layer reads are not written at all (a
-        # windowed model whose draft model's wider window keeps them held here).
-        layer_first = request.remote.layer_first_blocks if request.remote is not None else ()
-        first = min(layer_first, default=first)
+        # Blocks this worker holds already (prefix-cache hits), or whose KV no layer reads
+        # (out of the window), are not written; and each layer is written from the first
+        # block it reads (a mixed model's local layers: their window's).
+        assert request.remote is not None  # the engine's reservation (engine/remote_kv.py)
+        first, layer_first = request.remote.first_block, request.remote.layer_first_blocks
         end = cdiv(len(prompt) - 1, self.block_size)
         if first >= end:  # the local prefix cache already holds it all
             self.engine.remote_kv_arrived(request_id)
@@ -169,8 +166,7 @@ class DecodeWorkerCore:
         deadline = time.time() + self.deadline_s
         # A mixed local/global model: the blocks before the local layers' window are
         # written (and awaited) for the global layers only.
-        masks = [sum(1 << layer for layer, f in enumerate(layer_first) if f <= i) for i in range(first, end)] \
-            if layer_first else None
+        masks = layer_masks(layer_first, first, end) if layer_first else None
         self.transport.expect(request_id, epoch, blocks[first:end], deadline, sender, masks)
         self.engine.fence_blocks(blocks[first:end])
         self._remote[request_id] = _RemoteKV(epoch, sender, first, end, blocks[first:end])

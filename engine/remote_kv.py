@@ -81,10 +81,13 @@ class RemoteKVQueues:
         # (the first this worker computes) are never read here: let them go now, and the
         # prefill worker writes only the rest (their ids read -1 in block_ids).
         kv.release_before(request, kv.window_first_block(request.num_prompt_tokens - 1))
-        # Of the rest, a block before some layer's window is written only the layers that read it.
+        # Of the rest (past the prefix hits), a block before some layer's window is written
+        # only the layers that read it, and one no layer reads not at all (a draft's wider
+        # window keeping it held).
         first = max(len(hits), kv.num_released(request.request_id))
+        layer_first = kv.write_by_layer(request, first)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        request.remote = RemoteKV(layer_first_blocks=kv.write_by_layer(request, first))
+        request.remote = RemoteKV(first_block=min(layer_first, default=first), layer_first_blocks=layer_first)
         sched.requests[request.request_id] = request
         return True
 

@@ -19,7 +19,6 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # xgrammar is imported only by engines that see a structured request
     from engine.lora.adapter import LoRAAdapter
-    from engine.lora.request import LoRARequest
     from engine.structured.matcher import GrammarState
 
 
@@ -62,11 +61,10 @@ class Speculation:
 
 @dataclass(eq=False)
 class LoRAUse:
-    """A request run with a LoRA adapter (engine/lora): which one, the read of its files
-    it runs with until it ends, and the slot it holds while it runs (-1: none)."""
+    """A request run with a LoRA adapter (engine/lora): the read of its files it runs
+    with until it ends, and the slot it holds while it runs (-1: none)."""
 
-    adapter: LoRARequest
-    weights: LoRAAdapter
+    adapter: LoRAAdapter
     slot: int = -1
 
 
@@ -76,6 +74,9 @@ class RemoteKV:
     reserved for it (engine/remote_kv.py). Dropped when it falls back to a local prefill."""
 
     num_tokens: int = 0  # prompt tokens whose KV the prefill worker wrote, once it arrived
+    # The first block the prefill worker writes: those before are prefix hits here, or
+    # no layer reads them (engine/remote_kv.py reserve).
+    first_block: int = 0
     # Per layer, the first block the prefill worker writes it in (KVCacheManager.write_by_layer);
     # () : every layer of every block it writes.
     layer_first_blocks: tuple[int, ...] = ()
@@ -161,7 +162,7 @@ class Request:
     def hash_root(self) -> int:
         """The parent hash of its first KV block: an adapter's own, so that prefix-cache
         hits never cross adapters (engine/lora/request.py)."""
-        return NONE_HASH if self.lora is None else self.lora.weights.cache_root
+        return NONE_HASH if self.lora is None else self.lora.adapter.cache_root
 
     @property
     def sequences(self) -> list[Request] | None:

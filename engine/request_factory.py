@@ -76,7 +76,7 @@ class RequestFactory:
             raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora).__name__}")
         if self.resources.loras is None:
             raise ValueError(f"lora_request {lora.lora_name!r}: this engine was started without enable_lora")
-        return LoRAUse(lora, self.resources.loras.adapter(lora))
+        return LoRAUse(self.resources.loras.adapter(lora))
 
     def _grammar_state(self, params: SamplingParams, resumed: list[int]) -> Any:
         from engine.structured.compiler import GrammarCompiler  # imports xgrammar

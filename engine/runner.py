@@ -118,8 +118,10 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_tables: np.nd
     starts, query_lens, samples, token_ids = [], [], [], []
     placeholder_index, placeholder_requests = [], []
     num_drafts = []  # speculative decoding: per sequence
-    lora_slots = [-1 if s.request.lora is None else s.request.lora.slot for s in scheduled]
+    lora_slots = []  # per sequence, its LoRA slot (-1: none)
     for s in scheduled:
+        lora = s.request.lora
+        lora_slots.append(-1 if lora is None else lora.slot)
         start, n = s.start, s.num_new_tokens
         starts.append(start)
         query_lens.append(n)

@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
+from benchmarks.offline.one_push import push_one  # noqa: E402
 from benchmarks.offline.tp_cpu import (  # noqa: E402
     Config,
     close_configs,
@@ -43,12 +43,7 @@ from benchmarks.offline.tp_cpu import (  # noqa: E402
     run_rounds,
 )
 from cluster.demo_model import DEMO_MODELS, default_models_dir  # noqa: E402
-from decode_worker.remote_kv import DecodeWorkerCore  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine_core import EngineCore  # noqa: E402
-from kv_transfer import TransportConfig, create_transport  # noqa: E402
-from prefill_worker.remote_prefill import PrefillWorkerCore  # noqa: E402
 
 DEMO = default_models_dir() / DEMO_MODELS["smollm2"].dir_name
 ENGINES = [("bf16", "bfloat16", "auto"), ("bf16+fp8", "bfloat16", "fp8"),
@@ -86,34 +81,8 @@ def remote_prefill_bytes(transport: str, kv_cache_dtype: str, prompt: list[int])
     worker rounds differently from the colocated engine's prompt pass; the tests check
     disaggregated tokens in float32, tests/disagg/test_fp8_remote_prefill.py.)"""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    options = dict(model=str(DEMO), dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=128)
-    config = TransportConfig(timeout_s=10.0, cancel_grace_s=5.0)
-    t_dec, t_pre = create_transport(transport, "decode", config), create_transport(transport, "prefill", config)
-    engines: list[EngineCore] = []
-    try:
-        for t in (t_dec, t_pre):
-            engines.append(EngineCore(EngineConfig(**options), t.allocate_kv_cache,
-                                      keep_cache_files=transport == "shm"))
-            t.register_kv_cache(engines[-1].kv_cache, "demo", kv_scales=engines[-1].kv_scales)
-        t_pre.add_peer(t_dec.metadata())
-        decode, prefill = DecodeWorkerCore(engines[0], t_dec, 30.0), PrefillWorkerCore(engines[1], t_pre)
-        pushed = decode.add_request("r0", prompt, params, remote=True, sender="prefill")
-        assert pushed is not None, "the request did not go to remote prefill"
-        prefill.submit(pushed)
-        finished = False
-        end = time.monotonic() + 120
-        while not finished:
-            assert time.monotonic() < end, "the remote prefill did not finish"
-            for result in prefill.step():
-                assert result.error is None, result.error
-            finished = bool(decode.step().finished)
-        assert decode.stats["remote"] == 1 and decode.stats["fallbacks"] == 0
-        return int(t_pre.stats["bytes_written"])
-    finally:
-        for t in (t_pre, t_dec):
-            t.close()
-        for core in engines:
-            core.close()
+    return push_one(DEMO, transport, prompt, params, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                    num_kv_blocks=128)[0]
 
 
 def layer_amax(llm: LLM, ref: list) -> list[tuple[float, float]]:

@@ -36,14 +36,9 @@ if str(_REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from decode_worker.remote_kv import DecodeWorkerCore  # noqa: E402
+from benchmarks.offline.one_push import push_one  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.engine_core import EngineCore  # noqa: E402
-from kv_transfer import TransportConfig, create_transport  # noqa: E402
-from prefill_worker.remote_prefill import PrefillWorkerCore  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE, train_tokenizer  # noqa: E402
-from workers.start import register_caches  # noqa: E402
 
 BLOCK = 16
 
@@ -91,37 +86,12 @@ def blocks_over_time(model: Path, prompt: list[int], max_tokens: int) -> tuple[l
 
 
 def remote_prefill_bytes(model: Path, prompt: list[int], **engine: str) -> tuple[int, list[int], list[int]]:
-    """(bytes the prefill engine wrote for the prompt, the decoded tokens, the colocated
-    engine's); `engine`: more EngineConfig options (dtype)."""
+    """(bytes the prefill engine wrote for the prompt over shm, the decoded tokens, the
+    colocated engine's); `engine`: more EngineConfig options (dtype)."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    config = TransportConfig(timeout_s=10.0, cancel_grace_s=5.0)
-    t_dec, t_pre = create_transport("shm", "decode", config), create_transport("shm", "prefill", config)
-    engines: list[EngineCore] = []
-    try:
-        for t in (t_dec, t_pre):
-            engines.append(EngineCore(EngineConfig(model=str(model), num_kv_blocks=256, max_num_batched_tokens=256,
-                                                   **engine), t.allocate_kv_cache, keep_cache_files=True))
-            register_caches(t, engines[-1], "bench")
-        t_pre.add_peer(t_dec.metadata())
-        decode, prefill = DecodeWorkerCore(engines[0], t_dec, 30.0), PrefillWorkerCore(engines[1], t_pre)
-        pushed = decode.add_request("r0", prompt, params, remote=True, sender="prefill")
-        assert pushed is not None, "the request did not go to remote prefill"
-        prefill.submit(pushed)
-        out = None
-        end = time.monotonic() + 120
-        while out is None:
-            assert time.monotonic() < end, "the remote prefill did not finish"
-            for result in prefill.step():
-                assert result.error is None, result.error
-            finished = decode.step().finished
-            out = finished[0].output_token_ids if finished else None
-        want = LLM(str(model), num_kv_blocks=256, **engine).generate([prompt], params, use_tqdm=False)[0].token_ids
-        return int(t_pre.stats["bytes_written"]), list(out), want
-    finally:
-        for t in (t_pre, t_dec):
-            t.close()
-        for core in engines:
-            core.close()
+    written, out = push_one(model, "shm", prompt, params, num_kv_blocks=256, max_num_batched_tokens=256, **engine)
+    want = LLM(str(model), num_kv_blocks=256, **engine).generate([prompt], params, use_tqdm=False)[0].token_ids
+    return written, out, want
 
 
 def gemma_rows(model_dir: Path) -> list[str]:

@@ -39,6 +39,18 @@ def layer_first_blocks(layer_windows: Sequence[int], position: int, block_size: 
     return tuple(max(0, position - w + 1) // block_size if w > 0 else 0 for w in layer_windows)
 
 
+def reads(first_blocks: Sequence[int], layer: int, block: int) -> bool:
+    """Whether `layer` reads `block` (first_blocks: layer_first_blocks')."""
+    return first_blocks[layer] <= block
+
+
+def layer_masks(first_blocks: Sequence[int], lo: int, hi: int) -> list[int]:
+    """For each of blocks [lo, hi), a bit per layer that reads it: what a decode worker
+    awaits of each block a remote prefill writes (layers_reading's runs, as bits)."""
+    return [sum(1 << layer for layer in range(len(first_blocks)) if reads(first_blocks, layer, i))
+            for i in range(lo, hi)]
+
+
 def layers_reading(first_blocks: Sequence[int], lo: int, hi: int,
                    layers: tuple[int, int]) -> list[tuple[int, int, tuple[int, int]]]:
     """Blocks [lo, hi) split where the layers reading them change: (start, end, layer
@@ -54,10 +66,10 @@ def layers_reading(first_blocks: Sequence[int], lo: int, hi: int,
     for start, end in zip(cuts, cuts[1:]):
         run_start = None
         for layer in range(l0, l1 + 1):
-            reads = layer < l1 and first_blocks[layer] <= start
-            if reads and run_start is None:
+            reading = layer < l1 and reads(first_blocks, layer, start)
+            if reading and run_start is None:
                 run_start = layer
-            elif not reads and run_start is not None:
+            elif not reading and run_start is not None:
                 parts.append((start, end, (run_start, layer)))
                 run_start = None
     return parts

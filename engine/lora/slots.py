@@ -1,7 +1,7 @@
 """Which adapters hold the model's max_loras slots, and which are kept read in memory.
 
 An adapter is read once, when a request first names it, and the request keeps that
-read (LoRAUse.weights) until it ends: nothing is read from disk inside a step, and a
+read (LoRAUse.adapter) until it ends: nothing is read from disk inside a step, and a
 name pointed at another directory meanwhile (or its files changed) is a new adapter
 beside the old one, with its own prefix-cache root, while requests of the old one
 finish with the old weights. Host memory keeps up to max_cpu_loras reads for requests
@@ -48,11 +48,11 @@ class LoRASlots:
 
     def waits(self, request: Request) -> bool:
         """A queued request that may not start running this step for want of a slot."""
-        return request.lora is not None and not self.admits(request.lora.weights)
+        return request.lora is not None and not self.admits(request.lora.adapter)
 
     def start(self, request: Request) -> None:
         if request.lora is not None:
-            request.lora.slot = self.take(request.lora.weights)
+            request.lora.slot = self.take(request.lora.adapter)
 
     def stop(self, request: Request) -> None:
         """It stopped running (finished, preempted, prefilled): its slot reference goes."""
