@@ -18,6 +18,7 @@ typo never silently falls back to a default).
     ray: {address: local, num_cpus: 2, strategy: PACK, decode: {num_cpus: 1, resources: {}}}
     local: {max_restarts: 3}        # read only by the local launcher
     autoscale: {enabled: true, decode: {min: 1, max: 4}}   # cluster/autoscale/config.py
+    lora: {adapters: {sql: adapters/sql}, max_loras: 4}     # cluster/lora_config.py
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import yaml
 
 from cluster.autoscale.config import AutoscaleConfig
 from cluster.config_fields import ConfigError, check, checked_mapping, integer, number
+from cluster.lora_config import ENGINE_FIELDS as LORA_FIELDS
+from cluster.lora_config import LoRAConfig
 from cluster.model_checks import check_pools_share_kv_format, check_store_holds_a_block
 from cluster.router_config import POLICIES, RouterConfig
 from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
@@ -67,6 +70,8 @@ class PoolConfig:
         check(isinstance(out.engine, dict), f"{path}.engine", f"must be a mapping, got {out.engine!r}")
         for key in ROLE_FIELDS:
             check(key not in out.engine, f"{path}.engine.{key}", "is set once, at the top of the file")
+        for key in LORA_FIELDS:
+            check(key not in out.engine, f"{path}.engine.{key}", "is set once, for both pools, in the lora section")
         return out
 
 
@@ -242,6 +247,7 @@ class ClusterConfig:
     # Pool bounds (for the planner and `pdserve scale`), SLO targets, thresholds, timing.
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
+    lora: LoRAConfig | None = None  # LoRA adapters served beside the model (cluster/lora_config.py); None: off
 
     @classmethod
     def from_dict(cls, data: Any) -> ClusterConfig:
@@ -278,7 +284,11 @@ class ClusterConfig:
                   decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1),
                   launcher=launcher, ray=ray, local=LocalConfig.from_dict(data.get("local", {})),
                   autoscale=AutoscaleConfig.from_dict(data.get("autoscale")),
-                  kv_store=KVStoreConfig.from_dict(data.get("kv_store", {})))
+                  kv_store=KVStoreConfig.from_dict(data.get("kv_store", {})), lora=LoRAConfig.from_dict(data.get("lora")))
+        if out.lora is not None:
+            names = set(out.router.served_model_name or (out.model, Path(out.model).name))
+            taken = sorted(names & set(out.lora.adapters))
+            check(not taken, f"lora.adapters.{taken[0] if taken else ''}", "is a name of the model itself")
         out.autoscale.check_cluster({role: getattr(out, role).replicas for role in ("prefill", "decode")},
                                     out.router.remote_prefill_min_tokens)
         for role in ("prefill", "decode"):  # Ray hides every GPU from an actor that asks for none
@@ -326,8 +336,9 @@ class ClusterConfig:
 
     def engine_config(self, role: str) -> EngineConfig:
         pool: PoolConfig = getattr(self, role)
+        lora = self.lora.engine_options() if self.lora is not None else {}
         return EngineConfig.from_options(self.model, dtype=self.dtype, device=self.device,
-                                         load_format=self.load_format, **pool.engine)
+                                         load_format=self.load_format, **pool.engine, **lora)
 
     def transport_config(self, host: str) -> TransportConfig:
         """The KV transport's config of a worker whose control socket listens on host."""

@@ -39,7 +39,7 @@ def router_for(config: ClusterConfig, decode_workers: dict[str, str],
     section, the limits of the model as the decode workers' engines will have them, and
     their deployment's secret (None: workers without one, in tests)."""
     return Router(config.router, ModelLimits.of(config.engine_config("decode")), decode_workers, prefill_workers,
-                  secret)
+                  secret, config.lora.adapters if config.lora is not None else {})
 
 
 def build(config: ClusterConfig) -> tuple[Workers, Router]:

@@ -38,10 +38,11 @@ from engine.engine_core import EngineCore, StepOutput
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import cdiv
 from engine.kv_cache.window import layer_masks
+from engine.lora.request import LoRARequest
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kv_transfer import Completed, Expired, KVTransport, Overwritten, Released
-from protocol import RemotePrefill
+from protocol import LoRASpec, RemotePrefill
 from workers.step_metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
@@ -131,25 +132,29 @@ class DecodeWorkerCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     remote: bool, priority: int = 0, sender: str | None = None,
-                    resumed: int = 0, queue_tag: float = 0.0) -> RemotePrefill | None:
+                    resumed: int = 0, queue_tag: float = 0.0, lora: LoRASpec | None = None) -> RemotePrefill | None:
         """Queue a request. With remote=True and blocks to spare, returns what the prefill
         worker must do (with the request's priority and queue_tag, which order its queue
         there); None means it prefills here. `sender`: the prefill worker's agent name
         (one-sided transports need it: they fence on it). `resumed`, `queue_tag`:
-        EngineCore.add_request's."""
+        EngineCore.add_request's; `lora`: its adapter, which the prefill worker computes
+        the prompt's KV with too (reading it from its path if it holds no read of it)."""
+        lora_request = LoRARequest(lora.name, lora.id, lora.path) if lora is not None else None
         if remote and sender is not None and not self.accepts_prompts_from(sender):
             self.stats["fenced_refusals"] += 1
             remote = False
         if remote and len(prompt_token_ids) >= 2:
             request = self.engine.add_remote_prefill_request(request_id, prompt_token_ids, params, priority,
-                                                             resumed, queue_tag=queue_tag)
+                                                             resumed, queue_tag=queue_tag, lora_request=lora_request)
             if request is not None:
-                return self._expect(request, prompt_token_ids, sender)
-        self.engine.add_request(request_id, prompt_token_ids, params, priority, resumed, queue_tag=queue_tag)
+                return self._expect(request, prompt_token_ids, sender, lora)
+        self.engine.add_request(request_id, prompt_token_ids, params, priority, resumed, queue_tag=queue_tag,
+                                lora_request=lora_request)
         self.stats["local"] += 1
         return None
 
-    def _expect(self, request: Request, prompt: list[int], sender: str | None) -> RemotePrefill | None:
+    def _expect(self, request: Request, prompt: list[int], sender: str | None,
+                lora: LoRASpec | None) -> RemotePrefill | None:
         request_id = request.request_id
         blocks = self.engine.block_ids(request_id)
         # Blocks this worker holds already (prefix-cache hits), or whose KV no layer reads
@@ -174,7 +179,7 @@ class DecodeWorkerCore:
         return RemotePrefill(request_id=request_id, prompt_token_ids=list(prompt), peer=self.transport.agent_name,
                              block_ids=blocks, first_block=first, epoch=epoch, deadline=deadline,
                              session=self.transport.session, priority=request.priority, queue_tag=request.queue_tag,
-                             layer_first_blocks=list(layer_first))
+                             layer_first_blocks=list(layer_first), lora=lora)
 
     def _give_up(self, request_id: str, abort: bool) -> list[Request]:
         """Stop waiting for the request's pushed KV: its reserved blocks stay held and

@@ -190,7 +190,8 @@ class DecodeWorker(WorkerLoop):
             check_router_rules(msg.prompt, params, msg.remote, engine.max_model_len, engine.model_config.vocab_size)
             prefill = self._pick_prefill_worker() if msg.remote else None
             rp = self.core.add_request(request_id, msg.prompt, params, prefill is not None,
-                                       msg.priority, sender=prefill, resumed=msg.resumed, queue_tag=msg.queue_tag)
+                                       msg.priority, sender=prefill, resumed=msg.resumed, queue_tag=msg.queue_tag,
+                                       lora=msg.lora)
         except (TypeError, ValueError, RouterBug) as exc:  # bad input: say so, keep serving
             bug = isinstance(exc, RouterBug)
             if bug:

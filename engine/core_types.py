@@ -35,3 +35,4 @@ class EngineStats:
     preemptions: int = 0  # running requests preempted so far (their blocks freed; they recompute)
     spec: SpecStats | None = None  # speculative decoding's counters so far (a copy); None: not speculating
     offload: OffloadStats | None = None  # the KV offload tiers' figures so far; None: no tiers
+    lora_adapters: tuple[str, ...] | None = None  # the LoRA adapters it holds read; None: no enable_lora

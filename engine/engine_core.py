@@ -6,7 +6,6 @@ offline LLM, a decode worker and a prefill worker.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -118,25 +117,28 @@ class EngineCore:
 
     def add_remote_prefill_request(self, request_id: str, prompt_token_ids: list[int],
                                    params: SamplingParams, priority: int = 0, resumed: int = 0, *,
-                                   queue_tag: float = 0.0) -> Request | None:
+                                   queue_tag: float = 0.0, lora_request: LoRARequest | None = None) -> Request | None:
         """Reserve blocks for the whole prompt and wait for a prefill worker to write
         its KV. Returns the request (its blocks: kv.block_ids(request_id); tokens
         already cached here: request.num_cached_tokens), or None when the blocks do not
         fit now (prefill locally with add_request instead). Raises ValueError for a
-        request that could never run. `resumed`, `queue_tag`: as for add_request."""
+        request that could never run. `resumed`, `queue_tag`, `lora_request`: as for
+        add_request (the prefill worker must compute the KV with the same adapter)."""
         if len(prompt_token_ids) < 2:
             raise ValueError("a remote prefill needs a prompt of at least 2 tokens")
         if params.prompt_logprobs is not None:  # a prefill worker sends KV, not logits
             raise ValueError("prompt_logprobs needs the prompt prefilled locally, not remotely")
         if params.n > 1:  # the group's prompt request takes the KV; its sequences fork on arrival
-            prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed, queue_tag)
+            prompt, sequences = self._new_group(request_id, prompt_token_ids, params, priority, resumed, queue_tag,
+                                                lora_request)
             if not self.scheduler.remote.reserve(prompt):
                 return None
             self.scheduler.join_group(prompt, sequences)
             for sequence in sequences:
                 self._grammars.track(sequence)
             return prompt
-        request = self._requests.single(request_id, prompt_token_ids, params, priority, resumed, queue_tag)
+        request = self._requests.single(request_id, prompt_token_ids, params, priority, resumed, queue_tag,
+                                        lora_request)
         return self._grammars.track(request) if self.scheduler.remote.reserve(request) else None
 
     def remote_kv_arrived(self, request_id: str) -> None:
@@ -167,12 +169,12 @@ class EngineCore:
     # --- disaggregation: prefill worker side ------------------------------------------
 
     def add_prefill_request(self, request_id: str, prompt_token_ids: list[int], priority: int = 0, *,
-                            queue_tag: float = 0.0) -> Request:
-        """Compute the KV of these tokens and keep it (status PREFILLED, reported in
-        StepOutput.finished) until release_prefilled(). Never samples. Queued in
-        (priority, queue_tag, arrival) order, as add_request's."""
+                            queue_tag: float = 0.0, lora_request: LoRARequest | None = None) -> Request:
+        """Compute the KV of these tokens (with `lora_request`'s adapter) and keep it
+        (status PREFILLED, reported in StepOutput.finished) until release_prefilled().
+        Never samples. Queued in (priority, queue_tag, arrival) order, as add_request's."""
         request = self._requests.single(request_id, prompt_token_ids, SamplingParams(max_tokens=1), priority,
-                                        queue_tag=queue_tag)
+                                        queue_tag=queue_tag, lora=lora_request)
         request.prefill_only = True
         self.scheduler.add_request(request)
         return request
@@ -227,14 +229,12 @@ class EngineCore:
             self.tp.heartbeat()
 
     def stats(self) -> EngineStats:
-        spec = None
-        if self.speculator is not None:  # a copy: the speculator's counters keep moving
-            live = self.speculator.stats
-            spec = dataclasses.replace(live, accepted_per_position=list(live.accepted_per_position))
+        spec = self.speculator.stats.copy() if self.speculator is not None else None
         return EngineStats(self.kv.pool.num_blocks, self.kv.num_free_blocks, len(self.scheduler.running),
                            self.scheduler.num_waiting, len(self._grammars.compiling),
                            (os.getpid(), *(self.tp.pids if self.tp else ())), self.scheduler.num_preemptions, spec,
-                           self.kv.tiers.stats() if self.kv.tiers is not None else None)
+                           self.kv.tiers.stats() if self.kv.tiers is not None else None,
+                           tuple(self.scheduler.loras.loaded) if self.config.enable_lora else None)
 
     def collect_kv_events(self, max_per_block: int) -> None:
         """Keep prefix-cache events from now on, for take_kv_events(): at most

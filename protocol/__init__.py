@@ -16,6 +16,7 @@ from protocol.worker import (
                              WORKER_MESSAGES,
                              Abort,
                              Generate,
+                             LoRASpec,
                              PrefillDone,
                              Rejected,
                              RemotePrefill,
@@ -25,7 +26,7 @@ from protocol.worker import (
                              Tokens,
 )
 
-__all__ = ["CONTROL_MESSAGES", "KV_CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Histogram", "KVTierStats", "Message",
+__all__ = ["CONTROL_MESSAGES", "KV_CONTROL_MESSAGES", "PROTOCOL_VERSION", "WORKER_MESSAGES", "Abort", "Codec", "Generate", "Histogram", "KVTierStats", "LoRASpec", "Message",
            "MessageError", "Peers", "PrefillDone", "Ready", "Rejected", "RemotePrefill", "Serving", "SpecDecodeStats", "StepTimes", "TierUsage",
            "Stats", "StatsReply", "Stop", "TokenLogprobs", "Tokens", "WireSamplingParams", "WorkerStats", "child_request_id",
            "encode", "from_wire", "mean_points", "to_wire"]

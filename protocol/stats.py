@@ -147,6 +147,7 @@ class WorkerStats(Record, frozen=True, omit_defaults=True):
     kv_transport: str | None = None  # its KV transport's name (tcp, nixl, ...)
     kv_fabric: str | None = None  # the wire that KV crosses between hosts: tcp, rdma, host, nccl (kv_transfer/fabric.py)
     kv_tiers: KVTierStats | None = None  # only with KV offload tiers
+    lora_adapters: list[str] | None = None  # the LoRA adapters it holds read (names); only with enable_lora
 
     # A decode worker's (None on a prefill worker).
     waiting_for_kv: Count | None = None  # requests whose prompt KV a prefill worker computes

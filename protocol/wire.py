@@ -27,7 +27,8 @@ import msgspec
 # 19: Generate has queue_tag, RemotePrefill priority and queue_tag; WorkerStats has
 # step_seconds_by_requests and step_seconds_by_tokens (StepTimes, both roles).
 # 20: RemotePrefill has layer_first_blocks (what P writes of each block, by layer).
-PROTOCOL_VERSION = 20
+# 21: Generate and RemotePrefill have lora (LoRASpec); WorkerStats has lora_adapters.
+PROTOCOL_VERSION = 21
 
 
 class MessageError(ValueError):

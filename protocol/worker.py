@@ -23,7 +23,7 @@ from typing import Annotated
 import msgspec
 
 from protocol.sampling import WireSamplingParams
-from protocol.stats import WorkerStats
+from protocol.stats import Record, WorkerStats
 from protocol.wire import Codec, Message
 
 # One token's log-probability and its top alternatives [(token id, logprob)], best first.
@@ -42,6 +42,16 @@ def _check_tag(queue_tag: float) -> None:
         raise ValueError(f"queue_tag must be finite, got {queue_tag!r}")
 
 
+class LoRASpec(Record, frozen=True):
+    """The LoRA adapter a request runs with: engine/lora/request.py LoRARequest's fields.
+    A worker reads the adapter's files from `path` (the router's registry,
+    router/adapters.py, names it) the first time a request names it."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1)]  # what the request's `model` named
+    id: Annotated[int, msgspec.Meta(ge=1)]  # unique per adapter registered at the router
+    path: Annotated[str, msgspec.Meta(min_length=1)]  # its PEFT directory, on the worker's machine
+
+
 class Generate(Message, frozen=True, tag="generate"):
     request_id: str  # with params.n > 1: the group's; its sequences are child_request_id(request_id, i)
     prompt: list[int]  # token ids
@@ -53,6 +63,7 @@ class Generate(Message, frozen=True, tag="generate"):
     # The last this many prompt tokens are the request's own output on an earlier worker
     # (a failover): its grammar, if any, goes on after them.
     resumed: int = 0
+    lora: LoRASpec | None = None  # run with this LoRA adapter; None: the base model
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -131,6 +142,9 @@ class RemotePrefill(Message, frozen=True, tag="prefill"):
     # local layers never read blocks before their window at D); empty: every layer of
     # every block from first_block.
     layer_first_blocks: list[int] = []
+    # The request's adapter (Generate.lora): P computes the prompt's KV with it, reading
+    # it from its path if P holds no read of it yet.
+    lora: LoRASpec | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -25,12 +25,13 @@ from typing import Any, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from router import admin, slo, structured, tokenize_api
+from router import adapters, admin, slo, structured, tokenize_api
 from router.access_log import AccessLog, refused, track
+from router.adapters import LOAD_LORA, UNLOAD_LORA
 from router.auth import KeyRing
 from router.core import Chunk, Router
 from router.errors import APIError, TokenizerBusy
@@ -85,6 +86,8 @@ def create_app(router: Router) -> FastAPI:
     app.add_api_route("/admin/pools", admin_pools, methods=["GET"])
     app.add_api_route("/admin/pools", admin_pools, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/admin/scale", admin_scale, methods=["POST"])
+    app.add_api_route(LOAD_LORA, load_lora_adapter, methods=["POST"])
+    app.add_api_route(UNLOAD_LORA, unload_lora_adapter, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
     return app
 
@@ -184,6 +187,16 @@ async def admin_scale(request: Request) -> dict[str, Any]:
     return await admin.scale(router.scaler, await request.body())
 
 
+async def load_lora_adapter(request: Request) -> PlainTextResponse:
+    """Serve a LoRA adapter from now on (admin key): {"lora_name", "lora_path"}, as vLLM's."""
+    return PlainTextResponse(await adapters.load_endpoint(_router(request).models.adapters, await request.body()))
+
+
+async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+    """Stop serving a LoRA adapter (admin key): {"lora_name"}."""
+    return PlainTextResponse(adapters.unload_endpoint(_router(request).models.adapters, await request.body()))
+
+
 async def models(request: Request) -> dict[str, Any]:
     return _router(request).models.listing()
 
@@ -238,11 +251,12 @@ async def _respond(request: Request, parsed: GenerateRequest, received: float) -
     except APIError:
         refused(request.scope, sum(map(len, prompts)))
         raise
-    run = router.run_batch(prompts, parsed.params, parsed.priority, targets, client, received)
+    run = router.run_batch(prompts, parsed.params, parsed.priority, targets, client, received, parsed.lora)
     stream = _named_errors(_within_limits(request, parsed, run), parsed.constraint_source, parsed.chat)
     asked = parsed.params.logprobs is not None and not parsed.rank_only_logprobs
     formatter = functools.partial(LogprobFormatter, router.tokenizer, parsed.chat) if asked else None
-    shaper = ResponseShaper(parsed.chat, router.model_name, list(map(len, prompts)), formatter,
+    model_name = parsed.lora.name if parsed.lora is not None else router.model_name  # vLLM's answer names the adapter
+    shaper = ResponseShaper(parsed.chat, model_name, list(map(len, prompts)), formatter,
                             _tool_calls(parsed, router.config.tool_call_parser), parsed.n, parsed.params.n)
     if isinstance(parsed, CompletionRequest) and parsed.scoring is not None:
         stream = echoed(stream, parsed.scoring, _prompt_texts(parsed, router.tokenizer), prompts, parsed.params.n,

@@ -90,6 +90,8 @@ class ModelLimits:
     # The decode workers' KV pool size when the config fixes it; None: each profiles its
     # own (the router then learns it from their stats replies).
     num_kv_blocks: int | None
+    # The decode workers' LoRA rank limit (engine max_lora_rank); None: they run without LoRA.
+    max_lora_rank: int | None = None
 
     @classmethod
     def of(cls, engine: EngineConfig) -> ModelLimits:
@@ -98,4 +100,5 @@ class ModelLimits:
         model_config = ModelConfig.from_model_dir(engine.model)
         return cls(model=engine.model, max_model_len=max_model_len(engine, model_config),
                    vocab_size=model_config.vocab_size, block_size=engine.block_size,
-                   num_kv_blocks=engine.num_kv_blocks)
+                   num_kv_blocks=engine.num_kv_blocks,
+                   max_lora_rank=engine.max_lora_rank if engine.enable_lora else None)

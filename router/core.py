@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import zmq.asyncio
@@ -23,6 +23,7 @@ import zmq.asyncio
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 from protocol import Generate, to_wire
+from router.adapters import Adapter
 from router.admin import Scaling
 from router.auth import KeyRing
 from router.bounds import InputBounds
@@ -46,14 +47,17 @@ __all__ = ["MAX_RETRIES", "Chunk", "Router", "_rejection"]  # Chunk, and what te
 
 class Router:
     def __init__(self, config: RouterSettings, limits: ModelLimits, decode_workers: dict[str, str],
-                 prefill_workers: dict[str, str] | None = None, secret: DeploymentSecret | None = None) -> None:
+                 prefill_workers: dict[str, str] | None = None, secret: DeploymentSecret | None = None,
+                 adapters: Mapping[str, str] = {}) -> None:
         """Workers by name -> ZMQ address. The router sends requests to decode workers
         only; it pings prefill workers too, for their health and /status. The launcher
         gives the router its settings, the decode workers' model limits
-        (router/config.py) and the deployment's secret, without which the workers
-        refuse its sockets (None: workers that have none, in tests)."""
+        (router/config.py), the deployment's secret, without which the workers refuse
+        its sockets (None: workers that have none, in tests), and the LoRA adapters
+        served from the start (name -> PEFT directory: router/adapters.py)."""
         self.config = config
-        self.models = ServedModels.of(config.served_model_name, limits.model, limits.max_model_len)
+        self.models = ServedModels.of(config.served_model_name, limits.model, limits.max_model_len,
+                                      limits.max_lora_rank, adapters)
         self.model_name = self.models.name  # what responses carry
         self.max_model_len = limits.max_model_len
         self.block_size = limits.block_size
@@ -120,7 +124,7 @@ class Router:
 
     async def run_batch(self, prompts: list[list[int]], params: SamplingParams, priority: int = 0,
                         targets: Targets = NO_TARGETS, client: int | None = None,
-                        received: float | None = None) -> AsyncGenerator[Chunk, None]:
+                        received: float | None = None, lora: Adapter | None = None) -> AsyncGenerator[Chunk, None]:
         """The request's new text (and tokens, logprobs) after each worker step, for each
         of its params.n sequences per prompt (router/sequences.py), interleaved as they
         come. The first chunk is its admission (no text): it is checked and submitted.
@@ -128,7 +132,8 @@ class Router:
         key's fair-queuing tag, then by arrival). `targets`: its SLOs (router/slo.py),
         against which it is admitted and placed (router/admission.py); `client`: its
         API key's position (fair queuing, per-key metrics); `received`: when the router
-        took it (time.monotonic(); its TTFT target counts from there; None: now).
+        took it (time.monotonic(); its TTFT target counts from there; None: now);
+        `lora`: the LoRA adapter it runs with (None: the base model).
 
         Failover: when a sequence's decode worker is declared dead (router/health.py),
         the sequence is resubmitted alone to a live one as prompt + the tokens generated
@@ -151,7 +156,7 @@ class Router:
         m.in_flight.set(self.in_flight)
         if params.max_tokens <= 1 and targets.tpot_ms is not None:
             targets = dataclasses.replace(targets, tpot_ms=None)  # one token (or a prompt scored): no TPOT to miss
-        plan = RequestPlan(priority, targets, client, time.monotonic() if received is None else received)
+        plan = RequestPlan(priority, targets, client, time.monotonic() if received is None else received, lora)
         group = SequenceGroup(prompts, params, self.tokenizer, functools.partial(self._submit, plan=plan), m,
                               self.placement)
         group.start = plan.received
@@ -209,7 +214,7 @@ class Router:
         try:
             sent = worker.send(Generate(request_id=request_id, prompt=tokens, params=to_wire(params),
                                         remote=placed.remote, priority=placed.priority, queue_tag=placed.tag,
-                                        resumed=len(generated)))
+                                        resumed=len(generated), lora=plan.lora.spec if plan.lora else None))
         finally:
             if not sent:  # nothing will answer for it: its ticket ends here
                 for _ in range(params.n):

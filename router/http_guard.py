@@ -4,8 +4,9 @@ per-key request rate, and the request body's type, size and arrival time.
 In order, before an endpoint runs:
 1. API key (router/auth.py), when router.api_keys is set: every path but /health,
    /admin/ (and /metrics, unless router.metrics_need_key is false) needs one; else
-   401. An /admin/ path needs an admin key (router.admin_keys; 401 without one of
-   them, API keys included), and is off (403) when none is configured.
+   401. An /admin/ path, and loading or unloading a LoRA adapter (router/adapters.py),
+   needs an admin key (router.admin_keys; 401 without one of them, API keys
+   included), and is off (403) when none is configured.
 2. A Content-Type other than application/json on the JSON endpoints (generation,
    /tokenize, /detokenize): 400, as vLLM answers (no Content-Type passes).
 3. Requests per second per key (router/limits.py), for the generation endpoints and
@@ -32,6 +33,7 @@ import asyncio
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from router.adapters import ADMIN_PATHS
 from router.admin import ADMIN_PREFIX
 from router.auth import REALM, KeyRing, unauthorized
 from router.config import GuardSettings
@@ -83,7 +85,7 @@ class HTTPGuard:
     def _admit(self, scope: MutableMapping[str, Any], headers: dict[bytes, bytes]) -> None:
         path = scope["path"]
         client = None
-        if path.startswith(ADMIN_PREFIX):
+        if path.startswith(ADMIN_PREFIX) or path in ADMIN_PATHS:
             self._admit_admin(scope, headers)
         elif len(self.keys) and path not in OPEN_PATHS and (path != "/metrics" or self.settings.metrics_need_key):
             if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
@@ -105,16 +107,17 @@ class HTTPGuard:
 
     def _admit_admin(self, scope: MutableMapping[str, Any], headers: dict[bytes, bytes]) -> None:
         if not len(self.admin_keys):
-            raise APIError(403, "the admin endpoints are off: set router.admin_keys to scale this deployment "
-                                "over HTTP", kind="permission_error")
+            raise APIError(403, "the admin endpoints are off: set router.admin_keys to scale this deployment or "
+                                "load LoRA adapters over HTTP", kind="permission_error")
         if sum(name == b"authorization" for name, _ in scope["headers"]) > 1:
             raise unauthorized("Send one Authorization header, not several", REALM)
         try:
             self.admin_keys.identify(headers.get(b"authorization"))
         except APIError as exc:
             if exc.status == 401 and "Incorrect API key" in exc.message:  # an API key is not an admin key
-                raise unauthorized("Incorrect admin key provided: the /admin/ endpoints need a key of "
-                                   "router.admin_keys", f'{REALM}, error="invalid_token"') from None
+                raise unauthorized("Incorrect admin key provided: the admin endpoints (/admin/, loading LoRA "
+                                   "adapters) need a key of router.admin_keys",
+                                   f'{REALM}, error="invalid_token"') from None
             raise
 
     def _bounded(self, receive: ASGIApp, body: _Body) -> ASGIApp:

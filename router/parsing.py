@@ -24,6 +24,7 @@ from typing import Any, ClassVar, TypeVar
 
 from engine.sampling_params import SamplingParams, bad_words_token_ids
 from router import request_body, structured
+from router.adapters import Adapter
 from router.bounds import InputBounds, check_bounds
 from router.config import ModelLimits
 from router.errors import APIError, TokenizerBusy
@@ -59,6 +60,7 @@ class GenerateRequest:
     def prompts(self) -> list[list[int]]:
         return self.batch if self.batch is not None else [self.prompt_ids]
     priority: int = field(default=0, kw_only=True)  # lower is scheduled first (request_body.priority)
+    lora: Adapter | None = field(default=None, kw_only=True)  # the LoRA adapter its `model` names; None: the model
     targets: Targets = field(default=NO_TARGETS, kw_only=True)  # slo_ttft_ms / slo_tpot_ms as the body sets them
 
 
@@ -133,7 +135,8 @@ class RequestParser:
         return CompletionRequest(batch[0], params, stream, include_usage, prompts[0] if len(prompts) == 1 else prompts,
                                  constraint_source=constraint.source if constraint else None, n=n, rank_only_logprobs=rank_only,
                                  batch=batch if len(batch) > 1 else None,
-                                 priority=request_body.priority(body), targets=body_targets(body), scoring=scoring)
+                                 priority=request_body.priority(body), targets=body_targets(body), scoring=scoring,
+                                 lora=self.models.check(body))
 
     async def chat(self, raw: bytes) -> ChatRequest:
         body, stream, include_usage = self._body(raw, chat=True)
@@ -161,7 +164,8 @@ class RequestParser:
             params = await self._params(options, names, constraint, len(ids))
         return ChatRequest(ids, params, stream, include_usage, messages, add_generation_prompt,
                            constraint_source=constraint.source if constraint else None, tools=tools, n=n,
-                           priority=request_body.priority(body), targets=body_targets(body))
+                           priority=request_body.priority(body), targets=body_targets(body),
+                           lora=self.models.check(body))
 
     def _body(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], bool, bool]:
         """The JSON body, with every check that needs no tokenizer done; stream and

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from router.adapters import Adapter
 from router.admission import LOWEST_PRIORITY, Candidate, Decision, ShareCheck, decide, misses
 from router.errors import APIError
 from router.fair_queue import Charge, FairQueue
@@ -36,6 +37,7 @@ class RequestPlan:
     targets: Targets
     client: int | None  # its API key's position in router.api_keys; None: no keys
     received: float  # time.monotonic() when the router took it (its TTFT runs from there)
+    lora: Adapter | None = None  # the LoRA adapter it runs with: workers that hold it are preferred
     placed: list[Placed] = field(default_factory=list)  # admitted, not submitted yet: its prompts', in order
 
 
@@ -103,7 +105,7 @@ class Placement:
         the SLO policy rejects it. A failover (decisions None) is not admitted again: it
         goes to the routing policy's choice."""
         now = time.monotonic()
-        ranking = self.pool.ranked(tokens)
+        ranking = self.pool.ranked(tokens, plan.lora)
         prefill = self.pool.live_prefill() if not prompt_logits else []
         tag = self.fair.start(plan.client)
         candidates = [self._candidate(name, cached, tokens, n, (plan.priority, tag), prefill, remote_min_tokens,
@@ -124,7 +126,7 @@ class Placement:
             plan.priority = LOWEST_PRIORITY
         charge = self.fair.charge(plan.client, tag, len(tokens) + n, plan.priority == LOWEST_PRIORITY)
         c = decision.candidate
-        worker = self.pool.picked(c.worker, ranking)
+        worker = self.pool.picked(c.worker, ranking, plan.lora)
         p = c.prediction
         ticket = Ticket(c.worker, c.remote, (plan.priority, tag), len(tokens) - c.cached, n, now,
                         p.ttft_s, p.tpot_s, p.raw_ttft, p.raw_tpot, client=plan.client)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import zmq.asyncio
 
 from protocol import WorkerStats
+from router.adapters import Adapter
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.routing import Ranking, RoutingPolicy
@@ -77,19 +78,27 @@ class WorkerPool:
         """Whether some prefill worker is live and takes new prompts."""
         return any(w.alive and not w.draining for w in self.prefill.values())
 
-    def ranked(self, tokens: list[int]) -> Ranking:
+    def ranked(self, tokens: list[int], lora: Adapter | None = None) -> Ranking:
         """Every decode worker that may take the prompt (live, not draining), the routing
         policy's choice first, with its tokens that worker probably has cached; 503 if
-        none. Nothing is recorded until picked()."""
+        none. `lora`: the adapter it runs with (its blocks chain from the adapter's root,
+        and workers holding it are preferred). Nothing is recorded until picked()."""
         loads = {w.name: w.load for w in self.decode.values() if w.alive and not w.draining}
         if not loads:
             raise self.no_live_worker()
-        return self.routing.rank(tokens, loads)
+        if lora is None:
+            return self.routing.rank(tokens, loads)
+        holders = {w.name for w in self.decode.values() if lora.name in w.loras}
+        return self.routing.rank(tokens, loads, lora.root, holders)
 
-    def picked(self, name: str, ranking: Ranking) -> WorkerClient:
-        """The prompt goes to `name` (one of ranking's): the routing policy records it; its client."""
+    def picked(self, name: str, ranking: Ranking, lora: Adapter | None = None) -> WorkerClient:
+        """The prompt goes to `name` (one of ranking's): the routing policy records it
+        (and that the worker holds `lora` from now on: it reads it for this request); its client."""
         self.routing.picked(name, ranking)
-        return self.decode[name]
+        client = self.decode[name]
+        if lora is not None:
+            client.loras.add(lora.name)
+        return client
 
     def live_prefill(self) -> list[str]:
         """The prefill workers that take new prompts."""

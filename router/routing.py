@@ -21,10 +21,10 @@ decides conditional disaggregation: only the uncached part counts toward the thr
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
-from engine.kv_cache.block_hash import hash_full_blocks
+from engine.kv_cache.block_hash import NONE_HASH, hash_full_blocks
 from engine.kv_cache.events import DEVICE
 
 LOAD_TOKENS = 64  # what one in-flight request costs, in prompt tokens to prefill
@@ -32,6 +32,9 @@ LOAD_TOKENS = 64  # what one in-flight request costs, in prompt tokens to prefil
 # prompt tokens to prefill: a device hit is free, a load back from host memory cheap,
 # from disk dearer, from the deployment's shared store (a network fetch) dearer still.
 TIER_COST = (0.0, 0.1, 0.25, 0.4)
+# What sending a LoRA request to a worker that holds no read of its adapter costs, in
+# prompt tokens to prefill: the worker reads it from disk first (tens of ms: docs/benchmarks).
+LORA_LOAD_TOKENS = 128
 
 
 class PrefixIndex:
@@ -115,26 +118,34 @@ class RoutingPolicy:
         self.picked(name, ranking)
         return name, cached
 
-    def rank(self, prompt: Sequence[int], loads: Mapping[str, int]) -> Ranking:
+    def rank(self, prompt: Sequence[int], loads: Mapping[str, int], root: int = NONE_HASH,
+             holders: Collection[str] | None = None) -> Ranking:
         """Every worker that may take the prompt, the policy's choice first, each with
         the prompt tokens it probably has cached (0 unless kv_aware); records nothing
         (picked() does, for the one taken). SLO-aware admission (router/admission.py)
-        weighs them in this order."""
+        weighs them in this order. A LoRA request's prompt: its blocks' hashes chain
+        from `root` (its adapter's), and `holders` are the workers holding the adapter
+        read: kv_aware charges the others LORA_LOAD_TOKENS, least_loaded prefers
+        holders among equally loaded workers (round_robin goes round regardless)."""
         names = list(self.indexes)
         candidates = [i for i, name in enumerate(names) if name in loads]
         if not candidates:
             raise ValueError("no live worker to choose from")
+
+        def missing(i: int) -> int:  # 1: the worker would read the adapter first
+            return int(holders is not None and names[i] not in holders)
+
         if self.policy == "round_robin":  # the next one round first
             return Ranking([(names[i], 0) for i in sorted(candidates, key=lambda i: (i - self._next) % len(names))])
         if self.policy == "least_loaded":
-            return Ranking([(names[i], 0) for i in sorted(candidates, key=lambda i: (loads[names[i]], i))])
+            return Ranking([(names[i], 0) for i in sorted(candidates, key=lambda i: (loads[names[i]], missing(i), i))])
         # At most len - 1 tokens can be cached: the last one is always computed.
-        hashes = hash_full_blocks(prompt[:-1], self.block_size)
+        hashes = hash_full_blocks(prompt[:-1], self.block_size, root=root)
         tiers = {i: self.indexes[names[i]].cached_tiers(hashes) for i in candidates}
 
         def cost(i: int) -> tuple[float, int]:
             saved = sum(1 - TIER_COST[t] for t in tiers[i]) * self.block_size
-            return len(prompt) - saved + LOAD_TOKENS * loads[names[i]], i
+            return len(prompt) - saved + LOAD_TOKENS * loads[names[i]] + LORA_LOAD_TOKENS * missing(i), i
 
         return Ranking([(names[i], len(tiers[i]) * self.block_size) for i in sorted(candidates, key=cost)], hashes)
 

@@ -62,6 +62,7 @@ class WorkerClient:
         # (events, reset): the worker's prefix-cache events, from every stats reply
         self.on_kv_events: Callable[[list, bool], None] | None = None
         self.num_kv_blocks: int | None = None  # its KV pool, once a stats reply said
+        self.loras: set[str] = set()  # the LoRA adapters it holds read, as its last stats reply said (router/pool.py)
         self.on_stats: Callable[[WorkerStats], None] | None = None  # each stats reply's figures
         self._seq = 0
         self.down_reason = "not answering yet"  # why it was last declared dead (the 503's message)
@@ -90,6 +91,7 @@ class WorkerClient:
                 logger.warning("worker %s answers again: in service again", self.name)
             if isinstance(msg, StatsReply):
                 self.num_kv_blocks = msg.stats.num_blocks
+                self.loras = set(msg.stats.lora_adapters or ())
                 if self.on_stats is not None:
                     self.on_stats(msg.stats)
                 if (msg.kv_events or msg.kv_reset) and self.on_kv_events is not None:

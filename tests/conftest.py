@@ -47,6 +47,16 @@ def llama_dir(tiny_models: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lora_models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Llama ("base") and three PEFT adapters of it (tests/lora_adapters.py), by name."""
+    from tests.lora_adapters import build_adapters
+
+    base = tiny_models["llama"]
+    adapters = build_adapters(base, tmp_path_factory.mktemp("lora"))
+    return {"base": base, **{name: Path(r.lora_path) for name, r in adapters.items()}}
+
+
+@pytest.fixture(scope="session")
 def mqa_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with one KV head (built only by the tests that use it)."""
     return build_tiny_model("llama_mqa", tmp_path_factory.mktemp("tiny_mqa") / "llama_mqa")

@@ -245,7 +245,8 @@ class WorkerLoop:
             step_seconds=steps.seconds.snapshot(), step_requests=steps.requests.snapshot(),
             step_tokens=steps.tokens.snapshot(), step_seconds_by_requests=steps.by_requests.snapshot(),
             step_seconds_by_tokens=steps.by_tokens.snapshot(), kv_transport=transport.name, kv_fabric=transport.fabric,
-            kv_tiers=KVTierStats.of(engine.offload), **role)
+            kv_tiers=KVTierStats.of(engine.offload),
+            lora_adapters=list(engine.lora_adapters) if engine.lora_adapters is not None else None, **role)
 
     def run(self, control: ControlChannel) -> None:
         """Until the launcher says stop (or closes the control channel); a "peers"

@@ -11,7 +11,6 @@ pdserve cannot is refused by name (DoRA, biases, modules_to_save, embeddings, ex
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -19,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
+from engine.lora.files import WEIGHTS_FILE, cache_root, read_files
 from engine.model.config import ModelConfig
 
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # PEFT's name for a projection -> the engine's module and which part of it.
 PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -62,7 +60,7 @@ class LoRAAdapter:
         """The parent hash of a prompt's first KV block under this adapter: its blocks'
         hashes chain from it, so no other adapter, no other read of these files, nor
         the base model ever hits them."""
-        return xxhash.xxh3_64_intdigest(f"lora\0{self.name}\0{self.digest}".encode()) or 1
+        return cache_root(self.name, self.digest)
 
     @property
     def num_bytes(self) -> int:
@@ -75,15 +73,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     tensors whose shapes are not this model's)."""
     from safetensors.torch import load
 
-    root = Path(path)
-    if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
-        raise ValueError(f"LoRA adapter {name!r}: {root} needs {CONFIG_FILE} and {WEIGHTS_FILE} (PEFT's format)")
-    raw_config, raw_weights = (root / CONFIG_FILE).read_bytes(), (root / WEIGHTS_FILE).read_bytes()
-    try:
-        config = json.loads(raw_config)
-    except ValueError as exc:
-        raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not JSON: {exc}") from None
-    _check_config(name, config)
+    config, raw_weights, digest = read_files(name, path)
     if cfg.mla is not None or cfg.moe is not None:
         raise ValueError(f"LoRA adapter {name!r}: adapters on mixture-of-experts and latent-attention models "
                          "are not supported")
@@ -124,8 +114,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     if not parts:
         raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     weights = {key: _fuse(cfg, key[1], by_part) for key, by_part in parts.items()}
-    digest = xxhash.xxh3_64_intdigest(raw_config + raw_weights)
-    return LoRAAdapter(name, str(root), max(a.shape[0] for a, _ in weights.values()), weights, digest)
+    return LoRAAdapter(name, str(path), max(a.shape[0] for a, _ in weights.values()), weights, digest)
 
 
 def _fuse(cfg: ModelConfig, module: str,
@@ -148,35 +137,6 @@ def _fuse(cfg: ModelConfig, module: str,
         big_b[offsets[part]:offsets[part] + sizes[part], at:at + r] = b * scale
         at += r
     return big_a, big_b
-
-
-def _check_config(name: str, config: Any) -> None:
-    if not isinstance(config, dict):
-        raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} must hold an object")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"LoRA adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
-    refusals = [("use_dora", "DoRA"), ("modules_to_save", "modules_to_save"), ("fan_in_fan_out", "fan_in_fan_out"),
-                ("layer_replication", "layer_replication"), ("lora_bias", "lora_bias"),
-                ("target_parameters", "target_parameters"), ("trainable_token_indices", "trainable_token_indices"),
-                ("alora_invocation_tokens", "aLoRA")]
-    for key, what in refusals:
-        if config.get(key):
-            raise ValueError(f"LoRA adapter {name!r}: {what} is not supported")
-    if config.get("bias", "none") != "none":
-        raise ValueError(f"LoRA adapter {name!r}: bias {config['bias']!r} is not supported (only 'none')")
-    for key in ("r", "lora_alpha"):
-        value = config.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"LoRA adapter {name!r}: {key} must be a positive number, got {value!r}")
-    for key in ("rank_pattern", "alpha_pattern"):
-        patterns = config.get(key) or {}
-        if not isinstance(patterns, dict) or not all(isinstance(v, (int, float)) for v in patterns.values()):
-            raise ValueError(f"LoRA adapter {name!r}: {key} must map module patterns to numbers")
-        for pattern in patterns:
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise ValueError(f"LoRA adapter {name!r}: {key} key {pattern!r} is not a regex: {exc}") from None
 
 
 def _pattern(patterns: Any, proj: str, layer: int) -> Any:

@@ -10,6 +10,7 @@ drafts keep being rejected.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,6 +38,10 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
     num_disabled: int = 0  # requests that stopped speculating (low acceptance)
+
+    def copy(self) -> SpecStats:
+        """A copy to report: the speculator's own counters keep moving."""
+        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
 
     @property
     def acceptance_rate(self) -> float:

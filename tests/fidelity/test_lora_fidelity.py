@@ -13,20 +13,12 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from tests.lora_adapters import ADAPTERS, build_adapters
-from tests.tiny_models import build_tiny_model
+from tests.lora_adapters import ADAPTERS
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist()
            for n in (5, 17, 33, 40, 9, 26, 50)]
 NAMES = [None, "a1", "a2", "a3", "a1", None, "a2"]
-
-
-@pytest.fixture(scope="module")
-def lora_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("lora")
-    base = build_tiny_model("llama", root / "base")
-    return {"base": base, **{name: Path(r.lora_path) for name, r in build_adapters(base, root).items()}}
 
 
 def request_of(models: dict[str, Path], name: str | None) -> LoRARequest | None:
@@ -158,7 +150,8 @@ def test_bad_adapters_and_requests_are_value_errors(lora_models: dict[str, Path]
 
     cases = [("lora_request must be a LoRARequest", {"lora_name": "a1"}),
              ("adapter_model.safetensors cannot be read", broken("torn", weights=b"\x08" * 20)),
-             ("alpha_pattern must map module patterns to numbers", broken("listed", {"alpha_pattern": [1]})),
+             ("alpha_pattern must map module patterns to positive numbers", broken("listed", {"alpha_pattern": [1]})),
+             ("rank_pattern must map module patterns to positive numbers", broken("zero", {"rank_pattern": {"q_proj": 0}})),
              ("rank_pattern key .* is not a regex", broken("regex", {"rank_pattern": {"q_proj(": 4}}))]
     for message, lora in cases:
         with pytest.raises(ValueError, match=message):

@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
 from engine.lora.request import LoRARequest
 from engine.request import Request, RequestStatus
+from protocol import LoRASpec
 from tests.fuzz.structured import violation
 
 VOCAB = 384  # tests/tiny_models.py
@@ -47,6 +48,12 @@ LORA_ADAPTERS: dict[str, LoRARequest] = {}
 
 def lora_request_of(name: str | None) -> LoRARequest | None:
     return None if name is None else LORA_ADAPTERS[name]
+
+
+def lora_spec(name: str | None) -> LoRASpec | None:
+    """What a Generate carries for the adapter `name` (the decode worker's verb takes it)."""
+    r = lora_request_of(name)
+    return None if r is None else LoRASpec(name=r.lora_name, id=r.lora_int_id, path=r.lora_path)
 
 
 class Oracle:
@@ -196,7 +203,7 @@ class ReqSpec:
     fate_at: int = -1  # ticks after arrival: lost -> D.prefill_failed then (-1: rely on the deadline); perror/spurious -> when
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams besides greedy, ignore_eos, max_tokens
     queue_tag: float = 0.0  # the router's fair-queuing tag (router/fair_queue.py): within a priority, lower first
-    lora: str | None = None  # the LoRA adapter it names (tests/fuzz/lora.py), offline only
+    lora: str | None = None  # the LoRA adapter it names (tests/fuzz/lora.py)
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""LoRA adapters in the offline fuzzer (--lora FRACTION): about that fraction of a case's
-requests name one of tests/lora_adapters.py's adapters, drawn from a stream of their
-own (every other choice of the case stays as it was), and the engine gets fewer slots
-than adapters at times. The oracle runs each request alone with its adapter."""
+"""LoRA adapters in the offline and P/D fuzzers (--lora FRACTION): about that fraction of
+a case's requests name one of tests/lora_adapters.py's adapters, drawn from a stream
+of their own (every other choice of the case stays as it was), and the engines get
+fewer slots than adapters at times. The oracle runs each request alone with its adapter."""
 
 from __future__ import annotations
 
@@ -19,13 +19,18 @@ def use(model_dir: Path, root: Path) -> None:
 
 
 def add_loras(case: OfflineCase | PDCase, fraction: float) -> None:
+    """P/D: both engines get LoRA (the prefill worker computes with the adapter the
+    decode worker names), each with its own number of slots; a case at TP > 1 or
+    speculating stays without adapters (the engine refuses LoRA there)."""
     if not fraction:
         return
-    if not isinstance(case, OfflineCase):
-        raise SystemExit("--lora: the offline fuzzer only (LoRA does not cross P/D yet)")
     rng = random.Random(f"lora-{case.seed}")
     names = sorted(LORA_ADAPTERS)
-    case.engine.update(enable_lora=True, max_loras=rng.choice((1, 2, 3)), max_lora_rank=16)
+    engines = [case.engine] if isinstance(case, OfflineCase) else [case.dec, case.pre]
+    if any(e.get("tensor_parallel_size", 1) > 1 or e.get("speculative_config") for e in engines):
+        return
+    for engine in engines:
+        engine.update(enable_lora=True, max_loras=rng.choice((1, 2, 3)), max_lora_rank=16)
     for spec in case.requests:
         if rng.random() < fraction:
             spec.lora = rng.choice(names)

@@ -26,6 +26,7 @@ from tests.fuzz.common import (
     _classify_hang,
     _exc_failure,
     _sched_state,
+    lora_spec,
     spec_params,
 )
 from tests.fuzz.offline import _check_quiescent
@@ -261,7 +262,8 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, wall_limi
                 expect = False
             try:
                 rp = dec.add_request(spec.rid, spec.prompt, spec_params(spec), spec.remote,
-                                     spec.priority, sender=p_name if spec.sender else None, queue_tag=spec.queue_tag)
+                                     spec.priority, sender=p_name if spec.sender else None, queue_tag=spec.queue_tag,
+                                     lora=lora_spec(spec.lora))
             except ValueError as exc:
                 if expect:
                     res.failures.append(Failure(case.seed, "rejection", f"D refused {spec.rid} though it fits: {exc}"))

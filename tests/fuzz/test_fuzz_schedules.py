@@ -385,3 +385,30 @@ def test_lora_schedules_match_the_oracle(llama_dir: Path, tmp_path: Path) -> Non
         exercised.update(r.stats)
     named = sum(s.lora is not None for case in cases for s in case.requests)
     assert named > 20 and exercised["preemptions"] > 0 and exercised["cache_hits"] > 0, (named, exercised)
+
+
+@pytest.mark.timeout(180)
+def test_lora_pd_schedules_match_the_oracle(llama_dir: Path, tmp_path: Path) -> None:
+    """P/D with adapters: the decode worker names each request's adapter in its remote
+    prefill and the prefill worker computes the KV with it, under the pd fuzzer's faults
+    (deadlines, lost and failed prefills, late writes). More seeds:
+    benchmarks/fuzz/schedules.py --fuzzer pd --lora 0.5."""
+    from tests.fuzz import lora
+    from tests.fuzz.common import ENGINE_OPTIONS, LORA_ADAPTERS
+
+    lora.use(llama_dir, tmp_path)
+    try:
+        lora_oracle = H.Oracle(llama_dir)
+        cases = [H.make_pd_case(seed, "shm", bounded_copies=True) for seed in range(12)]
+        for case in cases:
+            lora.add_loras(case, 0.5)
+        results = [H.run_pd(case, llama_dir, lora_oracle) for case in cases]
+    finally:
+        ENGINE_OPTIONS.clear()
+        LORA_ADAPTERS.clear()
+    assert report(results) == ""
+    exercised = Counter()
+    for r in results:
+        exercised.update(r.stats)
+    named = sum(s.lora is not None for case in cases for s in case.requests)
+    assert named > 10 and exercised["remote"] > 10, (named, exercised)

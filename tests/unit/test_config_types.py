@@ -22,6 +22,8 @@ from cluster.config import (
     TransportOptions,
     load_cluster_config,
 )
+from cluster.lora_config import ENGINE_FIELDS as LORA_FIELDS
+from cluster.lora_config import LoRAConfig
 from engine.config import EngineConfig
 from engine.config_check import FieldTypeError, check_field_types
 
@@ -31,6 +33,7 @@ SECTIONS: list[tuple[type, tuple[str, ...]]] = [
     (ClusterConfig, ()), (RouterConfig, ("router",)), (PoolConfig, ("prefill",)), (PoolConfig, ("decode",)),
     (EngineConfig, ("decode", "engine")), (EngineConfig, ("prefill", "engine")), (RayConfig, ("ray",)),
     (RayPoolConfig, ("ray", "prefill")), (RayPoolConfig, ("ray", "decode")), (TransportOptions, ("transport_options",)),
+    (LoRAConfig, ("lora",)),
 ]
 # A value of each type that another type's field must refuse.
 WRONG: dict[Any, list[Any]] = {int: [True, 1.5, "1", None], float: [True, "1.0", None], bool: ["false", 1, None],
@@ -53,8 +56,8 @@ def _cases() -> list[tuple[str, dict, Any]]:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             base, optional = _base(hints[f.name]), type(None) in typing.get_args(hints[f.name])
-            if dataclasses.is_dataclass(base) or (cls is EngineConfig and f.name in ROLE_FIELDS):
-                continue  # a nested section (checked field by field itself), or set at the top
+            if dataclasses.is_dataclass(base) or (cls is EngineConfig and f.name in ROLE_FIELDS + LORA_FIELDS):
+                continue  # a nested section (checked field by field itself), or set at the top or in `lora`
             for bad in WRONG[base]:
                 if bad is None and optional:
                     continue

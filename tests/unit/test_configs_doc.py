@@ -23,6 +23,7 @@ from cluster.config import (
     TransportOptions,
     load_cluster_config,
 )
+from cluster.lora_config import LoRAConfig
 from cluster.ray.resources import pool_bundles
 from cluster.slo_config import SLOConfig
 from engine.config import EngineConfig
@@ -37,6 +38,7 @@ SECTIONS: list[tuple[type, str]] = [
     (TransportOptions, "transport_options."), (LocalConfig, "local."), (KVStoreConfig, "kv_store."),
     (SpeculativeConfig, "<pool>.engine.speculative_config."), (AutoscaleConfig, "autoscale."),
     (PrefillBounds, "autoscale.prefill."), (DecodeBounds, "autoscale.decode."), (SLOConfig, "router.slo."),
+    (LoRAConfig, "lora."),
 ]
 
 

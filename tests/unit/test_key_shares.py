@@ -103,10 +103,10 @@ class OneWorker:
     on_stats: Any = None
     on_removed: Any = None
 
-    def ranked(self, tokens: list[int]) -> Ranking:
+    def ranked(self, tokens: list[int], lora: object = None) -> Ranking:
         return Ranking([("d0", 0)])
 
-    def picked(self, name: str, ranking: Ranking) -> str:
+    def picked(self, name: str, ranking: Ranking, lora: object = None) -> str:
         return name
 
     def live_prefill(self) -> list[str]:

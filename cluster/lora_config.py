@@ -1,0 +1,63 @@
+"""`lora`: LoRA adapters served beside the model, set once for every worker of both
+pools (a prefill worker computes a LoRA request's prompt KV with its adapter too);
+docs/configs.md has a row per field.
+
+    lora:
+      adapters: {sql: adapters/sql-lora, chat: /srv/adapters/chat}   # name -> PEFT directory
+      max_loras: 4          # adapters in one batch (each worker's slots)
+      max_lora_rank: 16     # the largest rank an adapter may have
+      max_cpu_loras: 8      # adapters each worker keeps read in host memory (null: max_loras)
+
+The section turns LoRA on (with no adapters, the admin endpoint loads them at runtime).
+Each adapter is checked where the config loads: its files PEFT's, its rank within
+max_lora_rank, its name not the model's. Its path must be readable there and, under the
+same path, on every worker's node (as the model's is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config_fields import ConfigError, check, checked_mapping, integer
+from engine.lora.files import declared_rank, read_files
+
+# The engine options the section sets on every pool (refused in <pool>.engine).
+ENGINE_FIELDS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    adapters: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "lora") -> LoRAConfig | None:
+        """None: no section (LoRA off)."""
+        if data is None:
+            return None
+        data = checked_mapping(cls, data, path)
+        out = cls(**data)
+        integer(out.max_loras, f"{path}.max_loras", 1)
+        integer(out.max_lora_rank, f"{path}.max_lora_rank", 1)
+        if out.max_cpu_loras is not None:
+            integer(out.max_cpu_loras, f"{path}.max_cpu_loras", out.max_loras)
+        for name, directory in out.adapters.items():
+            where = f"{path}.adapters.{name}"
+            check(isinstance(name, str) and name.strip() != "", f"{path}.adapters",
+                  f"an adapter's name must be a non-empty string, got {name!r}")
+            check(isinstance(directory, str) and directory != "", where,
+                  f"must be the adapter's PEFT directory, got {directory!r}")
+            try:
+                config, _, _ = read_files(name, directory)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+            check(declared_rank(config) <= out.max_lora_rank, where,
+                  f"has rank {declared_rank(config)}, above {path}.max_lora_rank {out.max_lora_rank}")
+        return out
+
+    def engine_options(self) -> dict[str, Any]:
+        return {"enable_lora": True, "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank,
+                "max_cpu_loras": self.max_cpu_loras}
