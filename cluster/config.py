@@ -284,7 +284,7 @@ class ClusterConfig:
                   decode=PoolConfig.from_dict(data.get("decode", {}), "decode", minimum=1),
                   launcher=launcher, ray=ray, local=LocalConfig.from_dict(data.get("local", {})),
                   autoscale=AutoscaleConfig.from_dict(data.get("autoscale")),
-                  kv_store=KVStoreConfig.from_dict(data.get("kv_store", {})), lora=LoRAConfig.from_dict(data.get("lora")))
+                  kv_store=KVStoreConfig.from_dict(data.get("kv_store", {})), lora=LoRAConfig.from_dict(data.get("lora"), model=data["model"]))
         if out.lora is not None:
             names = set(out.router.served_model_name or (out.model, Path(out.model).name))
             taken = sorted(names & set(out.lora.adapters))

@@ -16,11 +16,14 @@ same path, on every worker's node (as the model's is).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config_fields import ConfigError, check, checked_mapping, integer
-from engine.lora.files import declared_rank, read_files
+from engine.lora.files import check_adapter, declared_rank, read_files
+from engine.model.config import ModelConfig
 
 # The engine options the section sets on every pool (refused in <pool>.engine).
 ENGINE_FIELDS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
@@ -34,8 +37,9 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
 
     @classmethod
-    def from_dict(cls, data: Any, path: str = "lora") -> LoRAConfig | None:
-        """None: no section (LoRA off)."""
+    def from_dict(cls, data: Any, path: str = "lora", model: str | None = None) -> LoRAConfig | None:
+        """None: no section (LoRA off). `model`: the model directory, which each adapter
+        must fit when its config.json is readable here."""
         if data is None:
             return None
         data = checked_mapping(cls, data, path)
@@ -51,12 +55,15 @@ class LoRAConfig:
             check(isinstance(directory, str) and directory != "", where,
                   f"must be the adapter's PEFT directory, got {directory!r}")
             try:
-                config, _, _ = read_files(name, directory)
+                if model is not None and os.path.isfile(os.path.join(model, "config.json")):
+                    check_adapter(name, directory, ModelConfig.from_model_dir(model), out.max_lora_rank)
+                elif declared_rank(read_files(name, directory)[0]) > out.max_lora_rank:
+                    raise ValueError(f"has rank {declared_rank(read_files(name, directory)[0])}, above "
+                                     f"max_lora_rank {out.max_lora_rank}")
             except ValueError as exc:
-                raise ConfigError(f"{where}: {exc}") from None
-            check(declared_rank(config) <= out.max_lora_rank, where,
-                  f"has rank {declared_rank(config)}, above {path}.max_lora_rank {out.max_lora_rank}")
-        return out
+                raise ConfigError(f"{where}: {exc}".replace("max_lora_rank", f"{path}.max_lora_rank")) from None
+        # Absolute: the router and every worker resolve them alike, whatever their directory.
+        return dataclasses.replace(out, adapters={n: os.path.abspath(d) for n, d in out.adapters.items()})
 
     def engine_options(self) -> dict[str, Any]:
         return {"enable_lora": True, "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank,

@@ -139,7 +139,7 @@ class DecodeWorkerCore:
         (one-sided transports need it: they fence on it). `resumed`, `queue_tag`:
         EngineCore.add_request's; `lora`: its adapter, which the prefill worker computes
         the prompt's KV with too (reading it from its path if it holds no read of it)."""
-        lora_request = LoRARequest(lora.name, lora.id, lora.path) if lora is not None else None
+        lora_request = LoRARequest(lora.name, lora.id, lora.path, lora.digest) if lora is not None else None
         if remote and sender is not None and not self.accepts_prompts_from(sender):
             self.stats["fenced_refusals"] += 1
             remote = False

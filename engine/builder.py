@@ -229,8 +229,12 @@ class _Builder:
             raise ValueError("enable_lora: LoRA adapters on mixture-of-experts and latent-attention models "
                              "are not supported")
         wrapped = wrap_projections(model, cfg, config.max_loras, config.max_lora_rank, TORCH_DTYPES[config.dtype],
-                                   config.device)
-        return LoRASlots(wrapped, cfg, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+                                   config.device, self.shard)
+        slots = LoRASlots(wrapped, cfg, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+        if self.tp is not None:
+            tp = self.tp
+            slots.on_load = lambda slot, adapter: tp.load_lora(slot, adapter.weights)
+        return slots
 
     def _capture_cuda_graphs(self, model: LlamaForCausalLM, runner: ModelRunner, backend: AttentionBackend,
                              model_len: int) -> None:

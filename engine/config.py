@@ -151,8 +151,8 @@ class EngineConfig:
         require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
                 f"max_cpu_loras must be None or >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
-        require(not self.enable_lora or (self.speculative_config is None and self.tensor_parallel_size == 1),
-                "enable_lora is not supported with speculative_config or tensor_parallel_size > 1 yet")
+        require(not self.enable_lora or self.speculative_config is None,
+                "enable_lora is not supported with speculative_config yet")
         require(self.grammar_compile_timeout_s > 0,
                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
 

@@ -82,7 +82,7 @@ class PrefillWorkerCore:
         # Its engine's queue orders jobs as D's orders requests: (priority, queue_tag, arrival).
         # An adapter it holds no read of is read now (a few ms): cheaper than D
         # prefilling the prompt itself. One it cannot read refuses the job.
-        lora = LoRARequest(rp.lora.name, rp.lora.id, rp.lora.path) if rp.lora is not None else None
+        lora = LoRARequest(rp.lora.name, rp.lora.id, rp.lora.path, rp.lora.digest) if rp.lora is not None else None
         try:
             self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1], priority=rp.priority,
                                             queue_tag=rp.queue_tag, lora_request=lora)

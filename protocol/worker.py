@@ -50,6 +50,9 @@ class LoRASpec(Record, frozen=True):
     name: Annotated[str, msgspec.Meta(min_length=1)]  # what the request's `model` named
     id: Annotated[int, msgspec.Meta(ge=1)]  # unique per adapter registered at the router
     path: Annotated[str, msgspec.Meta(min_length=1)]  # its PEFT directory, on the worker's machine
+    # xxh3-64 of its files as the router read them (engine/lora/files.py): a worker runs
+    # the request only with those very files (it refuses it if they changed since).
+    digest: Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Generate(Message, frozen=True, tag="generate"):

@@ -3,18 +3,22 @@ config's `lora.adapters`, and those loaded and unloaded at runtime by the admin
 endpoints in vLLM's shape (POST /v1/load_lora_adapter {"lora_name", "lora_path"},
 POST /v1/unload_lora_adapter {"lora_name"}; admin keys only, router/http_guard.py).
 
-The router never loads an adapter's tensors: a request naming one carries its name, id
-and path to the workers (protocol/worker.py LoRASpec), and each worker reads it the
-first time a request needs it (engine/lora/slots.py). The router reads the files once
-per (un)load, without torch (engine/lora/files.py): to refuse an adapter no worker
-could serve (not PEFT's format, a rank above lora.max_lora_rank) with a 400 now rather
-than a failed request later, and for the prefix-cache root its blocks chain from,
-which its kv_aware index needs to hash a prompt's blocks as the engines do.
+The router never loads an adapter's tensors: a request naming one carries its name, id,
+path and files' digest to the workers (protocol/worker.py LoRASpec), and each worker
+reads it the first time a request needs it (engine/lora/slots.py). The router reads
+the files once per load, without torch (engine/lora/files.py check_adapter): to refuse
+an adapter no worker could serve (not PEFT's format, tensors that do not fit the model,
+a rank above lora.max_lora_rank) with a 400 now rather than a failed request later;
+for the digest, which a worker checks its own read against (files changed since are
+refused, never run: a prefill and a decode worker never compute one request with
+different weights); and for the prefix-cache root that follows from it, which the
+kv_aware index needs to hash a prompt's blocks as the engines do.
 
 An unloaded adapter is no longer served: requests naming it get 404. Its requests in
-flight finish with it (they carry its path); each worker drops its read of the files
-in its own time (least recently used). Ids are never reused: a name loaded again is
-another adapter to the workers, whose old read never serves it.
+flight finish with it (they carry its path and digest); each worker drops its read of
+the files in its own time (least recently used). Ids are never reused. A name loaded
+again from changed files (load_inplace) has another digest: workers read the files
+again for its requests, and its blocks chain from another root.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.lora.files import cache_root, declared_rank, read_files
+from engine.lora.files import cache_root, check_adapter
+from engine.model.config import ModelConfig
 from protocol import LoRASpec
 from router.errors import APIError
 
@@ -40,21 +46,27 @@ ADMIN_PATHS = frozenset({LOAD_LORA, UNLOAD_LORA})
 class Adapter:
     name: str
     id: int  # unique among every adapter this router ever served
-    path: str
-    root: int  # its blocks' prefix-cache root (engine/lora/files.py cache_root)
+    path: str  # absolute: the workers resolve it in their own working directories
+    digest: int  # of its files as the router read them
+
+    @property
+    def root(self) -> int:
+        """Its blocks' prefix-cache root (engine/lora/files.py cache_root)."""
+        return cache_root(self.name, self.digest)
 
     @property
     def spec(self) -> LoRASpec:
-        return LoRASpec(name=self.name, id=self.id, path=self.path)
+        return LoRASpec(name=self.name, id=self.id, path=self.path, digest=self.digest)
 
 
 class Adapters:
     """The adapters served, by name. `max_rank`: the workers' lora.max_lora_rank (None:
     the workers run without LoRA, and none can be loaded); `reserved`: the base model's
-    names, which no adapter may take."""
+    names, which no adapter may take; `model`: its config, which adapters must fit."""
 
-    def __init__(self, max_rank: int | None, reserved: frozenset[str], configured: Mapping[str, str] = {}) -> None:
-        self.max_rank, self.reserved = max_rank, reserved
+    def __init__(self, max_rank: int | None, reserved: frozenset[str], configured: Mapping[str, str] = {},
+                 model: ModelConfig | None = None) -> None:
+        self.max_rank, self.reserved, self.model = max_rank, reserved, model
         self._by_name: dict[str, Adapter] = {}
         self._ids = itertools.count(1)
         for name, path in configured.items():
@@ -74,10 +86,11 @@ class Adapters:
         what is wrong. `replace`: a name already served is served from these files from
         now on (vLLM's load_inplace); else that is an error."""
         self.check_name(name, replace)
+        path = os.path.abspath(path)
         return self.add(name, path, self.read(name, path), replace)
 
     def check_name(self, name: str, replace: bool) -> None:
-        if self.max_rank is None:
+        if self.max_rank is None or self.model is None:
             raise ValueError("LoRA is off in this deployment: set the config's lora section to serve adapters")
         if not name.strip() or len(name) > MAX_NAME_CHARS:
             raise ValueError(f"lora_name must be a name of 1 to {MAX_NAME_CHARS} characters, got {name!r}")
@@ -88,20 +101,16 @@ class Adapters:
                              "load_inplace)")
 
     def read(self, name: str, path: str) -> int:
-        """The adapter's files checked (ValueError naming the problem); its cache root.
-        Touches nothing of this registry: it may run in another thread."""
-        config, _, digest = read_files(name, path)
-        rank = declared_rank(config)
-        assert self.max_rank is not None  # check_name refused it
-        if rank > self.max_rank:
-            raise ValueError(f"LoRA adapter {name!r} has rank {rank}, above the deployment's lora.max_lora_rank "
-                             f"{self.max_rank}")
-        return cache_root(name, digest)
+        """The adapter's files checked against the model (ValueError naming the
+        problem); their digest. Touches nothing of this registry: it may run in
+        another thread."""
+        assert self.max_rank is not None and self.model is not None  # check_name refused it
+        return check_adapter(name, path, self.model, self.max_rank)
 
-    def add(self, name: str, path: str, root: int, replace: bool) -> Adapter:
+    def add(self, name: str, path: str, digest: int, replace: bool) -> Adapter:
         """Serve what read() checked (check_name again first: the event loop went on meanwhile)."""
         self.check_name(name, replace)
-        adapter = Adapter(name, next(self._ids), path, root)
+        adapter = Adapter(name, next(self._ids), path, digest)
         self._by_name[name] = adapter
         return adapter
 
@@ -135,17 +144,17 @@ def _body(raw: bytes, fields: dict[str, type]) -> dict[str, Any]:
 async def load_endpoint(adapters: Adapters, raw: bytes) -> str:
     """POST /v1/load_lora_adapter: vLLM's answer text, or APIError 400 naming the problem."""
     data = _body(raw, {"lora_name": str, "lora_path": str, "load_inplace": bool})
-    name, path, replace = data["lora_name"], data["lora_path"], data.get("load_inplace", False)
+    name, path, replace = data["lora_name"], os.path.abspath(data["lora_path"]), data.get("load_inplace", False)
     try:
         adapters.check_name(name, replace)
     except ValueError as exc:
         raise APIError(400, str(exc), "lora_name") from None
     try:  # reading the files may take a while: off the event loop
-        root = await asyncio.to_thread(adapters.read, name, path)
+        digest = await asyncio.to_thread(adapters.read, name, path)
     except ValueError as exc:
         raise APIError(400, str(exc), "lora_path") from None
     try:
-        adapters.add(name, path, root, replace)
+        adapters.add(name, path, digest, replace)
     except ValueError as exc:  # another request loaded the name meanwhile
         raise APIError(400, str(exc), "lora_name") from None
     return f"Success: LoRA adapter '{name}' added successfully."

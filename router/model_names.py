@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.model.config import ModelConfig
 from engine.user_values import show
 from router.adapters import Adapter, Adapters
 from router.errors import APIError
@@ -40,7 +41,8 @@ class ServedModels:
         names = tuple(served_model_name) if served_model_name else (model_path,)
         accepted = frozenset(served_model_name) if served_model_name else frozenset({model_path,
                                                                                        Path(model_path).name})
-        return cls(names, accepted, max_model_len, model_path, Adapters(max_lora_rank, accepted, adapters))
+        model = ModelConfig.from_model_dir(model_path) if max_lora_rank is not None else None
+        return cls(names, accepted, max_model_len, model_path, Adapters(max_lora_rank, accepted, adapters, model))
 
     @property
     def name(self) -> str:

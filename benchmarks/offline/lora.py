@@ -68,7 +68,7 @@ def load_times(core: EngineCore, adapter: Path, rank: int) -> tuple[float, float
     read = load_adapter("bench", adapter, ModelConfig.from_model_dir(core.config.model), rank)
     loaded = time.perf_counter() - start
     start = time.perf_counter()
-    load_into_slot(slots.wrapped, 0, read)
+    load_into_slot(slots.wrapped, 0, read.weights)
     return loaded, time.perf_counter() - start
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.distributed import lora_sync
 from engine.distributed.group import TorchGroup
 from engine.distributed.step_codec import StepCodec
 from engine.errors import RankFailure
@@ -134,6 +135,13 @@ class TPDriver:
         """Wake every follower for a step and broadcast its inputs."""
         self._order("step")
         self.group.broadcast_(self.codec.encode(inputs, self._buffer))
+
+    def load_lora(self, slot: int, weights: lora_sync.Weights) -> None:
+        """Every follower puts these adapter weights (whole: each slices its own) in
+        LoRA slot `slot`, before the next step (lora_sync.py)."""
+        keys, flat = lora_sync.pack(weights)
+        self._order(json.dumps({"lora": slot, "keys": keys}))
+        self.group.broadcast_(flat.to(self.group.device))
 
     def heartbeat(self) -> None:
         """Every follower answers one tiny collective, if none ran for HEARTBEAT_S: an

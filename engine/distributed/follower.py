@@ -20,7 +20,7 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed import shared_cache
+from engine.distributed import lora_sync, shared_cache
 from engine.distributed.driver import DRIVER_PID_ENV
 from engine.distributed.group import TorchGroup
 from engine.distributed.sharding import Shard
@@ -50,6 +50,7 @@ def serve(stdin) -> None:
 def _serve(stdin, config: EngineConfig, rank: int, store) -> None:
     from engine.attention.kv_quant import cache_dtype
     from engine.distributed.rank_model import build_rank_model, step_codec
+    from engine.lora.layers import load_into_slot, wrap_projections
     from engine.model.loader import TORCH_DTYPES
     from engine.runner import ModelRunner, allocate_kv_cache, kv_cache_shape
 
@@ -66,6 +67,10 @@ def _serve(stdin, config: EngineConfig, rank: int, store) -> None:
     else:
         kv_cache = allocate_kv_cache(model_config, num_blocks, config.block_size, dtype, config.device,
                                      num_kv_heads=shard.num_kv_heads)
+    wrapped = {}
+    if config.enable_lora:  # the driver sends each adapter's weights as it takes a slot (lora_sync.py)
+        wrapped = wrap_projections(model, model_config, config.max_loras, config.max_lora_rank,
+                                   TORCH_DTYPES[config.dtype], config.device, shard)
     runner = ModelRunner(model, kv_cache, config.block_size, None, backend, config.device)
     codec: StepCodec = step_codec(config, model_len)
     buffer = codec.buffer()
@@ -76,6 +81,11 @@ def _serve(stdin, config: EngineConfig, rank: int, store) -> None:
             break
         if order == "ping":  # the driver's heartbeat
             group.all_reduce_(torch.zeros(1))
+            continue
+        if order.startswith("{") and wrapped:  # a LoRA adapter into a slot
+            record = json.loads(order)
+            flat = group.broadcast_(lora_sync.buffer(record["keys"], group.device))
+            load_into_slot(wrapped, record["lora"], lora_sync.unpack(record["keys"], flat))
             continue
         if order != "step":
             raise ValueError(f"unknown order {order!r} from the driver")

@@ -14,7 +14,7 @@ import torch
 from engine.errors import EngineStateError
 from engine.runner import StepInputs
 
-HEADER = 6  # tokens, sequences, block-table columns, logits rows, block copies, drafts travel
+HEADER = 7  # tokens, sequences, block-table columns, logits rows, block copies, drafts travel, LoRA slots travel
 
 
 class StepCodec:
@@ -23,9 +23,10 @@ class StepCodec:
         self.max_blocks = -(-max_model_len // block_size)
         # Logits rows: a sampled row per sequence, and prompt-logprob rows; at most one per
         # token. Block copies: at most one per sequence (a forked sequence's first write).
-        # Drafts per sequence (speculative decoding): only in steps that have some.
+        # Drafts per sequence (speculative decoding), LoRA slots per sequence: only in
+        # steps that have some.
         self.size = (HEADER + 3 * max_tokens + 2 * max_seqs + 1 + max_seqs * self.max_blocks + max_tokens
-                     + 2 * max_seqs + max_seqs)
+                     + 2 * max_seqs + max_seqs + max_seqs)
 
     def buffer(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.int32)
@@ -40,17 +41,17 @@ class StepCodec:
         if t > self.max_tokens or s > self.max_seqs or cols > self.max_blocks or r > self.max_tokens or c > self.max_seqs:
             raise EngineStateError(f"step of {t} tokens, {s} sequences, {cols} blocks each is "
                                    f"beyond the broadcast buffer's limits")
-        d = len(inputs.num_drafts) > 0
-        parts = [np.array([t, s, cols, r, c, d]), inputs.input_ids, inputs.positions, inputs.slot_mapping,
+        d, lora = len(inputs.num_drafts) > 0, len(inputs.lora_slots) > 0
+        parts = [np.array([t, s, cols, r, c, d, lora]), inputs.input_ids, inputs.positions, inputs.slot_mapping,
                  inputs.query_start_loc, inputs.seq_lens, inputs.block_tables[:, :cols].reshape(-1),
-                 inputs.logits_indices, inputs.block_copies.reshape(-1), inputs.num_drafts]
+                 inputs.logits_indices, inputs.block_copies.reshape(-1), inputs.num_drafts, inputs.lora_slots]
         flat = np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
         out[:len(flat)] = torch.from_numpy(flat)
         return out
 
     def decode(self, buf: torch.Tensor) -> StepInputs:
         data = buf.numpy()
-        t, s, cols, r, c, d = (int(v) for v in data[:HEADER])
+        t, s, cols, r, c, d, lora = (int(v) for v in data[:HEADER])
         at = HEADER
 
         def take(n: int, dtype=np.int64) -> np.ndarray:
@@ -64,7 +65,8 @@ class StepCodec:
         logits_indices = take(r)
         block_copies = take(2 * c).reshape(c, 2)
         num_drafts = take(s * d, np.int32)
+        lora_slots = take(s * lora)
         return StepInputs(input_ids=input_ids, positions=positions, slot_mapping=slots,
                           query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
                           logits_indices=logits_indices, query_lens=np.diff(query_start_loc).tolist(),
-                          block_copies=block_copies, num_drafts=num_drafts)
+                          block_copies=block_copies, num_drafts=num_drafts, lora_slots=lora_slots)

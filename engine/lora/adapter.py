@@ -19,28 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.lora.files import WEIGHTS_FILE, cache_root, read_files
+from engine.lora.files import PARTS, WEIGHTS_FILE, cache_root, check_tensors, part_sizes, read_files
 from engine.model.config import ModelConfig
-
-# PEFT's name for a projection -> the engine's module and which part of it.
-PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-         "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-         "down_proj": ("down_proj", 0), "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None)}
-MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-def part_sizes(cfg: ModelConfig, module: str) -> tuple[list[int], int]:
-    """(output rows of each part, input width) of one layer's projection, unsharded."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    return {"qkv_proj": ([q, kv, kv], cfg.hidden_size), "o_proj": ([cfg.hidden_size], q),
-            "gate_up_proj": ([cfg.intermediate_size] * 2, cfg.hidden_size),
-            "down_proj": ([cfg.hidden_size], cfg.intermediate_size)}[module]
-
-
-def max_parts(module: str) -> int:
-    """How many PEFT projections one engine module fuses: its rank budget's multiple."""
-    return {"qkv_proj": 3, "gate_up_proj": 2}.get(module, 1)
 
 
 @dataclass(eq=False)
@@ -74,45 +54,16 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     from safetensors.torch import load
 
     config, raw_weights, digest = read_files(name, path)
-    if cfg.mla is not None or cfg.moe is not None:
-        raise ValueError(f"LoRA adapter {name!r}: adapters on mixture-of-experts and latent-attention models "
-                         "are not supported")
-    parts: dict[tuple[int, str], dict[int | None, tuple[torch.Tensor, torch.Tensor, float]]] = {}
     try:
         tensors = load(raw_weights)
     except Exception as exc:  # safetensors' own error types: a truncated or foreign file
         raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} cannot be read: {exc}") from None
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        m = _KEY.match(key)
-        if m is None or m.group(3) not in PARTS:
-            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A/B of a decoder layer's "
-                             f"attention or MLP projection ({', '.join(PARTS)})")
-        layer = int(m.group(1))
-        if layer >= cfg.num_layers:
-            raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}; the model has "
-                             f"{cfg.num_layers}")
-        pairs.setdefault((layer, m.group(3)), {})[m.group(4)] = tensor
-    for (layer, proj), ab in sorted(pairs.items()):
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has lora_{''.join(ab)} without its pair")
-        a, b = ab["A"].float(), ab["B"].float()
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
-                             f"{tuple(b.shape)} are not [r, in] and [out, r]")
-        rank = a.shape[0]
-        if rank > max_rank:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has rank {rank}, above max_lora_rank "
-                             f"{max_rank}")
+    pairs = check_tensors(name, {key: tuple(t.shape) for key, t in tensors.items()}, cfg, max_rank)
+    parts: dict[tuple[int, str], dict[int | None, tuple[torch.Tensor, torch.Tensor, float]]] = {}
+    for (layer, proj), (key_a, key_b) in pairs.items():
+        a, b = tensors[key_a].float(), tensors[key_b].float()
         module, part = PARTS[proj]
-        sizes, width = part_sizes(cfg, module)
-        rows = sum(sizes) if part is None else sizes[part]
-        if a.shape[1] != width or b.shape[0] != rows:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj}: lora_A {tuple(a.shape)} and lora_B "
-                             f"{tuple(b.shape)} do not fit the model's [{rows}, {width}] projection")
-        parts.setdefault((layer, module), {})[part] = (a, b, _scaling(config, proj, layer, rank))
-    if not parts:
-        raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+        parts.setdefault((layer, module), {})[part] = (a, b, _scaling(config, proj, layer, a.shape[0]))
     weights = {key: _fuse(cfg, key[1], by_part) for key, by_part in parts.items()}
     return LoRAAdapter(name, str(path), max(a.shape[0] for a, _ in weights.values()), weights, digest)
 
@@ -120,9 +71,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
 def _fuse(cfg: ModelConfig, module: str,
           by_part: dict[int | None, tuple[torch.Tensor, torch.Tensor, float]]) -> tuple[torch.Tensor, torch.Tensor]:
     """One module's A [R, in] and scaled B [out, R] from its parts' (A, B, scaling)."""
-    if None in by_part:
-        if len(by_part) > 1:
-            raise ValueError(f"{module} has both a fused adapter and adapters of its parts")
+    if None in by_part:  # check_tensors refused it beside its parts
         a, b, scale = by_part[None]
         return a, b * scale
     sizes, width = part_sizes(cfg, module)

@@ -1,34 +1,64 @@
 """A PEFT adapter directory's files, read and checked without torch: what the engine
-reads before it loads the tensors (engine/lora/adapter.py), and all the router reads
-(router/adapters.py): the config's checks, the largest rank it declares, and the
-prefix-cache root of that read of the files, which both must compute alike (the
-router's kv_aware index hashes a prompt's blocks as the engines do).
+reads before it loads the tensors (engine/lora/adapter.py), and all the router and the
+config read (router/adapters.py, cluster/lora_config.py: check_adapter): the config's
+checks, the tensors' names and shapes against the model (from the safetensors header),
+and the digest of that read of the files, from which the prefix-cache root follows,
+which router and workers must compute alike (the router's kv_aware index hashes a
+prompt's blocks as the engines do; a worker refuses a request whose adapter's files
+are not the ones the router read).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
+from engine.model.config import ModelConfig
+
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PEFT's name for a projection -> the engine's module and which part of it.
+PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+         "down_proj": ("down_proj", 0), "qkv_proj": ("qkv_proj", None), "gate_up_proj": ("gate_up_proj", None)}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on its JSON header
+
+
+def part_sizes(cfg: ModelConfig, module: str) -> tuple[list[int], int]:
+    """(output rows of each part, input width) of one layer's projection, unsharded."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv_proj": ([q, kv, kv], cfg.hidden_size), "o_proj": ([cfg.hidden_size], q),
+            "gate_up_proj": ([cfg.intermediate_size] * 2, cfg.hidden_size),
+            "down_proj": ([cfg.hidden_size], cfg.intermediate_size)}[module]
+
+
+def max_parts(module: str) -> int:
+    """How many PEFT projections one engine module fuses: its rank budget's multiple."""
+    return {"qkv_proj": 3, "gate_up_proj": 2}.get(module, 1)
 
 
 def read_files(name: str, path: str | Path) -> tuple[dict[str, Any], bytes, int]:
     """(its checked adapter_config.json, the weights file's bytes, the digest of both
     files' bytes); ValueError naming what is missing or wrong."""
     root = Path(path)
-    if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
-        raise ValueError(f"LoRA adapter {name!r}: {root} needs {CONFIG_FILE} and {WEIGHTS_FILE} (PEFT's format)")
+    # Any failure to read is the adapter's (ValueError: its request, or its load, is
+    # refused), never the reader's: a worker must not go down for an unreadable file.
     try:
+        if not (root / CONFIG_FILE).is_file() or not (root / WEIGHTS_FILE).is_file():
+            raise ValueError(f"LoRA adapter {name!r}: {root} needs {CONFIG_FILE} and {WEIGHTS_FILE} (PEFT's format)")
         raw_config, raw_weights = (root / CONFIG_FILE).read_bytes(), (root / WEIGHTS_FILE).read_bytes()
     except OSError as exc:
-        raise ValueError(f"LoRA adapter {name!r}: cannot read {root}: {exc}") from None
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {root}: {exc.strerror or exc}") from None
     try:
         config = json.loads(raw_config)
+    except RecursionError:
+        raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} is nested too deeply") from None
     except ValueError as exc:
         raise ValueError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not JSON: {exc}") from None
     check_config(name, config)
@@ -76,3 +106,85 @@ def check_config(name: str, config: Any) -> None:
                 re.compile(pattern)
             except re.error as exc:
                 raise ValueError(f"LoRA adapter {name!r}: {key} key {pattern!r} is not a regex: {exc}") from None
+
+
+def check_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> int:
+    """Everything about an adapter that can be checked without loading its tensors:
+    its config, and its tensors' names and shapes (from the safetensors header) against
+    the model `cfg` and max_rank; ValueError naming the problem. Its files' digest."""
+    config, raw_weights, digest = read_files(name, path)
+    check_tensors(name, header_shapes(name, raw_weights), cfg, max_rank)
+    if declared_rank(config) > max_rank:
+        raise ValueError(f"LoRA adapter {name!r} has rank {declared_rank(config)}, above max_lora_rank {max_rank}")
+    return digest
+
+
+def header_shapes(name: str, raw: bytes) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape as a safetensors file's header gives it (its data within the file)."""
+    bad = f"LoRA adapter {name!r}: {WEIGHTS_FILE} cannot be read"
+    if len(raw) < 8:
+        raise ValueError(f"{bad}: {len(raw)} bytes")
+    (size,) = struct.unpack("<Q", raw[:8])
+    if size > min(MAX_HEADER_BYTES, len(raw) - 8):
+        raise ValueError(f"{bad}: a header of {size} bytes in a file of {len(raw)}")
+    try:
+        header = json.loads(raw[8:8 + size])
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{bad}: its header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{bad}: its header is not an object")
+    shapes = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
+                and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
+                and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+                and all(isinstance(o, int) for o in entry["data_offsets"])
+                and 0 <= entry["data_offsets"][0] <= entry["data_offsets"][1] <= len(raw) - 8 - size):
+            raise ValueError(f"{bad}: tensor {key!r} has no shape and offsets within the file")
+        shapes[key] = tuple(entry["shape"])
+    return shapes
+
+
+def check_tensors(name: str, shapes: Mapping[str, tuple[int, ...]], cfg: ModelConfig,
+                  max_rank: int) -> dict[tuple[int, str], tuple[str, str]]:
+    """The adapter's tensors, by name and shape, checked against the model `cfg`: each a
+    LoRA A or B of a decoder layer's attention or MLP projection, in pairs of [r, in]
+    and [out, r] that fit it, r <= max_rank; ValueError naming the first that is not.
+    (layer, PEFT projection) -> (its A's name, its B's name), in order."""
+    prefix = f"LoRA adapter {name!r}"
+    if cfg.mla is not None or cfg.moe is not None:
+        raise ValueError(f"{prefix}: adapters on mixture-of-experts and latent-attention models are not supported")
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for key in shapes:
+        m = _KEY.match(key)
+        if m is None or m.group(3) not in PARTS:
+            raise ValueError(f"{prefix}: tensor {key!r} is not a LoRA A/B of a decoder layer's attention or MLP "
+                             f"projection ({', '.join(PARTS)})")
+        layer = int(m.group(1))
+        if layer >= cfg.num_layers:
+            raise ValueError(f"{prefix}: tensor {key!r} is for layer {layer}; the model has {cfg.num_layers}")
+        pairs.setdefault((layer, m.group(3)), {})[m.group(4)] = key
+    out = {}
+    for (layer, proj), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{prefix}: layer {layer} {proj} has lora_{''.join(ab)} without its pair")
+        a, b = shapes[ab["A"]], shapes[ab["B"]]
+        if len(a) != 2 or len(b) != 2 or b[1] != a[0]:
+            raise ValueError(f"{prefix}: layer {layer} {proj}: lora_A {a} and lora_B {b} are not [r, in] and [out, r]")
+        if a[0] > max_rank:
+            raise ValueError(f"{prefix}: layer {layer} {proj} has rank {a[0]}, above max_lora_rank {max_rank}")
+        module, part = PARTS[proj]
+        sizes, width = part_sizes(cfg, module)
+        rows = sum(sizes) if part is None else sizes[part]
+        if a[1] != width or b[0] != rows:
+            raise ValueError(f"{prefix}: layer {layer} {proj}: lora_A {a} and lora_B {b} do not fit the model's "
+                             f"[{rows}, {width}] projection")
+        out[(layer, proj)] = (ab["A"], ab["B"])
+    fused = {(layer, PARTS[proj][0]) for layer, proj in out if PARTS[proj][1] is None}
+    if any((layer, PARTS[proj][0]) in fused and PARTS[proj][1] is not None for layer, proj in out):
+        raise ValueError(f"{prefix}: a fused projection has adapters of its parts too")
+    if not out:
+        raise ValueError(f"{prefix}: {WEIGHTS_FILE} holds no LoRA weights")
+    return out

@@ -16,7 +16,7 @@ batched over the slots, padded to the same rows (BGMV's shape), or slot by slot
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.lora.adapter import LoRAAdapter, max_parts, part_sizes
+from engine.distributed.sharding import Shard
+from engine.lora.files import max_parts, part_sizes
 from engine.model.config import ModelConfig
 
 
@@ -81,24 +82,30 @@ class LoRALinear(nn.Module):
     lora_a: torch.Tensor  # [slots, R, in]
     lora_b: torch.Tensor  # [slots, out, R]
 
-    def __init__(self, base: nn.Module, in_features: int, out_features: int, slots: int, rank: int,
+    def __init__(self, base: nn.Module, columns: torch.Tensor, rows: torch.Tensor, slots: int, rank: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
+        """`columns`, `rows`: the unsharded projection's input columns and output rows this
+        rank holds (all of them at tensor_parallel_size 1), in its own order."""
         super().__init__()
         self.base = base
-        self.in_features, self.out_features, self.rank = in_features, out_features, rank
-        self.register_buffer("lora_a", torch.zeros(slots, rank, in_features, dtype=dtype, device=device),
+        self.columns, self.rows, self.rank = columns, rows, rank
+        self.register_buffer("lora_a", torch.zeros(slots, rank, len(columns), dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("lora_b", torch.zeros(slots, out_features, rank, dtype=dtype, device=device),
+        self.register_buffer("lora_b", torch.zeros(slots, len(rows), rank, dtype=dtype, device=device),
                              persistent=False)
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        """Put an adapter's A [r, in] and B [out, r] in `slot` (None, None: empty it)."""
+        """Put an adapter's A [r, in] and B [out, r] of the unsharded projection in
+        `slot`, sliced as the base projection is on this rank (None, None: empty it).
+        A column-parallel projection (qkv, gate_up) keeps A whole and its rows of B;
+        a row-parallel one (o, down) its columns of A and B whole: its delta is a
+        partial sum, all-reduced with the base output (engine/model/llama.py)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if a is not None and b is not None:
             r = a.shape[0]
-            self.lora_a[slot, :r] = a.to(self.lora_a.dtype)
-            self.lora_b[slot, :, :r] = b.to(self.lora_b.dtype)
+            self.lora_a[slot, :r] = a[:, self.columns].to(self.lora_a.dtype)
+            self.lora_b[slot, :, :r] = b[self.rows].to(self.lora_b.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -117,26 +124,50 @@ class LoRALinear(nn.Module):
 
 
 def wrap_projections(model: nn.Module, cfg: ModelConfig, slots: int, max_rank: int, dtype: torch.dtype,
-                     device: torch.device | str) -> dict[tuple[int, str], LoRALinear]:
+                     device: torch.device | str, shard: Shard | None = None) -> dict[tuple[int, str], LoRALinear]:
     """Wrap every decoder layer's adapted projections in a LoRALinear of `slots` empty
-    slots; returns them by (layer, module)."""
+    slots, sized as this rank's `shard` of them (None: whole); returns them by (layer, module)."""
     wrapped = {}
     layers = cast("nn.ModuleList", model.layers)
     for index, layer in enumerate(layers):
         owners: list[tuple[Any, str]] = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                          (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]
         for owner, module in owners:
-            sizes, width = part_sizes(cfg, module)
-            lora = LoRALinear(getattr(owner, module), width, sum(sizes), slots, max_rank * max_parts(module),
-                              dtype, device)
+            columns, rows = held(cfg, module, shard)
+            lora = LoRALinear(getattr(owner, module), columns, rows, slots, max_rank * max_parts(module), dtype,
+                              device)
             setattr(owner, module, lora)
             wrapped[(index, module)] = lora
     return wrapped
 
 
-def load_into_slot(wrapped: dict[tuple[int, str], LoRALinear], slot: int, adapter: LoRAAdapter | None) -> None:
-    """Every wrapped projection's `slot` takes the adapter's A and B (zeros where it has
-    none; None: empty the slot)."""
+def held(cfg: ModelConfig, module: str, shard: Shard | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input columns, output rows) of the unsharded projection that `shard` holds, in
+    the order its base projection holds them (engine/distributed/sharding.py): qkv_proj
+    its query heads' rows, then its KV heads' of k, then of v; gate_up_proj its
+    intermediate range of gate, then of up; o_proj and down_proj their inputs' range."""
+    sizes, width = part_sizes(cfg, module)
+    every = torch.arange
+
+    def span(start: int, lo: int, hi: int, unit: int) -> torch.Tensor:
+        return every(start + lo * unit, start + hi * unit)
+    if shard is None or shard.size == 1:
+        return every(width), every(sum(sizes))
+    hd, inter = cfg.head_dim, shard.intermediate
+    if module == "qkv_proj":
+        q, kv = sizes[0], sizes[1]
+        return every(width), torch.cat([span(0, *shard.q_heads, hd), span(q, *shard.kv_heads, hd),
+                                        span(q + kv, *shard.kv_heads, hd)])
+    if module == "gate_up_proj":
+        return every(width), torch.cat([span(0, *inter, 1), span(sizes[0], *inter, 1)])
+    if module == "o_proj":
+        return span(0, *shard.q_heads, hd), every(sum(sizes))
+    return span(0, *inter, 1), every(sum(sizes))  # down_proj
+
+
+def load_into_slot(wrapped: dict[tuple[int, str], LoRALinear], slot: int,
+                   weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Every wrapped projection's `slot` takes an adapter's A and B, unsharded
+    (LoRAAdapter.weights: zeros where it has none; {}: empty the slot)."""
     for key, lora in wrapped.items():
-        ab = None if adapter is None else adapter.weights.get(key)
-        lora.set_slot(slot, *(ab if ab is not None else (None, None)))
+        lora.set_slot(slot, *weights.get(key, (None, None)))

@@ -8,11 +8,15 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class LoRARequest:
     """An adapter: its name (what the OpenAI API's `model` names), an integer id unique
-    per adapter (vLLM's; > 0), and its PEFT directory."""
+    per adapter (vLLM's; > 0), and its PEFT directory. `digest`: of its files as the
+    caller read them (engine/lora/files.py; the router's): the engine runs the request
+    only with a read of those very files (it reads them again if its own read is of
+    others, and refuses the request if they changed since); None: whatever they hold."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str
+    digest: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:

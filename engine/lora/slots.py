@@ -1,7 +1,8 @@
 """Which adapters hold the model's max_loras slots, and which are kept read in memory.
 
-An adapter is read once, when a request first names it, and the request keeps that
-read (LoRAUse.adapter) until it ends: nothing is read from disk inside a step, and a
+An adapter is read once, when a request first names it (again when a request names
+other files under its name, or a digest of them that the read's is not), and the
+request keeps that read (LoRAUse.adapter) until it ends: nothing is read from disk inside a step, and a
 name pointed at another directory meanwhile (or its files changed) is a new adapter
 beside the old one, with its own prefix-cache root, while requests of the old one
 finish with the old weights. Host memory keeps up to max_cpu_loras reads for requests
@@ -18,6 +19,7 @@ adapter cannot starve another's.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from engine.lora.adapter import LoRAAdapter, load_adapter
 from engine.lora.layers import LoRALinear, load_into_slot
@@ -38,6 +40,9 @@ class LoRASlots:
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()  # reads kept for requests to come, LRU first
         self._waiting: LoRAAdapter | None = None  # an adapter a request waits for a slot for, this step
         self.loads = 0  # adapters read from disk
+        # Tensor parallelism: the other ranks get an adapter the scheduler puts in a slot
+        # (TPDriver.load_lora), before the step that runs it.
+        self.on_load: Callable[[int, LoRAAdapter], None] | None = None
 
     @classmethod
     def disabled(cls) -> LoRASlots:
@@ -66,13 +71,16 @@ class LoRASlots:
         """The adapter `lora` names, read (and checked: ValueError naming the problem)
         unless a read of the same directory is kept."""
         adapter = self.loaded.get(lora.lora_name)
-        if adapter is not None and adapter.path == lora.lora_path:
+        if adapter is not None and adapter.path == lora.lora_path and lora.digest in (None, adapter.digest):
             self.loaded.move_to_end(lora.lora_name)
             return adapter
         if self.cfg is None:
             raise ValueError(f"LoRA adapter {lora.lora_name!r}: this engine was started without enable_lora")
         adapter = load_adapter(lora.lora_name, lora.lora_path, self.cfg, self.max_lora_rank)
         self.loads += 1
+        if lora.digest not in (None, adapter.digest):  # another process would run it with other weights
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: its files at {lora.lora_path} changed since the "
+                             "server loaded them; load it again (POST /v1/load_lora_adapter with load_inplace)")
         self.loaded[lora.lora_name] = adapter
         self.loaded.move_to_end(lora.lora_name)
         while len(self.loaded) > self.max_cpu_loras:
@@ -101,7 +109,9 @@ class LoRASlots:
             if not idle:
                 raise ValueError(f"no LoRA slot is idle for adapter {adapter.name!r}")
             slot = min(idle, key=lambda s: (self.held[s] is not None, self._last_used[s]))
-            load_into_slot(self.wrapped, slot, adapter)
+            load_into_slot(self.wrapped, slot, adapter.weights)
+            if self.on_load is not None:
+                self.on_load(slot, adapter)
             self.held[slot] = adapter
         self.users[slot] += 1
         self._clock += 1

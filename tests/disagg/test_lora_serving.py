@@ -9,6 +9,7 @@ the field, and the server keeps serving."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -23,6 +24,8 @@ from cluster.config import ClusterConfig
 from cluster.serve import build
 from engine import LLM
 from tests.fidelity.test_lora_fidelity import GREEDY, hf_greedy, request_of
+from tests.fidelity.test_lora_fidelity import NAMES as NAMES_FIDELITY
+from tests.fidelity.test_lora_fidelity import PROMPTS as PROMPTS_FIDELITY
 from tests.http_server import free_port, serving
 
 ADMIN = "sk-admin-lora-test"
@@ -173,3 +176,79 @@ def test_prefix_cache_hits_never_cross_adapters_served(served: tuple[str, Cluste
         return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
     assert [cached(m) for m in ("a2", "a1", config.model, "a2")] == [0, 0, 0, 40]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)])
+def test_adapters_through_pools_of_different_tp_sizes(lora_models: dict[str, Path], prefill_tp: int,
+                                                      decode_tp: int) -> None:
+    """Each rank of either pool holds its slice of the adapter (the prefill worker's of
+    its own TP size): the KV it pushes, computed with the adapter, decodes to HF + PEFT's
+    tokens, each request's adapter named on the way (RemotePrefill.lora)."""
+    from decode_worker.remote_kv import DecodeWorkerCore
+    from engine.lora.files import read_files
+    from prefill_worker.remote_prefill import PrefillWorkerCore
+    from protocol import LoRASpec
+    from tests.disagg.test_fp8_remote_prefill import workers
+
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=16, block_size=8)
+    # The fidelity test's prompts: HF's reference bans EOS (min_new_tokens), so prompts
+    # whose greedy output has none (this module's PROMPTS[3] under a3 has one).
+    names, prompts = NAMES_FIDELITY[1:6], PROMPTS_FIDELITY[1:6]
+    with workers(lora_models["base"], "shm", dict(lora, tp=decode_tp, num_kv_blocks=80),
+                 dict(lora, tp=prefill_tp, num_kv_blocks=80, max_num_batched_tokens=24)) as ((t_dec, t_pre), engines):
+        t_pre.add_peer(t_dec.metadata())
+        decode, prefill = DecodeWorkerCore(engines[0], t_dec, 30.0), PrefillWorkerCore(engines[1], t_pre)
+        pending = {}
+        for i, (name, prompt) in enumerate(zip(names, prompts)):
+            r = request_of(lora_models, name)
+            spec = None if r is None else LoRASpec(name=r.lora_name, id=r.lora_int_id, path=r.lora_path,
+                                                   digest=read_files(r.lora_name, r.lora_path)[2])
+            rp = decode.add_request(f"r{i}", prompt, GREEDY, remote=True, sender="prefill0", lora=spec)
+            assert rp is not None and rp.lora == spec
+            prefill.submit(rp)
+            pending[f"r{i}"] = (name, prompt)
+        done = {}
+        end = time.monotonic() + 180
+        while decode.engine.has_unfinished() or prefill.engine.has_unfinished():
+            assert time.monotonic() < end, "disaggregated run did not finish"
+            for result in prefill.step():
+                assert result.error is None, result.error
+            for finished in decode.step().finished:
+                done[finished.request_id] = finished.output_token_ids
+        assert decode.stats["remote"] == len(names) and decode.stats["fallbacks"] == 0
+        assert done == {rid: hf_greedy(lora_models, name, prompt) for rid, (name, prompt) in pending.items()}
+
+
+@pytest.mark.timeout(300)
+def test_files_changed_in_place_and_reloaded_serve_the_new_weights(served: tuple[str, ClusterConfig],
+                                                                   lora_models: dict[str, Path], tmp_path: Path,
+                                                                   offline: Callable[[str | None, list[int]], str]
+                                                                   ) -> None:
+    """An operator rewrites an adapter's files where they are and reloads it
+    (load_inplace): both workers, holding reads of the old files, read the new ones and
+    compute with them; before the reload, the router still sends the old digest, and
+    the workers run the read they hold of those files. (A worker that must read files
+    changed since refuses the request: tests/fidelity/test_lora_fidelity.py.)"""
+    base, _ = served
+    live = tmp_path / "live"
+    live.mkdir()
+
+    def put(name: str) -> None:
+        for f in lora_models[name].iterdir():
+            (live / f.name).write_bytes(f.read_bytes())
+    put("a1")
+    assert post(base, "/v1/load_lora_adapter", {"lora_name": "live", "lora_path": str(live)})[0] == 200
+    try:
+        assert complete(base, "live", PROMPTS[1])["choices"][0]["text"] == offline("a1", PROMPTS[1])
+        put("a2")  # changed under the served name: the router's digest is still a1's
+        status, text = post(base, "/v1/completions", {"model": "live", "prompt": PROMPTS[2], "max_tokens": 12,
+                                                      "temperature": 0, "ignore_eos": True}, key=None)
+        # Both workers hold a read of a1's files, which the digest names: they run it.
+        assert status == 200 and json.loads(text)["choices"][0]["text"] == offline("a1", PROMPTS[2]), text
+        assert post(base, "/v1/load_lora_adapter", {"lora_name": "live", "lora_path": str(live),
+                                                    "load_inplace": True})[0] == 200
+        for prompt in (PROMPTS[1], PROMPTS[2]):
+            assert complete(base, "live", prompt)["choices"][0]["text"] == offline("a2", prompt)
+    finally:
+        post(base, "/v1/unload_lora_adapter", {"lora_name": "live"})

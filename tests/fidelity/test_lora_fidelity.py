@@ -48,6 +48,9 @@ def reference(lora_models: dict[str, Path]) -> list[list[int]]:
     dict(max_loras=2),  # three adapters, two slots: one waits for a slot to drain
     dict(max_loras=1, max_num_batched_tokens=8),  # one slot, prompts in chunks
     dict(max_loras=2, max_num_batched_tokens=16, num_kv_blocks=10),  # preemption: recomputed with its adapter
+    # Tensor parallel: each rank holds its slice of every adapter, sent by the driver
+    # as the adapter takes a slot; two slots for three adapters, so slots are reloaded.
+    dict(max_loras=2, tensor_parallel_size=2, num_threads=1),
 ])
 def test_adapters_mixed_with_base_requests_equal_peft_merged(lora_models: dict[str, Path],
                                                             reference: list[list[int]], options: dict) -> None:
@@ -156,3 +159,33 @@ def test_bad_adapters_and_requests_are_value_errors(lora_models: dict[str, Path]
     for message, lora in cases:
         with pytest.raises(ValueError, match=message):
             llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora)  # type: ignore[arg-type]
+
+
+def test_a_request_runs_only_with_the_files_its_digest_names(lora_models: dict[str, Path], tmp_path: Path,
+                                                            reference: list[list[int]]) -> None:
+    """The server names each adapter's files by digest (LoRARequest.digest): an engine
+    holding a read of those files runs it with them; one holding a read of other files
+    under that name and path reads them again, and refuses the request if they are not
+    the digest's (changed since), so a prefill and a decode worker never compute one
+    request with different weights."""
+    from engine.lora.files import read_files
+
+    path = tmp_path / "swapped"
+    path.mkdir()
+    for f in lora_models["a1"].iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    old = read_files("x", path)[2]
+    llm = LLM(str(lora_models["base"]), enable_lora=True, max_lora_rank=16)
+    [first] = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(path), old))
+    assert first.token_ids == reference[1]  # a1's weights
+    for f in lora_models["a2"].iterdir():  # the files change in place
+        (path / f.name).write_bytes(f.read_bytes())
+    new = read_files("x", path)[2]
+    # The read it holds is of the old files: the old digest runs with it.
+    [again] = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(path), old))
+    assert again.token_ids == reference[1]
+    fresh = LLM(str(lora_models["base"]), enable_lora=True, max_lora_rank=16)  # holds none: reads the new files
+    with pytest.raises(ValueError, match="changed since the server loaded them"):
+        fresh.generate([PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(path), old))
+    [second] = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 2, str(path), new))
+    assert second.token_ids == reference[2]  # a2's weights: read again for the new digest

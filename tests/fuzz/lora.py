@@ -20,14 +20,14 @@ def use(model_dir: Path, root: Path) -> None:
 
 def add_loras(case: OfflineCase | PDCase, fraction: float) -> None:
     """P/D: both engines get LoRA (the prefill worker computes with the adapter the
-    decode worker names), each with its own number of slots; a case at TP > 1 or
-    speculating stays without adapters (the engine refuses LoRA there)."""
+    decode worker names), each with its own number of slots; a speculating case stays
+    without adapters (the engine refuses LoRA there)."""
     if not fraction:
         return
     rng = random.Random(f"lora-{case.seed}")
     names = sorted(LORA_ADAPTERS)
     engines = [case.engine] if isinstance(case, OfflineCase) else [case.dec, case.pre]
-    if any(e.get("tensor_parallel_size", 1) > 1 or e.get("speculative_config") for e in engines):
+    if any(e.get("speculative_config") for e in engines):
         return
     for engine in engines:
         engine.update(enable_lora=True, max_loras=rng.choice((1, 2, 3)), max_lora_rank=16)

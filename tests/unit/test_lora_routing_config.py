@@ -5,6 +5,7 @@ worker holding the request's adapter and hashes its blocks from the adapter's ro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 
 from cluster.config import ClusterConfig, ConfigError
 from engine.kv_cache.block_hash import hash_full_blocks
-from engine.lora.files import cache_root, read_files
+from engine.lora.files import cache_root, check_adapter, read_files
+from engine.model.config import ModelConfig
 from router.adapters import Adapters
 from router.model_names import ServedModels
 from router.routing import LORA_LOAD_TOKENS, RoutingPolicy
@@ -35,14 +37,15 @@ def test_the_lora_section_sets_both_pools(lora_models: dict[str, Path]) -> None:
 @pytest.mark.parametrize("lora,pool,message", [
     ({}, {"enable_lora": True}, "decode.engine.enable_lora: is set once, for both pools, in the lora section"),
     ({}, {"max_loras": 2}, "decode.engine.max_loras: is set once"),
-    ({"adapters": {"a3": "A3"}, "max_lora_rank": 8}, {}, "lora.adapters.a3: has rank 16, above lora.max_lora_rank 8"),
+    ({"adapters": {"a3": "A3"}, "max_lora_rank": 8}, {}, "rank 16, above lora.max_lora_rank 8"),
     ({"adapters": {"x": "/nonexistent/adapter"}}, {}, "lora.adapters.x: LoRA adapter 'x': /nonexistent/adapter needs"),
     ({"adapters": {"BASE": "A1"}}, {}, "is a name of the model itself"),
     ({"max_loras": 4, "max_cpu_loras": 2}, {}, "lora.max_cpu_loras: must be >= 4, got 2"),
     ({"max_lora_rank": 0}, {}, "lora.max_lora_rank: must be >= 1"),
     ({"adapters": ["a1"]}, {}, "lora.adapters"),
     ({"slots": 2}, {}, "lora.slots: unknown key"),
-    ({}, {"tensor_parallel_size": 2}, "enable_lora is not supported with speculative_config or tensor_parallel_size"),
+    ({}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+     "enable_lora is not supported with speculative_config"),
 ])
 def test_the_lora_section_refuses_by_path(lora_models: dict[str, Path], lora: dict, pool: dict,
                                           message: str) -> None:
@@ -71,8 +74,8 @@ def test_the_registry_assigns_ids_once_and_keeps_the_model_names(lora_models: di
         registry.load(lora_models["base"].name, str(lora_models["a1"]))
     with pytest.raises(ValueError, match="LoRA is off"):
         Adapters(None, frozenset()).load("a1", str(lora_models["a1"]))
-    with pytest.raises(ValueError, match="rank 16, above the deployment's lora.max_lora_rank 8"):
-        Adapters(8, frozenset()).load("a3", str(lora_models["a3"]))
+    with pytest.raises(ValueError, match="rank 16, above max_lora_rank 8"):
+        Adapters(8, frozenset(), {}, ModelConfig.from_model_dir(lora_models["base"])).load("a3", str(lora_models["a3"]))
     listing = models.listing()["data"]
     assert [m["id"] for m in listing] == [str(lora_models["base"]), "a1", "a2"]
     assert all(m["parent"] == str(lora_models["base"]) for m in listing[1:]) and listing[0]["parent"] is None
@@ -106,3 +109,47 @@ def test_routing_prefers_a_worker_holding_the_adapter() -> None:
     long = list(range(2, 258))  # 256 tokens: 240 cached on d0 outweigh the read
     routing.indexes["d0"].add(hash_full_blocks(long[:-1], 16, root=77))
     assert routing.rank(long, {"d0": 0, "d1": 0}, 77, {"d1"}).workers[0] == ("d0", 240)
+
+
+def copy_adapter(source: Path, out: Path, config: dict | None = None, weights: bytes | None = None) -> Path:
+    out.mkdir()
+    cfg = json.loads((source / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps({**cfg, **(config or {})}))
+    (out / "adapter_model.safetensors").write_bytes(
+        weights if weights is not None else (source / "adapter_model.safetensors").read_bytes())
+    return out
+
+
+def test_what_no_worker_could_serve_is_refused_at_load(lora_models: dict[str, Path], tmp_path: Path) -> None:
+    """The router reads the safetensors header: a torn file, or tensors of another
+    model, are refused when loaded, not at every request naming them."""
+    cfg = ModelConfig.from_model_dir(lora_models["base"])
+    raw = (lora_models["a1"] / "adapter_model.safetensors").read_bytes()
+    cases = {"torn": (raw[:len(raw) // 2], "no shape and offsets within the file"),
+             "short": (raw[:5], "cannot be read: 5 bytes"),
+             "header": (b"\xff" * 16, "a header of"),
+             "other model": (None, "do not fit the model's")}
+    for name, (weights, message) in cases.items():
+        if weights is None:  # a1 for a model twice as wide
+            wide = dataclasses.replace(cfg, hidden_size=cfg.hidden_size * 2)
+            with pytest.raises(ValueError, match=message):
+                check_adapter(name, lora_models["a1"], wide, 16)
+            continue
+        bad = copy_adapter(lora_models["a1"], tmp_path / name.replace(" ", "_"), weights=weights)
+        with pytest.raises(ValueError, match=message):
+            check_adapter(name, bad, cfg, 16)
+    assert check_adapter("a1", lora_models["a1"], cfg, 16) == read_files("a1", lora_models["a1"])[2]
+
+
+def test_unreadable_files_are_the_adapters_fault_never_the_readers(lora_models: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    """A worker must not go down for an adapter it cannot read: every failure is a
+    ValueError (its request refused), not an OSError or RecursionError."""
+    deep = copy_adapter(lora_models["a1"], tmp_path / "deep")
+    (deep / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        read_files("deep", deep)
+    with pytest.raises(ValueError, match="cannot read"):
+        read_files("long", "x" * 5000)
+    with pytest.raises(ValueError, match="needs adapter_config.json"):
+        read_files("missing", tmp_path / "nothing")
