@@ -27,6 +27,9 @@ Rows:
  1. each Triton kernel against the torch reference in bf16 (relative error <= 1e-2, no NaN)
  1b. the grammar-mask kernel (structured outputs) bit-exact against torch, and its time on
     half of a batch of 256 rows over the 128k vocabulary (<= 50 us)
+ 1c. the LoRA SGMV kernels (lora.py) against LoRALinear's torch path in bf16 (<= 2e-2), and
+    what 4 adapters add to a 2048 -> 3072 projection's time at batch 32, rank 8 and 64,
+    beside the torch path's (reported)
  2. decode-attention bandwidth: bytes it must read / its time, vs 4.23 TB/s (>= 80% at
     batch 64, context 2k)
  2b. fp8 KV cache (fp8_kv.py): the decode kernel over an fp8 cache against the bf16-widened
@@ -95,7 +98,7 @@ Both also run on CPU with --smoke (tiny model; nixl over DRAM), which checks the
 Layout: this file is the command line; each section is a module of benchmarks/gpu/
 (kernels.py row 1, bandwidth.py row 2, tuning.py the tile sweep, fidelity.py and
 engine_rows.py rows 3-5b with decode_step.py and model.py, speculative.py row 5c,
-mla_moe.py the MLA decode and fused MoE kernels' rows, fp8_kv.py row 2b,
+mla_moe.py the MLA decode and fused MoE kernels' rows, lora.py row 1c, fp8_kv.py row 2b,
 transfer.py row 6, streaming.py row 6b, serving.py row 7, step_profile.py and ucx.py the diagnostics,
 report.py the rows and the table). --smoke runs every default section on CPU in about a minute (tests/benchmarks/
 test_gpu_check_smoke.py, in make test): the kernels under the Triton interpreter, the
@@ -128,6 +131,7 @@ from benchmarks.gpu.engine_rows import check_engine  # noqa: E402
 from benchmarks.gpu.fidelity import check_fp32_fidelity  # noqa: E402
 from benchmarks.gpu.fp8_kv import check_fp8_kv  # noqa: E402
 from benchmarks.gpu.kernels import check_kernels  # noqa: E402
+from benchmarks.gpu.lora import check_lora_rows  # noqa: E402
 from benchmarks.gpu.mla_moe import check_moe_mla_rows  # noqa: E402
 from benchmarks.gpu.report import judge_timings, print_table, section  # noqa: E402
 from benchmarks.gpu.serving import check_serving  # noqa: E402
@@ -161,6 +165,7 @@ def main() -> None:
             section("kernels vs reference", lambda: check_kernels(s))
             section("grammar mask kernel", lambda: check_bitmask(s))
             section("MoE and MLA kernels", lambda: check_moe_mla_rows(s))
+            section("LoRA SGMV kernels", lambda: check_lora_rows(s))
         if "fp32" in only:
             section("float32 fidelity", lambda: check_fp32_fidelity(s, work))
         if "tune" in only:

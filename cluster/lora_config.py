@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config_fields import ConfigError, check, checked_mapping, integer
-from engine.lora.files import check_adapter, declared_rank, read_files
+from engine.lora.files import check_adapter, declared_rank, name_problem, read_files
 from engine.model.config import ModelConfig
 
 # The engine options the section sets on every pool (refused in <pool>.engine).
@@ -50,8 +50,8 @@ class LoRAConfig:
             integer(out.max_cpu_loras, f"{path}.max_cpu_loras", out.max_loras)
         for name, directory in out.adapters.items():
             where = f"{path}.adapters.{name}"
-            check(isinstance(name, str) and name.strip() != "", f"{path}.adapters",
-                  f"an adapter's name must be a non-empty string, got {name!r}")
+            problem = name_problem(name)
+            check(problem is None, f"{path}.adapters", f"an adapter's name {problem}")
             check(isinstance(directory, str) and directory != "", where,
                   f"must be the adapter's PEFT directory, got {directory!r}")
             try:

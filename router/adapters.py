@@ -31,12 +31,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.lora.files import cache_root, check_adapter
+from engine.lora.files import cache_root, check_adapter, name_problem
 from engine.model.config import ModelConfig
 from protocol import LoRASpec
 from router.errors import APIError
 
-MAX_NAME_CHARS = 256
 # vLLM's paths. They need an admin key, as every /admin/ path does (router/http_guard.py).
 LOAD_LORA, UNLOAD_LORA = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 ADMIN_PATHS = frozenset({LOAD_LORA, UNLOAD_LORA})
@@ -92,8 +91,9 @@ class Adapters:
     def check_name(self, name: str, replace: bool) -> None:
         if self.max_rank is None or self.model is None:
             raise ValueError("LoRA is off in this deployment: set the config's lora section to serve adapters")
-        if not name.strip() or len(name) > MAX_NAME_CHARS:
-            raise ValueError(f"lora_name must be a name of 1 to {MAX_NAME_CHARS} characters, got {name!r}")
+        problem = name_problem(name)
+        if problem is not None:
+            raise ValueError(f"lora_name {problem}")
         if name in self.reserved:
             raise ValueError(f"lora_name {name!r} is the base model's name")
         if name in self._by_name and not replace:

@@ -12,14 +12,22 @@ pdserve cannot is refused by name (DoRA, biases, modules_to_save, embeddings, ex
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.lora.files import PARTS, WEIGHTS_FILE, cache_root, check_tensors, part_sizes, read_files
+from engine.lora.files import (
+    PARTS,
+    WEIGHTS_FILE,
+    cache_root,
+    check_declared,
+    check_tensors,
+    part_sizes,
+    pattern_value,
+    read_files,
+)
 from engine.model.config import ModelConfig
 
 
@@ -58,7 +66,9 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
         tensors = load(raw_weights)
     except Exception as exc:  # safetensors' own error types: a truncated or foreign file
         raise ValueError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} cannot be read: {exc}") from None
-    pairs = check_tensors(name, {key: tuple(t.shape) for key, t in tensors.items()}, cfg, max_rank)
+    shapes = {key: tuple(t.shape) for key, t in tensors.items()}
+    pairs = check_tensors(name, shapes, cfg, max_rank)
+    check_declared(name, config, {at: shapes[key_a][0] for at, (key_a, _) in pairs.items()})
     parts: dict[tuple[int, str], dict[int | None, tuple[torch.Tensor, torch.Tensor, float]]] = {}
     for (layer, proj), (key_a, key_b) in pairs.items():
         a, b = tensors[key_a].float(), tensors[key_b].float()
@@ -88,19 +98,9 @@ def _fuse(cfg: ModelConfig, module: str,
     return big_a, big_b
 
 
-def _pattern(patterns: Any, proj: str, layer: int) -> Any:
-    """A rank_pattern / alpha_pattern value for this projection, matched as PEFT does:
-    the key against the end of the module's dotted name."""
-    module = f"model.layers.{layer}.{'self_attn' if proj in ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'qkv_proj') else 'mlp'}.{proj}"
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return None
-
-
 def _scaling(config: dict[str, Any], proj: str, layer: int, rank: int) -> float:
     """PEFT's scaling: lora_alpha / r, or / sqrt(r) with rsLoRA; per-module alphas from
     alpha_pattern. The rank is the tensors' (rank_pattern's, when it set one)."""
-    alpha = _pattern(config.get("alpha_pattern"), proj, layer)
+    alpha = pattern_value(config.get("alpha_pattern"), proj, layer)
     alpha = config["lora_alpha"] if alpha is None else alpha
     return float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import unicodedata
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,14 @@ import xxhash
 from engine.model.config import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+class AdapterError(ValueError):
+    """A request's adapter cannot serve it (its files unreadable, changed, unfit): the
+    request is refused naming its `model` parameter, which named the adapter."""
+
+    param = "model"
+
 # PEFT's name for a projection -> the engine's module and which part of it.
 PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -113,7 +122,9 @@ def check_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) 
     its config, and its tensors' names and shapes (from the safetensors header) against
     the model `cfg` and max_rank; ValueError naming the problem. Its files' digest."""
     config, raw_weights, digest = read_files(name, path)
-    check_tensors(name, header_shapes(name, raw_weights), cfg, max_rank)
+    shapes = header_shapes(name, raw_weights)
+    pairs = check_tensors(name, shapes, cfg, max_rank)
+    check_declared(name, config, {at: shapes[key_a][0] for at, (key_a, _) in pairs.items()})
     if declared_rank(config) > max_rank:
         raise ValueError(f"LoRA adapter {name!r} has rank {declared_rank(config)}, above max_lora_rank {max_rank}")
     return digest
@@ -188,3 +199,59 @@ def check_tensors(name: str, shapes: Mapping[str, tuple[int, ...]], cfg: ModelCo
     if not out:
         raise ValueError(f"{prefix}: {WEIGHTS_FILE} holds no LoRA weights")
     return out
+
+
+def module_name(proj: str, layer: int) -> str:
+    """The projection's name in the base model, as PEFT matches its patterns against it."""
+    owner = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp"
+    return f"model.layers.{layer}.{owner}.{proj}"
+
+
+def pattern_value(patterns: Any, proj: str, layer: int) -> Any:
+    """A rank_pattern / alpha_pattern value for this projection, matched as PEFT does:
+    the key against the end of the module's dotted name."""
+    module = module_name(proj, layer)
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return None
+
+
+def check_declared(name: str, config: dict[str, Any], ranks: Mapping[tuple[int, str], int]) -> None:
+    """The tensors (each (layer, PEFT projection)'s rank) are what the config declares:
+    each rank its r (or rank_pattern's), each projection one target_modules names (a
+    list of names or suffixes, or a regex over the full name; "all-linear" any).
+    PEFT refuses files that disagree with their config; so does pdserve, naming where."""
+    targets = config.get("target_modules")
+    for (layer, proj), rank in ranks.items():
+        declared = pattern_value(config.get("rank_pattern"), proj, layer) or config["r"]
+        if rank != declared:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has rank {rank}; {CONFIG_FILE} declares "
+                             f"{declared}")
+        full = module_name(proj, layer)
+        if isinstance(targets, str):
+            try:
+                ok = targets == "all-linear" or re.fullmatch(targets, full) is not None
+            except re.error as exc:
+                raise ValueError(f"LoRA adapter {name!r}: target_modules {targets!r} is not a regex: {exc}") from None
+        elif isinstance(targets, list):
+            ok = any(isinstance(t, str) and (full == t or full.endswith(f".{t}")) for t in targets)
+        else:
+            ok = targets is None
+        if not ok:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {proj} has weights, but {CONFIG_FILE}'s "
+                             f"target_modules {targets!r} does not name it")
+
+
+MAX_NAME_CHARS = 256
+
+
+def name_problem(name: object) -> str | None:
+    """What is wrong with an adapter's name (what requests give as `model`), or None: a
+    string of 1 to MAX_NAME_CHARS characters, no control characters, no space at
+    either end (a name a client could not send back, nor look up in /v1/models/{id})."""
+    if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS:
+        return f"must be a name of 1 to {MAX_NAME_CHARS} characters, got {name!r}"
+    if name != name.strip() or any(unicodedata.category(c) == "Cc" for c in name):
+        return f"must have no control characters and no space at either end, got {name!r}"
+    return None

@@ -9,8 +9,9 @@ A slot with no adapter, or a projection its adapter leaves alone, holds zeros. O
 step's rows name their slot (-1: the base model) in a LoRAStep, grouped on the host
 once and made visible for the forward pass like the attention metadata. Each layer
 then adds (x[rows] @ A[slot].T) @ B[slot].T to the base output of each slot's rows:
-batched over the slots, padded to the same rows (BGMV's shape), or slot by slot
-(SGMV's) where padding would more than double the work.
+on CUDA by two Triton grouped GEMMs over the rows sorted by slot (SGMV:
+engine/kernels/lora_sgmv.py); in torch, batched over the slots, padded to the same
+rows (BGMV's shape), or slot by slot where padding would more than double the work.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class LoRAStep:
     gather: torch.Tensor | None = None  # [S * M] int64
     mask: torch.Tensor | None = None  # [S * M, 1] float32 (an in-place multiply casts it)
     groups: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    # On CUDA: the rows sorted by slot in tiles, and each tile's slot, for the Triton
+    # SGMV kernels (engine/kernels/lora_sgmv.py), which replace both torch paths.
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, slot_of_row: np.ndarray, device: torch.device) -> LoRAStep | None:
@@ -52,6 +56,11 @@ class LoRAStep:
         slots = int(slot_of_row.max(initial=-1)) + 1
         if slots == 0:
             return None
+        if use_sgmv(device):
+            from engine.kernels.lora_sgmv import tiles_by_slot
+
+            rows, tile_slot = tiles_by_slot(slot_of_row)
+            return cls(slots, tiles=(torch.from_numpy(rows).to(device), torch.from_numpy(tile_slot).to(device)))
         rows_of = [np.flatnonzero(slot_of_row == s) for s in range(slots)]
         m = max(len(r) for r in rows_of)
         if slots * m > 2 * len(slot_of_row) + 16:
@@ -64,6 +73,12 @@ class LoRAStep:
 
 
 _current: LoRAStep | None = None
+
+
+def use_sgmv(device: torch.device) -> bool:
+    """Whether steps on `device` run the Triton kernels (a test turns them on on CPU,
+    under the interpreter)."""
+    return device.type == "cuda"
 
 
 @contextmanager
@@ -112,6 +127,10 @@ class LoRALinear(nn.Module):
         step = _current
         if step is None:
             return y
+        if step.tiles is not None:
+            from engine.kernels.lora_sgmv import lora_sgmv
+
+            return lora_sgmv(x, y, self.lora_a, self.lora_b, *step.tiles)
         if step.gather is not None and step.mask is not None:
             s, m = step.slots, step.rows
             xs = x.index_select(0, step.gather).view(s, m, -1)

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from engine.lora.adapter import LoRAAdapter, load_adapter
+from engine.lora.files import AdapterError
 from engine.lora.layers import LoRALinear, load_into_slot
 from engine.lora.request import LoRARequest
 from engine.model.config import ModelConfig
@@ -76,10 +77,13 @@ class LoRASlots:
             return adapter
         if self.cfg is None:
             raise ValueError(f"LoRA adapter {lora.lora_name!r}: this engine was started without enable_lora")
-        adapter = load_adapter(lora.lora_name, lora.lora_path, self.cfg, self.max_lora_rank)
+        try:
+            adapter = load_adapter(lora.lora_name, lora.lora_path, self.cfg, self.max_lora_rank)
+        except ValueError as exc:
+            raise AdapterError(str(exc)) from None
         self.loads += 1
         if lora.digest not in (None, adapter.digest):  # another process would run it with other weights
-            raise ValueError(f"LoRA adapter {lora.lora_name!r}: its files at {lora.lora_path} changed since the "
+            raise AdapterError(f"LoRA adapter {lora.lora_name!r}: its files at {lora.lora_path} changed since the "
                              "server loaded them; load it again (POST /v1/load_lora_adapter with load_inplace)")
         self.loaded[lora.lora_name] = adapter
         self.loaded.move_to_end(lora.lora_name)

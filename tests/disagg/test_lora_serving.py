@@ -142,12 +142,27 @@ def test_models_listing_admin_load_unload_and_bad_input(served: tuple[str, Clust
                                "base model"),
                               ({"lora_name": "x", "lora_path": str(tmp_path / "none")}, "lora_path",
                                "adapter_config.json"),
-                              ({"lora_name": "x", "lora_path": str(big)}, "lora_path", "max_lora_rank"),
+                              ({"lora_name": "x", "lora_path": str(big)}, "lora_path", "declares 64"),
                               ({"lora_name": "x"}, "lora_path", "required"),
                               ({"lora_name": "x", "lora_path": "p", "extra": 1}, "extra", "unknown field")]:
         status, text = post(base, "/v1/load_lora_adapter", bad)
         error = json.loads(text)["error"]
         assert status == 400 and error["param"] == param and words in error["message"], (bad, text)
+
+    # An adapter whose files went away before any worker read them: its requests are
+    # refused naming `model`, and the server goes on serving.
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    for f in lora_models["a2"].iterdir():
+        (gone / f.name).write_bytes(f.read_bytes())
+    assert post(base, "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(gone)})[0] == 200
+    for f in gone.iterdir():
+        f.unlink()
+    status, text = post(base, "/v1/completions", {"model": "gone", "prompt": PROMPTS[1], "max_tokens": 2},
+                        key=None)
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "model" and "LoRA adapter 'gone'" in error["message"], text
+    assert post(base, "/v1/unload_lora_adapter", {"lora_name": "gone"})[0] == 200
 
     # Unloaded: no longer served; unloading again is a 404.
     assert post(base, "/v1/unload_lora_adapter", {"lora_name": "a3"})[0] == 200

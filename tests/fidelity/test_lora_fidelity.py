@@ -189,3 +189,20 @@ def test_a_request_runs_only_with_the_files_its_digest_names(lora_models: dict[s
         fresh.generate([PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(path), old))
     [second] = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 2, str(path), new))
     assert second.token_ids == reference[2]  # a2's weights: read again for the new digest
+
+
+def test_the_triton_sgmv_kernels_in_the_engine_equal_peft_merged(lora_models: dict[str, Path],
+                                                                 reference: list[list[int]],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's CUDA path (LoRAStep tiles, engine/kernels/lora_sgmv.py) run on CPU
+    under the Triton interpreter: the same tokens as HF + PEFT, adapters mixed with
+    base requests and with chunked prompts."""
+    from engine.lora import layers
+
+    monkeypatch.setattr(layers, "use_sgmv", lambda device: True)
+    llm = LLM(str(lora_models["base"]), enable_lora=True, max_lora_rank=16, max_loras=3, block_size=8,
+              max_num_batched_tokens=24)
+    picked = [0, 1, 2, 3, 6]
+    outputs = llm.generate([PROMPTS[i] for i in picked], GREEDY, use_tqdm=False,
+                           lora_request=[request_of(lora_models, NAMES[i]) for i in picked])
+    assert [o.token_ids for o in outputs] == [reference[i] for i in picked]

@@ -138,7 +138,16 @@ def test_what_no_worker_could_serve_is_refused_at_load(lora_models: dict[str, Pa
         bad = copy_adapter(lora_models["a1"], tmp_path / name.replace(" ", "_"), weights=weights)
         with pytest.raises(ValueError, match=message):
             check_adapter(name, bad, cfg, 16)
+    # Files that disagree with their config, which PEFT refuses too.
+    for name, config, message in [("rank lie", {"r": 8}, "rank 4; adapter_config.json declares 8"),
+                                  ("no target", {"target_modules": ["nonexistent_proj"]}, "does not name it"),
+                                  ("bad regex", {"target_modules": "q_proj("}, "is not a regex")]:
+        bad = copy_adapter(lora_models["a1"], tmp_path / name.replace(" ", "_"), config)
+        with pytest.raises(ValueError, match=message):
+            check_adapter(name, bad, cfg, 16)
+    regex = copy_adapter(lora_models["a1"], tmp_path / "regex", {"target_modules": r".*\.(q_proj|v_proj)"})
     assert check_adapter("a1", lora_models["a1"], cfg, 16) == read_files("a1", lora_models["a1"])[2]
+    check_adapter("regex", regex, cfg, 16)
 
 
 def test_unreadable_files_are_the_adapters_fault_never_the_readers(lora_models: dict[str, Path],
@@ -153,3 +162,12 @@ def test_unreadable_files_are_the_adapters_fault_never_the_readers(lora_models: 
         read_files("long", "x" * 5000)
     with pytest.raises(ValueError, match="needs adapter_config.json"):
         read_files("missing", tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("name", [" a1", "a1 ", "a\nb", "a\x00b", "", "x" * 257])
+def test_adapter_names_a_client_could_not_send_back_are_refused(lora_models: dict[str, Path], name: str) -> None:
+    registry = ServedModels.of(None, str(lora_models["base"]), 512, 16).adapters
+    with pytest.raises(ValueError, match="lora_name must"):
+        registry.load(name, str(lora_models["a1"]))
+    with pytest.raises(ConfigError, match="lora.adapters: an adapter's name must"):
+        config(lora_models["base"], {"adapters": {name: str(lora_models["a1"])}})
