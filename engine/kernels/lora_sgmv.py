@@ -49,14 +49,21 @@ def tiles_by_slot(slot_of_row: np.ndarray, block_m: int = BLOCK_M) -> tuple[np.n
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, z_ptr, rows_ptr, tile_slot_ptr, num_rows, width, rank,
-                   stride_x, stride_as, stride_ar, stride_z,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _tile(rows_ptr, tile_slot_ptr, num_rows, BLOCK_M: tl.constexpr):
+    """This program's tile: its slot, its places in the sorted rows, the rows there, and
+    which are rows (padding holds the sentinel num_rows)."""
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
     place = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.load(rows_ptr + place)
-    row_ok = rows < num_rows  # padding holds the sentinel
+    return slot, place, rows, rows < num_rows
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, z_ptr, rows_ptr, tile_slot_ptr, num_rows, width, rank,
+                   stride_x, stride_as, stride_ar, stride_z,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    slot, place, rows, row_ok = _tile(rows_ptr, tile_slot_ptr, num_rows, BLOCK_M)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < rank
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -76,11 +83,7 @@ def _shrink_kernel(x_ptr, a_ptr, z_ptr, rows_ptr, tile_slot_ptr, num_rows, width
 def _expand_kernel(z_ptr, b_ptr, y_ptr, rows_ptr, tile_slot_ptr, num_rows, out_features, rank,
                    stride_z, stride_bs, stride_bn, stride_y,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    place = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = tl.load(rows_ptr + place)
-    row_ok = rows < num_rows
+    slot, place, rows, row_ok = _tile(rows_ptr, tile_slot_ptr, num_rows, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < out_features
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

@@ -361,29 +361,35 @@ def test_fp8_schedules_match_the_fp8_oracle(llama_dir: Path) -> None:
     assert exercised["preemptions"] > 0 and exercised["cache_hits"] > 0 and exercised["remote"] > 0, exercised
 
 
-@pytest.mark.timeout(180)
-def test_lora_schedules_match_the_oracle(llama_dir: Path, tmp_path: Path) -> None:
-    """Half the requests name one of three LoRA adapters, in engines of one to three
-    slots: each gets what it gets alone with its adapter (preemption, prefix hits, slots
-    waited for), and every slot is let go. More seeds: benchmarks/fuzz/schedules.py --lora 0.5."""
+def run_with_loras(llama_dir: Path, tmp_path: Path, cases: list, run) -> tuple[int, Counter]:
+    """The cases with half their requests naming one of three LoRA adapters (tests/fuzz/
+    lora.py), run against an oracle that serves them: (requests naming one, what ran)."""
     from tests.fuzz import lora
     from tests.fuzz.common import ENGINE_OPTIONS, LORA_ADAPTERS
 
     lora.use(llama_dir, tmp_path)
     try:
         lora_oracle = H.Oracle(llama_dir)
-        cases = [H.make_offline_case(seed) for seed in range(30)]
         for case in cases:
             lora.add_loras(case, 0.5)
-        results = [H.run_offline(case, llama_dir, lora_oracle) for case in cases]
+        results = [run(case, llama_dir, lora_oracle) for case in cases]
     finally:
         ENGINE_OPTIONS.clear()
         LORA_ADAPTERS.clear()
     assert report(results) == ""
-    exercised = Counter()
+    exercised: Counter = Counter()
     for r in results:
         exercised.update(r.stats)
-    named = sum(s.lora is not None for case in cases for s in case.requests)
+    return sum(s.lora is not None for case in cases for s in case.requests), exercised
+
+
+@pytest.mark.timeout(180)
+def test_lora_schedules_match_the_oracle(llama_dir: Path, tmp_path: Path) -> None:
+    """Half the requests name one of three LoRA adapters, in engines of one to three
+    slots: each gets what it gets alone with its adapter (preemption, prefix hits, slots
+    waited for), and every slot is let go. More seeds: benchmarks/fuzz/schedules.py --lora 0.5."""
+    named, exercised = run_with_loras(llama_dir, tmp_path, [H.make_offline_case(seed) for seed in range(30)],
+                                      H.run_offline)
     assert named > 20 and exercised["preemptions"] > 0 and exercised["cache_hits"] > 0, (named, exercised)
 
 
@@ -393,22 +399,6 @@ def test_lora_pd_schedules_match_the_oracle(llama_dir: Path, tmp_path: Path) -> 
     prefill and the prefill worker computes the KV with it, under the pd fuzzer's faults
     (deadlines, lost and failed prefills, late writes). More seeds:
     benchmarks/fuzz/schedules.py --fuzzer pd --lora 0.5."""
-    from tests.fuzz import lora
-    from tests.fuzz.common import ENGINE_OPTIONS, LORA_ADAPTERS
-
-    lora.use(llama_dir, tmp_path)
-    try:
-        lora_oracle = H.Oracle(llama_dir)
-        cases = [H.make_pd_case(seed, "shm", bounded_copies=True) for seed in range(12)]
-        for case in cases:
-            lora.add_loras(case, 0.5)
-        results = [H.run_pd(case, llama_dir, lora_oracle) for case in cases]
-    finally:
-        ENGINE_OPTIONS.clear()
-        LORA_ADAPTERS.clear()
-    assert report(results) == ""
-    exercised = Counter()
-    for r in results:
-        exercised.update(r.stats)
-    named = sum(s.lora is not None for case in cases for s in case.requests)
+    cases = [H.make_pd_case(seed, "shm", bounded_copies=True) for seed in range(12)]
+    named, exercised = run_with_loras(llama_dir, tmp_path, cases, H.run_pd)
     assert named > 10 and exercised["remote"] > 10, (named, exercised)
