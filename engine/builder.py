@@ -91,6 +91,8 @@ class _Builder:
             # What an fp8 cache's bytes mean: part of the tiers' namespace and the P/D handshake.
             self.kv_scales = model.kv_scales() if is_fp8(self.cache_dtype) else ()
             draft = self._load_draft(model_len)  # before the pool is sized: on CUDA it counts the draft
+            # The LoRA slots' buffers too: allocated before the pool is sized, they are in its budget.
+            loras = self._loras(model) if config.enable_lora else None
             num_blocks = config.num_kv_blocks or self._pool_blocks(model, backend, model_len, draft)
             kv_caches = self._allocate_caches(num_blocks, kv_allocator, keep_cache_files)
             # A sliding window every layer of every model here keeps to: blocks before it are released.
@@ -103,8 +105,8 @@ class _Builder:
                 raise ValueError("a shared KV store needs kv_offload_gib > 0: blocks reach it through the host tier")
             scheduler = Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs, model_len,
                                   model_config.eos_token_ids, config.enable_chunked_prefill)
-            if config.enable_lora:
-                scheduler.loras = self.resources.loras = self._loras(model)
+            if loras is not None:
+                scheduler.loras = self.resources.loras = loras
             runner = ModelRunner(model, kv_caches[0], config.block_size,
                                  Sampler(model_config.eos_token_ids, seed=config.seed),
                                  backend, config.device, self.tp)
