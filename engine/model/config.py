@@ -143,7 +143,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or num_heads,
-            head_dim=mla.latent_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=mla.latent_dim if mla else _head_dim(cfg),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -203,8 +203,7 @@ def _rope(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None,
         # transformers runs Phi-3's "su" and "yarn" types as longrope (Phi3Config).
         if rope_type not in ("longrope", "su", "yarn"):
             raise ValueError(f"unsupported rope_scaling type {rope_type!r} for Phi3ForCausalLM (default, longrope)")
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        return rope_theta, _longrope(cfg, rope, int(head_dim * partial)), partial
+        return rope_theta, _longrope(cfg, rope, int(_head_dim(cfg) * partial)), partial
     if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3, yarn)")
     if rope_type == "yarn":
@@ -219,11 +218,16 @@ def _rope(arch: str, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None,
 def _partial_rotary(arch: str, cfg: dict[str, Any], partial: Any) -> float:
     if arch != "Phi3ForCausalLM" or partial is None:
         return 1.0  # only Phi-3's transformers model turns part of a head
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    head_dim = _head_dim(cfg)
     if not isinstance(partial, (int, float)) or not 0 < partial <= 1 or int(head_dim * partial) % 2:
         raise ValueError(f"partial_rotary_factor must be in (0, 1] and turn an even number of each head's "
                          f"{head_dim} dims, got {partial!r}")
     return float(partial)
+
+
+def _head_dim(cfg: dict[str, Any]) -> int:
+    """An attention head's width, as transformers reads it (an explicit head_dim, else hidden / heads)."""
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
 def _number(value: Any) -> bool:
