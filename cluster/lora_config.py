@@ -48,6 +48,8 @@ class LoRAConfig:
         integer(out.max_lora_rank, f"{path}.max_lora_rank", 1)
         if out.max_cpu_loras is not None:
             integer(out.max_cpu_loras, f"{path}.max_cpu_loras", out.max_loras)
+        fits = ModelConfig.from_model_dir(model) if model is not None and os.path.isfile(
+            os.path.join(model, "config.json")) else None
         for name, directory in out.adapters.items():
             where = f"{path}.adapters.{name}"
             problem = name_problem(name)
@@ -55,11 +57,10 @@ class LoRAConfig:
             check(isinstance(directory, str) and directory != "", where,
                   f"must be the adapter's PEFT directory, got {directory!r}")
             try:
-                if model is not None and os.path.isfile(os.path.join(model, "config.json")):
-                    check_adapter(name, directory, ModelConfig.from_model_dir(model), out.max_lora_rank)
-                elif declared_rank(read_files(name, directory)[0]) > out.max_lora_rank:
-                    raise ValueError(f"has rank {declared_rank(read_files(name, directory)[0])}, above "
-                                     f"max_lora_rank {out.max_lora_rank}")
+                if fits is not None:
+                    check_adapter(name, directory, fits, out.max_lora_rank)
+                elif (rank := declared_rank(read_files(name, directory)[0])) > out.max_lora_rank:
+                    raise ValueError(f"has rank {rank}, above max_lora_rank {out.max_lora_rank}")
             except ValueError as exc:
                 raise ConfigError(f"{where}: {exc}".replace("max_lora_rank", f"{path}.max_lora_rank")) from None
         # Absolute: the router and every worker resolve them alike, whatever their directory.

@@ -38,7 +38,6 @@ from engine.engine_core import EngineCore, StepOutput
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import cdiv
 from engine.kv_cache.window import layer_masks
-from engine.lora.request import LoRARequest
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from kv_transfer import Completed, Expired, KVTransport, Overwritten, Released
@@ -139,7 +138,7 @@ class DecodeWorkerCore:
         (one-sided transports need it: they fence on it). `resumed`, `queue_tag`:
         EngineCore.add_request's; `lora`: its adapter, which the prefill worker computes
         the prompt's KV with too (reading it from its path if it holds no read of it)."""
-        lora_request = LoRARequest(lora.name, lora.id, lora.path, lora.digest) if lora is not None else None
+        lora_request = lora.request() if lora is not None else None
         if remote and sender is not None and not self.accepts_prompts_from(sender):
             self.stats["fenced_refusals"] += 1
             remote = False

@@ -27,7 +27,6 @@ from engine.engine_core import EngineCore, StepOutput
 from engine.kv_cache.block_pool import KVBlock
 from engine.kv_cache.manager import cdiv
 from engine.kv_cache.window import layers_reading
-from engine.lora.request import LoRARequest
 from engine.request import RequestStatus
 from kv_transfer import KVTransport, WriteDone, WriteFailed
 from protocol import PrefillDone, RemotePrefill
@@ -82,7 +81,7 @@ class PrefillWorkerCore:
         # Its engine's queue orders jobs as D's orders requests: (priority, queue_tag, arrival).
         # An adapter it holds no read of is read now (a few ms): cheaper than D
         # prefilling the prompt itself. One it cannot read refuses the job.
-        lora = LoRARequest(rp.lora.name, rp.lora.id, rp.lora.path, rp.lora.digest) if rp.lora is not None else None
+        lora = rp.lora.request() if rp.lora is not None else None
         try:
             self.engine.add_prefill_request(rp.request_id, rp.prompt_token_ids[:-1], priority=rp.priority,
                                             queue_tag=rp.queue_tag, lora_request=lora)

@@ -2,8 +2,9 @@
 
 Neutral ground: the router, the worker roles, the KV transports (their control
 messages, protocol/kv_control.py) and the launchers all import it, and it imports
-nothing of theirs (only engine.sampling_params, the engine's torch-free record of how a
-request is sampled, whose wire form travels inside Generate).
+nothing of theirs (only the engine's torch-free records whose wire forms travel inside
+Generate: engine.sampling_params, how a request is sampled, and engine.lora.request,
+the LoRA adapter it runs with).
 """
 
 from engine.sampling_params import child_request_id

@@ -22,6 +22,7 @@ from typing import Annotated
 
 import msgspec
 
+from engine.lora.request import LoRARequest
 from protocol.sampling import WireSamplingParams
 from protocol.stats import Record, WorkerStats
 from protocol.wire import Codec, Message
@@ -53,6 +54,10 @@ class LoRASpec(Record, frozen=True):
     # xxh3-64 of its files as the router read them (engine/lora/files.py): a worker runs
     # the request only with those very files (it refuses it if they changed since).
     digest: Annotated[int, msgspec.Meta(ge=0)]
+
+    def request(self) -> LoRARequest:
+        """What the engine takes (EngineCore.add_request's lora_request)."""
+        return LoRARequest(self.name, self.id, self.path, self.digest)
 
 
 class Generate(Message, frozen=True, tag="generate"):

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
+from engine.lora.files import read_files
 from engine.lora.request import LoRARequest
+from protocol import LoRASpec
 
 # name -> (int id, PEFT LoraConfig options)
 ADAPTERS: dict[str, tuple[int, dict]] = {
@@ -31,6 +33,11 @@ def make_adapter(base: Path, out: Path, seed: int, **options: object) -> Path:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     model.save_pretrained(out)
     return out
+
+
+def spec_of(r: LoRARequest) -> LoRASpec:
+    """What a Generate carries for `r`: its fields and its files' digest, as the router reads them."""
+    return LoRASpec(name=r.lora_name, id=r.lora_int_id, path=r.lora_path, digest=read_files(r.lora_name, r.lora_path)[2])
 
 
 def build_adapters(base: Path, root: Path) -> dict[str, LoRARequest]:

@@ -31,6 +31,7 @@ class AdapterError(ValueError):
 
     param = "model"
 
+
 # PEFT's name for a projection -> the engine's module and which part of it.
 PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),

@@ -170,6 +170,7 @@ def held(cfg: ModelConfig, module: str, shard: Shard | None) -> tuple[torch.Tens
 
     def span(start: int, lo: int, hi: int, unit: int) -> torch.Tensor:
         return every(start + lo * unit, start + hi * unit)
+
     if shard is None or shard.size == 1:
         return every(width), every(sum(sizes))
     hd, inter = cfg.head_dim, shard.intermediate

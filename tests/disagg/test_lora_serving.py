@@ -201,10 +201,9 @@ def test_adapters_through_pools_of_different_tp_sizes(lora_models: dict[str, Pat
     its own TP size): the KV it pushes, computed with the adapter, decodes to HF + PEFT's
     tokens, each request's adapter named on the way (RemotePrefill.lora)."""
     from decode_worker.remote_kv import DecodeWorkerCore
-    from engine.lora.files import read_files
     from prefill_worker.remote_prefill import PrefillWorkerCore
-    from protocol import LoRASpec
     from tests.disagg.test_fp8_remote_prefill import workers
+    from tests.lora_adapters import spec_of
 
     lora = dict(enable_lora=True, max_loras=2, max_lora_rank=16, block_size=8)
     # The fidelity test's prompts: HF's reference bans EOS (min_new_tokens), so prompts
@@ -217,8 +216,7 @@ def test_adapters_through_pools_of_different_tp_sizes(lora_models: dict[str, Pat
         pending = {}
         for i, (name, prompt) in enumerate(zip(names, prompts)):
             r = request_of(lora_models, name)
-            spec = None if r is None else LoRASpec(name=r.lora_name, id=r.lora_int_id, path=r.lora_path,
-                                                   digest=read_files(r.lora_name, r.lora_path)[2])
+            spec = None if r is None else spec_of(r)
             rp = decode.add_request(f"r{i}", prompt, GREEDY, remote=True, sender="prefill0", lora=spec)
             assert rp is not None and rp.lora == spec
             prefill.submit(rp)

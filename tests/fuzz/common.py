@@ -13,11 +13,11 @@ from typing import Any
 
 from engine import LLM, SamplingParams
 from engine.engine_core import EngineCore
-from engine.lora.files import read_files
 from engine.lora.request import LoRARequest
 from engine.request import Request, RequestStatus
 from protocol import LoRASpec
 from tests.fuzz.structured import violation
+from tests.lora_adapters import spec_of
 
 VOCAB = 384  # tests/tiny_models.py
 MAX_MODEL_LEN = 1024
@@ -54,8 +54,7 @@ def lora_request_of(name: str | None) -> LoRARequest | None:
 def lora_spec(name: str | None) -> LoRASpec | None:
     """What a Generate carries for the adapter `name` (the decode worker's verb takes it)."""
     r = lora_request_of(name)
-    return None if r is None else LoRASpec(name=r.lora_name, id=r.lora_int_id, path=r.lora_path,
-                                           digest=read_files(r.lora_name, r.lora_path)[2])
+    return None if r is None else spec_of(r)
 
 
 class Oracle:
