@@ -80,7 +80,7 @@ def fetch_status(url: str, timeout: float = 10.0, api_key: str | None = None) ->
 
 
 def worker_stats(worker: dict[str, Any]) -> WorkerStats | None:
-    """A /status row's stats (None: the worker did not answer). ValueError naming the
+    """A /status row's stats (None: the worker never answered). ValueError naming the
     worker and the field when they are not a WorkerStats (a router of another version)."""
     if worker.get("stats") is None:
         return None
@@ -97,14 +97,22 @@ def _ranks(stats: WorkerStats) -> str:
     return f"{len(stats.ranks)}:{','.join(map(str, stats.ranks))}" if stats.ranks else "?"
 
 
+def _stats_age(worker: dict[str, Any]) -> str:
+    """How old the row's figures are: `0s` for a reply to this /status, more for an
+    earlier reply's (a worker busy in a long step, or dead); `never` if none came."""
+    if worker.get("stats") is None:
+        return "never"
+    return f"{worker.get('stats_age_s') or 0:.0f}s"  # a router of an earlier version has no age: fresh
+
+
 def _table(title: str, workers: list[dict[str, Any]], columns: tuple[tuple[str, Cell], ...]) -> list[str]:
-    header = ("worker", "live", "address", "tp", *(c for c, _ in columns))
+    header = ("worker", "live", "address", "stats_age", "tp", *(c for c, _ in columns))
     rows = []
     for w in workers:
         s = worker_stats(w)
         live = ("draining" if w.get("draining") else "yes") if w["live"] else "NO"  # draining: being scaled down
         cells = ["?"] * (len(columns) + 1) if s is None else [_ranks(s), *(cell(s) for _, cell in columns)]
-        rows.append((w["name"], live, w.get("address", "?"), *cells))
+        rows.append((w["name"], live, w.get("address", "?"), _stats_age(w), *cells))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(header)]
     return [title, "  ".join(c.ljust(w) for c, w in zip(header, widths)).rstrip()] + [
         "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

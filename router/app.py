@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from protocol import WorkerStats
 from router import adapters, admin, slo, structured, tokenize_api
 from router.access_log import AccessLog, refused, track
 from router.adapters import LOAD_LORA, UNLOAD_LORA
@@ -43,6 +44,7 @@ from router.predictor import RECENT
 from router.responses import DONE_EVENT, ResponseShaper, error_event, error_response
 from router.tool_calls import ToolCallStream
 from router.version import pdserve_version
+from router.worker_client import WorkerClient
 
 __all__ = ["Router", "WORKER_HEADER", "create_app"]
 
@@ -132,17 +134,24 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def status(request: Request) -> dict[str, Any]:
-    """Every worker of both pools: live or not, and its own figures (None if it did
-    not answer); `pdserve status` prints this. `?prediction_window=N`: the SLO
-    prediction error over the last N predictions only (a benchmark's run)."""
+    """Every worker of both pools: live or not, and its own figures; `pdserve status`
+    prints this. A worker that does not answer now (a CPU step can outlast the wait, a
+    dead worker is not asked) shows its latest reply's figures with their age in
+    `stats_age_s` (0 for a reply to this request), or null if it never answered.
+    `?prediction_window=N`: the SLO prediction error over the last N predictions only
+    (a benchmark's run)."""
     router = _router(request)
     window = _prediction_window(request.query_params.get("prediction_window"))
     pools = router.pool.listed()  # as listed: a scale may change them
     replies = await router.pool.stats_of([w for w, _ in pools])
-    # A WorkerStats as JSON: its fields, without those of the other role (protocol/stats.py).
-    rows = [({"name": w.name, "address": w.address, "live": w.alive, "draining": w.draining,
-              "stats": msgspec.to_builtins(s)}, role)
-            for (w, role), s in zip(pools, replies)]
+    now = time.monotonic()
+
+    def row(w: WorkerClient, fresh: WorkerStats | None) -> dict[str, Any]:
+        heard, stats = (now, fresh) if fresh is not None else (w.latest_stats or (now, None))
+        # A WorkerStats as JSON: its fields, without those of the other role (protocol/stats.py).
+        return {"name": w.name, "address": w.address, "live": w.alive, "draining": w.draining,
+                "stats": msgspec.to_builtins(stats), "stats_age_s": None if stats is None else round(now - heard, 3)}
+    rows = [(row(w, s), role) for (w, role), s in zip(pools, replies)]
     return {"model": router.model_name, "in_flight": router.in_flight, "prefill_pool": bool(router.pool.prefill),
             "slo": {"policy": router.placement.policy,
                     "prediction_error": router.placement.predictor.error_quantiles(window)},

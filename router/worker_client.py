@@ -64,6 +64,9 @@ class WorkerClient:
         self.num_kv_blocks: int | None = None  # its KV pool, once a stats reply said
         self.loras: set[str] = set()  # the LoRA adapters it holds read, as its last stats reply said (router/pool.py)
         self.on_stats: Callable[[WorkerStats], None] | None = None  # each stats reply's figures
+        # (monotonic time, figures) of its latest stats reply, a ping's included: what
+        # /status shows, with its age, of a worker too busy to answer within the wait.
+        self.latest_stats: tuple[float, WorkerStats] | None = None
         self._seq = 0
         self.down_reason = "not answering yet"  # why it was last declared dead (the 503's message)
         # Being scaled down (cluster/elastic.py): it gets no new request, but stays alive
@@ -90,6 +93,7 @@ class WorkerClient:
             elif self.health.heard(time.monotonic(), stepping=isinstance(msg, StatsReply)):
                 logger.warning("worker %s answers again: in service again", self.name)
             if isinstance(msg, StatsReply):
+                self.latest_stats = (time.monotonic(), msg.stats)
                 self.num_kv_blocks = msg.stats.num_blocks
                 self.loras = set(msg.stats.lora_adapters or ())
                 if self.on_stats is not None:

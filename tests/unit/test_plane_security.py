@@ -3,6 +3,7 @@ deployment's peers through (each other one refused, counted and logged)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import socket
@@ -70,6 +71,14 @@ def _client(ctx: zmq.Context, address: str, secret: DeploymentSecret | None,
     return sock
 
 
+def _knock(sock: zmq.Socket, body: bytes) -> None:
+    """A refused client's send, which must not wait: once its handshake has failed,
+    libzmq may leave its DEALER with no pipe to queue on, and a blocking send then waits
+    forever while it reconnects and is refused again (a CI run hung here 300 s)."""
+    with contextlib.suppress(zmq.Again):
+        sock.send(body, zmq.NOBLOCK)
+
+
 def _received(sock: zmq.Socket, wait_ms: int = 1500) -> list[bytes]:
     got = []
     while sock.poll(wait_ms):
@@ -89,7 +98,7 @@ def test_only_this_deployments_clients_get_through(server, caplog: pytest.LogCap
                      _client(ctx, address, other, server_key=secret.server_public)]
         with caplog.at_level(logging.WARNING, logger="security.curve"):
             for i, s in enumerate(strangers):
-                s.send(b"forged %d" % i)
+                _knock(s, b"forged %d" % i)
             member = _client(ctx, address, secret)
             member.send(b"hello")
             assert _received(sock) == [b"hello"]
@@ -109,7 +118,7 @@ def test_a_refusal_flood_is_logged_once_per_period(server, caplog: pytest.LogCap
         with caplog.at_level(logging.WARNING, logger="security.curve"):
             strangers = [_client(ctx, address, DeploymentSecret.new()) for _ in range(20)]
             for s in strangers:
-                s.send(b"x")
+                _knock(s, b"x")
             assert _received(sock, 1000) == []
         assert guard.refused >= 20
         assert sum("refused a peer" in r.getMessage() for r in caplog.records) == 1
@@ -124,8 +133,8 @@ def test_without_its_guard_a_server_admits_no_one(server) -> None:
     guard.close()
     ctx = zmq.Context()
     try:
-        _client(ctx, address, DeploymentSecret.new(), server_key=secret.server_public).send(b"forged")
-        _client(ctx, address, secret).send(b"member")  # no guard: not even a member gets in
+        _knock(_client(ctx, address, DeploymentSecret.new(), server_key=secret.server_public), b"forged")
+        _knock(_client(ctx, address, secret), b"member")  # no guard: not even a member gets in
         assert _received(sock, 1000) == []
     finally:
         ctx.destroy(0)
@@ -149,7 +158,7 @@ def test_a_connection_that_ends_mid_handshake_is_logged_but_not_counted_as_a_str
     ctx = zmq.Context()
     try:
         stranger = _client(ctx, address, DeploymentSecret.new())  # kept: a socket collected is closed
-        stranger.send(b"another deployment")
+        _knock(stranger, b"another deployment")
         deadline = time.monotonic() + 5
         while guard.refused == 0:
             assert time.monotonic() < deadline, "a stranger was not counted"

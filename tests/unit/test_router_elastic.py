@@ -207,3 +207,27 @@ def test_status_keeps_each_worker_under_its_pool_when_one_leaves_meanwhile(llama
     out = asyncio.run(main())
     assert [r["name"] for r in out["decode_workers"]] == ["decode-0", "decode-1"]
     assert [r["name"] for r in out["prefill_workers"]] == ["prefill-0"]
+
+
+@pytest.mark.timeout(20)
+def test_status_shows_a_worker_too_busy_to_answer_with_its_latest_figures_and_their_age(llama_dir, two) -> None:
+    """A worker in a step longer than /status's wait (a long prefill on a CPU) answers
+    late: its row keeps the figures of its latest reply (a ping's), with their age,
+    rather than none."""
+    router = router_of(llama_dir, {"decode-0": two[0].address, "decode-1": two[1].address})
+    two[0].stats = worker_stats(running=4)
+    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(router=router)), query_params={})
+
+    async def main() -> dict:
+        router.start()
+        try:
+            while router.pool.decode["decode-0"].latest_stats is None:  # a ping's reply came in
+                await asyncio.sleep(0.01)
+            two[0].silent.set()  # busy from now on
+            return await app_status(request)
+        finally:
+            router.stop()
+
+    rows = {w["name"]: w for w in asyncio.run(main())["decode_workers"]}
+    assert rows["decode-0"]["stats"]["running"] == 4 and rows["decode-0"]["stats_age_s"] >= 1.5  # waited 2 s
+    assert rows["decode-1"]["stats_age_s"] == 0 and rows["decode-1"]["stats"] is not None

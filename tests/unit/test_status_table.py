@@ -24,9 +24,19 @@ def test_columns_read_the_stats_fields_and_the_other_roles_show_a_question_mark(
         {"name": "decode-0", "live": True, "address": "tcp://x", "stats": decode},
         {"name": "decode-1", "live": False, "address": "tcp://y", "stats": None}]})
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("decode-")}
-    # worker live address tp running waiting waiting_kv kv_used remote local ...
-    assert rows["decode-0"][3:9] == ["2:11,12", "2", "0", "?", "25.0%", "7"]
-    assert set(rows["decode-1"][3:]) == {"?"}  # it did not answer
+    # worker live address stats_age tp running waiting waiting_kv kv_used remote local ...
+    assert rows["decode-0"][3:10] == ["0s", "2:11,12", "2", "0", "?", "25.0%", "7"]
+    assert rows["decode-1"][3] == "never" and set(rows["decode-1"][4:]) == {"?"}  # it never answered
+
+
+def test_figures_of_an_earlier_reply_show_their_age() -> None:
+    """A worker busy in a long step answers /status's ask too late: its row shows the
+    figures of its latest reply, and how old they are."""
+    decode = msgspec.to_builtins(worker_stats(running=5))
+    text = format_status({"model": "m", "in_flight": 5, "decode_workers": [
+        {"name": "decode-0", "live": True, "address": "tcp://x", "stats": decode, "stats_age_s": 3.4}]})
+    row = next(line.split() for line in text.splitlines() if line.startswith("decode-0"))
+    assert row[3:6] == ["3s", "?", "5"]
 
 
 def test_stats_this_pdserve_cannot_read_are_refused_naming_the_worker_and_field() -> None:
