@@ -1,7 +1,9 @@
 """A worker's side of the shared KV store (kv_store/server.py): the engine's SharedTier
 (engine/kv_cache/shared_tier.py).
 
-Two sockets, each used by one thread only: the tiers' I/O thread puts and fetches blocks
+The store is reached over its same-host Unix socket when it runs on this worker's host
+(kv_store/local_endpoint.py), else over TCP with CURVE. Two sockets, each used by one
+thread only: the tiers' I/O thread puts and fetches blocks
 on one (fetch waits for its answer up to fetch_timeout_s); a thread of the client's own
 keeps the copy of the store's directory on the other, asking for the changes every
 sync_interval_s. Once a fetch times out, nothing is fetched or found there until the
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 import zmq
 
 from engine.kv_cache.shared_tier import SharedBlock, StoreUnavailable
+from kv_store.local_endpoint import connect_path
 from protocol import MessageError, encode
 from protocol.kv_store import (
     KV_STORE_MESSAGES,
@@ -43,8 +46,11 @@ MAX_REVOKED = 1 << 16  # revoked hashes remembered at most, oldest forgotten fir
 
 class StoreClient:
     def __init__(self, address: str, secret: DeploymentSecret | None, fetch_timeout_s: float = 1.0,
-                 sync_interval_s: float = 0.2, name: str = "kv-store-client") -> None:
+                 sync_interval_s: float = 0.2, name: str = "kv-store-client", same_host: bool = True) -> None:
+        """same_host False: always over TCP, never the store's same-host socket."""
         self.address, self.fetch_timeout_s, self.sync_interval_s = address, fetch_timeout_s, sync_interval_s
+        self._same_host = same_host
+        self.endpoint = address  # where the latest socket connected (the same-host socket's ipc:// path, or address)
         self._secret, self._name = secret, name
         self._ctx = zmq.Context()
         self._namespace: int | None = None
@@ -178,12 +184,17 @@ class StoreClient:
         self._ctx.destroy(linger=0)  # the I/O thread's socket too: the tiers close after it stops
 
     def _connect(self) -> zmq.Socket:
+        """A socket to the store: over its same-host Unix socket when this worker is on
+        its host (kv_store/local_endpoint.py: no encryption to pay for), else over TCP
+        with the deployment's CURVE keys. Chosen again at each reconnection."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
-        if self._secret is not None:
+        local = connect_path(self.address, self._secret) if self._same_host else None
+        if local is None and self._secret is not None:
             connect_securely(sock, self._secret)
-        sock.connect(self.address)
+        sock.connect(local or self.address)
+        self.endpoint = local or self.address
         return sock
 
     def _socket(self) -> zmq.Socket:

@@ -2,7 +2,9 @@
 from, so that a prefix one worker computed is loaded by another instead of computed.
 
 One ZMQ ROUTER, CURVE behind a PlaneGuard when the deployment has a secret (only its
-workers get a message through), serving protocol/kv_store.py's messages from one thread.
+workers get a message through), and a second one on a Unix socket for the workers on
+the store's host (kv_store/local_endpoint.py: in the clear, reached only by this user),
+serving protocol/kv_store.py's messages from one thread.
 Blocks are kept in memory up to a capacity, least recently used evicted first (a fetch
 or a put of a held block makes it most recently used). Every block added or evicted is
 logged with a version number per namespace, so that a worker keeps a copy of the
@@ -22,9 +24,11 @@ import os
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 
+from kv_store import local_endpoint
 from protocol import MessageError, encode
 from protocol.kv_store import (
     KV_STORE_MESSAGES,
@@ -155,7 +159,8 @@ class StoreServer:
     """A KVStore served on `host` (port 0: any free one) by a thread of its own."""
 
     def __init__(self, capacity_bytes: int, host: str, port: int = 0, secret: DeploymentSecret | None = None,
-                 name: str = "kv-store") -> None:
+                 name: str = "kv-store", local: bool = True) -> None:
+        """local: also listen on the same-host Unix socket (local_endpoint.py)."""
         self.store = KVStore(capacity_bytes)
         self._ctx = zmq.Context()
         self._guard = PlaneGuard(self._ctx, secret, name) if secret is not None else None  # before the bind
@@ -180,9 +185,28 @@ class StoreServer:
         if self._guard is not None:
             self._guard.watch(self._sock)
             self._guard.start()
+        self._local = self._local_socket(self.address, secret) if local else None
+        # The same-host socket's endpoint (ipc://...), or None if there is none.
+        self.local_address = self._local.get_string(zmq.LAST_ENDPOINT) if self._local is not None else None
         self._refusals = RefusalLog(logger)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _local_socket(self, address: str, secret: DeploymentSecret | None) -> zmq.Socket | None:
+        """The ROUTER on the same-host Unix socket, or None (logged) if it cannot be bound."""
+        endpoint = local_endpoint.bind_path(address, secret)
+        if endpoint is None:
+            return None
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            logger.warning("KV store: no same-host socket at %s (%s); workers reach it over TCP", endpoint, exc)
+            sock.close(0)
+            return None
+        return sock
 
     @property
     def refused(self) -> int:
@@ -200,23 +224,31 @@ class StoreServer:
         if self._guard is not None:
             self._guard.close()
         self._ctx.destroy(linger=0)
+        if self.local_address is not None:  # libzmq leaves the socket's file behind
+            Path(self.local_address.removeprefix("ipc://")).unlink(missing_ok=True)
+            self.local_address = None
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        for sock in (self._sock, self._local):
+            if sock is not None:
+                poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(POLL_MS):
-                continue
-            frames = self._sock.recv_multipart(copy=False)
-            try:
-                self._handle(frames[0].bytes, [f.buffer for f in frames[1:]])
-            except MessageError as exc:
-                self._refusals.refused("kv store: refused a message: %s", str(exc))
-            except Exception as exc:  # whatever a peer sent, the store serves on
-                logger.exception("kv store: a message failed")
-                self._refusals.refused("kv store: a message failed: %s: %s", type(exc).__name__, exc)
+            for sock, _ in poller.poll(POLL_MS):
+                self._serve_one(sock)
 
-    def _handle(self, peer: bytes, frames: list[memoryview]) -> None:
+    def _serve_one(self, sock: zmq.Socket) -> None:
+        """One message from `sock`, answered there."""
+        frames = sock.recv_multipart(copy=False)
+        try:
+            self._handle(sock, frames[0].bytes, [f.buffer for f in frames[1:]])
+        except MessageError as exc:
+            self._refusals.refused("kv store: refused a message: %s", str(exc))
+        except Exception as exc:  # whatever a peer sent, the store serves on
+            logger.exception("kv store: a message failed")
+            self._refusals.refused("kv store: a message failed: %s: %s", type(exc).__name__, exc)
+
+    def _handle(self, sock: zmq.Socket, peer: bytes, frames: list[memoryview]) -> None:
         if not frames:
             raise MessageError("an empty message")
         msg = KV_STORE_MESSAGES.decode(bytes(frames[0]))
@@ -234,11 +266,11 @@ class StoreServer:
             self.store.drop(msg.namespace, msg.hashes)
         elif isinstance(msg, StoreFetch):
             found = self.store.fetch(msg.namespace, msg.hashes)
-            self._sock.send_multipart([peer, encode(StoreBlocks(seq=msg.seq, blocks=[b for b, _ in found])),
+            sock.send_multipart([peer, encode(StoreBlocks(seq=msg.seq, blocks=[b for b, _ in found])),
                                        *(data for _, data in found)], copy=False)
         elif isinstance(msg, StoreSync):
             reset, added, removed = self.store.changes(msg.namespace, msg.since)
-            self._sock.send_multipart([peer, encode(StoreDirectory(seq=msg.seq, store=self.store.id,
+            sock.send_multipart([peer, encode(StoreDirectory(seq=msg.seq, store=self.store.id,
                                                                    version=self.store.version,
                                                                    reset=reset, added=added, removed=removed,
                                                                    capacity_bytes=self.store.capacity_bytes,

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "nccl_rendezvous": "benchmarks.kv.nccl_rendezvous",
     "link": "benchmarks.kv.link",
     "stream": "benchmarks.kv.stream",
+    "store": "benchmarks.kv.store",
 }
 
 if __name__ == "__main__":  # not when a spawned child imports this module as its main

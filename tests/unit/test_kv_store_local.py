@@ -1,0 +1,167 @@
+"""The KV store's same-host socket (kv_store/local_endpoint.py): a worker on the store's
+host puts and fetches over a Unix socket in the clear, which only this user can reach;
+anywhere else, or when anything about the socket's directory is amiss, over CURVE TCP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.kv_cache.shared_tier import SharedBlock
+from kv_store import StoreClient, StoreServer, local_endpoint
+from security import DeploymentSecret
+from tests.unit.test_kv_store import wait_for
+
+BLOCK = SharedBlock(11, 0, (1, 2), 99, b"kv" * 4096)
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The user's socket directory, in a test's own place."""
+    path = tmp_path / "run"
+    monkeypatch.setattr(local_endpoint, "run_dir", lambda: path)
+    return path
+
+
+@pytest.fixture
+def secret() -> DeploymentSecret:
+    return DeploymentSecret.new()
+
+
+@pytest.fixture
+def server(run_dir: Path, secret: DeploymentSecret) -> Iterator[StoreServer]:
+    s = StoreServer(1 << 20, "127.0.0.1", secret=secret).start()
+    yield s
+    s.stop()
+
+
+def round_trip(client: StoreClient) -> bytes:
+    client.open(5)
+    client.put(BLOCK)
+    wait_for(lambda: client.fetch([BLOCK.block_hash]) != [], "the put did not land")
+    return bytes(client.fetch([BLOCK.block_hash])[0].data)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("same_host", [True, False])
+def test_a_worker_on_the_stores_host_uses_its_unix_socket_and_any_other_curve(
+        server: StoreServer, secret: DeploymentSecret, run_dir: Path, same_host: bool) -> None:
+    client = StoreClient(server.address, secret, same_host=same_host)
+    try:
+        assert round_trip(client) == BLOCK.data
+        if same_host:
+            assert client.endpoint == server.local_address == f"ipc://{local_endpoint.socket_path(server.address, secret)}"
+        else:
+            assert client.endpoint == server.address
+        assert server.refused == 0
+    finally:
+        client.close()
+    assert local_endpoint.dir_problem(run_dir) is None and (run_dir.stat().st_mode & 0o777) == 0o700
+
+
+@pytest.mark.timeout(30)
+def test_another_deployments_worker_goes_over_tcp_and_is_refused(server: StoreServer) -> None:
+    """Its secret names another socket (none there): it connects over TCP, where the
+    CURVE keys refuse it, as before the same-host socket existed."""
+    stranger = StoreClient(server.address, DeploymentSecret.new(), fetch_timeout_s=0.3)
+    try:
+        stranger.open(5)
+        stranger.put(BLOCK)
+        assert stranger.endpoint == server.address
+        wait_for(lambda: server.refused > 0, "the stranger was not refused")
+        assert server.store.used_bytes == 0
+    finally:
+        stranger.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to become another user")
+def test_no_other_user_can_reach_the_socket(server: StoreServer) -> None:
+    assert server.local_address is not None
+    path = server.local_address.removeprefix("ipc://")
+    pid = os.fork()
+    if pid == 0:  # the child: nobody (65534) tries to connect
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+            code = 0
+        except PermissionError:
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 1, "another user reached the store's socket"
+
+
+@pytest.mark.parametrize("unsafe", ["open to others", "another user's", "a file"])
+def test_an_unsafe_directory_is_not_used_by_the_store_nor_the_workers(
+        run_dir: Path, secret: DeploymentSecret, unsafe: str) -> None:
+    if unsafe == "a file":
+        run_dir.write_text("")
+    else:
+        run_dir.mkdir(mode=0o700)
+        if unsafe == "open to others":
+            run_dir.chmod(0o755)
+        elif os.geteuid() == 0:
+            os.chown(run_dir, 65534, 65534)
+        else:
+            pytest.skip("needs root, to give the directory to another user")
+    server = StoreServer(1 << 20, "127.0.0.1", secret=secret).start()
+    client = StoreClient(server.address, secret)
+    try:
+        assert server.local_address is None
+        assert round_trip(client) == BLOCK.data and client.endpoint == server.address  # over CURVE TCP
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_socket_made_by_another_user_or_in_another_network_is_not_connected_to(
+        server: StoreServer, secret: DeploymentSecret, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert local_endpoint.connect_path(server.address, secret) == server.local_address
+    monkeypatch.setattr(local_endpoint, "_network", lambda: 1)  # a process in another network namespace
+    assert local_endpoint.connect_path(server.address, secret) is None
+    monkeypatch.undo()
+    if os.geteuid() == 0:
+        assert server.local_address is not None
+        os.chown(server.local_address.removeprefix("ipc://"), 65534, 65534)
+        assert local_endpoint.connect_path(server.address, secret) is None
+
+
+@pytest.mark.timeout(30)
+def test_a_killed_stores_socket_file_is_replaced_and_a_stopped_ones_removed(
+        run_dir: Path, secret: DeploymentSecret) -> None:
+    first = StoreServer(1 << 20, "127.0.0.1", secret=secret).start()
+    port = int(first.address.rpartition(":")[2])
+    path = local_endpoint.socket_path(first.address, secret)
+    client = StoreClient(first.address, secret, sync_interval_s=0.02)
+    second = None
+    try:
+        assert round_trip(client) == BLOCK.data and client.endpoint == f"ipc://{path}"
+        first.stop()
+        assert not path.exists()
+        path.write_text("")  # as a killed store leaves its socket file (a plain file here)
+        second = StoreServer(1 << 20, "127.0.0.1", port, secret=secret).start()
+        assert second.local_address == f"ipc://{path}"
+        deadline = time.monotonic() + 10
+        while second.store.used_bytes == 0:  # the client's socket reconnects to the new store's
+            assert time.monotonic() < deadline, "no put reached the restarted store"
+            client.put(BLOCK)
+            time.sleep(0.05)
+    finally:
+        client.close()
+        if second is not None:
+            second.stop()
+
+
+def test_the_socket_path_is_short_enough_for_any_host() -> None:
+    """A Unix socket's path holds at most 107 bytes on Linux."""
+    path = local_endpoint.socket_path("tcp://[fe80::1234:5678:9abc:def0:1234:5678]:65535", DeploymentSecret.new())
+    assert len(str(path)) < 100, path
