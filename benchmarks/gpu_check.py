@@ -46,6 +46,10 @@ Rows:
  5b. rows 3 and 4 again with async scheduling (greedy tokens identical to the synchronous
     engine's), and the offline workload again with all its requests in one batch and
     16k-token steps
+ 5d. KV offload tiers (kv_tiers.py): a multi-turn chat 5x the KV pool in float32, with a
+    pinned host tier, and with a disk tier below a small host tier: greedy tokens identical
+    to a pool that holds it all, blocks loaded back, none failed; the load-back GB/s and
+    the chat's time against recomputing (information; about a minute)
  5c. n-gram speculative decoding (k=4): greedy tokens equal to the plain engine's in float32
     on the device (random and repetitive prompts, with drafts verified); then, on the bf16
     model of rows 3-5b, output tokens/s with and without drafts on repetitive prompts (a
@@ -97,7 +101,7 @@ Both also run on CPU with --smoke (tiny model; nixl over DRAM), which checks the
 
 Layout: this file is the command line; each section is a module of benchmarks/gpu/
 (kernels.py row 1, bandwidth.py row 2, tuning.py the tile sweep, fidelity.py and
-engine_rows.py rows 3-5b with decode_step.py and model.py, speculative.py row 5c,
+engine_rows.py rows 3-5b, kv_tiers.py row 5d with decode_step.py and model.py, speculative.py row 5c,
 mla_moe.py the MLA decode and fused MoE kernels' rows, lora.py row 1c, fp8_kv.py row 2b,
 transfer.py row 6, streaming.py row 6b, serving.py row 7, step_profile.py and ucx.py the diagnostics,
 report.py the rows and the table). --smoke runs every default section on CPU in about a minute (tests/benchmarks/
@@ -131,6 +135,7 @@ from benchmarks.gpu.engine_rows import check_engine  # noqa: E402
 from benchmarks.gpu.fidelity import check_fp32_fidelity  # noqa: E402
 from benchmarks.gpu.fp8_kv import check_fp8_kv  # noqa: E402
 from benchmarks.gpu.kernels import check_kernels  # noqa: E402
+from benchmarks.gpu.kv_tiers import check_kv_tiers  # noqa: E402
 from benchmarks.gpu.lora import check_lora_rows  # noqa: E402
 from benchmarks.gpu.mla_moe import check_moe_mla_rows  # noqa: E402
 from benchmarks.gpu.report import judge_timings, print_table, section  # noqa: E402
@@ -147,7 +152,7 @@ from benchmarks.gpu.ucx import check_ucx  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    p.add_argument("--only", default="kernels,fp32,bandwidth,fp8,engine,speculative,transfer,stream,serve",
+    p.add_argument("--only", default="kernels,fp32,bandwidth,fp8,engine,tiers,speculative,transfer,stream,serve",
                    help="comma-separated sections; add tune to sweep the kernels' tiles; "
                         "profile and ucx are diagnostics (see the module docstring)")
     args = p.parse_args()
@@ -176,6 +181,8 @@ def main() -> None:
             section("fp8 KV cache", lambda: check_fp8_kv(s, work))
         if "engine" in only:
             section("engine", lambda: check_engine(s, work))
+        if "tiers" in only:
+            section("KV offload tiers", lambda: check_kv_tiers(s, work))
         if "speculative" in only:
             section("speculative decoding", lambda: check_speculative(s, work))
         if "profile" in only:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ("[kernels vs reference]", "[grammar mask kernel]", "[float32 fidelity]", "[decode bandwidth]",
-            "[engine]", "[speculative decoding]", "[serve]")
+            "[engine]", "[KV offload tiers]", "[speculative decoding]", "[serve]")
 
 
 def test_the_smoke_run_passes_every_section() -> None:

@@ -57,7 +57,7 @@ def _expect_fit(case: OfflineCase, spec: ReqSpec, core: EngineCore) -> bool:
 
 def _offline_core(case: OfflineCase, model_dir: str, oracle: Oracle, res: SeedResult,
                   wall_limit: float, stall_steps: int) -> None:
-    shared = shared_store.client() if case.shared_store else None
+    shared = shared_store.client(case.seed) if case.shared_store else None
     core = EngineCore(EngineConfig(model=model_dir, **fit_tiers(case.engine, model_dir)), shared_kv=shared)
     try:  # a TP engine's followers are processes: stopped whatever happens
         _drive_core(case, core, oracle, res, time.monotonic(), wall_limit, stall_steps)

@@ -154,7 +154,7 @@ def run_pd(case: PDCase, model_dir: str | Path, oracle: Oracle, wall_limit: floa
 
 
 def _engine(model_dir: str, options: dict[str, Any], transport: Any, engines: list[EngineCore],
-            shared: bool) -> EngineCore:
+            shared: bool, seed: int) -> EngineCore:
     """A worker's engine with its caches registered, as workers.start makes it: at TP > 1
     each rank's cache is a file (kept while shm peers map it by name); appended to
     `engines` at once, so that its follower processes are stopped whatever happens next."""
@@ -162,7 +162,7 @@ def _engine(model_dir: str, options: dict[str, Any], transport: Any, engines: li
 
     engine = EngineCore(EngineConfig(model=model_dir, **fit_tiers(options, model_dir)), transport.allocate_kv_cache,
                         keep_cache_files=transport.name == "shm",
-                        shared_kv=shared_store.client() if shared and "kv_offload_gib" in options else None)
+                        shared_kv=shared_store.client(seed) if shared and "kv_offload_gib" in options else None)
     engines.append(engine)
     register_caches(transport, engine, "tiny-llama")
     return engine
@@ -174,8 +174,8 @@ def _pd(case: PDCase, model_dir: str, oracle: Oracle, res: SeedResult, wall_limi
     from prefill_worker.remote_prefill import PrefillWorkerCore
 
     rng = random.Random(f"pd-run-{case.transport}-{case.seed}")
-    dec_engine = _engine(model_dir, case.dec, t_dec, engines, case.shared_store)
-    pre_engine = _engine(model_dir, case.pre, t_pre, engines, case.shared_store)
+    dec_engine = _engine(model_dir, case.dec, t_dec, engines, case.shared_store, case.seed)
+    pre_engine = _engine(model_dir, case.pre, t_pre, engines, case.shared_store, case.seed)
     t0 = time.monotonic()  # the wall-time bound is the workers' alone, once up (TP groups start slowly)
     p_name = t_pre.agent_name
     t_pre.add_peer(t_dec.metadata())

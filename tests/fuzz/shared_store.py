@@ -24,9 +24,11 @@ def _serve(port: int = 0) -> StoreServer:
     return _server
 
 
-def client() -> StoreClient:
+def client(seed: int) -> StoreClient:
+    """A client of the fuzz's store: odd seeds over TCP, even ones over the store's
+    same-host socket (kv_store/local_endpoint.py), so that both paths are fuzzed."""
     server = _server if _server is not None else _serve()
-    return StoreClient(server.address, None, FETCH_TIMEOUT_S, SYNC_INTERVAL_S, name="fuzz")
+    return StoreClient(server.address, None, FETCH_TIMEOUT_S, SYNC_INTERVAL_S, name="fuzz", same_host=seed % 2 == 0)
 
 
 def restart() -> None:
