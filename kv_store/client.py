@@ -50,7 +50,14 @@ class StoreClient:
         """same_host False: always over TCP, never the store's same-host socket."""
         self.address, self.fetch_timeout_s, self.sync_interval_s = address, fetch_timeout_s, sync_interval_s
         self._same_host = same_host
-        self.endpoint = address  # where the latest socket connected (the same-host socket's ipc:// path, or address)
+        self.endpoint = address  # where the I/O socket connected (the same-host socket's ipc:// path, or address)
+        # The store did not answer the sync thread over its same-host socket: TCP until it
+        # does not answer there either (a socket file with no store behind it, or a store
+        # back at its address without one). Read by both threads (a bool: atomic).
+        self._avoid_local = False
+        # Bumped by the sync thread at each reconnection, and by a fetch that timed out: the
+        # I/O socket is made again, where _connect chooses then, at its next use.
+        self._generation = self._io_generation = 0
         self._secret, self._name = secret, name
         self._ctx = zmq.Context()
         self._namespace: int | None = None
@@ -168,6 +175,7 @@ class StoreClient:
         if frames is None:
             self.failed_fetches += 1
             self._down = True
+            self._io_generation = -1  # made again at its next use
             raise StoreUnavailable(f"the KV store at {self.address} did not answer a fetch "
                                    f"in {self.fetch_timeout_s:g} s")
         msg, data = frames
@@ -183,27 +191,31 @@ class StoreClient:
             self._thread.join(timeout=5)
         self._ctx.destroy(linger=0)  # the I/O thread's socket too: the tiers close after it stops
 
-    def _connect(self) -> zmq.Socket:
-        """A socket to the store: over its same-host Unix socket when this worker is on
-        its host (kv_store/local_endpoint.py: no encryption to pay for), else over TCP
-        with the deployment's CURVE keys. Chosen again at each reconnection."""
+    def _connect(self) -> tuple[zmq.Socket, str]:
+        """A socket to the store, and where it connected: over its same-host Unix socket
+        when this worker is on its host (kv_store/local_endpoint.py: no encryption to pay
+        for) and it answered there, else over TCP with the deployment's CURVE keys."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
-        local = connect_path(self.address, self._secret) if self._same_host else None
+        local = connect_path(self.address, self._secret) if self._same_host and not self._avoid_local else None
         if local is None and self._secret is not None:
             connect_securely(sock, self._secret)
         sock.connect(local or self.address)
-        self.endpoint = local or self.address
-        return sock
+        return sock, local or self.address
 
     def _socket(self) -> zmq.Socket:
-        if self._io_sock is None:
-            self._io_sock = self._connect()
+        """The I/O thread's socket, made again after the sync thread reconnected or a fetch
+        timed out (so that it never stays on a path where the store no longer answers)."""
+        if self._io_sock is None or self._io_generation != self._generation:
+            if self._io_sock is not None:
+                self._io_sock.close(0)
+            self._io_generation = self._generation
+            self._io_sock, self.endpoint = self._connect()
         return self._io_sock
 
     def _sync_loop(self) -> None:
-        sock = self._connect()
+        sock, endpoint = self._connect()
         assert self._namespace is not None
         while not self._stop.wait(self.sync_interval_s):
             seq = next(self._seq)
@@ -221,7 +233,11 @@ class StoreClient:
                     self._update(set())
                     self._version = 0
                 sock.close(0)
-                sock = self._connect()  # a fresh connection drops what was queued toward it
+                # A fresh connection drops what was queued toward it; after one over the
+                # same-host socket, over TCP (and the other way round), the I/O socket too.
+                self._avoid_local = endpoint.startswith("ipc://")
+                sock, endpoint = self._connect()
+                self._generation += 1
                 continue
             directory = frames[0]
             self._down = False

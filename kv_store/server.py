@@ -202,7 +202,8 @@ class StoreServer:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
             sock.bind(endpoint)
-        except zmq.ZMQError as exc:
+            local_endpoint.make_private(endpoint)
+        except (zmq.ZMQError, OSError) as exc:
             logger.warning("KV store: no same-host socket at %s (%s); workers reach it over TCP", endpoint, exc)
             sock.close(0)
             return None
@@ -221,12 +222,14 @@ class StoreServer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        if self.local_address is not None:  # libzmq leaves the socket's file behind
+            # Before the TCP port is let go: a store restarted at this address, which binds
+            # this path again, cannot have got past its TCP bind yet.
+            Path(self.local_address.removeprefix("ipc://")).unlink(missing_ok=True)
+            self.local_address = None
         if self._guard is not None:
             self._guard.close()
         self._ctx.destroy(linger=0)
-        if self.local_address is not None:  # libzmq leaves the socket's file behind
-            Path(self.local_address.removeprefix("ipc://")).unlink(missing_ok=True)
-            self.local_address = None
 
     def _run(self) -> None:
         poller = zmq.Poller()

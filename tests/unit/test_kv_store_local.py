@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv_cache.shared_tier import SharedBlock
+from engine.kv_cache.shared_tier import SharedBlock, StoreUnavailable
 from kv_store import StoreClient, StoreServer, local_endpoint
 from security import DeploymentSecret
 from tests.unit.test_kv_store import wait_for
@@ -100,11 +100,18 @@ def test_no_other_user_can_reach_the_socket(server: StoreServer) -> None:
     assert os.waitstatus_to_exitcode(status) == 1, "another user reached the store's socket"
 
 
-@pytest.mark.parametrize("unsafe", ["open to others", "another user's", "a file"])
+@pytest.mark.parametrize("unsafe", ["open to others", "another user's", "a file", "in a parent open to others",
+                                    "no temporary directory"])
 def test_an_unsafe_directory_is_not_used_by_the_store_nor_the_workers(
-        run_dir: Path, secret: DeploymentSecret, unsafe: str) -> None:
+        run_dir: Path, secret: DeploymentSecret, unsafe: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if unsafe == "a file":
         run_dir.write_text("")
+    elif unsafe == "in a parent open to others":  # not sticky: another user could swap the directory
+        run_dir.parent.chmod(0o777)
+    elif unsafe == "no temporary directory":  # tempfile.gettempdir() finds none writable
+        def none() -> Path:
+            raise FileNotFoundError("No usable temporary directory found")
+        monkeypatch.setattr(local_endpoint, "run_dir", none)
     else:
         run_dir.mkdir(mode=0o700)
         if unsafe == "open to others":
@@ -126,7 +133,7 @@ def test_an_unsafe_directory_is_not_used_by_the_store_nor_the_workers(
 def test_a_socket_made_by_another_user_or_in_another_network_is_not_connected_to(
         server: StoreServer, secret: DeploymentSecret, monkeypatch: pytest.MonkeyPatch) -> None:
     assert local_endpoint.connect_path(server.address, secret) == server.local_address
-    monkeypatch.setattr(local_endpoint, "_network", lambda: 1)  # a process in another network namespace
+    monkeypatch.setattr(local_endpoint, "_host_id", lambda: "another-boot:1")  # another host, or network namespace
     assert local_endpoint.connect_path(server.address, secret) is None
     monkeypatch.undo()
     if os.geteuid() == 0:
@@ -165,3 +172,60 @@ def test_the_socket_path_is_short_enough_for_any_host() -> None:
     """A Unix socket's path holds at most 107 bytes on Linux."""
     path = local_endpoint.socket_path("tcp://[fe80::1234:5678:9abc:def0:1234:5678]:65535", DeploymentSecret.new())
     assert len(str(path)) < 100, path
+
+
+@pytest.mark.timeout(30)
+def test_a_store_back_at_its_address_without_its_unix_socket_is_reached_over_tcp(
+        run_dir: Path, secret: DeploymentSecret) -> None:
+    """The client's I/O socket follows its sync socket there: it does not stay on the
+    old path, where no store answers any more (white-box review, finding 2)."""
+    first = StoreServer(1 << 20, "127.0.0.1", secret=secret).start()
+    port = int(first.address.rpartition(":")[2])
+    client = StoreClient(first.address, secret, fetch_timeout_s=0.3, sync_interval_s=0.05)
+    second = None
+    try:
+        assert round_trip(client) == BLOCK.data and client.endpoint.startswith("ipc://")
+        first.stop()
+        second = StoreServer(1 << 20, "127.0.0.1", port, secret=secret, local=False).start()  # its ipc bind failed
+        put_and_fetch_until_served(client, second)
+        assert client.endpoint == second.address
+    finally:
+        client.close()
+        if second is not None:
+            second.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_socket_file_no_store_listens_on_is_given_up_for_tcp(
+        run_dir: Path, secret: DeploymentSecret) -> None:
+    """A file of the right name and owner with nothing behind it (left by a store that
+    died and came back without its socket, or seen by a host that shares the directory)
+    must not hold a worker off the store (white-box review, finding 3)."""
+    server = StoreServer(1 << 20, "127.0.0.1", secret=secret, local=False).start()
+    path = local_endpoint.socket_path(server.address, secret)
+    run_dir.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(path))  # closed at once: a socket file nobody listens on
+    client = StoreClient(server.address, secret, fetch_timeout_s=0.3, sync_interval_s=0.05)
+    try:
+        client.open(5)
+        put_and_fetch_until_served(client, server)
+        assert client.endpoint == server.address
+    finally:
+        client.close()
+        server.stop()
+
+
+def put_and_fetch_until_served(client: StoreClient, server: StoreServer, timeout: float = 15.0) -> None:
+    """Put BLOCK and fetch it back until the store answers with it (puts are dropped and
+    fetches fail while the client finds its way)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, f"the store was not reached (client at {client.endpoint})"
+        client.put(BLOCK)
+        try:
+            if client.fetch([BLOCK.block_hash]):
+                return
+        except StoreUnavailable:
+            pass
+        time.sleep(0.05)
