@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 SEND_QUEUE = 64  # puts queued toward the store at most; beyond, a put is dropped
 MAX_CHANGES = 1 << 16  # directory changes kept untaken at most; beyond, they are dropped (take says so)
 MAX_REVOKED = 1 << 16  # revoked hashes remembered at most, oldest forgotten first
+PROBE_S, MAX_PROBE_S = 5.0, 80.0  # back over the same-host socket: tried after 5 s over TCP, then 10, 20 ... 80
 
 
 class StoreClient:
@@ -214,16 +215,56 @@ class StoreClient:
             self._io_sock, self.endpoint = self._connect()
         return self._io_sock
 
+    def _probe_local(self) -> tuple[zmq.Socket, str] | None:
+        """A socket over the store's same-host socket if the store answers a sync there
+        now (the one it answers over TCP: the same id), else None."""
+        local = connect_path(self.address, self._secret) if self._same_host else None
+        if local is None:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        sock.connect(local)
+        seq = next(self._seq)
+        assert self._namespace is not None
+        try:
+            sock.send(encode(StoreSync(seq=seq, namespace=self._namespace, since=self._version)), zmq.NOBLOCK)
+            frames = _answer(sock, seq, StoreDirectory, self._sync_timeout_s)
+        except zmq.Again:
+            frames = None
+        if frames is None or frames[0].store != self._store:
+            sock.close(0)
+            return None
+        return sock, local
+
+    @property
+    def _sync_timeout_s(self) -> float:
+        return max(1.0, 4 * self.sync_interval_s)
+
     def _sync_loop(self) -> None:
         sock, endpoint = self._connect()
         assert self._namespace is not None
+        # Over TCP since the store did not answer over its same-host socket (a stall of a
+        # second is enough): try that socket again now and then, at doubling intervals
+        # while it still does not answer, so a worker does not pay for CURVE for good.
+        probe_interval, next_probe = PROBE_S, time.monotonic() + PROBE_S
         while not self._stop.wait(self.sync_interval_s):
+            if self._avoid_local and not endpoint.startswith("ipc://") and not self._down \
+                    and time.monotonic() >= next_probe:
+                probed = self._probe_local()
+                if probed is not None:
+                    sock.close(0)
+                    (sock, endpoint), self._avoid_local, probe_interval = probed, False, PROBE_S
+                    self._generation += 1  # the I/O socket follows
+                else:
+                    probe_interval = min(2 * probe_interval, MAX_PROBE_S)
+                next_probe = time.monotonic() + probe_interval
             seq = next(self._seq)
             try:
                 sock.send(encode(StoreSync(seq=seq, namespace=self._namespace, since=self._version)), zmq.NOBLOCK)
             except zmq.Again:
                 pass
-            frames = _answer(sock, seq, StoreDirectory, max(1.0, 4 * self.sync_interval_s))
+            frames = _answer(sock, seq, StoreDirectory, self._sync_timeout_s)
             if frames is None:
                 self._down = True
                 if self._version or self._held:
@@ -238,6 +279,7 @@ class StoreClient:
                 self._avoid_local = endpoint.startswith("ipc://")
                 sock, endpoint = self._connect()
                 self._generation += 1
+                probe_interval, next_probe = PROBE_S, time.monotonic() + PROBE_S
                 continue
             directory = frames[0]
             self._down = False

@@ -4,7 +4,9 @@ anywhere else, or when anything about the socket's directory is amiss, over CURV
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -12,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from cluster.local.kv_store import start_store
 from engine.kv_cache.shared_tier import SharedBlock, StoreUnavailable
 from kv_store import StoreClient, StoreServer, local_endpoint
+from kv_store import client as client_module
 from security import DeploymentSecret
-from tests.unit.test_kv_store import wait_for
+from tests.unit.test_kv_store import store_config, wait_for
 
 BLOCK = SharedBlock(11, 0, (1, 2), 99, b"kv" * 4096)
 
@@ -187,7 +191,7 @@ def test_a_store_back_at_its_address_without_its_unix_socket_is_reached_over_tcp
         assert round_trip(client) == BLOCK.data and client.endpoint.startswith("ipc://")
         first.stop()
         second = StoreServer(1 << 20, "127.0.0.1", port, secret=secret, local=False).start()  # its ipc bind failed
-        put_and_fetch_until_served(client, second)
+        put_and_fetch_until_served(client)
         assert client.endpoint == second.address
     finally:
         client.close()
@@ -209,14 +213,14 @@ def test_a_socket_file_no_store_listens_on_is_given_up_for_tcp(
     client = StoreClient(server.address, secret, fetch_timeout_s=0.3, sync_interval_s=0.05)
     try:
         client.open(5)
-        put_and_fetch_until_served(client, server)
+        put_and_fetch_until_served(client)
         assert client.endpoint == server.address
     finally:
         client.close()
         server.stop()
 
 
-def put_and_fetch_until_served(client: StoreClient, server: StoreServer, timeout: float = 15.0) -> None:
+def put_and_fetch_until_served(client: StoreClient, timeout: float = 15.0) -> None:
     """Put BLOCK and fetch it back until the store answers with it (puts are dropped and
     fetches fail while the client finds its way)."""
     deadline = time.monotonic() + timeout
@@ -229,3 +233,32 @@ def put_and_fetch_until_served(client: StoreClient, server: StoreServer, timeout
         except StoreUnavailable:
             pass
         time.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_after_a_stall_a_worker_goes_back_to_the_unix_socket(
+        secret: DeploymentSecret, llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store stopped (SIGSTOP) longer than a sync's timeout: the worker moves to TCP,
+    then back to the Unix socket once the store answers there again, instead of paying
+    for CURVE for good (black-box review: a 1.5 s stall pinned workers to TCP). The store
+    is a process of its own, as the launcher starts it, with the user's real directory."""
+    monkeypatch.setattr(client_module, "PROBE_S", 0.5)
+    store = start_store(store_config(llama_dir), secret)
+    client = StoreClient(store.address, secret, fetch_timeout_s=0.3, sync_interval_s=0.05)
+    seen = set()
+    try:
+        assert round_trip(client) == BLOCK.data and client.endpoint.startswith("ipc://")
+        os.kill(store.process.pid, signal.SIGSTOP)
+        time.sleep(1.5)
+        os.kill(store.process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while not ("tcp" in seen and client.endpoint.startswith("ipc://")):
+            assert time.monotonic() < deadline, f"endpoints seen {seen}, now {client.endpoint}"
+            with contextlib.suppress(StoreUnavailable):
+                client.fetch([BLOCK.block_hash])
+            seen.add(client.endpoint[:3])
+            time.sleep(0.05)
+        put_and_fetch_until_served(client)
+    finally:
+        client.close()
+        store.stop()
