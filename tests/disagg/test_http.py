@@ -309,21 +309,22 @@ def test_pdserve_status_lists_the_workers_of_both_pools(server, capsys) -> None:
     assert main(["status", "--url", f"http://127.0.0.1:{config.router.port}/v1"]) == 0  # as `serve` prints it
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"model {config.model}; requests in flight: 0"
-    assert out[2] == "decode pool" and out[3].split()[:5] == ["worker", "live", "address", "tp", "running"]
+    assert out[2] == "decode pool" and out[3].split()[:6] == ["worker", "live", "address", "stats_age", "tp", "running"]
     row = out[4].split()
     assert row[:2] == ["decode-0", "yes"] and row[2].startswith("tcp://127.0.0.1:")
-    assert row[3].startswith("1:") and row[3][2:].isdigit()  # one rank: the worker's own process
-    assert row[7] == "0.0%" and int(row[8]) >= 1  # idle: no blocks held; remote prefills so far
+    assert row[3] == "0s"  # figures of a reply to this /status
+    assert row[4].startswith("1:") and row[4][2:].isdigit()  # one rank: the worker's own process
+    assert row[8] == "0.0%" and int(row[9]) >= 1  # idle: no blocks held; remote prefills so far
     assert out[3].split()[-4:] == ["step_p50", "batch", "preempted", "kv_tiers"]
     # steps have run; none preempted; no offload tiers in this deployment
     assert row[-4].endswith("ms") and float(row[-3]) >= 1 and row[-2] == "0" and row[-1] == "-"
-    assert out[6] == "prefill pool" and out[7].split()[3:] == ["tp", "jobs", "kv_used", "prefills", "blocks_sent", "failed",
-                                                              "tokens", "running", "waiting", "step_p50", "batch",
-                                                              "preempted", "kv_tiers"]
+    assert out[6] == "prefill pool" and out[7].split()[3:] == ["stats_age", "tp", "jobs", "kv_used", "prefills",
+                                                              "blocks_sent", "failed", "tokens", "running", "waiting",
+                                                              "step_p50", "batch", "preempted", "kv_tiers"]
     row = out[8].split()
-    assert row[:2] == ["prefill-0", "yes"] and row[4:6] == ["0", "0.0%"] and int(row[6]) >= 1
-    assert int(row[9]) > 0 and row[10:12] == ["0", "0"]  # prompt tokens computed; nothing queued
-    assert row[12].endswith("ms") and float(row[13]) >= 1 and row[14] == "0" and row[15] == "-"
+    assert row[:2] == ["prefill-0", "yes"] and row[3] == "0s" and row[5:7] == ["0", "0.0%"] and int(row[7]) >= 1
+    assert int(row[10]) > 0 and row[11:13] == ["0", "0"]  # prompt tokens computed; nothing queued
+    assert row[13].endswith("ms") and float(row[14]) >= 1 and row[15] == "0" and row[16] == "-"
     assert main(["status", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "no pdserve router answers at" in capsys.readouterr().err
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,11 +27,15 @@ BLOCK = SharedBlock(11, 0, (1, 2), 99, b"kv" * 4096)
 
 
 @pytest.fixture
-def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The user's socket directory, in a test's own place."""
-    path = tmp_path / "run"
+def run_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The user's socket directory, in a test's own place: directly under /tmp, since a
+    Unix socket's path holds at most 107 bytes and pytest's tmp_path under xdist is long
+    enough for the socket's to pass that (the store would then serve over TCP only)."""
+    parent = Path(tempfile.mkdtemp(prefix="pds-", dir="/tmp"))
+    path = parent / "run"
     monkeypatch.setattr(local_endpoint, "run_dir", lambda: path)
-    return path
+    yield path
+    shutil.rmtree(parent, ignore_errors=True)
 
 
 @pytest.fixture
