@@ -3,12 +3,12 @@
 
 The store is reached over its same-host Unix socket when it runs on this worker's host
 (kv_store/local_endpoint.py), else over TCP with CURVE. Two sockets, each used by one
-thread only: the tiers' I/O thread puts and fetches blocks
-on one (fetch waits for its answer up to fetch_timeout_s); a thread of the client's own
-keeps the copy of the store's directory on the other, asking for the changes every
-sync_interval_s. Once a fetch times out, nothing is fetched or found there until the
-store answers a sync again; while it does not, the copy is empty: the workers compute
-instead, and wait on the store at most one fetch timeout.
+thread only: the tiers' I/O thread puts and fetches blocks on one (fetch waits for its
+answer up to fetch_timeout_s); a thread of the client's own keeps the copy of the
+store's directory on the other, asking for the changes every sync_interval_s. Once a
+fetch times out, nothing is fetched or found there until the store answers a sync
+again; while it does not, the copy is empty: the workers compute instead, and wait on
+the store at most one fetch timeout.
 """
 
 from __future__ import annotations
@@ -196,14 +196,18 @@ class StoreClient:
         """A socket to the store, and where it connected: over its same-host Unix socket
         when this worker is on its host (kv_store/local_endpoint.py: no encryption to pay
         for) and it answered there, else over TCP with the deployment's CURVE keys."""
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        sock = self._dealer()
         local = connect_path(self.address, self._secret) if self._same_host and not self._avoid_local else None
         if local is None and self._secret is not None:
             connect_securely(sock, self._secret)
         sock.connect(local or self.address)
         return sock, local or self.address
+
+    def _dealer(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        return sock
 
     def _socket(self) -> zmq.Socket:
         """The I/O thread's socket, made again after the sync thread reconnected or a fetch
@@ -221,9 +225,7 @@ class StoreClient:
         local = connect_path(self.address, self._secret) if self._same_host else None
         if local is None:
             return None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        sock = self._dealer()
         sock.connect(local)
         seq = next(self._seq)
         assert self._namespace is not None
