@@ -46,7 +46,7 @@ Rows:
  5b. rows 3 and 4 again with async scheduling (greedy tokens identical to the synchronous
     engine's), and the offline workload again with all its requests in one batch and
     16k-token steps
- 5d. KV offload tiers (kv_tiers.py): a multi-turn chat 5x the KV pool in float32, with a
+ 5d. KV offload tiers (kv_tiers.py): a multi-turn chat ~4x the KV pool in float32, with a
     pinned host tier, and with a disk tier below a small host tier: greedy tokens identical
     to a pool that holds it all, blocks loaded back, none failed; the load-back GB/s and
     the chat's time against recomputing (information; about a minute)
