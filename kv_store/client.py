@@ -227,25 +227,25 @@ class StoreClient:
             return None
         sock = self._dealer()
         sock.connect(local)
-        seq = next(self._seq)
-        assert self._namespace is not None
-        try:
-            sock.send(encode(StoreSync(seq=seq, namespace=self._namespace, since=self._version)), zmq.NOBLOCK)
-            frames = _answer(sock, seq, StoreDirectory, self._sync_timeout_s)
-        except zmq.Again:
-            frames = None
+        frames = self._ask_directory(sock)
         if frames is None or frames[0].store != self._store:
             sock.close(0)
             return None
         return sock, local
 
-    @property
-    def _sync_timeout_s(self) -> float:
-        return max(1.0, 4 * self.sync_interval_s)
+    def _ask_directory(self, sock: zmq.Socket) -> tuple | None:
+        """The store's directory changes since this copy's version, asked on `sock`
+        (None: no answer within a sync's timeout)."""
+        assert self._namespace is not None
+        seq = next(self._seq)
+        try:
+            sock.send(encode(StoreSync(seq=seq, namespace=self._namespace, since=self._version)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        return _answer(sock, seq, StoreDirectory, max(1.0, 4 * self.sync_interval_s))
 
     def _sync_loop(self) -> None:
         sock, endpoint = self._connect()
-        assert self._namespace is not None
         # Over TCP since the store did not answer over its same-host socket (a stall of a
         # second is enough): try that socket again now and then, at doubling intervals
         # while it still does not answer, so a worker does not pay for CURVE for good.
@@ -261,12 +261,7 @@ class StoreClient:
                 else:
                     probe_interval = min(2 * probe_interval, MAX_PROBE_S)
                 next_probe = time.monotonic() + probe_interval
-            seq = next(self._seq)
-            try:
-                sock.send(encode(StoreSync(seq=seq, namespace=self._namespace, since=self._version)), zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-            frames = _answer(sock, seq, StoreDirectory, self._sync_timeout_s)
+            frames = self._ask_directory(sock)
             if frames is None:
                 self._down = True
                 if self._version or self._held:

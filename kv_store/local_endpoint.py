@@ -1,10 +1,10 @@
 """The store's same-host endpoint: a Unix socket beside its CURVE TCP socket.
 
 Every block a worker writes through crosses to the store, and every block it loads comes
-back. Over the TCP socket each byte is encrypted and decrypted by CURVE (about 0.8 ms of
-CPU for a 737 KB block of the demo model on this machine, against 0.13 ms over a Unix
-socket: docs/benchmarks/2026-12-05-kv-cache-hierarchy.md), on the cores that run the
-model. A worker on the store's host therefore talks to it over the Unix socket, in the
+back. Over the TCP socket each byte is encrypted and decrypted by CURVE: a 720 KB block
+of the demo model took 1.5 ms of CPU to put (worker and store together), against 0.5 ms
+over a Unix socket (docs/benchmarks/2026-12-05-kv-cache-hierarchy.md), on the cores that
+run the model. A worker on the store's host therefore talks to it over the Unix socket, in the
 clear.
 
 That socket is authenticated by the operating system instead of by keys: it lives in a

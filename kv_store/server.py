@@ -164,9 +164,7 @@ class StoreServer:
         self.store = KVStore(capacity_bytes)
         self._ctx = zmq.Context()
         self._guard = PlaneGuard(self._ctx, secret, name) if secret is not None else None  # before the bind
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock = self._router()
         try:
             if secret is not None:
                 serve_securely(self._sock, secret)
@@ -197,9 +195,7 @@ class StoreServer:
         endpoint = local_endpoint.bind_path(address, secret)
         if endpoint is None:
             return None
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock = self._router()
         try:
             sock.bind(endpoint)
             local_endpoint.make_private(endpoint)
@@ -207,6 +203,12 @@ class StoreServer:
             logger.warning("KV store: no same-host socket at %s (%s); workers reach it over TCP", endpoint, exc)
             sock.close(0)
             return None
+        return sock
+
+    def _router(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         return sock
 
     @property
@@ -270,13 +272,13 @@ class StoreServer:
         elif isinstance(msg, StoreFetch):
             found = self.store.fetch(msg.namespace, msg.hashes)
             sock.send_multipart([peer, encode(StoreBlocks(seq=msg.seq, blocks=[b for b, _ in found])),
-                                       *(data for _, data in found)], copy=False)
+                                 *(data for _, data in found)], copy=False)
         elif isinstance(msg, StoreSync):
             reset, added, removed = self.store.changes(msg.namespace, msg.since)
             sock.send_multipart([peer, encode(StoreDirectory(seq=msg.seq, store=self.store.id,
-                                                                   version=self.store.version,
-                                                                   reset=reset, added=added, removed=removed,
-                                                                   capacity_bytes=self.store.capacity_bytes,
-                                                                   used_bytes=self.store.used_bytes))])
+                                                             version=self.store.version,
+                                                             reset=reset, added=added, removed=removed,
+                                                             capacity_bytes=self.store.capacity_bytes,
+                                                             used_bytes=self.store.used_bytes))])
         else:
             raise MessageError(f"{msg.kind} is not a request to the store", msg.kind)

@@ -5,8 +5,8 @@ other files under its name, or a digest of them that the read's is not), and the
 request keeps that read (LoRAUse.adapter) until it ends: nothing is read from disk
 inside a step, and a name pointed at another directory meanwhile (or its files
 changed) is a new adapter beside the old one, with its own prefix-cache root, while
-requests of the old one finish with the old weights. Host memory keeps up to max_cpu_loras reads for requests
-to come, least recently used dropped first.
+requests of the old one finish with the old weights. Host memory keeps up to
+max_cpu_loras reads for requests to come, least recently used dropped first.
 
 A running request holds its adapter's slot (a reference); a slot no running request
 holds may be given to another adapter, least recently used first. Admission
