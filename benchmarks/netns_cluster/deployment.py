@@ -69,13 +69,19 @@ class Deployment:
         return text, events, first
 
     def workers(self) -> dict[str, dict]:
-        """/status's rows of both pools by name: address, live, draining, stats."""
+        """/status's rows of both pools by name: address, live, draining, stats. A row's
+        stats are null unless the worker answered this ask: /status shows a busy worker's
+        older figures (stats_age_s > 0), which a test would read as its counters now."""
         status = self.call("/status", timeout=30)
-        return {w["name"]: w for w in status["decode_workers"] + status["prefill_workers"]}
+        rows = {w["name"]: w for w in status["decode_workers"] + status["prefill_workers"]}
+        for row in rows.values():
+            if row.get("stats_age_s") != 0:
+                row["stats"] = None
+        return rows
 
     def stats(self, timeout: float = 60.0) -> dict[str, dict]:
-        """Every worker's stats by name, once each has answered the router's last ask
-        (a worker in a long step may miss one: its row's stats are then null)."""
+        """Every worker's stats by name, once each has answered one ask of /status (a
+        worker in a long step may miss one: its row's stats are then null)."""
         workers = self.wait("every worker's stats", lambda w: all(row["stats"] for row in w.values()), timeout)
         return {name: row["stats"] for name, row in workers.items()}
 

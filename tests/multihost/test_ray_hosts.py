@@ -80,7 +80,9 @@ def test_pools_on_their_own_hosts_serve_the_colocated_engines_tokens_with_kv_acr
     # the wire its KV crosses, as the worker reports it: TCP either way here (no RDMA device)
     assert (before["kv_transport"], before["kv_fabric"]) == (transport, "tcp")
     answer = deployment.call("/v1/completions", {"prompt": PROMPT, **PARAMS})["choices"][0]["text"]
-    after = deployment.workers()["decode-0"]["stats"]
+    # its bytes are counted when the prefill worker's PrefillDone comes, which may follow the answer
+    after = deployment.wait("the push's bytes counted", lambda w: w["decode-0"]["stats"][
+        "kv_bytes_received"] > before["kv_bytes_received"], timeout=30)["decode-0"]["stats"]
     expected = LLM(str(MODEL), dtype="float32", num_kv_blocks=64, num_threads=1).generate(
         [PROMPT], SamplingParams(**PARAMS), use_tqdm=False)[0].text
     assert answer == expected
