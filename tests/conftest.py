@@ -75,21 +75,37 @@ def one_torch_thread() -> Iterator[None]:
 # Under pytest-xdist (`make test`: -n with --dist loadfile) each test module is one unit
 # of work, so that a module-scoped deployment starts once, on one worker. (Not loadgroup:
 # xdist 3.8 marks a group by rewriting item._nodeid, which pytest 9 no longer reads.)
-# The modules that take longest are sent first, so that none of them starts last and
-# leaves the other workers idle. By their times in one process (pytest --durations); a
-# prefix takes a folder.
-FIRST = ("tests/disagg/test_structured_serving.py", "tests/disagg/test_chaos.py", "tests/ray/", "tests/fuzz/",
-         "tests/disagg/test_prompt_logprobs_serving.py", "tests/benchmarks/test_autoscale_bench_smoke.py",
-         "tests/disagg/test_tp_remote_prefill.py", "tests/benchmarks/test_gpu_check_smoke.py", "tests/disagg/",
-         "tests/fidelity/", "tests/kv_transfer/", "tests/structured/")
+# The modules that take longest are sent first, longest first, so that none of them
+# starts late and leaves the other workers idle at the end. Their seconds under `make
+# test` (4 workers on 2 cores, 2026-12-08: summed test times of a module, --junitxml);
+# the modules not listed took under 15 s and follow, in collection order.
+MODULE_SECONDS = {
+    "fuzz/test_fuzz_schedules.py": 428, "fidelity/test_moe_fidelity.py": 207, "fidelity/test_tp_fidelity.py": 158,
+    "disagg/test_structured_serving.py": 147, "disagg/test_moe_remote_prefill.py": 147,
+    "disagg/test_tp_remote_prefill.py": 143, "benchmarks/test_gpu_check_smoke.py": 125,
+    "structured/test_engine_constraints.py": 123, "unit/test_tp_failures.py": 103,
+    "fidelity/test_triton_fidelity.py": 102, "fidelity/test_lora_fidelity.py": 77,
+    "fidelity/test_fp8_kv_fidelity.py": 60, "kv_transfer/test_transports.py": 58,
+    "disagg/test_window_remote_prefill.py": 55, "disagg/test_prompt_logprobs_serving.py": 48,
+    "benchmarks/test_slo_bench.py": 47, "disagg/test_tp_serving.py": 45, "disagg/test_fp8_remote_prefill.py": 41,
+    "fidelity/test_hf_fidelity.py": 39, "unit/test_triton_kernels.py": 39, "fidelity/test_mla_fidelity.py": 35,
+    "benchmarks/test_autoscale_bench_smoke.py": 32, "disagg/test_lora_serving.py": 31,
+    "unit/test_reference_attention.py": 28, "disagg/test_autoscale_serving.py": 28, "fuzz/test_fuzz_scale.py": 28,
+    "disagg/test_elastic_pools.py": 24, "disagg/test_stream_modes.py": 24, "disagg/test_worker_faults.py": 23,
+    "kv_transfer/test_fence.py": 21, "unit/test_async_scheduling.py": 21,
+    "fidelity/test_sliding_window_fidelity.py": 21, "unit/test_token_controls_llm.py": 20,
+    "unit/test_mla_moe_kernels.py": 19, "unit/test_fp8_weights.py": 19, "disagg/test_local_supervision.py": 19,
+    "fidelity/test_demo_model_fidelity.py": 18, "unit/test_structured_bench_smoke.py": 18,
+    "unit/test_spec_distribution.py": 18, "benchmarks/test_speculative_bench_smoke.py": 16,
+    "disagg/test_failover.py": 16, "unit/test_model_loading.py": 15,
+}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::")[0]
-        return next((i for i, prefix in enumerate(FIRST) if path.startswith(prefix)), len(FIRST))
+    def weight(item: pytest.Item) -> int:
+        return -MODULE_SECONDS.get(item.nodeid.split("::")[0].removeprefix("tests/"), 0)
 
-    items.sort(key=rank)  # stable: each module keeps its own order
+    items.sort(key=weight)  # stable: each module keeps its own order
 
 
 @pytest.fixture(scope="session")
