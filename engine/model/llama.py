@@ -111,12 +111,20 @@ class MLP(GatedMLP):
         return self.group.all_reduce_(super().forward(x, silu_and_mul or self.act))
 
 
+def embedding(rows: int, dim: int) -> nn.Embedding:
+    """An embedding left uninitialised (loading fills it). Given a weight, nn.Embedding
+    skips its normal_ init, which even on the meta device imports torch._dynamo: about
+    1.5 s of CPU in each process that builds a model (a TP follower, a worker)."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 class VocabParallelEmbedding(nn.Embedding):
     """The rank's rows [vocab start, end) of the embedding: a token outside them
     contributes zeros, and the all-reduce sums in the one rank that holds it."""
 
     def __init__(self, shard: Shard, hidden_size: int, group: Group) -> None:
-        super().__init__(shard.vocab_rows, hidden_size)
+        # uninitialised, as embedding() says why
+        super().__init__(shard.vocab_rows, hidden_size, _weight=torch.empty(shard.vocab_rows, hidden_size))
         self.start, self.group = shard.vocab[0], group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -198,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         self.local_rope = None if local_theta is None else RotaryEmbedding(rope_dim, max_positions, local_theta,
                                                                            None, device)
         if shard.size == 1:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(shard, cfg.hidden_size, group)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, group, i) for i in range(cfg.num_layers))

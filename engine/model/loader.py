@@ -226,7 +226,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, device: str,
     # Build without initialising weights: every parameter is overwritten from the checkpoint.
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions, device, shard, group)
-    model.to_empty(device=device)
+    # model.to_empty(device), less its empty_like of meta tensors, which imports sympy
+    # (torch's symbolic shapes): about 0.5 s of CPU in each process that builds a model.
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.to(torch_dtype)
     for module in model.modules():  # DeepSeek's router in float32 whatever the dtype, as transformers keeps it
         if isinstance(module, SparseMoE) and module.fp32_router:

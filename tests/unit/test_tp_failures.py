@@ -134,9 +134,27 @@ def test_a_driver_killed_while_starting_leaves_no_follower_and_no_cache_file(tin
         if driver.returncode != 0:  # killed here, in its start
             break
     assert follower is not None and gone(follower, 15.0)
-    swept = sweep_orphans()
-    assert any(os.path.basename(p).startswith(mine) for p in swept)
+    # Swept here, or already by a driver starting alongside (the suite runs TP engines
+    # side by side, and each sweeps at its start): what a sweep removes is the next test's.
+    sweep_orphans()
     assert not any(n.startswith(mine) for n in os.listdir(SHM_DIR))
+
+
+def test_a_sweep_removes_the_rank_caches_of_drivers_gone_and_no_other(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.distributed import shm_files
+
+    monkeypatch.setattr(shm_files, "SHM_DIR", str(tmp_path))  # no other driver's sweep reaches it
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid in (dead.pid, os.getpid()):
+        for r in range(2):
+            (tmp_path / f"{shm_files.PREFIX}tp{pid}-0123abcd-rank{r}").write_bytes(b"")
+    (tmp_path / f"{shm_files.PREFIX}shm-some-transport-segment").write_bytes(b"")  # not a rank cache
+    swept = sorted(os.path.basename(p) for p in shm_files.sweep_orphans())
+    assert swept == [f"{shm_files.PREFIX}tp{dead.pid}-0123abcd-rank{r}" for r in range(2)]
+    assert sorted(os.listdir(tmp_path)) == sorted([f"{shm_files.PREFIX}shm-some-transport-segment"] + [
+        f"{shm_files.PREFIX}tp{os.getpid()}-0123abcd-rank{r}" for r in range(2)])
 
 
 def test_a_relative_model_path_works_from_any_directory(tiny_models: dict[str, Path], tmp_path: Path) -> None:
