@@ -125,3 +125,23 @@ def test_phi3_longrope_is_read_and_bad_partial_rotary_is_named() -> None:
     assert ModelConfig.from_dict({**cfg, "partial_rotary_factor": 0.75}).rotary_dim == 12  # Phi-4-mini's key
     llama = {**cfg, "architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 0.5}
     assert ModelConfig.from_dict(llama).rotary_dim == 16  # transformers' Llama turns every dim
+
+
+@pytest.mark.timeout(120)
+def test_building_a_model_imports_neither_dynamo_nor_sympy(llama_dir: Path) -> None:
+    """Each process that builds a model (a worker, a TP follower) would pay 1.5-2 CPU-s
+    importing them, and none uses them: nn.Embedding's normal_ init and to_empty()'s
+    empty_like under the meta device did (engine/model/llama.py `embedding`)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from engine import LLM, SamplingParams; "
+            "llm = LLM(sys.argv[1], tensor_parallel_size=2, num_threads=1, num_kv_blocks=64); "
+            "llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False); "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code, str(llama_dir)], cwd=repo, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(repo)), timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
