@@ -163,12 +163,13 @@ def test_a_partition_between_prefill_and_decode_hosts_idle_and_mid_push(healthy:
         w["prefill-0"]["stats"]) and w["prefill-0"]["stats"]["refused"] > before["prefill-0"]["refused"], timeout=60)
     control = complete(deployment, PUSHED)
     assert control["choices"][0]["text"] == oracle[PUSHED]
+    base = decode_totals(before)
     # its bytes are counted when the prefill worker's PrefillDone comes, which may follow the answer
     uncut = decode_totals_once(deployment, "the control push's bytes counted", lambda t: t[
-        "kv_bytes_received"] > decode_totals(before)["kv_bytes_received"])
-    assert uncut["remote"] == decode_totals(before)["remote"] + 2 and uncut["fallbacks"] == \
-        decode_totals(before)["fallbacks"] + 1, "an uncut push at this rate did not arrive in time"
-    push_bytes = (uncut["kv_bytes_received"] - decode_totals(before)["kv_bytes_received"]) / (
+        "kv_bytes_received"] > base["kv_bytes_received"])
+    assert uncut["remote"] == base["remote"] + 2 and uncut["fallbacks"] == \
+        base["fallbacks"] + 1, "an uncut push at this rate did not arrive in time"
+    push_bytes = (uncut["kv_bytes_received"] - base["kv_bytes_received"]) / (
         control["usage"]["prompt_tokens"] - 1)  # per prompt token
     # Then cut once a megabyte of the push has passed the bridge toward the decode hosts.
     answer: dict[str, object] = {}

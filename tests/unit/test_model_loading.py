@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,10 +135,6 @@ def test_building_a_model_imports_neither_dynamo_nor_sympy(llama_dir: Path) -> N
     """Each process that builds a model (a worker, a TP follower) would pay 1.5-2 CPU-s
     importing them, and none uses them: nn.Embedding's normal_ init and to_empty()'s
     empty_like under the meta device did (engine/model/llama.py `embedding`)."""
-    import os
-    import subprocess
-    import sys
-
     code = ("import sys; from engine import LLM, SamplingParams; "
             "llm = LLM(sys.argv[1], tensor_parallel_size=2, num_threads=1, num_kv_blocks=64); "
             "llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False); "
